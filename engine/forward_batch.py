@@ -1,0 +1,109 @@
+"""The tensors one model forward pass needs: a ragged batch of sequences, each extending its KV.
+
+A decode step is an extend of one token, so prefill, chunked prefill, prefill over a cached prefix
+and decode all use this one structure. Built by ``engine.model_runner``; read by the model and the
+attention backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """One step's inputs.
+
+    Attributes:
+        input_ids: ``[T]`` int64, the new tokens of all sequences concatenated in batch order.
+        positions: ``[T]`` int64, each new token's position in its sequence.
+        extend_lens: ``B`` ints, new tokens per sequence (sum is ``T``).
+        seq_lens: ``B`` ints, KV length of each sequence *after* this step (prefix + new).
+        page_table: ``[B, max_pages]`` int64 page ids of each sequence; padding entries are 0
+            (the pool's scratch page).
+        out_page_ids: ``[T]`` int64, page where each new token's K/V is written.
+        out_offsets: ``[T]`` int64, slot inside that page.
+        logit_indices: ``[N]`` int64 indices into ``T`` whose logits are computed (usually the
+            last new token of each sequence that finishes its prompt or decodes).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    extend_lens: list[int]
+    seq_lens: list[int]
+    page_table: torch.Tensor
+    out_page_ids: torch.Tensor
+    out_offsets: torch.Tensor
+    logit_indices: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence extends by exactly one token."""
+        return all(n == 1 for n in self.extend_lens)
+
+
+def build_forward_batch(
+    token_chunks: list[list[int]],
+    prefix_lens: list[int],
+    page_lists: list[list[int]],
+    page_size: int,
+    logit_seq_indices: list[int],
+    device: str | torch.device = "cpu",
+) -> ForwardBatch:
+    """Build a :class:`ForwardBatch`.
+
+    Args:
+        token_chunks: per sequence, the new token ids to run this step.
+        prefix_lens: per sequence, tokens whose KV is already in the pool.
+        page_lists: per sequence, its page ids covering at least ``prefix_len + len(chunk)`` tokens.
+        page_size: tokens per page.
+        logit_seq_indices: which sequences (by batch index) need logits for their last new token.
+        device: where to put the tensors.
+
+    Raises:
+        ValueError: a sequence's pages cannot hold its tokens.
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    out_pages: list[int] = []
+    out_offsets: list[int] = []
+    extend_lens: list[int] = []
+    seq_lens: list[int] = []
+    ends: list[int] = []
+    for chunk, prefix_len, pages in zip(token_chunks, prefix_lens, page_lists, strict=True):
+        seq_len = prefix_len + len(chunk)
+        if len(pages) * page_size < seq_len:
+            raise ValueError(f"{len(pages)} pages of {page_size} cannot hold {seq_len} tokens")
+        ids.extend(chunk)
+        pos = range(prefix_len, seq_len)
+        positions.extend(pos)
+        out_pages.extend(pages[p // page_size] for p in pos)
+        out_offsets.extend(p % page_size for p in pos)
+        extend_lens.append(len(chunk))
+        seq_lens.append(seq_len)
+        ends.append(len(ids) - 1)
+    max_pages = max((len(p) for p in page_lists), default=0)
+    table = torch.zeros((len(page_lists), max(max_pages, 1)), dtype=torch.long)
+    for i, pages in enumerate(page_lists):
+        if pages:
+            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.long)
+
+    def as_long(xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=device)
+
+    return ForwardBatch(
+        input_ids=as_long(ids),
+        positions=as_long(positions),
+        extend_lens=extend_lens,
+        seq_lens=seq_lens,
+        page_table=table.to(device),
+        out_page_ids=as_long(out_pages),
+        out_offsets=as_long(out_offsets),
+        logit_indices=as_long([ends[i] for i in logit_seq_indices]),
+    )

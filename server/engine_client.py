@@ -1,0 +1,55 @@
+"""The seam between the HTTP API and the workers.
+
+The API (``server.app``) only talks to a :class:`BaseEngineClient`; ``server.worker_client`` is
+the real one (ZeroMQ to prefill/decode or colocated workers). Tests may plug in a fake.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from splitserve.messages import SamplingParams
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """Tokens generated since the previous event of the same request, in order.
+
+    ``finish_reason`` is ``"stop"`` (EOS or a stop token id) or ``"length"`` (max tokens) on the
+    last event; ``error`` is set (and the stream ends) when a worker failed the request, with
+    ``error_code`` an HTTP status. ``prompt_len``/``cached_len`` are in tokens.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None
+    error: str | None = None
+    error_code: int = 500
+    prompt_len: int = 0
+    cached_len: int = 0
+
+
+class BaseEngineClient(abc.ABC):
+    """Sends requests to workers and streams their tokens back."""
+
+    @abc.abstractmethod
+    def generate(
+        self, rid: str, input_ids: list[int], sampling: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
+        """Start ``rid`` and yield its :class:`TokenEvent` s until one has ``finish_reason`` or
+        ``error``. Closing the iterator early (``aclose``) aborts the request on the workers."""
+
+    @abc.abstractmethod
+    async def abort(self, rid: str) -> None:
+        """Abort ``rid`` on every worker that holds it; frees its pages there."""
+
+    @abc.abstractmethod
+    def is_ready(self) -> bool:
+        """True once every worker has reported ready."""
+
+    @abc.abstractmethod
+    async def worker_stats(self) -> list[dict]:
+        """One dict per worker: ``worker_id``, ``role``, ``pages_total``, ``pages_used``,
+        ``num_running``, ``num_waiting``."""

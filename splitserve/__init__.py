@@ -1,0 +1,1 @@
+"""splitserve: disaggregated prefill/decode LLM serving."""

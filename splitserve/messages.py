@@ -1,0 +1,182 @@
+"""Every message that crosses a process boundary, as one tagged union of ``msgspec.Struct`` types.
+
+Encoded as msgpack by :func:`encode` / :func:`decode`. Bulk KV data never goes through msgspec:
+it travels as raw ZeroMQ frames after the header frame (see ``kv_transfer.zmq_backend``).
+No pickle anywhere: a frame that is not a valid message of this union is rejected by ``decode``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to pick each next token. Units: tokens.
+
+    ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0`` disable those filters;
+    ``temperature == 0`` is greedy. Generation stops at ``max_new_tokens`` (finish ``length``),
+    at an EOS id of the model unless ``ignore_eos``, or at any of ``stop_token_ids`` (finish ``stop``).
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+class KVLayoutMsg(msgspec.Struct, frozen=True):
+    """Wire form of ``engine.kv_pool.KVLayout``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+
+
+# ---- server -> worker -------------------------------------------------------------------------
+
+
+class GenerateTask(msgspec.Struct, tag="generate", kw_only=True):
+    """Start request ``rid``. Sent to the prefill and the decode worker at once.
+
+    ``prefill_addr`` is set on the decode worker's copy: where it sends the bootstrap.
+    """
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    reply_addr: str
+    prefill_addr: str | None = None
+
+
+class AbortTask(msgspec.Struct, tag="abort"):
+    """Stop request ``rid`` and free its pages (client went away, stop string matched)."""
+
+    rid: str
+
+
+class StatsQuery(msgspec.Struct, tag="stats_query"):
+    query_id: int
+    reply_addr: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+# ---- worker -> server -------------------------------------------------------------------------
+
+
+class WorkerReady(msgspec.Struct, tag="ready"):
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    addr: str
+
+
+class TokenOutput(msgspec.Struct, kw_only=True):
+    """New tokens of one request. ``index`` is the output position of ``token_ids[0]`` (0 = first
+    generated token), so the server can order tokens that come from two workers."""
+
+    rid: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None  # "stop" | "length"
+    prompt_len: int = 0
+    cached_len: int = 0
+
+
+class TokenBatch(msgspec.Struct, tag="tokens"):
+    outputs: list[TokenOutput]
+
+
+class RequestError(msgspec.Struct, tag="error"):
+    """Request ``rid`` failed on a worker; ``message`` says why. ``code`` is an HTTP status."""
+
+    rid: str
+    message: str
+    code: int = 500
+
+
+class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
+    query_id: int
+    worker_id: str
+    role: str
+    pages_total: int
+    pages_used: int
+    num_running: int
+    num_waiting: int
+    num_transferring: int = 0
+
+
+# ---- decode <-> prefill (KV transfer control) ----------------------------------------------
+
+
+class KVBootstrap(msgspec.Struct, tag="kv_bootstrap", kw_only=True):
+    """Decode -> prefill: request ``rid`` has pages ``page_ids`` reserved at ``dst_addr``."""
+
+    rid: str
+    dst_addr: str
+    page_ids: list[int]
+    layout: KVLayoutMsg
+
+
+class KVPages(msgspec.Struct, tag="kv_pages", kw_only=True):
+    """Prefill -> decode header; followed by ``num_frames`` raw frames holding the pages, in
+    ``page_ids`` order. ``last`` marks the final message of the request; it carries the first
+    generated token so the decode worker can continue from it."""
+
+    rid: str
+    page_ids: list[int]
+    num_frames: int
+    last: bool
+    first_token: int = -1
+    first_logprob: float = 0.0
+    finished: bool = False
+
+
+class KVFailed(msgspec.Struct, tag="kv_failed"):
+    """Either side: the transfer of ``rid`` failed; the receiver frees its pages."""
+
+    rid: str
+    message: str
+
+
+Message = (
+    GenerateTask
+    | AbortTask
+    | StatsQuery
+    | Shutdown
+    | WorkerReady
+    | TokenBatch
+    | RequestError
+    | WorkerStats
+    | KVBootstrap
+    | KVPages
+    | KVFailed
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | memoryview) -> Message:
+    """Decode one header frame.
+
+    Raises:
+        msgspec.ValidationError / msgspec.DecodeError: the frame is not a message of this union.
+    """
+    return _decoder.decode(data)
