@@ -1,0 +1,168 @@
+"""Decode worker: reserves KV pages for each prompt, tells the prefill worker where they are
+(``KVBootstrap``), installs the pages when they arrive and decodes with continuous batching
+(DESIGN.md, steps 2 and 4).
+
+A task without ``prefill_addr`` is prefilled here: that is the colocated worker (role
+``colocated``), the baseline disaggregation is measured against. Admission control: a request is
+bootstrapped only when its prompt's pages can be reserved; until then it waits in a bounded-time
+queue. Every state has a deadline; on expiry the request fails and its pages are freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from splitserve.engine.kv_pool import pages_for
+from splitserve.engine.request import Req
+from splitserve.engine.scheduler import StepOutput
+from splitserve.engine.worker_base import BaseWorker
+from splitserve.kv_transfer.base import layout_to_msg
+from splitserve.kv_transfer.zmq_backend import ZmqKVReceiver
+from splitserve.messages import GenerateTask, KVBootstrap, KVFailed, KVPages, Message
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PendingKV:
+    """A request waiting for pages to reserve, then for its KV to arrive."""
+
+    req: Req
+    prefill_addr: str
+    deadline: float
+    bootstrapped: bool = False
+
+
+class DecodeWorker(BaseWorker):
+    role = "decode"
+
+    def __init__(self, args) -> None:
+        self.role = args.role  # "decode" or "colocated"
+        super().__init__(args)
+        self.receiver = ZmqKVReceiver(self.pool)
+        self.admission: deque[PendingKV] = deque()  # waiting for pages to reserve
+        self.awaiting_kv: dict[str, PendingKV] = {}  # bootstrapped, waiting for KVPages
+
+    def on_generate(self, task: GenerateTask) -> None:
+        error = self.check_fits(task)
+        if error:
+            self.fail(task.rid, task.reply_addr, error, 400)
+            return
+        req = self.new_req(task)
+        if task.prefill_addr is None:
+            self.scheduler.add(req)
+            return
+        deadline = time.monotonic() + self.args.transfer_timeout_s
+        self.admission.append(PendingKV(req, task.prefill_addr, deadline))
+        self._admit()
+
+    def _admit(self) -> None:
+        """Reserve pages and bootstrap queued requests in arrival order, while pages last."""
+        alloc = self.pool.allocator
+        while self.admission:
+            pending = self.admission[0]
+            n = pages_for(pending.req.prompt_len, self.pool.page_size)
+            # Headroom of one page per running request, so admitting never forces retraction.
+            if not alloc.can_alloc(n + len(self.scheduler.running)):
+                return
+            self.admission.popleft()
+            req = pending.req
+            req.page_ids = alloc.alloc(n)
+            pending.bootstrapped = True
+            self.awaiting_kv[req.rid] = pending
+            boot = KVBootstrap(
+                rid=req.rid,
+                dst_addr=self.args.addr,
+                page_ids=list(req.page_ids),
+                layout=layout_to_msg(self.pool.layout),
+            )
+            self.send(pending.prefill_addr, boot)
+
+    def on_peer_message(self, msg: Message, frames: list) -> None:
+        if isinstance(msg, KVPages):
+            self._on_kv_pages(msg, frames)
+        elif isinstance(msg, KVFailed):
+            pending = self.awaiting_kv.pop(msg.rid, None)
+            if pending is not None:
+                self.scheduler.free(pending.req)
+                self.fail(msg.rid, pending.req.reply_addr, msg.message, 500)
+        else:
+            super().on_peer_message(msg, frames)
+
+    def _on_kv_pages(self, header: KVPages, frames: list) -> None:
+        pending = self.awaiting_kv.get(header.rid)
+        if pending is None:
+            return  # aborted or timed out: its pages are already free
+        req = pending.req
+        try:
+            self.receiver.install(header, frames)
+        except ValueError as exc:
+            del self.awaiting_kv[header.rid]
+            self.scheduler.free(req)
+            self.fail(req.rid, req.reply_addr, f"KV transfer failed: {exc}", 500)
+            return
+        if not header.last:
+            return
+        del self.awaiting_kv[header.rid]
+        if header.finished:  # the first token ended it; the prefill worker reported it
+            self.scheduler.free(req)
+            self._admit()
+            return
+        req.output_ids.append(header.first_token)
+        req.output_logprobs.append(header.first_logprob)
+        req.kv_len = req.prompt_len
+        req.emitted_len = 1
+        self.scheduler.add_running(req)
+
+    def on_step_outputs(self, outputs: list[StepOutput]) -> None:
+        emitted = []
+        for out in outputs:
+            req = out.req
+            emitted.append((req.reply_addr, self.token_output(req, req.emitted_len)))
+            req.emitted_len = len(req.output_ids)
+        self.emit(emitted)
+        if any(out.finished for out in outputs):
+            self._admit()
+
+    def on_abort(self, rid: str) -> None:
+        if self.scheduler.abort(rid) is not None:
+            self._admit()
+            return
+        pending = self.awaiting_kv.pop(rid, None)
+        if pending is not None:
+            self.scheduler.free(pending.req)
+            self._admit()
+            return
+        for pending in self.admission:
+            if pending.req.rid == rid:
+                self.admission.remove(pending)
+                return
+
+    def check_timeouts(self, now: float) -> None:
+        expired = [p for p in self.awaiting_kv.values() if p.deadline < now]
+        expired += [p for p in self.admission if p.deadline < now]
+        for pending in expired:
+            rid = pending.req.rid
+            stage = "receiving KV pages" if pending.bootstrapped else "reserving KV pages"
+            self.on_abort(rid)
+            if pending.bootstrapped:
+                # Tell the prefill side too, so it frees its copy now rather than at its deadline.
+                self.send(pending.prefill_addr, KVFailed(rid, "decode worker timed out"))
+            self.fail(
+                rid, pending.req.reply_addr,
+                f"KV transfer timed out {stage} after {self.args.transfer_timeout_s:g} s", 504,
+            )
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def num_transferring(self) -> int:
+        return len(self.awaiting_kv)
+
+    def stats(self, query_id: int = 0):
+        s = super().stats(query_id)
+        s.num_waiting += len(self.admission)
+        return s

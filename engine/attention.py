@@ -1,0 +1,250 @@
+"""Attention over the paged KV pool: a small backend interface and its torch implementation.
+
+A model forward calls :meth:`BaseAttentionBackend.prepare` once per batch (index tensors and masks
+shared by every layer), then :meth:`BaseAttentionBackend.forward` once per layer. ``forward``
+first stores the new tokens' K/V in the pool, then lets every new token at position ``p`` attend to
+its own sequence's keys ``0..p`` (cached prefix plus the new tokens, causal), optionally limited to
+a sliding window of the last ``sliding_window`` positions.
+
+Backends are chosen by name through :func:`create_attention_backend` (``"torch"`` now; a Triton
+backend for GPUs will register here).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.engine.kv_pool import KVPool, pages_for
+
+
+class BaseAttentionBackend(ABC):
+    """Paged attention for one worker. Stateless between batches."""
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch, pool: KVPool, sliding_window: int | None) -> Any:
+        """Build what every layer of one forward over ``batch`` needs (index tensors, masks).
+
+        Args:
+            batch: the step's inputs.
+            pool: the KV pool the batch's page ids index.
+            sliding_window: attend only to the last ``sliding_window`` positions, or None.
+
+        Returns:
+            Backend-specific metadata, passed unchanged to :meth:`forward`.
+        """
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        meta: Any,
+        pool: KVPool,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write ``k``/``v`` into the pool at ``layer``, then attend.
+
+        Args:
+            q: ``[T, Hq, D]`` queries of the new tokens (RoPE applied).
+            k: ``[T, Hkv, D]`` keys of the new tokens (RoPE applied); ``Hq % Hkv == 0``.
+            v: ``[T, Hkv, D]`` values of the new tokens.
+            layer: layer index into the pool.
+            meta: what :meth:`prepare` returned for this batch.
+            pool: the KV pool.
+            scale: softmax scale, usually ``D ** -0.5``.
+
+        Returns:
+            ``[T, Hq, D]`` attention output in ``q``'s dtype.
+        """
+
+
+@dataclass(slots=True)
+class _Extend:
+    """One sequence with more than one new token (looped over; prefill is compute-bound)."""
+
+    start: int  # first new token's index into T
+    extend_len: int
+    seq_len: int
+    pages: torch.Tensor  # [pages_for(seq_len)] int64
+    mask: torch.Tensor | None  # [extend_len, seq_len] bool (True = attend), None = plain causal
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata:
+    """Decode rows (one new token) go through one batched call; the rest are looped."""
+
+    batch: ForwardBatch
+    decode_tokens: torch.Tensor | None  # [Bd] token indices into T; None when no decode rows
+    decode_pages: torch.Tensor | None  # [Bd, P] int64 page ids
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, P * page_size] bool, None = attend to all
+    extends: list[_Extend]
+    is_decode_only: bool
+
+
+class TorchAttentionBackend(BaseAttentionBackend):
+    """Gather K/V pages into dense tensors and call ``scaled_dot_product_attention``."""
+
+    def prepare(
+        self, batch: ForwardBatch, pool: KVPool, sliding_window: int | None
+    ) -> TorchAttentionMetadata:
+        device = batch.input_ids.device
+        ps = pool.page_size
+        dec_rows, dec_tok, extends = [], [], []
+        start = 0
+        for i, (n, seq_len) in enumerate(zip(batch.extend_lens, batch.seq_lens, strict=True)):
+            if n == 1:
+                dec_rows.append(i)
+                dec_tok.append(start)
+            elif n > 1:
+                pages = batch.page_table[i, : pages_for(seq_len, ps)]
+                mask = _extend_mask(n, seq_len, sliding_window, device)
+                extends.append(_Extend(start, n, seq_len, pages, mask))
+            start += n
+        meta = TorchAttentionMetadata(batch, None, None, None, extends, len(dec_rows) == len(batch.extend_lens))
+        if dec_rows:
+            lens = [batch.seq_lens[i] for i in dec_rows]
+            num_pages = pages_for(max(lens), ps)
+            rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
+            meta.decode_pages = batch.page_table[rows, :num_pages]
+            meta.decode_tokens = torch.tensor(dec_tok, dtype=torch.long, device=device)
+            meta.decode_mask = _decode_mask(lens, num_pages * ps, sliding_window, device)
+        return meta
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        meta: TorchAttentionMetadata,
+        pool: KVPool,
+        scale: float,
+    ) -> torch.Tensor:
+        batch = meta.batch
+        pool.write(layer, batch.out_page_ids, batch.out_offsets, k, v)
+        if meta.is_decode_only:
+            return self._decode(q, layer, meta, pool, scale)
+        out = torch.empty_like(q)
+        if meta.decode_tokens is not None:
+            out[meta.decode_tokens] = self._decode(q[meta.decode_tokens], layer, meta, pool, scale)
+        for e in meta.extends:
+            end = e.start + e.extend_len
+            out[e.start : end] = self._extend(q[e.start : end], k[e.start : end], v[e.start : end], e, layer, pool, scale)
+        return out
+
+    def _decode(
+        self, q: torch.Tensor, layer: int, meta: TorchAttentionMetadata, pool: KVPool, scale: float
+    ) -> torch.Tensor:
+        """``q [Bd, Hq, D]``, one token per sequence -> ``[Bd, Hq, D]``."""
+        bd, hq, d = q.shape
+        hkv = pool.layout.num_kv_heads
+        pages = meta.decode_pages
+        # [Bd, P, page_size, Hkv, D] -> [Bd, Hkv, S, D]
+        kc = pool.k_pages(layer)[pages].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        vc = pool.v_pages(layer)[pages].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        # GQA without repeating K/V: the G query heads sharing a KV head become G "query rows"
+        # of that head (all at the same position, so one [S] mask serves them all).
+        qg = q.reshape(bd, hkv, hq // hkv, d)
+        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.decode_mask, scale=scale)
+        return o.reshape(bd, hq, d)
+
+    def _extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        e: _Extend,
+        layer: int,
+        pool: KVPool,
+        scale: float,
+    ) -> torch.Tensor:
+        """One sequence's ``q [n, Hq, D]`` against its whole KV -> ``[n, Hq, D]``."""
+        if e.seq_len == e.extend_len:
+            # No cached prefix: the new K/V are the whole sequence (rounded through the pool
+            # dtype so that this path and the gather path see the same values).
+            kc, vc = k.to(pool.buffer.dtype).to(q.dtype), v.to(pool.buffer.dtype).to(q.dtype)
+        else:
+            kc = pool.k_pages(layer)[e.pages].flatten(0, 1)[: e.seq_len].to(q.dtype)
+            vc = pool.v_pages(layer)[e.pages].flatten(0, 1)[: e.seq_len].to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            kc.transpose(0, 1).unsqueeze(0),
+            vc.transpose(0, 1).unsqueeze(0),
+            attn_mask=e.mask,
+            is_causal=e.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o.squeeze(0).transpose(0, 1)
+
+
+def _extend_mask(
+    n: int, seq_len: int, window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """``[n, seq_len]`` bool: new token ``i`` (position ``prefix + i``) sees keys ``j <= prefix + i``
+    and, with a window, ``j > prefix + i - window``. None when plain ``is_causal`` is the same."""
+    prefix = seq_len - n
+    if prefix == 0 and (window is None or window >= seq_len):
+        return None
+    qpos = torch.arange(prefix, seq_len, device=device).unsqueeze(1)
+    kpos = torch.arange(seq_len, device=device).unsqueeze(0)
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    return mask
+
+
+def _decode_mask(
+    lens: list[int], num_keys: int, window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """``[B, 1, 1, num_keys]`` bool: keys ``< seq_len`` (and inside the window) of each row."""
+    if window is None and all(n == num_keys for n in lens):
+        return None
+    seq = torch.tensor(lens, dtype=torch.long, device=device).unsqueeze(1)
+    kpos = torch.arange(num_keys, device=device).unsqueeze(0)
+    mask = kpos < seq
+    if window is not None:
+        mask &= kpos > seq - 1 - window
+    return mask[:, None, None, :]
+
+
+ATTENTION_BACKENDS: dict[str, type[BaseAttentionBackend]] = {"torch": TorchAttentionBackend}
+
+
+def create_attention_backend(name: str = "torch") -> BaseAttentionBackend:
+    """Instantiate a registered backend by name.
+
+    Raises:
+        ValueError: unknown name (the message lists the registered ones).
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name]()
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    batch: ForwardBatch,
+    pool: KVPool,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One-shot torch paged attention (prepare + forward); see :class:`BaseAttentionBackend`.
+
+    Shapes: ``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``. Models should call
+    ``prepare`` once per batch instead, to share the metadata across layers.
+    """
+    backend = TorchAttentionBackend()
+    meta = backend.prepare(batch, pool, sliding_window)
+    return backend.forward(q, k, v, layer, meta, pool, scale)

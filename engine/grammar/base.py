@@ -1,0 +1,140 @@
+"""The grammar backend interface: compile a constraint once, then one matcher per request.
+
+A scheduler never talks to xgrammar or outlines-core directly; it goes through these three
+classes so that backends can be swapped (and chained, see ``service.py``) without touching the
+sampling code.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Literal, get_args
+
+import torch
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf", "choice"]
+GRAMMAR_KINDS: tuple[str, ...] = get_args(GrammarKind)
+
+
+class GrammarError(ValueError):
+    """A constraint that no backend can compile; the message is meant for the API user (HTTP 400).
+
+    A ``ValueError`` so that the server's existing "bad request" handling catches it.
+    """
+
+
+class BaseMatcher(ABC):
+    """Per-request grammar state: which tokens may come next, and whether the output may end.
+
+    Not thread-safe: one matcher belongs to one request and is driven by one thread.
+    """
+
+    @abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance the matcher by one sampled token.
+
+        Args:
+            token_id: the token the sampler chose. A stop token is accepted only where the grammar
+                may end, and then terminates the matcher.
+
+        Returns:
+            True if the token was allowed (the state advanced); False if not (the state is
+            unchanged, so the caller may fail the request or roll back).
+        """
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into one row of a batch bitmask.
+
+        Args:
+            bitmask: int32 CPU tensor ``[B, ceil(V/32)]`` (see ``bitmask.allocate_bitmask``); bit
+                ``t % 32`` of word ``t // 32`` is 1 when token ``t`` is allowed. Stop tokens are
+                set only where ``can_end()`` is true.
+            row: which row of ``bitmask`` belongs to this request.
+        """
+
+    @abstractmethod
+    def can_end(self) -> bool:
+        """Returns: True if the text so far is a complete match (a stop token is allowed now)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """Returns: True once a stop token was accepted; no further token is allowed."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (for speculative decoding / retries).
+
+        Args:
+            num_tokens: how many tokens to undo; at most ``max_rollback_tokens`` of the matcher.
+
+        Raises:
+            ValueError: if more tokens are rolled back than the matcher keeps history for.
+        """
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Return to the start state, as if no token had been accepted."""
+
+    @abstractmethod
+    def copy(self) -> BaseMatcher:
+        """Returns: an independent matcher in the same state (e.g. for ``n > 1`` sampling)."""
+
+    def find_jump_forward_string(self) -> str:
+        """The text the grammar forces next, e.g. ``{"name": "`` at the start of an object.
+
+        The caller tokenizes it and feeds the tokens through ``accept_token`` without sampling.
+        Backends that cannot tell return the empty string, which turns jump-forward off.
+
+        Returns:
+            The forced continuation, or ``""`` if there is a choice (or the backend cannot tell).
+        """
+        return ""
+
+
+class CompiledGrammar(ABC):
+    """An immutable compiled constraint, shared by every request that uses the same (kind, text)."""
+
+    backend_name: str
+    vocab_size: int
+
+    @abstractmethod
+    def create_matcher(self, max_rollback_tokens: int = 0) -> BaseMatcher:
+        """Start a matcher for one request.
+
+        Args:
+            max_rollback_tokens: how many accepted tokens ``rollback`` may undo.
+
+        Returns:
+            A fresh matcher at the start state.
+        """
+
+
+class BaseGrammarBackend(ABC):
+    """Compiles constraints for one tokenizer/vocabulary.
+
+    Implementations must be safe to call ``compile`` from several threads at once (the service
+    compiles on a thread pool).
+    """
+
+    name: str
+    vocab_size: int
+
+    @abstractmethod
+    def compile(self, kind: GrammarKind, text: str) -> CompiledGrammar:
+        """Compile one constraint.
+
+        Args:
+            kind: one of ``GRAMMAR_KINDS``. ``json_schema``: a JSON Schema document;
+                ``json_object``: any JSON object (``text`` is ignored); ``regex``: a regular
+                expression the whole output must match; ``ebnf``: a GBNF-style grammar with a
+                ``root`` rule; ``choice``: a JSON list of strings, the output is exactly one.
+            text: the constraint source.
+
+        Returns:
+            The compiled grammar.
+
+        Raises:
+            GrammarError: if the constraint is malformed or uses a feature this backend lacks;
+                the message names the problem.
+        """

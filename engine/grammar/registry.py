@@ -1,0 +1,71 @@
+"""Backend names -> classes, and the factory the engine (and its CLI choices) use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splitserve.engine.grammar.base import BaseGrammarBackend
+from splitserve.engine.grammar.service import GrammarService
+
+# Import lazily so that a missing optional package disables only its backend.
+BACKEND_NAMES: tuple[str, ...] = ("xgrammar", "outlines")
+DEFAULT_BACKEND = "xgrammar"
+
+
+def create_backend(name: str, tokenizer: Any, vocab_size: int | None = None) -> BaseGrammarBackend:
+    """Build one backend by name.
+
+    Args:
+        name: one of ``BACKEND_NAMES``.
+        tokenizer: the Hugging Face tokenizer the model samples with.
+        vocab_size: the model's logits width; defaults to ``len(tokenizer)``.
+
+    Returns:
+        The backend.
+
+    Raises:
+        ValueError: for an unknown name. ImportError: if its package is not installed.
+    """
+    if name == "xgrammar":
+        from splitserve.engine.grammar.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(tokenizer, vocab_size)
+    if name == "outlines":
+        from splitserve.engine.grammar.outlines_backend import OutlinesBackend
+
+        return OutlinesBackend(tokenizer, vocab_size)
+    raise ValueError(f"unknown grammar backend {name!r}; expected one of {BACKEND_NAMES}")
+
+
+def create_grammar_service(
+    tokenizer: Any,
+    vocab_size: int | None = None,
+    default_backend: str = DEFAULT_BACKEND,
+    fallback: bool = True,
+    timeout_s: float = 30.0,
+    num_threads: int = 2,
+) -> GrammarService:
+    """Build the service with the default backend first and (if ``fallback``) the others after.
+
+    Args:
+        tokenizer: the Hugging Face tokenizer the model samples with.
+        vocab_size: the model's logits width; defaults to ``len(tokenizer)``.
+        default_backend: the backend tried first.
+        fallback: also try the remaining backends when the default cannot compile.
+        timeout_s: per-backend compile timeout.
+        num_threads: compile threads.
+
+    Returns:
+        The service. Backends whose package is missing are skipped (the default must exist).
+    """
+    names = [default_backend]
+    if fallback:
+        names += [n for n in BACKEND_NAMES if n != default_backend]
+    backends = []
+    for name in names:
+        try:
+            backends.append(create_backend(name, tokenizer, vocab_size))
+        except ImportError:
+            if name == default_backend:
+                raise
+    return GrammarService(backends, timeout_s=timeout_s, num_threads=num_threads)

@@ -1,0 +1,174 @@
+"""Compiles constraints off the scheduler thread, caches them, and falls back between backends.
+
+A scheduler calls ``submit(kind, text)`` when a constrained request arrives and keeps the
+returned future with the request. Each step it checks ``future.done()``: requests whose grammar
+is still compiling simply stay waiting, so they never block the rest of the batch. When done,
+``future.result()`` is the ``CompiledGrammar`` (make one matcher per request from it) or raises
+``GrammarError`` (fail only that request, HTTP 400).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from splitserve.engine.grammar.base import (
+    GRAMMAR_KINDS,
+    BaseGrammarBackend,
+    CompiledGrammar,
+    GrammarError,
+    GrammarKind,
+)
+
+CacheKey = tuple[str, str]
+
+
+class _Attempt:
+    """One request's walk down the backend chain; collects each backend's failure reason."""
+
+    def __init__(self, key: CacheKey, result: Future[CompiledGrammar]) -> None:
+        self.key = key
+        self.result = result
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        self.backend_index = 0
+
+
+class GrammarService:
+    """Thread-pool compilation with a (kind, text) cache, a timeout and a backend fallback chain.
+
+    Args:
+        backends: tried in order (default backend first); a constraint that the first cannot
+            compile (error or timeout) is tried on the next.
+        timeout_s: seconds each backend gets for one compile. A timed-out compile thread cannot
+            be killed; its late result is dropped and the next backend is tried.
+        num_threads: compile threads (xgrammar and outlines-core release the GIL while compiling).
+        max_cache_entries: compiled grammars kept (least recently used evicted); failures are
+            cached too, so a bad schema sent repeatedly costs one compile. Timeouts are not cached.
+    """
+
+    def __init__(
+        self,
+        backends: Sequence[BaseGrammarBackend],
+        timeout_s: float = 30.0,
+        num_threads: int = 2,
+        max_cache_entries: int = 1024,
+    ) -> None:
+        if not backends:
+            raise ValueError("GrammarService needs at least one backend")
+        self.backends = list(backends)
+        self.timeout_s = timeout_s
+        self.max_cache_entries = max_cache_entries
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[CacheKey, Future[CompiledGrammar]] = OrderedDict()
+        self._cache_lock = threading.Lock()
+
+    def submit(self, kind: GrammarKind, text: str) -> Future[CompiledGrammar]:
+        """Start compiling (or find the cached compile of) a constraint; never blocks on it.
+
+        Args:
+            kind: one of ``GRAMMAR_KINDS``.
+            text: the constraint source (for ``json_object`` it is ignored).
+
+        Returns:
+            A future that resolves to a ``CompiledGrammar`` or fails with ``GrammarError``. The
+            same (kind, text) returns the same future, so its result is the same object.
+        """
+        if kind == "json_object":
+            text = ""  # one cache entry, whatever the caller passed
+        key = (kind, text)
+        with self._cache_lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached
+            result: Future[CompiledGrammar] = Future()
+            self._cache[key] = result
+            while len(self._cache) > self.max_cache_entries:
+                self._cache.popitem(last=False)
+        if kind not in GRAMMAR_KINDS:
+            result.set_exception(
+                GrammarError(f"unknown constraint kind {kind!r}; expected one of {GRAMMAR_KINDS}")
+            )
+            return result
+        self._try_next_backend(_Attempt(key, result))
+        return result
+
+    def compile(self, kind: GrammarKind, text: str) -> CompiledGrammar:
+        """Blocking ``submit(kind, text).result()``, for tests and tools (not the scheduler loop).
+
+        Raises:
+            GrammarError: if no backend can compile the constraint in time.
+        """
+        return self.submit(kind, text).result()
+
+    def is_cached(self, kind: GrammarKind, text: str) -> bool:
+        """Returns: True if (kind, text) has a finished, successful compile in the cache."""
+        with self._cache_lock:
+            future = self._cache.get((kind, "" if kind == "json_object" else text))
+        return future is not None and future.done() and future.exception() is None
+
+    def shutdown(self) -> None:
+        """Stop accepting work; running compiles finish in the background."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _try_next_backend(self, attempt: _Attempt) -> None:
+        """Run the chain's next backend on the pool, with a timer for its timeout."""
+        if attempt.backend_index >= len(self.backends):
+            self._fail(attempt)
+            return
+        backend = self.backends[attempt.backend_index]
+        index = attempt.backend_index
+        kind, text = attempt.key
+        job = self._pool.submit(backend.compile, kind, text)  # type: ignore[arg-type]
+        timer = threading.Timer(self.timeout_s, self._on_timeout, args=(attempt, index, backend))
+        timer.daemon = True
+        timer.start()
+        job.add_done_callback(lambda done: self._on_done(attempt, index, backend, done, timer))
+
+    def _on_done(
+        self,
+        attempt: _Attempt,
+        index: int,
+        backend: BaseGrammarBackend,
+        job: Future[CompiledGrammar],
+        timer: threading.Timer,
+    ) -> None:
+        timer.cancel()
+        with attempt.lock:
+            if attempt.backend_index != index or attempt.result.done():
+                return  # this backend already timed out; its late result is dropped
+            error = GrammarError("compile cancelled") if job.cancelled() else job.exception()
+            if error is None:
+                attempt.result.set_result(job.result())
+                return
+            attempt.errors.append(f"{backend.name}: {_reason(error)}")
+            attempt.backend_index += 1
+        self._try_next_backend(attempt)
+
+    def _on_timeout(self, attempt: _Attempt, index: int, backend: BaseGrammarBackend) -> None:
+        with attempt.lock:
+            if attempt.backend_index != index or attempt.result.done():
+                return
+            attempt.errors.append(f"{backend.name}: compile timed out after {self.timeout_s:g}s")
+            attempt.backend_index += 1
+        self._try_next_backend(attempt)
+
+    def _fail(self, attempt: _Attempt) -> None:
+        timed_out = any("timed out" in e for e in attempt.errors)
+        if timed_out:  # a timeout may pass on a quieter machine; let a later request retry
+            with self._cache_lock:
+                if self._cache.get(attempt.key) is attempt.result:
+                    del self._cache[attempt.key]
+        kind = attempt.key[0]
+        message = f"cannot compile {kind} constraint: " + "; ".join(attempt.errors)
+        attempt.result.set_exception(GrammarError(message))
+
+
+def _reason(error: BaseException) -> str:
+    """Returns: the message of a backend failure; unexpected exceptions keep their type name."""
+    if isinstance(error, GrammarError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"

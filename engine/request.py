@@ -1,0 +1,66 @@
+"""One request's state inside a worker's scheduler."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from splitserve.messages import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class Req:
+    """A sequence being prefilled or decoded.
+
+    The sequence is ``input_ids + output_ids``. ``kv_len`` counts the leading tokens whose K/V is
+    in the pool (in ``page_ids``). A step extends ``fill_ids[kv_len:]`` (or a chunk of it); when
+    that reaches the end of the sequence the next token is sampled. Decode is the case where one
+    token (the last sampled one) is missing its KV. A retracted request has ``kv_len = 0`` and is
+    prefilled again over prompt + output, which continues exactly where it stopped.
+    """
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    reply_addr: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    page_ids: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    cached_len: int = 0  # prompt tokens served from a prefix cache (reported to the client)
+    finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    emitted_len: int = 0  # output tokens already sent to the server
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the sequence so far (prompt + generated)."""
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def extend_len(self) -> int:
+        """Tokens still missing their KV."""
+        return self.seq_len - self.kv_len
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids ``[start, end)`` of prompt + output, without building the whole list."""
+        n = len(self.input_ids)
+        if end <= n:
+            return self.input_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.input_ids[start:] + self.output_ids[: end - n]
+
+    def check_finished(self, eos_token_ids: frozenset[int]) -> str | None:
+        """Set and return ``finish_reason`` after a token was appended: ``stop`` or ``length``."""
+        s = self.sampling
+        last = self.output_ids[-1]
+        if (not s.ignore_eos and last in eos_token_ids) or last in s.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= s.max_new_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason

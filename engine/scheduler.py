@@ -1,0 +1,181 @@
+"""Continuous batching: every step admits, extends, decodes and retires requests under a token
+budget, so a request's output does not depend on what else runs (chunked prefill as in
+Sarathi-Serve / SGLang; retraction on page exhaustion as in SGLang).
+
+Used by all three worker roles: the colocated worker prefills and decodes; the prefill worker
+prefills only (a request leaves as soon as its first token is sampled, holding its pages for the
+KV transfer); the decode worker decodes requests whose KV arrived, and re-prefills locally the
+requests it had to retract.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from splitserve.engine.kv_pool import KVPool, pages_for
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.request import Req
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Units: tokens and requests."""
+
+    max_batch_tokens: int = 2048  # new tokens per forward pass (prefill chunks + decodes)
+    max_running: int = 64  # sequences in one forward pass
+    prefill_only: bool = False  # prefill worker: requests leave after their first token
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """A token sampled for ``req`` this step. ``prefilled`` marks a prefill-only request that just
+    left the scheduler with its pages (the caller now owns them)."""
+
+    req: Req
+    token_id: int
+    logprob: float
+    finished: bool
+    prefilled: bool = False
+
+
+class Scheduler:
+    """Queues of one worker and the policy that turns them into forward passes."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: SchedulerConfig,
+        eos_token_ids: list[int],
+    ) -> None:
+        self.runner = runner
+        self.pool: KVPool = runner.pool
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Req] = deque()  # need more than one token of KV: new or retracted
+        self.running: list[Req] = []  # decoding: exactly one token missing its KV
+        self.num_retracted = 0
+
+    # ---- queue management -------------------------------------------------------------------
+
+    def fits_pool(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` tokens could ever fit in this pool."""
+        return pages_for(num_tokens, self.pool.page_size) <= self.pool.allocator.num_pages - 1
+
+    def add(self, req: Req) -> None:
+        """Queue a request that needs prefill (new, or pages installed but not all of them)."""
+        self.waiting.append(req)
+
+    def add_running(self, req: Req) -> None:
+        """Queue a request whose KV is complete but for its last token (KV received)."""
+        assert req.extend_len == 1, "add_running needs exactly one token without KV"
+        self.running.append(req)
+
+    def abort(self, rid: str) -> Req | None:
+        """Remove ``rid`` from the queues and free its pages. Returns it, or None if absent."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    self.free(req)
+                    return req
+        return None
+
+    def free(self, req: Req) -> None:
+        """Return ``req``'s pages to the pool."""
+        if req.page_ids:
+            self.pool.allocator.free(req.page_ids)
+            req.page_ids = []
+        req.kv_len = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Schedule and run one forward pass. Returns the tokens sampled in it."""
+        reqs, chunks = self._schedule()
+        if not reqs:
+            return []
+        sample_rows = [i for i, (r, n) in enumerate(zip(reqs, chunks)) if n == r.extend_len]
+        token_ids, logprobs = self.runner.run(reqs, chunks, sample_rows)
+        for r, n in zip(reqs, chunks):
+            r.kv_len += n
+        outputs = []
+        for i, tok, lp in zip(sample_rows, token_ids, logprobs):
+            outputs.append(self._append_token(reqs[i], tok, lp))
+        return outputs
+
+    def _append_token(self, req: Req, token_id: int, logprob: float) -> StepOutput:
+        was_waiting = req in self.waiting  # O(len(waiting)): only prefill rows get here
+        req.output_ids.append(token_id)
+        req.output_logprobs.append(logprob)
+        finished = req.check_finished(self.eos_token_ids) is not None
+        if was_waiting:
+            self.waiting.remove(req)
+        elif finished:
+            self.running.remove(req)
+        if self.config.prefill_only and was_waiting:
+            return StepOutput(req, token_id, logprob, finished, prefilled=True)
+        if finished:
+            self.free(req)
+        elif was_waiting:
+            self.running.append(req)
+        return StepOutput(req, token_id, logprob, finished)
+
+    def _schedule(self) -> tuple[list[Req], list[int]]:
+        reqs: list[Req] = []
+        chunks: list[int] = []
+        alloc = self.pool.allocator
+        page_size = self.pool.page_size
+        # Decode first: it keeps inter-token latency flat while prompts are chunked in.
+        for req in list(self.running):
+            if req not in self.running:  # retracted below while making room
+                continue
+            if len(reqs) >= self.config.max_running:
+                break
+            if req.kv_len == len(req.page_ids) * page_size:
+                while not alloc.can_alloc(1) and self._retract_one(keep=req):
+                    pass
+                if not alloc.can_alloc(1):
+                    self._retract(req)
+                    continue
+                req.page_ids.extend(alloc.alloc(1))
+            reqs.append(req)
+            chunks.append(1)
+        budget = self.config.max_batch_tokens - len(reqs)
+        for req in self.waiting:
+            if budget <= 0 or len(reqs) >= self.config.max_running:
+                break
+            chunk = min(req.extend_len, budget)
+            need = pages_for(req.kv_len + chunk, page_size) - len(req.page_ids)
+            if not req.page_ids:
+                # Admit a new prompt only if all of it fits, with a page of headroom per running
+                # request, so a half-prefilled prompt does not force decodes to retract.
+                total = pages_for(req.seq_len + 1, page_size)
+                if not alloc.can_alloc(total + len(self.running)):
+                    break
+            if not alloc.can_alloc(need):
+                break  # FIFO: later prompts wait behind this one
+            req.page_ids.extend(alloc.alloc(need))
+            reqs.append(req)
+            chunks.append(chunk)
+            budget -= chunk
+        return reqs, chunks
+
+    def _retract_one(self, keep: Req) -> bool:
+        """Retract the most recently admitted running request other than ``keep``."""
+        for victim in reversed(self.running):
+            if victim is not keep:
+                self._retract(victim)
+                return True
+        return False
+
+    def _retract(self, req: Req) -> None:
+        # Its KV is recomputed later over prompt + output, which continues the same sequence.
+        self.running.remove(req)
+        self.free(req)
+        self.waiting.appendleft(req)
+        self.num_retracted += 1

@@ -1,0 +1,204 @@
+"""What every worker process shares: model and KV pool set-up, the ZeroMQ inbox/outbox, the main
+loop (drain messages, check timeouts, run one scheduler step) and stats. Roles subclass it:
+``prefill.worker.PrefillWorker`` and ``decode.worker.DecodeWorker`` (which is also the colocated
+worker when a request comes without a prefill peer).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import torch
+import zmq
+
+from splitserve.config import WorkerArgs
+from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.loader import load_model
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.request import Req
+from splitserve.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from splitserve.ipc import Inbox, Outbox, PeerUnreachable
+from splitserve.messages import (
+    AbortTask,
+    GenerateTask,
+    Message,
+    RequestError,
+    Shutdown,
+    StatsQuery,
+    TokenBatch,
+    TokenOutput,
+    WorkerReady,
+    WorkerStats,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGES_PER_STEP = 256  # bound the time spent draining the inbox between forward passes
+
+
+class BaseWorker:
+    """One worker process. Call :meth:`serve_forever`."""
+
+    role = "base"
+
+    def __init__(self, args: WorkerArgs) -> None:
+        self.args = args
+        if args.num_threads > 0:
+            torch.set_num_threads(args.num_threads)
+        dtype = getattr(torch, args.dtype)
+        model, self.model_config = load_model(args.model_path, dtype=dtype)
+        layout = self.model_config.kv_layout(args.page_size, args.dtype)
+        num_pages = max(2, args.kv_cache_mb * 2**20 // layout.page_bytes)
+        self.pool = KVPool(layout, num_pages)
+        self.scheduler = Scheduler(
+            ModelRunner(model, self.pool),
+            SchedulerConfig(
+                max_batch_tokens=args.max_batch_tokens,
+                max_running=args.max_running,
+                prefill_only=self.role == "prefill",
+            ),
+            self.model_config.eos_token_ids,
+        )
+        self.ctx = zmq.Context()
+        self.inbox = Inbox(self.ctx, args.addr)
+        self.outbox = Outbox(self.ctx)
+        self.stopped = False
+        logger.info(
+            "%s worker %s: %s, %s, %d KV pages of %d tokens, inbox %s",
+            self.role, args.worker_id, args.model_path, args.dtype, num_pages - 1,
+            args.page_size, args.addr,
+        )
+
+    # ---- main loop ----------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopped", True))
+        self.send(self.args.server_addr, WorkerReady(self.args.worker_id, self.role, self.args.addr))
+        try:
+            while not self.stopped:
+                self.run_once(idle_wait_ms=20)
+        finally:
+            self.inbox.close()
+            self.outbox.close()
+            self.ctx.term()
+
+    def run_once(self, idle_wait_ms: int = 0) -> None:
+        """Drain the inbox, expire timed-out requests, run one step if there is work."""
+        busy = self.has_work()
+        if self.inbox.poll(0 if busy else idle_wait_ms):
+            for _ in range(MAX_MESSAGES_PER_STEP):
+                item = self.inbox.recv()
+                if item is None:
+                    break
+                self.dispatch(*item)
+        self.check_timeouts(time.monotonic())
+        if self.scheduler.has_work:
+            self.on_step_outputs(self.scheduler.step())
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def dispatch(self, msg: Message, frames: list) -> None:
+        try:
+            if isinstance(msg, GenerateTask):
+                self.on_generate(msg)
+            elif isinstance(msg, AbortTask):
+                self.on_abort(msg.rid)
+            elif isinstance(msg, StatsQuery):
+                self.send(msg.reply_addr, self.stats(msg.query_id))
+            elif isinstance(msg, Shutdown):
+                self.stopped = True
+            else:
+                self.on_peer_message(msg, frames)
+        except PeerUnreachable as exc:
+            logger.warning("%s: %s", type(msg).__name__, exc)
+
+    # ---- role hooks ---------------------------------------------------------------------------
+
+    def on_generate(self, task: GenerateTask) -> None:
+        raise NotImplementedError
+
+    def on_abort(self, rid: str) -> None:
+        raise NotImplementedError
+
+    def on_peer_message(self, msg: Message, frames: list) -> None:
+        logger.warning("%s worker ignores %s", self.role, type(msg).__name__)
+
+    def on_step_outputs(self, outputs: list[StepOutput]) -> None:
+        raise NotImplementedError
+
+    def check_timeouts(self, now: float) -> None:
+        pass
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def new_req(self, task: GenerateTask) -> Req:
+        return Req(
+            rid=task.rid,
+            input_ids=list(task.input_ids),
+            sampling=task.sampling,
+            reply_addr=task.reply_addr,
+        )
+
+    def check_fits(self, task: GenerateTask) -> str | None:
+        """An error message if the prompt can never fit this worker's pool or context."""
+        n = len(task.input_ids)
+        if n == 0:
+            return "prompt is empty"
+        if n >= self.model_config.context_len:
+            return f"prompt of {n} tokens exceeds the model context of {self.model_config.context_len}"
+        if not self.scheduler.fits_pool(n + 1):
+            cap = (self.pool.allocator.num_pages - 1) * self.pool.page_size
+            return f"prompt of {n} tokens does not fit the KV pool ({cap} tokens)"
+        return None
+
+    def send(self, addr: str, msg: Message, frames: list | tuple = ()) -> None:
+        self.outbox.send(addr, msg, frames)
+
+    def fail(self, rid: str, reply_addr: str, message: str, code: int = 500) -> None:
+        logger.info("request %s failed: %s", rid, message)
+        try:
+            self.send(reply_addr, RequestError(rid, message, code))
+        except PeerUnreachable as exc:
+            logger.warning("could not report failure of %s: %s", rid, exc)
+
+    def emit(self, outputs: list[tuple[str, TokenOutput]]) -> None:
+        """Send token outputs, one :class:`TokenBatch` per server address."""
+        by_addr: dict[str, list[TokenOutput]] = {}
+        for addr, out in outputs:
+            by_addr.setdefault(addr, []).append(out)
+        for addr, outs in by_addr.items():
+            try:
+                self.send(addr, TokenBatch(outs))
+            except PeerUnreachable as exc:
+                logger.warning("dropping %d outputs: %s", len(outs), exc)
+
+    def token_output(self, req: Req, index: int) -> TokenOutput:
+        """Output of ``req``'s tokens from output position ``index`` to the end."""
+        return TokenOutput(
+            rid=req.rid,
+            index=index,
+            token_ids=req.output_ids[index:],
+            logprobs=req.output_logprobs[index:],
+            finish_reason=req.finish_reason,
+            prompt_len=req.prompt_len,
+            cached_len=req.cached_len,
+        )
+
+    def num_transferring(self) -> int:
+        return 0
+
+    def stats(self, query_id: int = 0) -> WorkerStats:
+        alloc = self.pool.allocator
+        return WorkerStats(
+            query_id=query_id,
+            worker_id=self.args.worker_id,
+            role=self.role,
+            pages_total=alloc.num_pages - 1,
+            pages_used=alloc.num_used,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_transferring=self.num_transferring(),
+        )

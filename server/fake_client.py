@@ -1,0 +1,126 @@
+"""A deterministic stand-in for the workers, for API tests and for running the HTTP server alone.
+
+It "generates" the tokens of a fixed reply text, whatever the prompt, so tests know the output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+from splitserve.server.engine_client import BaseEngineClient, TokenEvent
+
+from splitserve.messages import SamplingParams
+
+DEFAULT_REPLY = "Hello from the fake engine! héllo 世界 🚀 The end."
+
+
+class FakeEngineClient(BaseEngineClient):
+    """Replies with ``reply`` tokenized, ``tokens_per_event`` tokens per event.
+
+    Without ``ignore_eos`` it ends with ``eos_token_id`` (finish ``"stop"``) once the reply is out;
+    with it the reply repeats. ``max_new_tokens`` cuts either (finish ``"length"``). The prompt's
+    longest common prefix with any earlier prompt is reported as ``cached_len`` (a toy prefix
+    cache). For tests it records every request (``requests``) and every abort (``aborted``), and
+    can fail requests: ``error = (message, http_status)`` after ``error_after_events`` events.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        eos_token_id: int,
+        reply: str = DEFAULT_REPLY,
+        tokens_per_event: int = 2,
+        delay_s: float = 0.0,
+    ) -> None:
+        self.reply_ids: list[int] = tokenizer.encode(reply, add_special_tokens=False)
+        self.eos_token_id = eos_token_id
+        self.tokens_per_event = tokens_per_event
+        self.delay_s = delay_s
+        self.ready = True
+        self.error: tuple[str, int] | None = None
+        self.error_after_events = 0
+        self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.aborted: set[str] = set()
+        self.finished: set[str] = set()
+        self._prompts: list[list[int]] = []
+
+    def output_ids(self, sampling: SamplingParams) -> list[int]:
+        """The tokens a request with ``sampling`` gets, in order."""
+        stops = self._stop_ids(sampling)
+        if sampling.ignore_eos:
+            stream = itertools.cycle(self.reply_ids)
+            return list(itertools.islice(stream, sampling.max_new_tokens))
+        out: list[int] = []
+        for tok in [*self.reply_ids, self.eos_token_id]:
+            out.append(tok)
+            if tok in stops or len(out) == sampling.max_new_tokens:
+                break
+        return out
+
+    def _stop_ids(self, sampling: SamplingParams) -> set[int]:
+        return {self.eos_token_id, *sampling.stop_token_ids}
+
+    async def generate(
+        self, rid: str, input_ids: list[int], sampling: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
+        self.requests.append((rid, list(input_ids), sampling))
+        cached_len = max((_common_prefix_len(p, input_ids) for p in self._prompts), default=0)
+        self._prompts.append(list(input_ids))
+        out = self.output_ids(sampling)
+        done = False
+        try:
+            for num_events, start in enumerate(range(0, len(out), self.tokens_per_event)):
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                if self.error is not None and num_events >= self.error_after_events:
+                    done = True
+                    yield TokenEvent([], [], error=self.error[0], error_code=self.error[1])
+                    return
+                ids = out[start : start + self.tokens_per_event]
+                is_last = start + len(ids) >= len(out)
+                finish = None
+                if is_last:
+                    ended_on_stop = not sampling.ignore_eos and out[-1] in self._stop_ids(sampling)
+                    finish = "stop" if ended_on_stop else "length"
+                    done = True
+                    self.finished.add(rid)
+                yield TokenEvent(
+                    ids,
+                    [0.0] * len(ids),
+                    finish_reason=finish,
+                    prompt_len=len(input_ids),
+                    cached_len=cached_len,
+                )
+        finally:
+            if not done:  # closed early: what the real client does on aclose
+                await self.abort(rid)
+
+    async def abort(self, rid: str) -> None:
+        self.aborted.add(rid)
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    async def worker_stats(self) -> list[dict]:
+        return [
+            {
+                "worker_id": "fake-0",
+                "role": "colocated",
+                "pages_total": 1024,
+                "pages_used": 0,
+                "num_running": 0,
+                "num_waiting": 0,
+            }
+        ]
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,50 @@
+"""The API server process: tokenizer + OpenAI-compatible app + ZeroMQ client to the workers."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+from splitserve.server.app import create_app, serve_app
+from splitserve.server.worker_client import ZmqEngineClient
+
+
+def read_model_limits(model_path: str) -> tuple[int, list[int]]:
+    """``(context_len, eos_token_ids)`` from the model folder's config files, without torch."""
+    from splitserve.engine.model_config import ModelConfig
+
+    cfg = ModelConfig.from_dir(model_path)
+    return cfg.context_len, list(cfg.eos_token_ids)
+
+
+def run_api_server(
+    model_path: str,
+    host: str,
+    port: int,
+    inbox: str,
+    prefill: list[str],
+    decode: list[str],
+    colocated: list[str],
+    log_level: str = "info",
+) -> None:
+    """Serve until SIGINT/SIGTERM. The served model name is the model folder's name."""
+    from transformers import AutoTokenizer
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s api %(levelname)s %(message)s")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    context_len, eos_ids = read_model_limits(model_path)
+    client = ZmqEngineClient(inbox, prefill=prefill, decode=decode, colocated=colocated)
+    app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await client.start()
+        yield
+        await client.close()
+
+    app.router.lifespan_context = lifespan
+    serve_app(app, host, port, log_level)
+
+
+

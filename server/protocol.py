@@ -1,0 +1,178 @@
+"""The OpenAI request bodies we accept (pydantic v2) and the response bodies we send.
+
+Models are strict (a string where a number belongs is an error, not coerced) and ignore fields
+they do not know, so clients that send extra OpenAI fields (``user``, ``frequency_penalty``...)
+still work. Checks that need the tokenizer or the context length live in ``server.app``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 4
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class BaseGenerateRequest(BaseModel):
+    """Fields shared by completions and chat completions. ``None`` means "use the default"
+    because some clients send explicit nulls."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    n: int | None = Field(None, ge=1)
+    ignore_eos: bool = False  # extension (vLLM, SGLang): keep generating past EOS
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(BaseGenerateRequest):
+    """``POST /v1/completions``. ``prompt`` becomes a string or a list of token ids."""
+
+    prompt: str | list[int]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        # OpenAI allows a batch of prompts; we serve one per request (like n == 1).
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) != 1:
+                raise ValueError("only one prompt per request is supported")
+            return value[0]
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not all(type(v) is int for v in value):
+            raise ValueError("must be a string, a list of one string, or a list of token ids")
+        return value
+
+
+class ChatMessage(BaseModel):
+    """One message; ``content`` is flattened to a string (text parts joined) for the template."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ValueError("only text content parts are supported")
+            if not isinstance(part.get("text"), str) or "text" not in part:
+                raise ValueError("a text content part needs a string 'text'")
+            texts.append(part["text"])
+        return "".join(texts)
+
+    def as_template_dict(self) -> dict[str, str]:
+        # Chat templates of open models know "system", not OpenAI's newer "developer".
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.content}
+
+
+class ChatCompletionRequest(BaseGenerateRequest):
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token counts of one request, filled in as its events arrive."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass(slots=True)
+class ResponseFormatter:
+    """Builds the response bodies of one request, for either endpoint (``is_chat``)."""
+
+    rid: str
+    created: int
+    model: str
+    is_chat: bool
+    include_usage: bool = False
+
+    def _envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "object": object_,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def full(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        """The non-streaming response."""
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if self.is_chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        body = self._envelope("chat.completion" if self.is_chat else "text_completion", [choice])
+        body["usage"] = usage.as_dict()
+        return body
+
+    def chunk(
+        self, text: str | None, finish_reason: str | None = None, role: bool = False
+    ) -> dict[str, Any]:
+        """One streamed chunk. Chat chunks carry a ``delta``; the first one names the role."""
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if self.is_chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        body = self._envelope(
+            "chat.completion.chunk" if self.is_chat else "text_completion", [choice]
+        )
+        if self.include_usage:
+            body["usage"] = None  # OpenAI: null on every chunk but the last
+        return body
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        """The final chunk of ``stream_options.include_usage``: empty choices, full usage."""
+        body = self._envelope("chat.completion.chunk" if self.is_chat else "text_completion", [])
+        body["usage"] = usage.as_dict()
+        return body

@@ -1,0 +1,31 @@
+"""Configuration of one worker process (the CLI fills it; tests build it directly)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class WorkerArgs:
+    """Units: tokens, pages, MiB, seconds.
+
+    ``addr`` is the worker's own inbox (``tcp://host:port`` or ``ipc://path``); ``server_addr``
+    the inbox of the server it reports ready to.
+    """
+
+    role: str  # "prefill" | "decode" | "colocated"
+    worker_id: str
+    addr: str
+    server_addr: str
+    model_path: str
+    dtype: str = "float32"
+    page_size: int = 16
+    kv_cache_mb: int = 512
+    max_batch_tokens: int = 2048
+    max_running: int = 64
+    transfer_timeout_s: float = 30.0
+    num_threads: int = 0  # 0: torch's default
+
+
+ROLES = ("prefill", "decode", "colocated")
+DTYPES = ("float32", "bfloat16")

@@ -1,0 +1,141 @@
+"""Start a cluster on this machine: the API server and its workers as separate processes.
+
+``splitserve launch`` (disaggregated) and ``splitserve serve`` (colocated) use :class:`Cluster`;
+so do the end-to-end tests. Children run in their own process sessions, so Ctrl-C reaches only
+the launcher, which then stops them in order (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from splitserve.ipc import free_tcp_addr
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ClusterSpec:
+    """What to start. Units: pages of ``page_size`` tokens, MiB, seconds."""
+
+    model_path: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    colocated: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "float32"
+    page_size: int = 16
+    kv_cache_mb: int = 512
+    max_batch_tokens: int = 2048
+    max_running: int = 64
+    threads_per_worker: int = 0  # 0: split the machine's cores between the workers
+    transfer_timeout_s: float = 30.0
+    log_level: str = "warning"
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class ClusterError(RuntimeError):
+    """A process of the cluster failed to start or exited early."""
+
+
+class Cluster:
+    """A running cluster. Use as a context manager, or call :meth:`start` / :meth:`stop`."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def _roles(self) -> list[str]:
+        s = self.spec
+        return ["colocated"] if s.colocated else ["prefill"] * s.num_prefill + ["decode"] * s.num_decode
+
+    def _spawn(self, name: str, args: list[str], threads: int) -> None:
+        env = dict(os.environ, **self.spec.extra_env)
+        if threads > 0:
+            env["OMP_NUM_THREADS"] = str(threads)
+        cmd = [sys.executable, "-m", "splitserve", *args, "--log-level", self.spec.log_level]
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.procs.append((name, proc))
+
+    def start(self, timeout_s: float = 180.0) -> Cluster:
+        """Spawn every process and wait until ``/health`` answers 200.
+
+        Raises:
+            ClusterError: a process exited, or the cluster was not healthy within ``timeout_s``.
+        """
+        s = self.spec
+        roles = self._roles()
+        threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // len(roles))
+        server_inbox = free_tcp_addr()
+        addrs: dict[str, list[str]] = {"prefill": [], "decode": [], "colocated": []}
+        for i, role in enumerate(roles):
+            addr = free_tcp_addr()
+            addrs[role].append(addr)
+            self._spawn(f"{role}-{i}", [
+                "worker", "--role", role, "--worker-id", f"{role}-{i}", "--addr", addr,
+                "--server-addr", server_inbox, "--model", s.model_path, "--dtype", s.dtype,
+                "--page-size", str(s.page_size), "--kv-cache-mb", str(s.kv_cache_mb),
+                "--max-batch-tokens", str(s.max_batch_tokens), "--max-running", str(s.max_running),
+                "--transfer-timeout", str(s.transfer_timeout_s), "--threads", str(threads),
+            ], threads)
+        server_args = ["api-server", "--model", s.model_path, "--host", s.host, "--port",
+                       str(s.port), "--inbox", server_inbox]
+        for role, role_addrs in addrs.items():
+            for addr in role_addrs:
+                server_args += [f"--{role}-addr", addr]
+        self._spawn("api-server", server_args, 1)
+        self._wait_healthy(timeout_s)
+        return self
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(self.spec.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise ClusterError(f"cluster not healthy within {timeout_s:g} s")
+
+    def check_alive(self) -> None:
+        """Raises ClusterError (after stopping the rest) if any process has exited."""
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                self.stop()
+                raise ClusterError(f"{name} exited with code {proc.returncode}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every process, then SIGKILL those still alive after ``grace_s``."""
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for _, proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,417 @@
+"""The HTTP API against the deterministic fake engine: shapes, streaming, stop strings, errors."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from splitserve.server.app import create_app, create_server
+from splitserve.server.fake_client import DEFAULT_REPLY, FakeEngineClient
+
+MODEL = "smol-test"
+CONTEXT_LEN = 256
+USER = [{"role": "user", "content": "Say hi"}]
+
+
+@pytest.fixture
+def fake(tokenizer) -> FakeEngineClient:
+    return FakeEngineClient(tokenizer, eos_token_id=tokenizer.eos_token_id)
+
+
+@pytest.fixture
+def client(fake, tokenizer) -> TestClient:
+    app = create_app(fake, tokenizer, MODEL, CONTEXT_LEN, [tokenizer.eos_token_id])
+    return TestClient(app)
+
+
+def sse_events(text: str) -> list[dict | str]:
+    """Parse an SSE body into JSON objects, with "[DONE]" kept as a string."""
+    events: list[dict | str] = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        data = block.removeprefix("data: ")
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def streamed_text(events: list[dict | str], is_chat: bool) -> str:
+    out = ""
+    for ev in events:
+        if isinstance(ev, dict) and ev.get("choices"):
+            choice = ev["choices"][0]
+            out += (choice["delta"].get("content") or "") if is_chat else choice["text"]
+    return out
+
+
+# ---- happy paths -----------------------------------------------------------------------------
+
+
+def test_completion(client, fake, tokenizer) -> None:
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["choices"] == [
+        {"index": 0, "text": DEFAULT_REPLY, "finish_reason": "stop", "logprobs": None}
+    ]
+    prompt_len = len(tokenizer.encode("Once upon"))
+    assert body["usage"] == {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": len(fake.reply_ids) + 1,  # + EOS
+        "total_tokens": prompt_len + len(fake.reply_ids) + 1,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    _, _, sampling = fake.requests[-1]
+    assert sampling.max_new_tokens == CONTEXT_LEN - prompt_len  # default: the rest of context
+    assert sampling.stop_token_ids == [tokenizer.eos_token_id]
+
+
+def test_completion_token_id_prompts(client, fake) -> None:
+    for prompt in ([10, 20, 30], [[10, 20, 30]], ["hi"]):
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+        assert r.status_code == 200, r.text
+    assert fake.requests[0][1] == [10, 20, 30] == fake.requests[1][1]
+
+
+def test_chat(client, fake, tokenizer) -> None:
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": USER})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": DEFAULT_REPLY}
+    assert body["choices"][0]["finish_reason"] == "stop"
+    text = tokenizer.apply_chat_template(USER, add_generation_prompt=True, tokenize=False)
+    input_ids = fake.requests[-1][1]
+    assert input_ids == tokenizer.encode(text, add_special_tokens=False)
+    assert body["usage"]["prompt_tokens"] == len(input_ids)
+    # The template's own BOS (if any) is not doubled by the encoder.
+    bos = tokenizer.bos_token_id
+    assert bos is None or input_ids[:2] != [bos, bos]
+
+
+def test_chat_text_parts_and_developer_role(client, fake) -> None:
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}],
+        },
+    ]
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
+    assert (
+        client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}).status_code
+        == 200
+    )
+    assert (
+        client.post("/v1/chat/completions", json={"model": MODEL, "messages": plain}).status_code
+        == 200
+    )
+    assert fake.requests[0][1] == fake.requests[1][1]
+
+
+def test_model_alias_and_sampling_fields(client, fake) -> None:
+    body = {
+        "model": "default",
+        "prompt": "x",
+        "max_tokens": 5,
+        "temperature": 0,
+        "top_p": 0.5,
+        "top_k": 7,
+        "min_p": 0.1,
+        "seed": 42,
+        "user": "someone",  # unknown OpenAI fields are ignored
+    }
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == 5
+    s = fake.requests[-1][2]
+    assert (s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (
+        5,
+        0.0,
+        0.5,
+        7,
+        0.1,
+        42,
+    )
+
+
+def test_ignore_eos_and_max_completion_tokens(client, fake) -> None:
+    body = {"model": MODEL, "messages": USER, "ignore_eos": True, "max_completion_tokens": 40}
+    r = client.post("/v1/chat/completions", json={**body, "max_tokens": 3})
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == 40
+    assert r.json()["choices"][0]["message"]["content"].startswith(DEFAULT_REPLY + "Hello")
+    s = fake.requests[-1][2]
+    assert s.ignore_eos and s.stop_token_ids == [] and s.max_new_tokens == 40
+
+
+def test_cached_tokens_reported(client) -> None:
+    req = {"model": MODEL, "messages": USER}
+    client.post("/v1/chat/completions", json=req)
+    usage = client.post("/v1/chat/completions", json=req).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]
+
+
+# ---- streaming -------------------------------------------------------------------------------
+
+
+def test_stream_completion(client) -> None:
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert streamed_text(events, is_chat=False) == DEFAULT_REPLY
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "stop"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert all("\ufffd" not in c["choices"][0]["text"] for c in chunks)
+
+
+def test_stream_chat_with_usage(client, fake) -> None:
+    req = {
+        "model": MODEL,
+        "messages": USER,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events = sse_events(client.post("/v1/chat/completions", json=req).text)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert streamed_text(events, is_chat=True) == DEFAULT_REPLY
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == len(fake.reply_ids) + 1
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert len({c["id"] for c in chunks}) == 1
+
+
+# ---- stop strings ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings(client, fake, stream: bool) -> None:
+    req = {"model": MODEL, "prompt": "hi", "stop": ["世界", "zzz"], "stream": stream}
+    r = client.post("/v1/completions", json=req)
+    assert r.status_code == 200
+    cut = DEFAULT_REPLY[: DEFAULT_REPLY.index("世界")]
+    if stream:
+        events = sse_events(r.text)
+        assert streamed_text(events, is_chat=False) == cut
+        assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    else:
+        assert r.json()["choices"][0] == {
+            "index": 0,
+            "text": cut,
+            "finish_reason": "stop",
+            "logprobs": None,
+        }
+    rid = fake.requests[-1][0]
+    assert rid in fake.aborted and rid not in fake.finished  # stopped early: engine aborted
+
+
+def test_single_stop_string_in_chat(client) -> None:
+    req = {"model": MODEL, "messages": USER, "stop": " fake"}
+    r = client.post("/v1/chat/completions", json=req)
+    assert r.json()["choices"][0]["message"]["content"] == "Hello from the"
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+BAD_REQUESTS = [
+    (C, {"prompt": "hi"}, "model"),
+    (C, {"model": "gpt-4", "prompt": "hi"}, "model"),
+    (C, {"model": MODEL}, "prompt"),
+    (C, {"model": MODEL, "prompt": 5}, "prompt"),
+    (C, {"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+    (C, {"model": MODEL, "prompt": ""}, "prompt"),
+    (C, {"model": MODEL, "prompt": [10**7]}, "prompt"),
+    (C, {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    (C, {"model": MODEL, "prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    (C, {"model": MODEL, "prompt": "hi", "max_tokens": "10"}, "max_tokens"),
+    (C, {"model": MODEL, "prompt": "hi", "max_tokens": 10_000}, "max_tokens"),
+    (C, {"model": MODEL, "prompt": "hi", "temperature": 2.5}, "temperature"),
+    (C, {"model": MODEL, "prompt": "hi", "temperature": -0.1}, "temperature"),
+    (C, {"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
+    (C, {"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p"),
+    (C, {"model": MODEL, "prompt": "hi", "top_k": -2}, "top_k"),
+    (C, {"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+    (C, {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    (C, {"model": MODEL, "prompt": "hi", "stop": 3}, "stop"),
+    (C, {"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream"),
+    (C, {"model": MODEL, "prompt": "word " * 300}, "prompt"),
+    (CH, {"model": MODEL}, "messages"),
+    (CH, {"model": MODEL, "messages": []}, "messages"),
+    (CH, {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    (CH, {"model": MODEL, "messages": [{"role": "user"}]}, "messages[0].content"),
+    (CH, {"model": MODEL, "messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    (
+        CH,
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        "messages[0].content",
+    ),
+    (
+        CH,
+        {"model": MODEL, "messages": USER, "max_completion_tokens": 10_000},
+        "max_completion_tokens",
+    ),
+    (CH, {"model": MODEL, "messages": [{"role": "user", "content": "w " * 300}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD_REQUESTS)
+def test_bad_request_is_400_naming_the_field(
+    client, fake, path: str, body: dict, param: str
+) -> None:
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] is None
+    assert err["param"] == param and param.split("[")[0] in err["message"]
+    assert fake.requests == []  # nothing reached the engine
+    good = {"model": MODEL, "prompt": "hi"} if path == C else {"model": MODEL, "messages": USER}
+    assert client.post(path, json=good).status_code == 200
+
+
+@pytest.mark.parametrize("raw", [b"{bad json", b"[1, 2]", b"", b"null"])
+def test_malformed_body_is_400(client, raw: bytes) -> None:
+    r = client.post(C, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+# ---- worker errors ---------------------------------------------------------------------------
+
+
+def test_worker_error_non_streaming(client, fake) -> None:
+    fake.error, fake.error_after_events = ("no room for the prompt", 503), 1
+    r = client.post(C, json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 503
+    assert r.json()["error"]["message"] == "no room for the prompt"
+    assert r.json()["error"]["type"] == "server_error"
+
+
+def test_worker_error_before_first_token_streaming_is_plain_error(client, fake) -> None:
+    fake.error = ("grammar failed to compile", 400)
+    r = client.post(C, json={"model": MODEL, "prompt": "hi", "stream": True})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "grammar failed to compile"
+
+
+def test_worker_error_mid_stream_is_sse_error_event(client, fake) -> None:
+    fake.error, fake.error_after_events = ("decode worker died", 500), 2
+    r = client.post(CH, json={"model": MODEL, "messages": USER, "stream": True})
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert events[-2] == {
+        "error": {
+            "message": "decode worker died",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }
+
+
+# ---- other endpoints -------------------------------------------------------------------------
+
+
+def test_health_models_workers(client, fake) -> None:
+    assert client.get("/health").status_code == 200
+    fake.ready = False
+    assert client.get("/health").status_code == 503
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert client.get("/v1/models/other").status_code == 404
+    assert client.get("/workers").json()[0]["role"] == "colocated"
+    assert client.get("/nowhere").json()["error"]["type"] == "not_found_error"
+
+
+# ---- a real server: the openai client, and a client that goes away ----------------------------
+
+
+@pytest.fixture
+def live_server(fake, tokenizer) -> Iterator[str]:
+    app = create_app(fake, tokenizer, MODEL, CONTEXT_LEN, [tokenizer.eos_token_id])
+    server = create_server(app, "127.0.0.1", 0, log_level="warning")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound here so the port is known and free of races
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+def test_openai_client(live_server) -> None:
+    import openai
+
+    api = openai.OpenAI(base_url=f"{live_server}/v1", api_key="unused", max_retries=0)
+    chat = api.chat.completions.create(model=MODEL, messages=USER, max_tokens=50)
+    assert chat.choices[0].message.content == DEFAULT_REPLY
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0
+
+    stream = api.chat.completions.create(
+        model=MODEL, messages=USER, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == DEFAULT_REPLY and chunks[-1].usage.completion_tokens > 0
+
+    comp = api.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+    assert comp.choices[0].finish_reason == "length"
+    assert [m.id for m in api.models.list()] == [MODEL]
+
+    with pytest.raises(openai.BadRequestError) as info:
+        api.completions.create(model=MODEL, prompt="hi", temperature=9)
+    assert info.value.body["param"] == "temperature"
+
+
+def test_client_disconnect_aborts_request(live_server, fake) -> None:
+    # A slow engine (1 s between events): the abort must come from noticing the disconnect,
+    # not from the next failing send a second later.
+    fake.delay_s = 1.0
+    req = {"model": MODEL, "prompt": "hi", "ignore_eos": True, "max_tokens": 200, "stream": True}
+    with (
+        httpx.Client(base_url=live_server, timeout=10) as http,
+        http.stream("POST", "/v1/completions", json=req) as r,
+    ):
+        assert next(r.iter_lines()).startswith("data: ")
+    rid = fake.requests[-1][0]
+    deadline = time.monotonic() + 0.6
+    while rid not in fake.aborted:
+        assert time.monotonic() < deadline, "request was not aborted when the client left"
+        time.sleep(0.01)
+    assert rid not in fake.finished
+
+
+def test_fastapi_validation_errors_are_400(fake, tokenizer) -> None:
+    # Routes added later with typed parameters get the OpenAI shape too, not FastAPI's 422.
+    app = create_app(fake, tokenizer, MODEL, CONTEXT_LEN, [tokenizer.eos_token_id])
+
+    @app.get("/typed")
+    async def typed(limit: int) -> dict:
+        return {"limit": limit}
+
+    r = TestClient(app).get("/typed", params={"limit": "many"})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "query.limit"
