@@ -108,7 +108,9 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 mask = _extend_mask(n, seq_len, sliding_window, device)
                 extends.append(_Extend(start, n, seq_len, pages, mask))
             start += n
-        meta = TorchAttentionMetadata(batch, None, None, None, extends, len(dec_rows) == len(batch.extend_lens))
+        meta = TorchAttentionMetadata(
+            batch, None, None, None, extends, len(dec_rows) == len(batch.extend_lens)
+        )
         if dec_rows:
             lens = [batch.seq_lens[i] for i in dec_rows]
             num_pages = pages_for(max(lens), ps)
@@ -137,7 +139,9 @@ class TorchAttentionBackend(BaseAttentionBackend):
             out[meta.decode_tokens] = self._decode(q[meta.decode_tokens], layer, meta, pool, scale)
         for e in meta.extends:
             end = e.start + e.extend_len
-            out[e.start : end] = self._extend(q[e.start : end], k[e.start : end], v[e.start : end], e, layer, pool, scale)
+            out[e.start : end] = self._extend(
+                q[e.start : end], k[e.start : end], v[e.start : end], e, layer, pool, scale
+            )
         return out
 
     def _decode(
@@ -147,9 +151,9 @@ class TorchAttentionBackend(BaseAttentionBackend):
         bd, hq, d = q.shape
         hkv = pool.layout.num_kv_heads
         pages = meta.decode_pages
-        # [Bd, P, page_size, Hkv, D] -> [Bd, Hkv, S, D]
-        kc = pool.k_pages(layer)[pages].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        vc = pool.v_pages(layer)[pages].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        # [Bd * P, page_size * Hkv * D] -> [Bd, S, Hkv, D] -> [Bd, Hkv, S, D]
+        kc = _gather(pool.k_pages(layer), pages).view(bd, -1, hkv, d).transpose(1, 2).to(q.dtype)
+        vc = _gather(pool.v_pages(layer), pages).view(bd, -1, hkv, d).transpose(1, 2).to(q.dtype)
         # GQA without repeating K/V: the G query heads sharing a KV head become G "query rows"
         # of that head (all at the same position, so one [S] mask serves them all).
         qg = q.reshape(bd, hkv, hq // hkv, d)
@@ -172,8 +176,9 @@ class TorchAttentionBackend(BaseAttentionBackend):
             # dtype so that this path and the gather path see the same values).
             kc, vc = k.to(pool.buffer.dtype).to(q.dtype), v.to(pool.buffer.dtype).to(q.dtype)
         else:
-            kc = pool.k_pages(layer)[e.pages].flatten(0, 1)[: e.seq_len].to(q.dtype)
-            vc = pool.v_pages(layer)[e.pages].flatten(0, 1)[: e.seq_len].to(q.dtype)
+            shape = (-1, k.shape[1], k.shape[2])
+            kc = _gather(pool.k_pages(layer), e.pages).view(shape)[: e.seq_len].to(q.dtype)
+            vc = _gather(pool.v_pages(layer), e.pages).view(shape)[: e.seq_len].to(q.dtype)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             kc.transpose(0, 1).unsqueeze(0),
@@ -184,6 +189,16 @@ class TorchAttentionBackend(BaseAttentionBackend):
             enable_gqa=True,
         )
         return o.squeeze(0).transpose(0, 1)
+
+
+def _gather(pages_view: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+    """Copy pages ``page_ids`` (any shape, int64) of one layer's K or V view
+    ``[num_pages, page_size, Hkv, D]`` into a contiguous ``[page_ids.numel(), page_size*Hkv*D]``.
+
+    ``index_select`` on the 2-D view copies whole contiguous rows; advanced indexing
+    (``view[page_ids]``) copies element by element and is ~6x slower on CPU.
+    """
+    return pages_view.flatten(1).index_select(0, page_ids.flatten())
 
 
 def _extend_mask(
@@ -226,7 +241,9 @@ def create_attention_backend(name: str = "torch") -> BaseAttentionBackend:
         ValueError: unknown name (the message lists the registered ones).
     """
     if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(ATTENTION_BACKENDS)}")
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose from {sorted(ATTENTION_BACKENDS)}"
+        )
     return ATTENTION_BACKENDS[name]()
 
 

@@ -23,10 +23,16 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, dtype)
+        self.qkv_proj = Linear(
+            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, dtype
+        )
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype)
 
     def forward(
@@ -59,7 +65,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: BaseAttentionBackend, meta: object, pool: KVPool) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: BaseAttentionBackend,
+        meta: object,
+        pool: KVPool,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, meta, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -86,10 +100,18 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.attn_backend = attn_backend or create_attention_backend("torch")
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False, dtype)
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, config.context_len)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, False, dtype)
+        )
+        self.rope = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.context_len
+        )
 
     def to(self, device: torch.device | str) -> LlamaForCausalLM:  # type: ignore[override]
         """Move parameters and the RoPE table (not a module buffer, to keep it float32)."""

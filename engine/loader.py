@@ -27,7 +27,9 @@ def weight_files(path: Path) -> list[Path]:
         files = [path / n for n in names]
         for f in files:
             if not f.exists():
-                raise FileNotFoundError(f"weights shard {f.name} (named in {INDEX_FILE}) not found in {path}")
+                raise FileNotFoundError(
+                    f"weights shard {f.name} (named in {INDEX_FILE}) not found in {path}"
+                )
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -74,7 +76,9 @@ def load_model(
                 tensor = f.get_tensor(name)
                 target = params[ours].data[row : row + rows]
                 if tensor.shape != target.shape:
-                    raise ValueError(f"{file.name}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                    raise ValueError(
+                        f"{file.name}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                    )
                 target.copy_(tensor)
                 filled.add(name)
     missing = sorted(set(wanted) - filled)

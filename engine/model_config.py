@@ -54,7 +54,9 @@ class ModelConfig:
         return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, page_size, dtype_str)
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None) -> ModelConfig:
+    def from_hf(
+        cls, cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None
+    ) -> ModelConfig:
         """Parse an HF ``config.json`` dict (and optionally ``generation_config.json``).
 
         Raises:
@@ -149,8 +151,10 @@ def _parse_sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
     if layer_types is None and arch == "Qwen2ForCausalLM":
         # What transformers derives for Qwen2: layers from max_window_layers on use the window.
         first = cfg.get("max_window_layers", cfg["num_hidden_layers"])
-        layer_types = ["full_attention" if i < first else "sliding_attention"
-                       for i in range(cfg["num_hidden_layers"])]
+        layer_types = [
+            "full_attention" if i < first else "sliding_attention"
+            for i in range(cfg["num_hidden_layers"])
+        ]
     kinds = set(layer_types or ["sliding_attention"])
     if kinds == {"full_attention"}:
         return None

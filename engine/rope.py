@@ -37,7 +37,9 @@ def inv_freq_and_scale(
         return _llama3(inv, scaling), 1.0
     if rope_type == "yarn":
         return _yarn(dim, theta, scaling, context_len)
-    raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3, yarn, dynamic)")
+    raise ValueError(
+        f"unsupported rope_type {rope_type!r} (default, linear, llama3, yarn, dynamic)"
+    )
 
 
 def _llama3(inv: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -101,7 +103,9 @@ class RotaryEmbedding:
         self.cos = freqs.cos() * attn_scale  # [context_len, head_dim // 2] float32
         self.sin = freqs.sin() * attn_scale
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, head_dim // 2]`` in ``dtype`` for int64 ``positions [T]``.
 
         Raises:

@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -50,6 +50,8 @@ class _Job:
     stop: list[str]
     formatter: ResponseFormatter
     usage: Usage
+    return_token_ids: bool = False
+    output_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -133,7 +135,8 @@ class _ServedModel:
         )
         rid = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
         fmt = ResponseFormatter(rid, int(time.time()), req.model, is_chat, req.include_usage)
-        return _Job(rid, input_ids, sampling, req.stop or [], fmt, Usage(len(input_ids)))
+        return _Job(rid, input_ids, sampling, req.stop or [], fmt, Usage(len(input_ids)),
+                    req.return_token_ids)
 
     # ---- job -> text -------------------------------------------------------------------------
 
@@ -153,6 +156,7 @@ class _ServedModel:
                     engine_done = True
                     raise APIError(ev.error, status_code=ev.error_code)
                 job.usage.completion_tokens += len(ev.token_ids)
+                job.output_ids.extend(ev.token_ids)
                 job.usage.prompt_tokens = ev.prompt_len or job.usage.prompt_tokens
                 job.usage.cached_tokens = max(job.usage.cached_tokens, ev.cached_len)
                 text = stops.feed(detok.push(ev.token_ids))
@@ -182,7 +186,8 @@ class _ServedModel:
             async for piece in pieces:
                 parts.append(piece.text)
                 finish = piece.finish_reason or finish
-        return job.formatter.full("".join(parts), finish, job.usage)
+        ids = job.output_ids if job.return_token_ids else None
+        return job.formatter.full("".join(parts), finish, job.usage, ids)
 
     async def streaming_response(self, job: _Job) -> Response:
         pieces = self.stream_text(job)

@@ -37,6 +37,7 @@ class BaseGenerateRequest(BaseModel):
     stop: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
     n: int | None = Field(None, ge=1)
     ignore_eos: bool = False  # extension (vLLM, SGLang): keep generating past EOS
+    return_token_ids: bool = False  # extension (vLLM): the generated ids in each choice
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 
@@ -141,9 +142,13 @@ class ResponseFormatter:
             "choices": choices,
         }
 
-    def full(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        """The non-streaming response."""
+    def full(
+        self, text: str, finish_reason: str, usage: Usage, token_ids: list[int] | None = None
+    ) -> dict[str, Any]:
+        """The non-streaming response; ``token_ids`` (when asked for) are the generated ids."""
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         if self.is_chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:

@@ -129,6 +129,10 @@ class OutlinesBackend(BaseGrammarBackend):
         stop_token_ids: tokens that end the output; defaults to the tokenizer's EOS.
         whitespace_pattern: regex for whitespace between JSON tokens; None keeps outlines'
             default (``[ ]?``: no whitespace or one space), which bounds the DFA's size.
+        max_regex_len: refuse regexes longer than this. Index building cannot be interrupted
+            and grows steeply with the regex (a schema with untyped ``{}`` values becomes a 40 kB
+            regex that takes over a minute), so such schemas fail fast instead of holding a
+            compile thread. None: no limit.
     """
 
     name = "outlines"
@@ -139,6 +143,7 @@ class OutlinesBackend(BaseGrammarBackend):
         vocab_size: int | None = None,
         stop_token_ids: list[int] | None = None,
         whitespace_pattern: str | None = None,
+        max_regex_len: int | None = 10_000,
     ) -> None:
         self.vocab_size = vocab_size or len(tokenizer)
         stops = default_stop_token_ids(tokenizer) if stop_token_ids is None else stop_token_ids
@@ -146,6 +151,7 @@ class OutlinesBackend(BaseGrammarBackend):
             raise ValueError("outlines-core needs at least one stop token id")
         self._stop_token_ids = list(stops)
         self._whitespace_pattern = whitespace_pattern
+        self._max_regex_len = max_regex_len
         token_map: dict[bytes, list[int]] = {}
         for token_id, raw in enumerate(token_bytes(tokenizer, self.vocab_size)):
             if raw and token_id not in self._stop_token_ids:
@@ -155,6 +161,12 @@ class OutlinesBackend(BaseGrammarBackend):
 
     def compile(self, kind: GrammarKind, text: str) -> OutlinesCompiled:
         regex = self._to_regex(kind, text)
+        if self._max_regex_len is not None and len(regex) > self._max_regex_len:
+            raise GrammarError(
+                f"{kind} constraint too complex for outlines-core: its regex has {len(regex)} "
+                f"characters (limit {self._max_regex_len}); untyped or deeply nested values "
+                "are the usual cause"
+            )
         try:
             index = outlines_core.Index(regex, self._vocabulary)
         except Exception as exc:  # ValueError("Failed to build DFA ...") and Rust panics

@@ -44,12 +44,10 @@ class XGrammarMatcher(BaseMatcher):
         return self._matcher.is_terminated()
 
     def rollback(self, num_tokens: int) -> None:
-        if num_tokens > self._matcher.max_rollback_tokens >= 0:
-            raise ValueError(
-                f"cannot roll back {num_tokens} tokens; "
-                f"max_rollback_tokens is {self._matcher.max_rollback_tokens}"
-            )
-        self._matcher.rollback(num_tokens)
+        try:
+            self._matcher.rollback(num_tokens)
+        except Exception as exc:  # xgrammar raises RuntimeError past the first token
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {exc}") from exc
 
     def reset(self) -> None:
         self._matcher.reset()
@@ -71,9 +69,9 @@ class XGrammarCompiled(CompiledGrammar):
         self.vocab_size = vocab_size
 
     def create_matcher(self, max_rollback_tokens: int = 0) -> XGrammarMatcher:
-        return XGrammarMatcher(
-            xgr.GrammarMatcher(self._compiled, max_rollback_tokens=max_rollback_tokens)
-        )
+        # xgrammar >= 0.2 keeps unlimited history (its max_rollback_tokens is deprecated).
+        del max_rollback_tokens
+        return XGrammarMatcher(xgr.GrammarMatcher(self._compiled))
 
 
 class XGrammarBackend(BaseGrammarBackend):

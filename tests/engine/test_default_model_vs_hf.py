@@ -19,9 +19,11 @@ TEXTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
     "Explain in two sentences why the sky is blue, and mention Rayleigh scattering.",
-    "Here is a list of prime numbers: 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, "
-    "53, 59, 61, 67, 71, 73, 79, 83, 89, 97. Now list the next five primes after 97 and explain "
-    "how you checked that each of them is prime, step by step, without skipping any number.",
+    (
+        "Here is a list of prime numbers: 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, "
+        "53, 59, 61, 67, 71, 73, 79, 83, 89, 97. Now list the next five primes after 97 and explain "
+        "how you checked that each of them is prime, step by step, without skipping any number."
+    ),
 ]
 
 
@@ -61,10 +63,15 @@ def prompts(tokenizer) -> list[list[int]]:
     return p
 
 
-def test_greedy_matches_transformers_float32(model_path, prompts) -> None:
+@pytest.fixture(scope="module")
+def f32_model(model_path):
+    return load_model(model_path, torch.float32)
+
+
+def test_greedy_matches_transformers_float32(model_path, prompts, f32_model) -> None:
     from transformers import AutoModelForCausalLM
 
-    model, cfg = load_model(model_path, torch.float32)
+    model, cfg = f32_model
     ours = greedy(model, cfg, prompts, "float32", NEW_TOKENS)
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     for prompt, mine in zip(prompts, ours, strict=True):
@@ -85,9 +92,9 @@ def test_greedy_matches_transformers_float32(model_path, prompts) -> None:
             assert got == want, f"prompt {prompt[:8]}...: token {pos} differs ({got} vs {want})"
 
 
-def test_bfloat16_smoke(model_path, tokenizer) -> None:
+def test_bfloat16_smoke(model_path, tokenizer, f32_model) -> None:
     prompt = tokenizer("The capital of France is")["input_ids"]
-    f32, cfg = load_model(model_path, torch.float32)
+    f32, cfg = f32_model
     bf16, _ = load_model(model_path, torch.bfloat16)
     assert bf16.embed_tokens.weight.dtype == torch.bfloat16
     tokens = greedy(bf16, cfg, [prompt], "bfloat16", 4)[0]

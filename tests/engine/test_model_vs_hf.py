@@ -17,41 +17,44 @@ from splitserve.engine.model_config import ModelConfig
 
 PAGE_SIZE = 4
 ATOL = 1e-4
-COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    initializer_range=0.2,
-    tie_word_embeddings=False,
-)
-LLAMA3 = dict(
-    rope_type="llama3",
-    rope_theta=10000.0,
-    factor=8.0,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    original_max_position_embeddings=16,
-)
+COMMON = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "initializer_range": 0.2,
+    "tie_word_embeddings": False,
+}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 CASES = {
-    "llama": ("LlamaConfig", dict(tie_word_embeddings=True)),
-    "llama_bias_llama3": ("LlamaConfig", dict(attention_bias=True, rope_parameters=LLAMA3)),
+    "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama_bias_llama3": ("LlamaConfig", {"attention_bias": True, "rope_parameters": LLAMA3}),
     "llama_linear": (
         "LlamaConfig",
-        dict(rope_parameters=dict(rope_type="linear", rope_theta=500.0, factor=2.0)),
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}},
     ),
     "qwen2_yarn": (
         "Qwen2Config",
-        dict(
-            rope_parameters=dict(
-                rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=32
-            )
-        ),
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
     ),
-    "mistral_window": ("MistralConfig", dict(sliding_window=6)),
+    "mistral_window": ("MistralConfig", {"sliding_window": 6}),
 }
 
 
@@ -95,7 +98,11 @@ class Runner:
         return out
 
     def step(
-        self, chunks: list[list[int]], prefix_lens: list[int], pages: list[list[int]], all_logits: bool = False
+        self,
+        chunks: list[list[int]],
+        prefix_lens: list[int],
+        pages: list[list[int]],
+        all_logits: bool = False,
     ) -> torch.Tensor:
         batch = build_forward_batch(chunks, prefix_lens, pages, PAGE_SIZE, list(range(len(chunks))))
         if all_logits:
@@ -178,16 +185,18 @@ def test_return_hidden(tiny) -> None:
 
 
 def test_config_rope_forms() -> None:
-    base = dict(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=10,
-        hidden_size=8,
-        intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        eos_token_id=[2, 3],
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "eos_token_id": [2, 3],
+    }
+    legacy = ModelConfig.from_hf(
+        {**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}
     )
-    legacy = ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
     new = ModelConfig.from_hf(
         {**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}},
         {"eos_token_id": [3, 7]},
@@ -196,12 +205,14 @@ def test_config_rope_forms() -> None:
         assert c.rope_theta == 5e5 and c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
         assert c.num_kv_heads == 2 and c.head_dim == 4
     assert new.eos_token_ids == [2, 3, 7]
-    plain = ModelConfig.from_hf({**base, "rope_parameters": {"rope_theta": 1e4, "rope_type": "default"}})
+    plain = ModelConfig.from_hf(
+        {**base, "rope_parameters": {"rope_theta": 1e4, "rope_type": "default"}}
+    )
     assert plain.rope_scaling is None and plain.rope_theta == 1e4
 
 
 def test_unsupported_architecture(tiny, tmp_path: Path) -> None:
-    model, cfg, hf = tiny
+    _model, _cfg, hf = tiny
     hf.save_pretrained(tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())
     data["architectures"] = ["GPT2LMHeadModel"]
@@ -229,7 +240,7 @@ def test_loader_missing_files(tiny, tmp_path: Path) -> None:
 
 
 def test_sharded_checkpoint(tiny, tmp_path: Path) -> None:
-    model, cfg, hf = tiny
+    model, _cfg, hf = tiny
     hf.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
     sharded, _ = load_model(tmp_path)

@@ -1,0 +1,55 @@
+"""Real clusters for end-to-end tests: the default model served by separate processes."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from splitserve.launcher import Cluster, ClusterSpec
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(model_path: Path, **kw) -> Iterator[Cluster]:
+    spec = ClusterSpec(model_path=str(model_path), port=free_port(), kv_cache_mb=128, **kw)
+    with Cluster(spec) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def disagg_cluster(model_path: Path) -> Iterator[Cluster]:
+    """1 prefill + 1 decode worker, KV over ZeroMQ (tcp on loopback)."""
+    yield from _launch(model_path, num_prefill=1, num_decode=1)
+
+
+@pytest.fixture(scope="session")
+def colocated_cluster(model_path: Path) -> Iterator[Cluster]:
+    yield from _launch(model_path, colocated=True)
+
+
+@pytest.fixture(params=["disaggregated", "colocated"])
+def cluster(request) -> Cluster:
+    name = "disagg_cluster" if request.param == "disaggregated" else "colocated_cluster"
+    return request.getfixturevalue(name)
+
+
+def worker_pages_used(cluster: Cluster) -> dict[str, int]:
+    rows = httpx.get(cluster.spec.url + "/workers", timeout=10).json()
+    return {r["worker_id"]: r["pages_used"] for r in rows}
+
+
+def complete_ids(cluster: Cluster, prompt_ids: list[int], max_tokens: int, **kw) -> dict:
+    """Non-streaming ``/v1/completions`` on token ids; the choice carries ``token_ids``."""
+    body = {"model": "default", "prompt": prompt_ids, "max_tokens": max_tokens,
+            "temperature": 0, "return_token_ids": True, **kw}
+    r = httpx.post(cluster.spec.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
