@@ -116,11 +116,11 @@ class XGrammarBackend(BaseGrammarBackend):
             stop_token_ids=stops,
         )
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=max_threads)
-        self._json_options = dict(
-            any_whitespace=any_whitespace,
-            max_whitespace_cnt=max_whitespace_cnt if any_whitespace else None,
-            strict_mode=strict_mode,
-        )
+        self._json_options = {
+            "any_whitespace": any_whitespace,
+            "max_whitespace_cnt": max_whitespace_cnt if any_whitespace else None,
+            "strict_mode": strict_mode,
+        }
 
     def compile(self, kind: GrammarKind, text: str) -> XGrammarCompiled:
         try:

@@ -19,7 +19,9 @@ def free_port() -> int:
 
 
 def _launch(model_path: Path, **kw) -> Iterator[Cluster]:
-    spec = ClusterSpec(model_path=str(model_path), port=free_port(), kv_cache_mb=128, **kw)
+    # One thread per worker: CI machines have 2 cores shared with pytest and the API server.
+    spec = ClusterSpec(model_path=str(model_path), port=free_port(), kv_cache_mb=128,
+                       threads_per_worker=1, **kw)
     with Cluster(spec) as cluster:
         yield cluster
 

@@ -40,7 +40,9 @@ def chain_service(
 
 
 @pytest.fixture(scope="session")
-def compile_once(backends: dict[str, BaseGrammarBackend]) -> Callable[[str, str, str], CompiledGrammar]:
+def compile_once(
+    backends: dict[str, BaseGrammarBackend],
+) -> Callable[[str, str, str], CompiledGrammar]:
     """Memoized ``backends[name].compile(kind, text)``: outlines' json_object alone takes ~20 s."""
     compiled: dict[tuple[str, str, str], CompiledGrammar] = {}
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from grammar_cases import Counts, SchemaCase, check_case, load_maskbench_cases, load_suite_cases
 
 from splitserve.engine.grammar import BaseGrammarBackend, GrammarError, GrammarService
-from grammar_cases import Counts, SchemaCase, check_case, load_maskbench_cases, load_suite_cases
 
 # Deterministic subsets (every Nth case in sorted order) keep the run to about a minute on two
 # cores; outlines-core alone needs minutes for the full MaskBench copy.
@@ -26,8 +26,17 @@ MASKBENCH_STRIDE = 6
 
 # (compiled, valid accepted, invalid rejected) per data set and backend; "chain" is xgrammar then
 # outlines through GrammarService. Totals per data set are in TOTALS.
-BASELINE: dict[tuple[str, str], tuple[int, int, int]] = {}
-TOTALS: dict[str, tuple[int, int, int]] = {}
+# Measured with xgrammar 0.2.9 and outlines-core 0.2.14 on the SmolLM2-135M tokenizer. Out of:
+# suite 192 schemas / 385 valid / 276 invalid; maskbench 47 schemas / 57 valid / 80 invalid
+# (instances of schemas that did not compile count as neither accepted nor rejected).
+BASELINE: dict[tuple[str, str], tuple[int, int, int]] = {
+    ("suite", "xgrammar"): (179, 348, 94),
+    ("suite", "outlines"): (58, 56, 93),
+    ("suite", "chain"): (184, 351, 103),
+    ("maskbench", "xgrammar"): (47, 50, 71),
+    ("maskbench", "outlines"): (31, 36, 21),
+    ("maskbench", "chain"): (47, 50, 71),
+}
 
 DATASETS = {
     "suite": lambda: load_suite_cases()[::SUITE_STRIDE],
@@ -57,7 +66,9 @@ def results(
     out: dict[tuple[str, str], Counts] = {}
     for dataset, load in DATASETS.items():
         cases = load()
-        runners = {name: (lambda text, b=b: b.compile("json_schema", text)) for name, b in backends.items()}
+        runners = {
+            name: (lambda text, b=b: b.compile("json_schema", text)) for name, b in backends.items()
+        }
         # The chain reuses the same backend objects, so xgrammar's compile cache makes its
         # first step nearly free; outlines runs only for what xgrammar refused.
         runners["chain"] = lambda text: chain_service.compile("json_schema", text)
@@ -78,10 +89,10 @@ def test_conformance_does_not_drop(
     results: dict[tuple[str, str], Counts], dataset: str, name: str
 ) -> None:
     counts = results[(dataset, name)]
-    baseline = BASELINE.get((dataset, name), (0, 0, 0))
-    assert counts.as_tuple() >= baseline or all(
-        now >= then for now, then in zip(counts.as_tuple(), baseline)
-    ), f"{dataset}/{name}: {counts.as_tuple()} dropped below baseline {baseline}"
+    baseline = BASELINE[(dataset, name)]
+    assert all(now >= then for now, then in zip(counts.as_tuple(), baseline)), (
+        f"{dataset}/{name}: {counts.as_tuple()} dropped below baseline {baseline}"
+    )
 
 
 def test_chain_covers_at_least_each_backend(results: dict[tuple[str, str], Counts]) -> None:

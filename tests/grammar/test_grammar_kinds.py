@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from grammar_cases import matcher_accepts
 
 from splitserve.engine.grammar import (
     BaseGrammarBackend,
@@ -16,7 +17,6 @@ from splitserve.engine.grammar import (
     apply_bitmask,
     apply_bitmask_torch,
 )
-from grammar_cases import matcher_accepts
 
 IPV4 = r"((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 ISO_DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
@@ -33,11 +33,41 @@ ident ::= [a-zA-Z_] [a-zA-Z0-9_]*
 
 # (kind, source, valid texts, invalid texts, backends that support the kind)
 CASES: list[tuple[str, str, list[str], list[str], tuple[str, ...]]] = [
-    ("regex", IPV4, ["192.168.0.1", "8.8.8.8"], ["256.1.1.1", "1.2.3", "1.2.3.4.5"], ("xgrammar", "outlines")),
-    ("regex", ISO_DATE, ["2024-02-29", "1999-12-31"], ["2024-13-01", "24-01-01", "2024-1-1"], ("xgrammar", "outlines")),
-    ("choice", CHOICES, ["yes", "maybe later", 'say "hi"'], ["ye", "yesno", "Yes"], ("xgrammar", "outlines")),
-    ("json_object", "", ['{"a": 1, "b": [true, null]}', "{}"], ["[1, 2]", '"x"', '{"a": }'], ("xgrammar", "outlines")),
-    ("ebnf", SQL_EBNF, ["SELECT * FROM users;", "SELECT id, name FROM t WHERE age >= 18 AND name = 'bob'"], ["SELECT FROM t", "select * from t", "SELECT * FROM t WHERE"], ("xgrammar",)),
+    (
+        "regex",
+        IPV4,
+        ["192.168.0.1", "8.8.8.8"],
+        ["256.1.1.1", "1.2.3", "1.2.3.4.5"],
+        ("xgrammar", "outlines"),
+    ),
+    (
+        "regex",
+        ISO_DATE,
+        ["2024-02-29", "1999-12-31"],
+        ["2024-13-01", "24-01-01", "2024-1-1"],
+        ("xgrammar", "outlines"),
+    ),
+    (
+        "choice",
+        CHOICES,
+        ["yes", "maybe later", 'say "hi"'],
+        ["ye", "yesno", "Yes"],
+        ("xgrammar", "outlines"),
+    ),
+    (
+        "json_object",
+        "",
+        ['{"a": 1, "b": [true, null]}', "{}"],
+        ["[1, 2]", '"x"', '{"a": }'],
+        ("xgrammar", "outlines"),
+    ),
+    (
+        "ebnf",
+        SQL_EBNF,
+        ["SELECT * FROM users;", "SELECT id, name FROM t WHERE age >= 18 AND name = 'bob'"],
+        ["SELECT FROM t", "select * from t", "SELECT * FROM t WHERE"],
+        ("xgrammar",),
+    ),
 ]
 CASE_IDS = [f"{c[0]}-{i}" for i, c in enumerate(CASES)]
 
@@ -101,7 +131,9 @@ def test_bitmask_allows_each_next_token(
 
 
 @pytest.mark.parametrize("name", ["xgrammar", "outlines"])
-def test_rollback_copy_reset(name: str, backends: dict[str, BaseGrammarBackend], tokenizer: Any) -> None:
+def test_rollback_copy_reset(
+    name: str, backends: dict[str, BaseGrammarBackend], tokenizer: Any
+) -> None:
     compiled = backends[name].compile("regex", ISO_DATE)
     ids = tokenizer.encode("2024-02-29", add_special_tokens=False)
     matcher = compiled.create_matcher(max_rollback_tokens=8)
@@ -125,7 +157,9 @@ def test_ebnf_refused_by_outlines(outlines_backend: BaseGrammarBackend) -> None:
 
 
 def test_jump_forward_string(xgrammar_backend: BaseGrammarBackend) -> None:
-    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
+    schema = json.dumps(
+        {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    )
     matcher = xgrammar_backend.compile("json_schema", schema).create_matcher()
     assert matcher.find_jump_forward_string().startswith("{")
 
