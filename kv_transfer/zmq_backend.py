@@ -15,7 +15,7 @@ from splitserve.messages import KVPages
 
 def _as_bytes_view(t: torch.Tensor) -> memoryview:
     # bfloat16 has no numpy dtype: expose the raw bytes instead.
-    return memoryview(t.contiguous().view(torch.uint8).numpy())
+    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
 class ZmqKVSender(BaseKVSender):
@@ -43,7 +43,7 @@ class ZmqKVSender(BaseKVSender):
         if src_page_ids:
             # The gather is a fresh tensor, so the pool pages can be reused while ZeroMQ sends.
             frames.append(_as_bytes_view(self.pool.read_pages(src_page_ids)))
-            self.bytes_sent += len(frames[0])
+            self.bytes_sent += frames[0].nbytes
             self.pages_sent += len(src_page_ids)
         header = KVPages(
             rid=rid,

@@ -58,6 +58,16 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: on a small shared CPU box, torch's default (one thread per core)
+    oversubscribes when other processes run, and every op waits for its slowest thread (10x)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def tiny(request, tmp_path_factory):
     """``(our model, config, HF model)`` for one tiny random architecture."""
