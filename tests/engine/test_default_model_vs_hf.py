@@ -18,7 +18,7 @@ TEXTS = [
     "Hi",
     "The capital of France is",
     "Write a haiku about the sea.",
-    "Explain in two sentences why the sky is blue, and mention Rayleigh scattering.",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     (
         "Here is a list of prime numbers: 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, "
         "53, 59, 61, 67, 71, 73, 79, 83, 89, 97. Now list the next five primes after 97 and explain "
@@ -96,10 +96,11 @@ def test_greedy_matches_transformers_float32(model_path, prompts, f32_model) -> 
             pad_token_id=cfg.eos_token_ids[0],
         )
         ref = res.sequences[0, len(prompt) :].tolist()
+        print("ref len", len(ref))
         for pos, (want, got) in enumerate(zip(ref, mine, strict=False)):
             top2 = res.logits[pos][0].float().topk(2).values
             if float(top2[0] - top2[1]) < TIE_MARGIN:
-                break  # a near-tie: either token is right, and the continuations diverge
+                print("tie at", pos, len(prompt)); break  # a near-tie: either token is right, and the continuations diverge
             assert got == want, f"prompt {prompt[:8]}...: token {pos} differs ({got} vs {want})"
             num_compared += 1
     # Guard against a vacuous pass (near-ties are rare: nearly every token gets compared).
