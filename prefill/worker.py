@@ -118,9 +118,8 @@ class PrefillWorker(BaseWorker):
 
     def on_abort(self, rid: str) -> None:
         t = self.transfers.pop(rid, None)
-        if t is not None and t.req is not None:
-            if self.scheduler.abort(rid) is None:
-                self.scheduler.free(t.req)
+        if t is not None and t.req is not None and self.scheduler.abort(rid) is None:
+            self.scheduler.free(t.req)
 
     def _drop(self, t: Transfer, message: str) -> None:
         self.on_abort(t.rid)

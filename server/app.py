@@ -22,6 +22,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
+
+from splitserve.messages import SamplingParams
 from splitserve.server.detokenizer import IncrementalDetokenizer
 from splitserve.server.engine_client import BaseEngineClient
 from splitserve.server.errors import APIError, from_validation_errors, install_error_handlers
@@ -33,9 +36,6 @@ from splitserve.server.protocol import (
     Usage,
 )
 from splitserve.server.stop_strings import StopStringMatcher
-from starlette.types import Receive, Scope, Send
-
-from splitserve.messages import SamplingParams
 
 MODEL_ALIAS = "default"  # accepted as ``model`` whatever the served model is called
 

@@ -244,7 +244,7 @@ class ZmqEngineClient(BaseEngineClient):
                 stats = await asyncio.wait_for(fut, timeout=2.0)
                 row.update(msgspec.structs.asdict(stats))
                 row.pop("query_id", None)
-            except (zmq.Again, asyncio.TimeoutError):
+            except (TimeoutError, zmq.Again):
                 self.stats_waiters.pop(qid, None)
                 row["healthy"] = False
             out.append(row)

@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Self
 
 from splitserve.ipc import free_tcp_addr
 
@@ -134,7 +135,7 @@ class Cluster:
                 proc.wait()
         self.procs.clear()
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -96,15 +96,13 @@ def test_greedy_matches_transformers_float32(model_path, prompts, f32_model) -> 
             pad_token_id=cfg.eos_token_ids[0],
         )
         ref = res.sequences[0, len(prompt) :].tolist()
-        print("ref len", len(ref))
         for pos, (want, got) in enumerate(zip(ref, mine, strict=False)):
             top2 = res.logits[pos][0].float().topk(2).values
             if float(top2[0] - top2[1]) < TIE_MARGIN:
-                print("tie at", pos, len(prompt)); break  # a near-tie: either token is right, and the continuations diverge
+                break  # a near-tie: either token is right, and the continuations diverge
             assert got == want, f"prompt {prompt[:8]}...: token {pos} differs ({got} vs {want})"
             num_compared += 1
     # Guard against a vacuous pass (near-ties are rare: nearly every token gets compared).
-    print("compared", num_compared)
     assert num_compared >= len(prompts) * NEW_TOKENS // 2, num_compared
 
 

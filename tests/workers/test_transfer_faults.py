@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from splitserve.config import WorkerArgs
-from splitserve.ipc import Inbox, Outbox, free_tcp_addr
+from splitserve.ipc import Inbox, free_tcp_addr
 from splitserve.messages import (
     GenerateTask,
     KVBootstrap,
