@@ -7,6 +7,7 @@ worker when a request comes without a prefill peer).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 
@@ -36,6 +37,9 @@ from splitserve.messages import (
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGES_PER_STEP = 256  # bound the time spent draining the inbox between forward passes
+# Where the model and KV pool live ("cpu" unless set, e.g. "cuda" for bench/gpu_check.sh). An
+# environment variable rather than a CLI flag for now: the GPU path is not yet a served setup.
+DEVICE_ENV = "SPLITSERVE_DEVICE"
 
 
 class BaseWorker:
@@ -48,12 +52,13 @@ class BaseWorker:
         if args.num_threads > 0:
             torch.set_num_threads(args.num_threads)
         dtype = getattr(torch, args.dtype)
-        model, self.model_config = load_model(args.model_path, dtype=dtype)
+        device = os.environ.get(DEVICE_ENV, "cpu")
+        model, self.model_config = load_model(args.model_path, dtype=dtype, device=device)
         layout = self.model_config.kv_layout(args.page_size, args.dtype)
         num_pages = max(2, args.kv_cache_mb * 2**20 // layout.page_bytes)
-        self.pool = KVPool(layout, num_pages)
+        self.pool = KVPool(layout, num_pages, device)
         self.scheduler = Scheduler(
-            ModelRunner(model, self.pool),
+            ModelRunner(model, self.pool, device),
             SchedulerConfig(
                 max_batch_tokens=args.max_batch_tokens,
                 max_running=args.max_running,
@@ -66,9 +71,9 @@ class BaseWorker:
         self.outbox = Outbox(self.ctx)
         self.stopped = False
         logger.info(
-            "%s worker %s: %s, %s, %d KV pages of %d tokens, inbox %s",
-            self.role, args.worker_id, args.model_path, args.dtype, num_pages - 1,
-            args.page_size, args.addr,
+            "%s worker %s: %s, %s on %s (%s attention), %d KV pages of %d tokens, inbox %s",
+            self.role, args.worker_id, args.model_path, args.dtype, device,
+            type(model.attn_backend).__name__, num_pages - 1, args.page_size, args.addr,
         )
 
     # ---- main loop ----------------------------------------------------------------------------
