@@ -8,6 +8,12 @@ New K/V are stored with the pool's torch ``index_put`` before either kernel runs
 
 Under ``TRITON_INTERPRET=1`` (set before this module is first imported: Triton decides at
 decoration time) the kernels run on CPU tensors, in float32 arithmetic, for tests.
+
+CUDA graphs are not captured yet. What capture of a decode step needs: ``prepare`` moved out of
+``LlamaForCausalLM.forward`` (it builds index tensors from host lists), static device buffers for
+input ids, positions, page table, seq lens and output slots padded to a captured batch size (with
+padding rows pointing at the scratch page), and a fixed ``num_splits`` per captured size. The
+kernels themselves are capture-safe (no host syncs, no allocation besides the split partials).
 """
 
 from __future__ import annotations
