@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
 import sys
 import time
@@ -25,86 +24,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from common import (
+    MAX_PROMPT_TOKENS,
+    default_dtype,
+    launch_cluster,
+    load_prompts,
+    percentile,
+    resolve_model,
+)
 from tqdm import tqdm
 
-from splitserve.ipc import free_tcp_addr
-
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-SHAREGPT_DIR = SHARED / "data" / "prompts" / "sharegpt"
-MAX_PROMPT_TOKENS = 256
 GOAL_RATIO = 5.0
 GOAL_CONCURRENCY = 32
-SEED = 0
-
-
-# --------------------------------------------------------------------------------------------
-# setup
-
-
-def cpu_supports_bf16() -> bool:
-    """True if /proc/cpuinfo advertises AMX or AVX512-BF16 (fast bfloat16 matmuls on CPU)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[1].split())
-            break
-    return bool(flags & {"amx_bf16", "amx_tile", "avx512_bf16"})
-
-
-def default_dtype() -> tuple[str, str]:
-    """The default dtype and why it was chosen."""
-    if cpu_supports_bf16():
-        return "bfloat16", "CPU advertises AMX/avx512_bf16"
-    return "float32", "CPU lacks AMX/avx512_bf16"
-
-
-def resolve_model(model: str | None) -> str:
-    """``--model`` or the default model's safetensors folder."""
-    if model:
-        return model
-    from splitserve.default_model import ensure_default_model
-
-    return str(ensure_default_model())
-
-
-def first_user_turns(folder: Path) -> list[str]:
-    """The first human turn of every ShareGPT conversation under ``folder`` (``*.jsonl``)."""
-    texts: list[str] = []
-    for path in sorted(folder.glob("*.jsonl")):
-        with path.open() as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                conv = json.loads(line).get("conversations", [])
-                turn = next((t for t in conv if t.get("from") in ("human", "user")), None)
-                if turn and turn.get("value", "").strip():
-                    texts.append(turn["value"])
-    return texts
-
-
-def load_prompts(tokenizer: Any, num: int, max_tokens: int = MAX_PROMPT_TOKENS) -> list[list[int]]:
-    """``num`` ShareGPT first user turns as token ids, each truncated to ``max_tokens``.
-
-    The selection is a seeded shuffle, so every run (and every system) sees the same prompts.
-    """
-    texts = first_user_turns(SHAREGPT_DIR)
-    if not texts:
-        raise SystemExit(f"no ShareGPT prompts found under {SHAREGPT_DIR}")
-    random.Random(SEED).shuffle(texts)
-    prompts: list[list[int]] = []
-    for text in texts:
-        ids = tokenizer.encode(text, add_special_tokens=True)[:max_tokens]
-        if ids:
-            prompts.append(ids)
-        if len(prompts) == num:
-            break
-    if len(prompts) < num:
-        raise SystemExit(f"only {len(prompts)} usable prompts, {num} requested")
-    return prompts
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,17 +79,6 @@ class RunResult:
         d = asdict(self)
         d.update(tok_per_s=self.tok_per_s, req_per_s=self.req_per_s)
         return d
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile, ``q`` in [0, 100]."""
-    xs = sorted(values)
-    if len(xs) == 1:
-        return xs[0]
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def summarize(name: str, concurrency: int, results: list[RequestResult], wall_s: float) -> RunResult:
@@ -280,19 +200,12 @@ async def warm_up(url: str, prompts: list[list[int]], output_len: int, n: int = 
 def run_cluster(mode: str, model_path: str, dtype: str, prompts: list[list[int]], output_len: int,
                 concurrencies: list[int]) -> list[RunResult]:
     """Start a cluster in ``mode`` (disaggregated or colocated) and run every concurrency."""
-    from splitserve.launcher import Cluster, ClusterSpec
-
-    port = int(free_tcp_addr().rsplit(":", 1)[1])
-    spec = ClusterSpec(model_path=model_path, colocated=(mode == "colocated"), port=port,
-                       dtype=dtype, max_running=max(64, max(concurrencies)))
     name = f"splitserve {mode}"
-    print(f"starting {name} cluster on {spec.url} ...", flush=True)
     runs: list[RunResult] = []
-    with Cluster(spec) as cluster:
-        asyncio.run(warm_up(spec.url, prompts, output_len))
+    with launch_cluster(mode, model_path, dtype, max_running=max(64, max(concurrencies))) as url:
+        asyncio.run(warm_up(url, prompts, output_len))
         for c in concurrencies:
-            runs.append(asyncio.run(run_concurrency(spec.url, name, prompts, output_len, c)))
-            cluster.check_alive()
+            runs.append(asyncio.run(run_concurrency(url, name, prompts, output_len, c)))
             print_run(runs[-1])
     return runs
 

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
 
-from splitserve.config import DTYPES, ROLES, WorkerArgs
+from splitserve.config import ROLES, WorkerArgs
+from splitserve.engine.cpu_features import DTYPE_CHOICES, resolve_dtype
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF-format model folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="auto: bfloat16 on CPUs with AMX/avx512_bf16 (and CUDA), else float32")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size per worker (MiB)")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget of one step")
@@ -26,6 +29,8 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--threads-per-worker", type=int, default=0, help="0: split the cores")
+    p.add_argument("--cpu-affinity", nargs="+", default=[], metavar="NAME=CPUS",
+                   help="pin processes to CPUs, e.g. prefill=0 decode=1 (or colocated=0-1)")
     p.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds")
 
 
@@ -73,11 +78,23 @@ def _model_path(model: str | None) -> str:
         sys.exit(f"error: {exc}")
 
 
+def _dtype(name: str, report: bool = False) -> str:
+    """Resolve ``--dtype auto`` (once, in the launcher, so that every worker agrees)."""
+    dtype, why = resolve_dtype(name, os.environ.get("SPLITSERVE_DEVICE", "cpu"))
+    if report:
+        print(f"splitserve: dtype {dtype} ({why})", file=sys.stderr, flush=True)
+    return dtype
+
+
 def _cluster_spec(args: argparse.Namespace, colocated: bool):
     from splitserve.engine.model_config import ModelConfig
-    from splitserve.launcher import ClusterSpec
+    from splitserve.launcher import ClusterSpec, parse_cpu_affinity
 
     path = _model_path(args.model)
+    try:
+        affinity = parse_cpu_affinity(args.cpu_affinity)
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")
     try:
         ModelConfig.from_dir(path)  # unsupported architecture: fail here, not in a child
     except (ValueError, FileNotFoundError) as exc:
@@ -89,12 +106,13 @@ def _cluster_spec(args: argparse.Namespace, colocated: bool):
         colocated=colocated,
         host=args.host,
         port=args.port,
-        dtype=args.dtype,
+        dtype=_dtype(args.dtype, report=True),
         page_size=args.page_size,
         kv_cache_mb=args.kv_cache_mb,
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.max_running,
         threads_per_worker=args.threads_per_worker,
+        cpu_affinity=affinity,
         transfer_timeout_s=args.transfer_timeout,
         log_level=args.log_level,
     )
@@ -125,8 +143,19 @@ def _run_cluster(args: argparse.Namespace, colocated: bool) -> None:
         cluster.stop()
 
 
+def _pin_from_env() -> None:
+    """Pin this process to ``$SPLITSERVE_CPU_AFFINITY`` (set by the launcher per worker), before
+    torch starts its thread pool, so every thread inherits it."""
+    from splitserve.launcher import AFFINITY_ENV
+
+    cpus = os.environ.get(AFFINITY_ENV)
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    _pin_from_env()
     logging.basicConfig(level=args.log_level.upper())
     if args.command == "launch":
         _run_cluster(args, colocated=False)
@@ -143,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
             WorkerArgs(
                 role=args.role, worker_id=args.worker_id, addr=args.addr,
                 server_addr=args.server_addr, model_path=_model_path(args.model),
-                dtype=args.dtype, page_size=args.page_size, kv_cache_mb=args.kv_cache_mb,
+                dtype=_dtype(args.dtype), page_size=args.page_size, kv_cache_mb=args.kv_cache_mb,
                 max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                 transfer_timeout_s=args.transfer_timeout, num_threads=args.threads,
             ),

@@ -20,6 +20,7 @@ from typing import Self
 from splitserve.ipc import free_tcp_addr
 
 logger = logging.getLogger(__name__)
+AFFINITY_ENV = "SPLITSERVE_CPU_AFFINITY"  # "0,1": CPUs the process pins itself to at start-up
 
 
 @dataclass(slots=True)
@@ -37,7 +38,10 @@ class ClusterSpec:
     kv_cache_mb: int = 512
     max_batch_tokens: int = 2048
     max_running: int = 64
-    threads_per_worker: int = 0  # 0: split the machine's cores between the workers
+    threads_per_worker: int = 0  # 0: split the machine's cores (or a worker's pinned CPUs)
+    # Pin processes to CPUs: role, worker id or "api-server" -> CPU ids, e.g.
+    # {"prefill": [0], "decode": [1]}; see parse_cpu_affinity for the string form.
+    cpu_affinity: dict[str, list[int]] = field(default_factory=dict)
     transfer_timeout_s: float = 30.0
     log_level: str = "warning"
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -45,6 +49,31 @@ class ClusterSpec:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+def parse_cpu_affinity(text: str | list[str]) -> dict[str, list[int]]:
+    """``"prefill=0 decode=1"`` or ``["colocated=0-1"]`` -> ``{"prefill": [0], "decode": [1]}``.
+
+    Keys are roles (``prefill``, ``decode``, ``colocated``), worker ids (``decode-1``) or
+    ``api-server``; values are CPU lists such as ``0``, ``0,2`` or ``0-3``.
+
+    Raises:
+        ValueError: a malformed item.
+    """
+    items = text.split() if isinstance(text, str) else [x for t in text for x in t.split()]
+    out: dict[str, list[int]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"bad CPU affinity {item!r}: use NAME=CPUS, e.g. prefill=0 decode=1")
+        cpus: list[int] = []
+        for part in value.split(","):
+            lo, _, hi = part.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise ValueError(f"bad CPU list {value!r} in {item!r}")
+            cpus += range(int(lo), int(hi or lo) + 1)
+        out[key] = cpus
+    return out
 
 
 class ClusterError(RuntimeError):
@@ -62,11 +91,19 @@ class Cluster:
         s = self.spec
         return ["colocated"] if s.colocated else ["prefill"] * s.num_prefill + ["decode"] * s.num_decode
 
+    def _cpus(self, name: str) -> list[int] | None:
+        """The CPUs process ``name`` (``prefill-0``, ``api-server``) is pinned to, if any."""
+        aff = self.spec.cpu_affinity
+        return aff.get(name) or aff.get(name.rsplit("-", 1)[0] if name != "api-server" else name)
+
     def _spawn(self, name: str, args: list[str], threads: int) -> None:
         env = dict(os.environ, **self.spec.extra_env)
         if threads > 0:
             env["OMP_NUM_THREADS"] = str(threads)
         cmd = [sys.executable, "-m", "splitserve", *args, "--log-level", self.spec.log_level]
+        cpus = self._cpus(name)
+        if cpus:  # applied by the child's cli.main before it starts any thread
+            env[AFFINITY_ENV] = ",".join(map(str, cpus))
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self.procs.append((name, proc))
 
@@ -84,13 +121,15 @@ class Cluster:
         for i, role in enumerate(roles):
             addr = free_tcp_addr()
             addrs[role].append(addr)
+            cpus = self._cpus(f"{role}-{i}")
+            n = s.threads_per_worker or (len(cpus) if cpus else threads)
             self._spawn(f"{role}-{i}", [
                 "worker", "--role", role, "--worker-id", f"{role}-{i}", "--addr", addr,
                 "--server-addr", server_inbox, "--model", s.model_path, "--dtype", s.dtype,
                 "--page-size", str(s.page_size), "--kv-cache-mb", str(s.kv_cache_mb),
                 "--max-batch-tokens", str(s.max_batch_tokens), "--max-running", str(s.max_running),
-                "--transfer-timeout", str(s.transfer_timeout_s), "--threads", str(threads),
-            ], threads)
+                "--transfer-timeout", str(s.transfer_timeout_s), "--threads", str(n),
+            ], n)
         server_args = ["api-server", "--model", s.model_path, "--host", s.host, "--port",
                        str(s.port), "--inbox", server_inbox]
         for role, role_addrs in addrs.items():

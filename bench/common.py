@@ -1,0 +1,119 @@
+"""What the benchmarks share: prompts (ShareGPT, random), percentiles, the model and dtype
+defaults, and starting a local splitserve cluster.
+
+The scripts in ``bench/`` run as files (``python bench/serving.py``), so their folder is on
+``sys.path`` and they import this module as ``common``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from splitserve.engine.cpu_features import resolve_dtype
+from splitserve.ipc import free_tcp_addr
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+SHAREGPT_DIR = SHARED / "data" / "prompts" / "sharegpt"
+MAX_PROMPT_TOKENS = 256
+SEED = 0
+
+
+def default_dtype() -> tuple[str, str]:
+    """The default serving dtype on this machine and why (AMX/avx512_bf16 -> bfloat16)."""
+    return resolve_dtype("auto")
+
+
+def resolve_model(model: str | None) -> str:
+    """``--model`` or the default model's safetensors folder."""
+    if model:
+        return model
+    from splitserve.default_model import ensure_default_model
+
+    return str(ensure_default_model())
+
+
+def first_user_turns(folder: Path = SHAREGPT_DIR) -> list[str]:
+    """The first human turn of every ShareGPT conversation under ``folder`` (``*.jsonl``)."""
+    texts: list[str] = []
+    for path in sorted(folder.glob("*.jsonl")):
+        with path.open() as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                conv = json.loads(line).get("conversations", [])
+                turn = next((t for t in conv if t.get("from") in ("human", "user")), None)
+                if turn and turn.get("value", "").strip():
+                    texts.append(turn["value"])
+    return texts
+
+
+def load_prompts(
+    tokenizer: Any, num: int, max_tokens: int = MAX_PROMPT_TOKENS, min_tokens: int = 1
+) -> list[list[int]]:
+    """``num`` ShareGPT first user turns as token ids, each truncated to ``max_tokens``.
+
+    The selection is a seeded shuffle, so every run (and every system) sees the same prompts.
+    """
+    texts = first_user_turns(SHAREGPT_DIR)
+    if not texts:
+        raise SystemExit(f"no ShareGPT prompts found under {SHAREGPT_DIR}")
+    random.Random(SEED).shuffle(texts)
+    prompts: list[list[int]] = []
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=True)[:max_tokens]
+        if len(ids) >= min_tokens:
+            prompts.append(ids)
+        if len(prompts) == num:
+            break
+    if len(prompts) < num:
+        raise SystemExit(f"only {len(prompts)} usable prompts, {num} requested")
+    return prompts
+
+
+def random_prompts(tokenizer: Any, num: int, input_len: int, seed: int = SEED) -> list[list[int]]:
+    """``num`` prompts of exactly ``input_len`` random ordinary token ids (no special tokens)."""
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    rng = random.Random(seed)
+    return [[rng.choice(vocab) for _ in range(input_len)] for _ in range(num)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, ``q`` in [0, 100]; NaN for no values."""
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    if len(xs) == 1:
+        return xs[0]
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@contextmanager
+def launch_cluster(mode: str, model_path: str, dtype: str, **spec_kw: Any) -> Iterator[str]:
+    """Start a local cluster (``disaggregated`` or ``colocated``) and yield its base URL.
+
+    ``spec_kw`` goes to :class:`splitserve.launcher.ClusterSpec` (``threads_per_worker``,
+    ``cpu_affinity``, ``max_running``, ...).
+    """
+    from splitserve.launcher import Cluster, ClusterSpec, parse_cpu_affinity
+
+    if isinstance(spec_kw.get("cpu_affinity"), str | list):
+        spec_kw["cpu_affinity"] = parse_cpu_affinity(spec_kw["cpu_affinity"])
+    if mode not in ("disaggregated", "colocated"):
+        raise ValueError(f"unknown cluster mode {mode!r}")
+    port = int(free_tcp_addr().rsplit(":", 1)[1])
+    spec = ClusterSpec(
+        model_path=model_path, colocated=(mode == "colocated"), port=port, dtype=dtype, **spec_kw
+    )
+    print(f"starting splitserve {mode} cluster on {spec.url} ({dtype}) ...", flush=True)
+    with Cluster(spec) as cluster:
+        yield spec.url
+        cluster.check_alive()

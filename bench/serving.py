@@ -1,0 +1,577 @@
+"""Serving benchmark for any OpenAI-compatible server (splitserve, llama.cpp's, vLLM's, SGLang's).
+
+Streams ``/v1/completions`` requests and measures, per request, the time to the first token
+(TTFT), the gaps between streamed chunks (ITL), the time per output token after the first (TPOT)
+and the end-to-end latency (E2E); per run, request and output-token throughput and goodput (the
+rate of requests that met every SLO given with ``--slo``). Every target in one invocation gets
+the same prompts, output lengths and arrival times, so their ratios are measured in one run.
+
+Targets: ``--base-url [NAME=]URL`` (any number) and ``--launch disaggregated|colocated`` (a local
+splitserve cluster started for its runs and stopped after). Load: ``--concurrency N ...``
+(closed loop, N in flight) or ``--request-rate R ...`` (Poisson arrivals, ``inf`` = all at once;
+``--max-concurrency`` caps in-flight requests). Datasets: ``sharegpt`` (first user turns from
+``shared/data/prompts/sharegpt/``, truncated to ``--max-input-len``) or ``random``
+(``--input-len`` random token ids). Outputs are ``--output-len`` tokens with ``ignore_eos``.
+
+Examples::
+
+    python bench/serving.py --launch disaggregated --launch colocated --concurrency 1 8 32
+    python bench/serving.py --base-url llama.cpp=http://127.0.0.1:8090 --launch disaggregated
+    python bench/serving.py --base-url http://127.0.0.1:8000 --request-rate 1 2 4 --slo ttft:2000 itl:200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from common import SEED, launch_cluster, load_prompts, percentile, random_prompts, resolve_model
+from tqdm import tqdm
+
+METRICS = ("ttft", "itl", "tpot", "e2e")
+STATS = ("mean", "p50", "p90", "p99")
+SLO_KINDS = ("ttft", "itl", "tpot", "e2e")  # itl: the request's largest gap
+
+
+# --------------------------------------------------------------------------------------------
+# one request
+
+
+@dataclass(slots=True)
+class Workload:
+    """One request to send: a prompt (token ids, or text when the server needs text)."""
+
+    prompt: list[int] | str
+    prompt_len: int
+    output_len: int
+    tag: str = ""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A finished request. Times in seconds; ``start`` is relative to the run's start."""
+
+    tag: str
+    prompt_len: int
+    start: float = 0.0
+    ttft: float = float("nan")
+    latency: float = float("nan")
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot(self) -> float:
+        """Mean time per output token after the first (NaN for a one-token output)."""
+        if self.output_tokens < 2:
+            return float("nan")
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass(slots=True)
+class Target:
+    """Where requests go. ``model`` is what the ``model`` field says (first of /v1/models)."""
+
+    name: str
+    url: str
+    model: str = "default"
+    ignore_eos: bool = True
+
+
+async def send_request(
+    client: httpx.AsyncClient, target: Target, work: Workload, t0: float
+) -> RequestOutput:
+    """Stream one ``/v1/completions`` request; count tokens from the usage chunk if there is
+    one (else one per content chunk) and record the gap before every chunk after the first."""
+    out = RequestOutput(work.tag, work.prompt_len)
+    body: dict[str, Any] = {
+        "model": target.model,
+        "prompt": work.prompt,
+        "max_tokens": work.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if target.ignore_eos:
+        body["ignore_eos"] = True
+    start = time.perf_counter()
+    out.start = start - t0
+    last = start
+    chunks = 0
+    usage_tokens: int | None = None
+    try:
+        async with client.stream("POST", target.url + "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                out.error = f"HTTP {resp.status_code}: {text[:200]}"
+                return out
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    out.error = str(chunk["error"])[:200]
+                    return out
+                if chunk.get("usage") and chunk["usage"].get("completion_tokens") is not None:
+                    usage_tokens = int(chunk["usage"]["completion_tokens"])
+                choices = chunk.get("choices") or []
+                if not choices or not (choices[0].get("text") or choices[0].get("delta")):
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    out.ttft = now - start
+                else:
+                    out.itls.append(now - last)
+                last = now
+                chunks += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    out.latency = time.perf_counter() - start
+    out.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    if chunks == 0:
+        out.error = "no tokens streamed"
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# one run: a list of requests under a load pattern
+
+
+def poisson_starts(num: int, rate: float, seed: int = SEED) -> list[float]:
+    """Arrival offsets (s) of ``num`` requests at ``rate`` per second; all 0 for ``inf``."""
+    if math.isinf(rate):
+        return [0.0] * num
+    rng = random.Random(seed)
+    t, starts = 0.0, []
+    for _ in range(num):
+        starts.append(t)
+        t += rng.expovariate(rate)
+    return starts
+
+
+async def run_requests(
+    target: Target,
+    works: list[Workload],
+    starts: list[float] | None = None,
+    max_concurrency: int | None = None,
+    desc: str = "",
+) -> tuple[list[RequestOutput], float]:
+    """Send ``works`` (at offsets ``starts``, or all at once) with at most ``max_concurrency``
+    in flight. Returns the outputs in ``works`` order and the wall time of the whole run."""
+    starts = starts or [0.0] * len(works)
+    limit = max_concurrency or len(works)
+    sem = asyncio.Semaphore(limit)
+    limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
+    timeout = httpx.Timeout(1800.0, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        bar = tqdm(total=len(works), desc=desc, unit="req", leave=False, file=sys.stderr)
+        t0 = time.perf_counter()
+
+        async def one(work: Workload, at: float) -> RequestOutput:
+            delay = at - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with sem:
+                out = await send_request(client, target, work, t0)
+            bar.update(1)
+            return out
+
+        outs = await asyncio.gather(*(one(w, s) for w, s in zip(works, starts, strict=True)))
+        wall = time.perf_counter() - t0
+        bar.close()
+    return list(outs), wall
+
+
+# --------------------------------------------------------------------------------------------
+# metrics
+
+
+def parse_slos(items: list[str]) -> dict[str, float]:
+    """``["ttft:2000", "itl:200"]`` -> ``{"ttft": 2.0, "itl": 0.2}`` (ms in, seconds out)."""
+    slos: dict[str, float] = {}
+    for item in items:
+        kind, _, value = item.partition(":")
+        if kind not in SLO_KINDS or not value:
+            raise SystemExit(f"bad --slo {item!r}: use KIND:MS with KIND in {SLO_KINDS}")
+        slos[kind] = float(value) / 1e3
+    return slos
+
+
+def meets_slos(out: RequestOutput, slos: dict[str, float]) -> bool:
+    """Whether a finished request met every SLO (``itl``: its largest gap)."""
+    if not out.ok:
+        return False
+    value = {
+        "ttft": out.ttft,
+        "e2e": out.latency,
+        "tpot": out.tpot if out.output_tokens > 1 else 0.0,
+        "itl": max(out.itls, default=0.0),
+    }
+    return all(value[k] <= limit for k, limit in slos.items())
+
+
+def stats_ms(values: list[float]) -> dict[str, float]:
+    vals = [v * 1e3 for v in values if not math.isnan(v)]
+    if not vals:
+        return {s: float("nan") for s in STATS}
+    return {
+        "mean": statistics.fmean(vals),
+        "p50": percentile(vals, 50),
+        "p90": percentile(vals, 90),
+        "p99": percentile(vals, 99),
+    }
+
+
+def summarize(outs: list[RequestOutput], wall: float, slos: dict[str, float]) -> dict[str, Any]:
+    """Aggregate one run: counts, throughputs, goodput and latency statistics (ms)."""
+    ok = [o for o in outs if o.ok]
+    out_tokens = sum(o.output_tokens for o in ok)
+    in_tokens = sum(o.prompt_len for o in ok)
+    good = sum(meets_slos(o, slos) for o in ok) if slos else len(ok)
+    s: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(outs) - len(ok),
+        "duration_s": wall,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "request_throughput": len(ok) / wall if wall else 0.0,
+        "output_throughput": out_tokens / wall if wall else 0.0,
+        "total_token_throughput": (in_tokens + out_tokens) / wall if wall else 0.0,
+        "goodput": good / wall if wall else 0.0,
+        "good_fraction": good / len(outs) if outs else 0,
+        "slos_ms": {k: v * 1e3 for k, v in slos.items()},
+        "errors": sorted({o.error for o in outs if o.error})[:3],
+    }
+    s["ttft_ms"] = stats_ms([o.ttft for o in ok])
+    s["itl_ms"] = stats_ms([x for o in ok for x in o.itls])
+    s["tpot_ms"] = stats_ms([o.tpot for o in ok])
+    s["e2e_ms"] = stats_ms([o.latency for o in ok])
+    return s
+
+
+# --------------------------------------------------------------------------------------------
+# targets and reporting
+
+
+def parse_base_url(item: str) -> tuple[str, str]:
+    """``NAME=URL`` or ``URL`` (named after its host:port)."""
+    if "=" in item and not item.startswith("http"):
+        name, url = item.split("=", 1)
+    else:
+        name, url = item.split("://", 1)[-1], item
+    return name, url.rstrip("/").removesuffix("/v1")
+
+
+def first_model(url: str) -> str:
+    """The first model id ``/v1/models`` lists ("default" when it lists none)."""
+    try:
+        r = httpx.get(url + "/v1/models", timeout=30)
+        data = r.json().get("data") or []
+        return data[0]["id"] if data else "default"
+    except (httpx.HTTPError, ValueError, KeyError):
+        return "default"
+
+
+def print_summary(name: str, label: str, s: dict[str, Any]) -> None:
+    def fmt(m: str) -> str:
+        d = s[f"{m}_ms"]
+        return f"{m.upper()} ms mean {d['mean']:.1f} p50 {d['p50']:.1f} p99 {d['p99']:.1f}"
+
+    print(
+        f"  {name} {label}: {s['output_throughput']:.1f} out tok/s, "
+        f"{s['request_throughput']:.2f} req/s, goodput {s['goodput']:.2f} req/s "
+        f"({s['good_fraction']:.0%}); {fmt('ttft')}; {fmt('itl')}; {fmt('tpot')}"
+        + (f"; {s['failed']} FAILED: {s['errors']}" if s["failed"] else ""),
+        flush=True,
+    )
+
+
+def print_table(runs: list[dict[str, Any]]) -> None:
+    """One row per (target, load); ratios against the first target at the same load."""
+    header = (
+        f"{'target':<26}{'load':>8}{'out tok/s':>11}{'req/s':>8}{'goodput':>9}"
+        f"{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'TPOT':>8}"
+        f"{'x tok/s':>9}{'x TTFT':>8}"
+    )
+    print("\n" + header + "\n" + "-" * len(header))
+    base: dict[str, dict[str, Any]] = {}
+    for r in runs:
+        s = r["summary"]
+        b = base.setdefault(r["load"], s)
+        tok_ratio = s["output_throughput"] / b["output_throughput"] if b["output_throughput"] else 0
+        ttft_ratio = s["ttft_ms"]["p50"] / b["ttft_ms"]["p50"] if b["ttft_ms"]["p50"] else 0
+        print(
+            f"{r['target']:<26}{r['load']:>8}{s['output_throughput']:>11.1f}"
+            f"{s['request_throughput']:>8.2f}{s['goodput']:>9.2f}{s['ttft_ms']['p50']:>10.0f}"
+            f"{s['ttft_ms']['p99']:>10.0f}{s['itl_ms']['p50']:>9.1f}{s['itl_ms']['p99']:>9.1f}"
+            f"{s['tpot_ms']['mean']:>8.1f}{tok_ratio:>8.2f}x{ttft_ratio:>7.2f}x"
+            + (f"  ({s['failed']} failed)" if s["failed"] else "")
+        )
+    print("ratios (x) are against the first target at the same load; goodput in req/s")
+
+
+def plot(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Latency CDFs (TTFT, ITL, E2E) per run and output throughput against load."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[bench]'): no plots", file=sys.stderr)
+        return []
+    paths = []
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, key, title in zip(axes, ("ttft", "itl", "e2e"), ("TTFT", "ITL", "E2E latency")):
+        for r in runs:
+            vals = sorted(v * 1e3 for v in r["raw"][key] if not math.isnan(v))
+            if vals:
+                ys = [(i + 1) / len(vals) for i in range(len(vals))]
+                ax.step(vals, ys, where="post", label=f"{r['target']} {r['load']}")
+        ax.set(
+            title=f"{title} CDF",
+            xlabel="ms",
+            ylabel="fraction of requests" if key != "itl" else "fraction of gaps",
+        )
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "latency_cdf.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name in dict.fromkeys(r["target"] for r in runs):
+        rs = [r for r in runs if r["target"] == name]
+        ax.plot(
+            [r["load_value"] for r in rs],
+            [r["summary"]["output_throughput"] for r in rs],
+            marker="o",
+            label=name,
+        )
+    kind = runs[0]["load_kind"] if runs else "concurrency"
+    ax.set(xlabel=kind, ylabel="output tokens/s", title=f"output throughput vs {kind}")
+    ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "throughput.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+# --------------------------------------------------------------------------------------------
+# main
+
+
+def build_workloads(args: argparse.Namespace, tokenizer: Any) -> list[Workload]:
+    if args.dataset == "sharegpt":
+        prompts = load_prompts(tokenizer, args.num_prompts, args.max_input_len)
+    else:
+        prompts = random_prompts(tokenizer, args.num_prompts, args.input_len)
+    works = []
+    for ids in prompts:
+        prompt: list[int] | str = ids if args.prompt_format == "ids" else tokenizer.decode(ids)
+        works.append(Workload(prompt, len(ids), args.output_len))
+    return works
+
+
+@contextmanager
+def open_target(spec: tuple[str, str], args: argparse.Namespace) -> Iterator[Target]:
+    """A ``("url", "NAME=URL")`` or ``("launch", MODE)`` target, started if need be."""
+    kind, value = spec
+    if kind == "url":
+        name, url = parse_base_url(value)
+        ctx = nullcontext(url)
+    else:
+        name = f"splitserve {value}"
+        kw: dict[str, Any] = {
+            "max_running": args.max_running,
+            "threads_per_worker": args.threads_per_worker,
+        }
+        if args.cpu_affinity:
+            kw["cpu_affinity"] = args.cpu_affinity
+        ctx = launch_cluster(value, args.model_path, args.dtype, **kw)
+    with ctx as url:
+        model = args.served_model or first_model(url)
+        yield Target(name, url, model, not args.no_ignore_eos)
+
+
+def run_target(
+    target: Target, works: list[Workload], args: argparse.Namespace, slos: dict[str, float]
+) -> list[dict[str, Any]]:
+    """Warm up, then one run per load level."""
+    warm = [Workload(w.prompt, w.prompt_len, min(8, w.output_len)) for w in works[:2]]
+    outs, _ = asyncio.run(run_requests(target, warm))
+    if any(not o.ok for o in outs):
+        raise SystemExit(f"{target.name}: warm-up failed: {[o.error for o in outs if o.error]}")
+    runs = []
+    if args.request_rate:
+        loads = [("request_rate", r, f"{r:g}/s") for r in args.request_rate]
+    else:
+        loads = [("concurrency", c, f"c={c}") for c in args.concurrency]
+    for kind, value, label in loads:
+        if kind == "request_rate":
+            starts, limit = poisson_starts(len(works), value), args.max_concurrency
+        else:
+            starts, limit = None, int(value)
+        outs, wall = asyncio.run(
+            run_requests(target, works, starts, limit, desc=f"{target.name} {label}")
+        )
+        s = summarize(outs, wall, slos)
+        print_summary(target.name, label, s)
+        runs.append(
+            {
+                "target": target.name,
+                "url": target.url,
+                "load": label,
+                "load_kind": kind,
+                "load_value": value if not math.isinf(value) else 1e9,
+                "summary": s,
+                "raw": {
+                    "ttft": [o.ttft for o in outs if o.ok],
+                    "e2e": [o.latency for o in outs if o.ok],
+                    "itl": [x for o in outs if o.ok for x in o.itls],
+                    "tpot": [o.tpot for o in outs if o.ok],
+                },
+            }
+        )
+    return runs
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    t = p.add_argument_group("targets (in the order given; ratios are against the first)")
+    t.add_argument("--base-url", action="append", default=[], metavar="[NAME=]URL")
+    t.add_argument(
+        "--launch",
+        action="append",
+        default=[],
+        choices=["disaggregated", "colocated"],
+        help="start a local splitserve cluster",
+    )
+    t.add_argument(
+        "--served-model",
+        default=None,
+        help="the request's model field (default: the first of /v1/models)",
+    )
+    t.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="do not send ignore_eos (servers that reject unknown fields)",
+    )
+    c = p.add_argument_group("launched clusters")
+    c.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M-Instruct)")
+    c.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    c.add_argument("--threads-per-worker", type=int, default=0)
+    c.add_argument(
+        "--cpu-affinity",
+        default=None,
+        help="pin workers, e.g. 'prefill=0 decode=1' or 'colocated=0,1'",
+    )
+    c.add_argument("--max-running", type=int, default=64)
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
+    d.add_argument("--num-prompts", type=int, default=64)
+    d.add_argument("--max-input-len", type=int, default=256, help="sharegpt: truncate to this")
+    d.add_argument("--input-len", type=int, default=512, help="random: prompt tokens")
+    d.add_argument("--output-len", type=int, default=128)
+    d.add_argument("--tokenizer", default=None, help="default: the --model folder")
+    d.add_argument(
+        "--prompt-format",
+        choices=["ids", "text"],
+        default="ids",
+        help="send token ids (same tokens everywhere) or decoded text",
+    )
+    ld = p.add_argument_group("load")
+    ld.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ld.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=None,
+        help="Poisson arrivals per second (inf: all at once); overrides --concurrency",
+    )
+    ld.add_argument("--max-concurrency", type=int, default=None, help="with --request-rate")
+    ld.add_argument(
+        "--slo",
+        nargs="*",
+        default=[],
+        metavar="KIND:MS",
+        help=f"goodput SLOs, KIND in {SLO_KINDS} (itl: a request's largest gap)",
+    )
+    o = p.add_argument_group("output")
+    o.add_argument("--out", type=Path, default=None, help="folder for results.json and PNGs")
+    o.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    if not args.base_url and not args.launch:
+        p.error("give at least one --base-url or --launch")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from splitserve.engine.cpu_features import resolve_dtype
+
+    args.model_path = resolve_model(args.model)
+    args.dtype, why = resolve_dtype(args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model_path)
+    slos = parse_slos(args.slo)
+    works = build_workloads(args, tokenizer)
+    lens = [w.prompt_len for w in works]
+    print(
+        f"{len(works)} {args.dataset} prompts (mean {statistics.fmean(lens):.0f}, max "
+        f"{max(lens)} tokens), {args.output_len} output tokens each; launched clusters: "
+        f"{args.dtype} ({why})",
+        flush=True,
+    )
+    specs = [("url", u) for u in args.base_url] + [("launch", m) for m in args.launch]
+    runs: list[dict[str, Any]] = []
+    for spec in specs:
+        with open_target(spec, args) as target:
+            runs += run_target(target, works, args, slos)
+    print_table(runs)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        result = {
+            "config": config,
+            "runs": [{k: v for k, v in r.items() if k != "raw"} for r in runs],
+        }
+        (args.out / "results.json").write_text(json.dumps(result, indent=2))
+        (args.out / "raw.json").write_text(
+            json.dumps([{"target": r["target"], "load": r["load"], **r["raw"]} for r in runs])
+        )
+        paths = [] if args.no_plots else plot(runs, args.out)
+        print(f"results in {args.out}: results.json raw.json " + " ".join(p.name for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
