@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from splitserve.engine.cpu_features import resolve_dtype
 from splitserve.ipc import free_tcp_addr
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -25,6 +24,8 @@ SEED = 0
 
 def default_dtype() -> tuple[str, str]:
     """The default serving dtype on this machine and why (AMX/avx512_bf16 -> bfloat16)."""
+    from splitserve.engine.cpu_features import resolve_dtype
+
     return resolve_dtype("auto")
 
 

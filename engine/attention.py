@@ -89,6 +89,21 @@ class TorchAttentionMetadata:
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, P * page_size] bool, None = attend to all
     extends: list[_Extend]
     is_decode_only: bool
+    decode_lens: list[int] | None = None  # [Bd] KV lengths of the decode rows
+    sliding_window: int | None = None
+    decode_bias: torch.Tensor | None = None  # [Bd, Hq, S * Hkv], built by the first layer
+
+
+# Decode rows attend through one batched product over all KV heads at once (see
+# _decode_all_heads) in bfloat16 with at most this many KV heads: it does num_kv_heads times the
+# score arithmetic but skips the per-head transposes of the gathered K/V. Measured on one core
+# (SmolLM2, batch 32, ~200 keys): 1.4 ms per layer against 2.6 ms for the SDPA path in bfloat16;
+# no gain in float32 (2.9 vs 2.8 ms), which keeps the SDPA path.
+MAX_KV_HEADS_ALL_HEADS = 4
+
+
+def _use_all_heads(num_kv_heads: int, dtype: torch.dtype) -> bool:
+    return num_kv_heads <= MAX_KV_HEADS_ALL_HEADS and dtype == torch.bfloat16
 
 
 class TorchAttentionBackend(BaseAttentionBackend):
@@ -116,10 +131,15 @@ class TorchAttentionBackend(BaseAttentionBackend):
         if dec_rows:
             lens = [batch.seq_lens[i] for i in dec_rows]
             num_pages = pages_for(max(lens), ps)
-            rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
-            meta.decode_pages = batch.page_table[rows, :num_pages]
-            meta.decode_tokens = torch.tensor(dec_tok, dtype=torch.long, device=device)
-            meta.decode_mask = _decode_mask(lens, num_pages * ps, sliding_window, device)
+            if meta.is_decode_only:
+                meta.decode_pages = batch.page_table[:, :num_pages]
+            else:
+                rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
+                meta.decode_pages = batch.page_table[rows, :num_pages]
+                meta.decode_tokens = torch.tensor(dec_tok, dtype=torch.long, device=device)
+            meta.decode_lens, meta.sliding_window = lens, sliding_window
+            if not _use_all_heads(pool.layout.num_kv_heads, pool.buffer.dtype):
+                meta.decode_mask = _decode_mask(lens, num_pages * ps, sliding_window, device)
         return meta
 
     def forward(
@@ -137,7 +157,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
         if meta.is_decode_only:
             return self._decode(q, layer, meta, pool, scale)
         out = torch.empty_like(q)
-        if meta.decode_tokens is not None:
+        if meta.decode_pages is not None:
             out[meta.decode_tokens] = self._decode(q[meta.decode_tokens], layer, meta, pool, scale)
         for e in meta.extends:
             end = e.start + e.extend_len
@@ -152,6 +172,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
         """``q [Bd, Hq, D]``, one token per sequence -> ``[Bd, Hq, D]``."""
         bd, hq, d = q.shape
         hkv = pool.layout.num_kv_heads
+        if _use_all_heads(hkv, pool.buffer.dtype):
+            return self._decode_all_heads(q, layer, meta, pool, scale)
         pages = meta.decode_pages
         # [Bd * P, page_size * Hkv * D] -> [Bd, S, Hkv, D] -> [Bd, Hkv, S, D]
         kc = _gather(pool.k_pages(layer), pages).view(bd, -1, hkv, d).transpose(1, 2).to(q.dtype)
@@ -161,6 +183,33 @@ class TorchAttentionBackend(BaseAttentionBackend):
         qg = q.reshape(bd, hkv, hq // hkv, d)
         o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.decode_mask, scale=scale)
         return o.reshape(bd, hq, d)
+
+    def _decode_all_heads(
+        self, q: torch.Tensor, layer: int, meta: TorchAttentionMetadata, pool: KVPool, scale: float
+    ) -> torch.Tensor:
+        """Decode attention as two batched products per layer, with no per-head transposes.
+
+        The gathered keys ``[Bd, S, Hkv, D]`` are read as ``S * Hkv`` key rows of one matrix, so
+        each query head scores every (position, KV head) pair; an additive bias of ``-inf`` on
+        the pairs of other KV heads (and on positions past the sequence or outside the window)
+        makes the softmax over all pairs equal the softmax over its own head's positions, and
+        gives those pairs weight exactly 0 in the value product. Scores are in ``q``'s dtype (as
+        transformers' eager attention computes them); the softmax runs in float32.
+        """
+        bd, hq, d = q.shape
+        pages = meta.decode_pages.flatten()
+        k = _gather(pool.k_pages(layer), pages).view(bd, -1, d)  # [Bd, S * Hkv, D]
+        v = _gather(pool.v_pages(layer), pages).view(bd, -1, d)
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        if meta.decode_bias is None:
+            meta.decode_bias = _all_heads_bias(
+                meta.decode_lens, k.shape[1] // pool.layout.num_kv_heads,
+                pool.layout.num_kv_heads, hq, meta.sliding_window, q.dtype, q.device,
+            )
+        scores = torch.baddbmm(meta.decode_bias, q, k.transpose(1, 2), alpha=scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, v)
 
     def _extend(
         self,
@@ -217,6 +266,31 @@ def _extend_mask(
     if window is not None:
         mask &= kpos > qpos - window
     return mask
+
+
+def _all_heads_bias(
+    lens: list[int],
+    num_keys: int,
+    num_kv_heads: int,
+    num_heads: int,
+    window: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """``[B, Hq, num_keys * Hkv]``: 0 where query head ``h`` may attend to (position ``s``, KV head
+    ``j``) — ``j`` is ``h``'s KV head, ``s < seq_len`` and inside the window — else ``-inf``."""
+    group = num_heads // num_kv_heads
+    seq = torch.tensor(lens, dtype=torch.long, device=device)[:, None, None, None]
+    kpos = torch.arange(num_keys, device=device)[None, None, :, None]
+    ok = kpos < seq
+    if window is not None:
+        ok = ok & (kpos > seq - 1 - window)
+    own = torch.arange(num_kv_heads, device=device)[None, None, None, :] == (
+        torch.arange(num_heads, device=device) // group
+    )[None, :, None, None]
+    ok = ok & own  # [B, Hq, S, Hkv]
+    bias = torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, float("-inf"))
+    return bias.view(len(lens), num_heads, num_keys * num_kv_heads)
 
 
 def _decode_mask(

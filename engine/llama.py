@@ -12,7 +12,15 @@ from torch import nn
 from splitserve.engine.attention import BaseAttentionBackend, create_attention_backend
 from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kv_pool import KVPool
-from splitserve.engine.layers import Embedding, GatedMLP, Linear, RMSNorm
+from splitserve.engine.layers import (
+    Embedding,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    can_pack,
+    pack_weight,
+    packed_linear,
+)
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.rope import RotaryEmbedding, apply_rope
 
@@ -112,6 +120,20 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling, config.context_len
         )
+        self.packed_head: torch.Tensor | None = None
+
+    def pack_weights(self) -> bool:
+        """Pre-pack every projection for oneDNN (CPU bfloat16 only; see ``layers.pack_weight``).
+        Call after the weights are loaded and the model is on its device. Returns whether it
+        packed."""
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if not can_pack(head):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        self.packed_head = pack_weight(head.data)
+        return True
 
     def to(self, device: torch.device | str) -> LlamaForCausalLM:  # type: ignore[override]
         """Move parameters and the RoPE table (not a module buffer, to keep it float32)."""
@@ -135,15 +157,23 @@ class LlamaForCausalLM(nn.Module):
             ``(logits, hidden [N, hidden_size] in model dtype)`` when ``return_hidden``.
         """
         x = self.embed_tokens(batch.input_ids)
-        cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
+        # Positions end at seq_len - 1: the bound check needs no read of the positions tensor.
+        max_position = max(batch.seq_lens) - 1 if batch.seq_lens else None
+        cos, sin = self.rope.cos_sin(batch.positions, self.dtype, max_position)
         meta = self.attn_backend.prepare(batch, pool, self.config.sliding_window)
         for layer in self.layers:
             x = layer(x, cos, sin, self.attn_backend, meta, pool)
         # The norm is per row, so only the scored rows need it (and the vocab projection).
         h = self.norm(x[batch.logit_indices])
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(h, head).float()
+        logits = self.compute_logits(h)
         return (logits, h) if return_hidden else logits
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``h [N, hidden]`` (final-normed) -> float32 logits ``[N, vocab]``."""
+        if self.packed_head is not None:
+            return packed_linear(h, self.packed_head, None).float()
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(h, head).float()
 
 
 def hf_weight_map(config: ModelConfig) -> dict[str, tuple[str, int, int]]:

@@ -92,4 +92,5 @@ def load_model(
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(f"model folder {path} lacks tensors: {', '.join(missing[:5])}{more}")
+    model.pack_weights()  # CPU bfloat16: oneDNN-packed projections (no-op elsewhere)
     return model.eval(), config

@@ -104,16 +104,21 @@ class RotaryEmbedding:
         self.sin = freqs.sin() * attn_scale
 
     def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, head_dim // 2]`` in ``dtype`` for int64 ``positions [T]``.
+
+        ``max_position`` (the largest of ``positions``, when the caller knows it) spares a
+        device-to-host read of ``positions.max()``.
 
         Raises:
             ValueError: a position is past the context length.
         """
-        if positions.numel() and int(positions.max()) >= self.context_len:
+        if max_position is None and positions.numel():
+            max_position = int(positions.max())
+        if max_position is not None and max_position >= self.context_len:
             raise ValueError(
-                f"position {int(positions.max())} exceeds context length {self.context_len}"
+                f"position {max_position} exceeds context length {self.context_len}"
             )
         # Cast like transformers does (cos/sin to the activation dtype) so bf16 matches it too.
         cos = self.cos.to(positions.device)[positions].to(dtype).unsqueeze(1)
