@@ -125,6 +125,8 @@ def run_mode(
     slos: dict[str, float],
 ) -> dict[str, Any]:
     mode, affinity, threads = MODES[name]
+    if name == "colocated" and args.colocated_threads:
+        threads = args.colocated_threads
     kw = {
         "cpu_affinity": args.cpu_affinity.get(name, affinity),
         "threads_per_worker": threads,
@@ -201,6 +203,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=2048,
         help="token budget per step (the colocated worker's prefill chunk size)",
+    )
+    p.add_argument(
+        "--colocated-threads",
+        type=int,
+        default=0,
+        help="threads of the colocated worker (default 2; on a machine loaded by "
+        "other work, 2 spinning OpenMP threads stall badly: try 1)",
     )
     p.add_argument("--duration", type=float, default=60.0, help="seconds per phase")
     p.add_argument("--streams", type=int, default=8)

@@ -13,6 +13,7 @@
 #   LLAMACPP_THREADS  server threads (default 2)      LLAMACPP_SLOTS  parallel slots (default 32)
 #   LLAMACPP_CTX      context per slot (default 512)  LLAMACPP_PORT   server port (default 8090)
 #   LLAMACPP_OUTTYPE  GGUF weight type: f16 (default), bf16 or f32
+#   LLAMACPP_CACHE_PROMPT  1 keeps llama.cpp's prompt cache (off by default, see serve())
 #   MODEL             HF model folder (default: splitserve's SmolLM2-135M-Instruct folder)
 #   SERVING_ARGS      extra arguments for bench/serving.py
 #   OUT               where results go (default bench/results/llamacpp-<date>)
@@ -54,13 +55,21 @@ convert() {
   local model; model=$(model_dir)
   GGUF=$DIR/$(basename "$model")-$OUTTYPE.gguf
   if [ -f "$GGUF" ]; then echo "GGUF already converted: $GGUF"; return; fi
+  # The converter imports sentencepiece before it looks for a tokenizer.model (then falls back to
+  # tokenizer.json), so it needs the module even for BPE tokenizers such as SmolLM2's.
+  "$PY" -c "import sentencepiece" 2>/dev/null || "$PY" -m pip install -q sentencepiece
   "$PY" "$SRC/convert_hf_to_gguf.py" "$model" --outtype "$OUTTYPE" --outfile "$GGUF"
 }
 
 serve() {
   # One process, THREADS threads, SLOTS slots with continuous batching; ctx is the total.
+  # Prompt caching off (per-slot reuse and the host-RAM cache): serving.py sends the same prompts
+  # at every concurrency, so cached prompts would skip prefill from the second level on. Set
+  # LLAMACPP_CACHE_PROMPT=1 to keep it (compare with a prefix-caching splitserve then).
+  local cache=(--no-cache-prompt --cache-ram 0)
+  if [ "${LLAMACPP_CACHE_PROMPT:-0}" = 1 ]; then cache=(); fi
   exec "$BIN" -m "$GGUF" --host 127.0.0.1 --port "$PORT" -t "$THREADS" -tb "$THREADS" \
-    -np "$SLOTS" -c $((SLOTS * CTX)) --cont-batching --no-webui --log-disable
+    -np "$SLOTS" -c $((SLOTS * CTX)) --cont-batching --no-webui "${cache[@]}"
 }
 
 wait_healthy() {
