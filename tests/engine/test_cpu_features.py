@@ -1,0 +1,36 @@
+"""dtype auto-detection and the launcher's CPU-affinity parsing (no processes started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine import cpu_features
+from splitserve.launcher import Cluster, ClusterSpec, parse_cpu_affinity
+
+
+def test_resolve_dtype(monkeypatch) -> None:
+    assert cpu_features.resolve_dtype("float32") == ("float32", "asked for")
+    assert cpu_features.resolve_dtype("auto", "cuda:0")[0] == "bfloat16"
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    assert cpu_features.resolve_dtype("auto") == ("bfloat16", "auto: CPU has avx512_bf16")
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert cpu_features.resolve_dtype("auto")[0] == "float32"
+    with pytest.raises(ValueError, match="unknown dtype"):
+        cpu_features.resolve_dtype("float16")
+
+
+def test_parse_cpu_affinity() -> None:
+    assert parse_cpu_affinity("prefill=0 decode=1") == {"prefill": [0], "decode": [1]}
+    assert parse_cpu_affinity(["colocated=0-2,5"]) == {"colocated": [0, 1, 2, 5]}
+    for bad in ("prefill", "decode=", "decode=a", "=1"):
+        with pytest.raises(ValueError):
+            parse_cpu_affinity(bad)
+
+
+def test_affinity_lookup_by_worker_id_then_role() -> None:
+    spec = ClusterSpec(model_path="m", cpu_affinity={"decode": [1], "decode-2": [3], "api-server": [0]})
+    cluster = Cluster(spec)
+    assert cluster._cpus("decode-1") == [1]
+    assert cluster._cpus("decode-2") == [3]
+    assert cluster._cpus("prefill-0") is None
+    assert cluster._cpus("api-server") == [0]
