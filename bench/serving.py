@@ -292,6 +292,15 @@ def first_model(url: str) -> str:
         return "default"
 
 
+def flush_cache(url: str) -> bool:
+    """Best effort ``POST /flush_cache`` (splitserve, SGLang): every load level re-sends the same
+    prompts, so a prefix cache would otherwise skip their prefill from the second level on."""
+    try:
+        return httpx.post(url + "/flush_cache", timeout=30).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def print_summary(name: str, label: str, s: dict[str, Any]) -> None:
     def fmt(m: str) -> str:
         d = s[f"{m}_ms"]
@@ -433,6 +442,8 @@ def run_target(
     else:
         loads = [("concurrency", c, f"c={c}") for c in args.concurrency]
     for kind, value, label in loads:
+        if args.flush_cache:
+            flush_cache(target.url)
         if kind == "request_rate":
             starts, limit = poisson_starts(len(works), value), args.max_concurrency
         else:
@@ -478,6 +489,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--served-model",
         default=None,
         help="the request's model field (default: the first of /v1/models)",
+    )
+    t.add_argument(
+        "--keep-cache",
+        dest="flush_cache",
+        action="store_false",
+        help="do not POST /flush_cache before each load level (same prompts at every level)",
     )
     t.add_argument(
         "--no-ignore-eos",
