@@ -28,6 +28,8 @@ class Req:
     page_ids: list[int] = field(default_factory=list)
     kv_len: int = 0
     cached_len: int = 0  # prompt tokens served from a prefix cache (reported to the client)
+    matched_len: int = 0  # leading tokens whose pages the prefix cache lent at this admission
+    locked_node: object | None = None  # the prefix cache's pin on those pages (radix TreeNode)
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     emitted_len: int = 0  # output tokens already sent to the server

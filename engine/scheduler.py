@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from splitserve.engine.kv_pool import KVPool, pages_for
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Req
+from splitserve.radix_cache.prefix_cache import BasePrefixCache, NoPrefixCache
 
 
 @dataclass(slots=True)
@@ -47,9 +48,12 @@ class Scheduler:
         runner: ModelRunner,
         config: SchedulerConfig,
         eos_token_ids: list[int],
+        cache: BasePrefixCache | None = None,
     ) -> None:
         self.runner = runner
         self.pool: KVPool = runner.pool
+        # Every page a request gets or gives back goes through the cache (a no-op one when off).
+        self.cache = cache or NoPrefixCache(self.pool.allocator, self.pool.page_size)
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Req] = deque()  # need more than one token of KV: new or retracted
@@ -82,11 +86,21 @@ class Scheduler:
         return None
 
     def free(self, req: Req) -> None:
-        """Return ``req``'s pages to the pool."""
-        if req.page_ids:
-            self.pool.allocator.free(req.page_ids)
-            req.page_ids = []
-        req.kv_len = 0
+        """Give back ``req``'s pages: its computed KV goes to the prefix cache (when on), the
+        rest to the pool. Afterwards ``req`` holds no pages and ``kv_len == 0``."""
+        self.cache.release(req)
+
+    def check_pages(self, held_by_callers: int = 0) -> None:
+        """Every used page is either the cache's or a request's (call when idle, or pass the
+        pages held outside the queues, e.g. prefilled requests awaiting their KV send).
+
+        Raises:
+            AssertionError: pages leaked or were counted twice.
+        """
+        held = sum(len(r.page_ids) - r.matched_len // self.pool.page_size
+                   for r in (*self.waiting, *self.running))
+        used, cached = self.pool.allocator.num_used, self.cache.stats().cached_pages
+        assert used == cached + held + held_by_callers, (used, cached, held, held_by_callers)
 
     @property
     def has_work(self) -> bool:
@@ -137,9 +151,10 @@ class Scheduler:
             if len(reqs) >= self.config.max_running:
                 break
             if req.kv_len == len(req.page_ids) * page_size:
-                while not alloc.can_alloc(1) and self._retract_one(keep=req):
+                # Evict unpinned cache entries first; retract only when that is not enough.
+                while not self.cache.ensure_free(1) and self._retract_one(keep=req):
                     pass
-                if not alloc.can_alloc(1):
+                if not self.cache.ensure_free(1):
                     self._retract(req)
                     continue
                 req.page_ids.extend(alloc.alloc(1))
@@ -149,16 +164,23 @@ class Scheduler:
         for req in self.waiting:
             if budget <= 0 or len(reqs) >= self.config.max_running:
                 break
-            chunk = min(req.extend_len, budget)
-            need = pages_for(req.kv_len + chunk, page_size) - len(req.page_ids)
-            if not req.page_ids:
+            is_new = not req.page_ids
+            if is_new:
                 # Admit a new prompt only if all of it fits, with a page of headroom per running
                 # request, so a half-prefilled prompt does not force decodes to retract.
-                total = pages_for(req.seq_len + 1, page_size)
-                if not alloc.can_alloc(total + len(self.running)):
-                    break
-            if not alloc.can_alloc(need):
+                self.cache.match(req)
+                total = pages_for(req.seq_len + 1, page_size) - len(req.page_ids)
+                if not self.cache.ensure_free(total + len(self.running)):
+                    self.cache.unmatch(req)
+                    break  # waits (FIFO) until requests finish or cache entries unpin
+            chunk = min(req.extend_len, budget)
+            need = pages_for(req.kv_len + chunk, page_size) - len(req.page_ids)
+            if not self.cache.ensure_free(need):
+                if is_new:
+                    self.cache.unmatch(req)
                 break  # FIFO: later prompts wait behind this one
+            if is_new:
+                self.cache.admitted(req)
             req.page_ids.extend(alloc.alloc(need))
             reqs.append(req)
             chunks.append(chunk)

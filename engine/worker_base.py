@@ -22,6 +22,7 @@ from splitserve.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 from splitserve.ipc import Inbox, Outbox, PeerUnreachable
 from splitserve.messages import (
     AbortTask,
+    FlushCache,
     GenerateTask,
     Message,
     RequestError,
@@ -32,6 +33,7 @@ from splitserve.messages import (
     WorkerReady,
     WorkerStats,
 )
+from splitserve.radix_cache.prefix_cache import create_prefix_cache
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,11 @@ class BaseWorker:
         layout = self.model_config.kv_layout(args.page_size, args.dtype)
         num_pages = max(2, args.kv_cache_mb * 2**20 // layout.page_bytes)
         self.pool = KVPool(layout, num_pages)
+        # The decode worker's pages arrive by KV transfer: nothing of its own to reuse.
+        use_cache = self.role != "decode" and not args.disable_radix_cache
+        cache = create_prefix_cache(
+            "radix" if use_cache else "none", self.pool.allocator, self.pool.page_size
+        )
         self.scheduler = Scheduler(
             ModelRunner(model, self.pool),
             SchedulerConfig(
@@ -60,6 +67,7 @@ class BaseWorker:
                 prefill_only=self.role == "prefill",
             ),
             self.model_config.eos_token_ids,
+            cache,
         )
         self.ctx = zmq.Context()
         self.inbox = Inbox(self.ctx, args.addr)
@@ -107,6 +115,11 @@ class BaseWorker:
             elif isinstance(msg, AbortTask):
                 self.on_abort(msg.rid)
             elif isinstance(msg, StatsQuery):
+                self.send(msg.reply_addr, self.stats(msg.query_id))
+            elif isinstance(msg, FlushCache):
+                freed = self.scheduler.cache.flush()
+                logger.info("%s worker %s: flushed %d cached pages", self.role,
+                            self.args.worker_id, freed)
                 self.send(msg.reply_addr, self.stats(msg.query_id))
             elif isinstance(msg, Shutdown):
                 self.stopped = True
@@ -192,6 +205,7 @@ class BaseWorker:
 
     def stats(self, query_id: int = 0) -> WorkerStats:
         alloc = self.pool.allocator
+        cache = self.scheduler.cache.stats()
         return WorkerStats(
             query_id=query_id,
             worker_id=self.args.worker_id,
@@ -201,4 +215,9 @@ class BaseWorker:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_transferring=self.num_transferring(),
+            cache_pages=cache.cached_pages,
+            cache_evictable_pages=cache.evictable_pages,
+            cache_hit_tokens=cache.hit_tokens,
+            cache_prompt_tokens=cache.prompt_tokens,
+            cache_evicted_pages=cache.evicted_pages,
         )

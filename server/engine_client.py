@@ -53,3 +53,9 @@ class BaseEngineClient(abc.ABC):
     async def worker_stats(self) -> list[dict]:
         """One dict per worker: ``worker_id``, ``role``, ``pages_total``, ``pages_used``,
         ``num_running``, ``num_waiting``."""
+
+    async def flush_cache(self) -> list[dict]:
+        """Drop every unpinned prefix-cache entry on every worker; returns
+        :meth:`worker_stats`-shaped rows taken after the flush. Clients without a cache
+        return their stats unchanged."""
+        return await self.worker_stats()

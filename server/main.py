@@ -27,14 +27,18 @@ def run_api_server(
     decode: list[str],
     colocated: list[str],
     log_level: str = "info",
+    routing: str = "cache_aware",
 ) -> None:
-    """Serve until SIGINT/SIGTERM. The served model name is the model folder's name."""
+    """Serve until SIGINT/SIGTERM. The served model name is the model folder's name.
+    ``routing``: prefill-worker policy (``server.routing.ROUTING_POLICIES``)."""
     from transformers import AutoTokenizer
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s api %(levelname)s %(message)s")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     context_len, eos_ids = read_model_limits(model_path)
-    client = ZmqEngineClient(inbox, prefill=prefill, decode=decode, colocated=colocated)
+    client = ZmqEngineClient(
+        inbox, prefill=prefill, decode=decode, colocated=colocated, routing=routing
+    )
     app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids)
 
     @contextlib.asynccontextmanager

@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from splitserve.messages import (
     AbortTask,
+    FlushCache,
     GenerateTask,
     RequestError,
     SamplingParams,
@@ -33,6 +34,7 @@ from splitserve.messages import (
     encode,
 )
 from splitserve.server.engine_client import BaseEngineClient, TokenEvent
+from splitserve.server.routing import create_routing_policy
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class WorkerHandle:
 class _ReqState:
     queue: asyncio.Queue
     workers: list[WorkerHandle]
+    counted: list[WorkerHandle]  # workers whose ``in_flight`` still counts this request
     next_index: int = 0
     pending: dict[int, TokenOutput] = field(default_factory=dict)
     done: bool = False
@@ -63,7 +66,8 @@ class _ReqState:
 class ZmqEngineClient(BaseEngineClient):
     """Args: ``inbox_addr`` to bind for replies; worker inbox addresses by role. Either
     ``colocated`` or both ``prefill`` and ``decode`` must be non-empty. ``dead_after_s``: a worker
-    silent that long is declared dead and its requests fail."""
+    silent that long is declared dead and its requests fail. ``routing``: how a prefill (or
+    colocated) worker is picked (``server.routing``); decode workers go to the least loaded."""
 
     def __init__(
         self,
@@ -72,6 +76,7 @@ class ZmqEngineClient(BaseEngineClient):
         decode: list[str] = (),
         colocated: list[str] = (),
         dead_after_s: float = 30.0,
+        routing: str = "cache_aware",
     ) -> None:
         if not colocated and not (prefill and decode):
             raise ValueError("need colocated workers, or both prefill and decode workers")
@@ -89,6 +94,7 @@ class ZmqEngineClient(BaseEngineClient):
                 self.workers.append(WorkerHandle(addr, role, sock))
         self.by_addr = {w.addr: w for w in self.workers}
         self.dead_after_s = dead_after_s
+        self.routing = create_routing_policy(routing)
         self.reqs: dict[str, _ReqState] = {}
         self.stats_waiters: dict[int, asyncio.Future] = {}
         self.query_ids = itertools.count(1)
@@ -108,23 +114,30 @@ class ZmqEngineClient(BaseEngineClient):
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def _pick(self, role: str) -> WorkerHandle | None:
+    def _pick(self, role: str, input_ids: list[int] | None = None) -> WorkerHandle | None:
+        """A live worker of ``role``: by the routing policy for the roles that cache prefixes
+        (``input_ids`` given), else the least loaded."""
         live = [w for w in self.workers if w.role == role and w.ready]
-        return min(live, key=lambda w: w.in_flight) if live else None
+        if not live:
+            return None
+        if input_ids is not None:
+            return self.routing.pick(live, input_ids)  # type: ignore[return-value]
+        return min(live, key=lambda w: w.in_flight)
 
     async def generate(
         self, rid: str, input_ids: list[int], sampling: SamplingParams
     ) -> AsyncIterator[TokenEvent]:
-        colocated = self._pick("colocated")
+        colocated = self._pick("colocated", input_ids)
         if colocated is not None:
             targets = [(colocated, None)]
         else:
-            p, d = self._pick("prefill"), self._pick("decode")
+            p, d = self._pick("prefill", input_ids), self._pick("decode")
             if p is None or d is None:
                 yield TokenEvent([], [], error="no healthy prefill/decode worker", error_code=503)
                 return
             targets = [(d, p.addr), (p, None)]  # decode first: it starts reserving pages
-        state = _ReqState(asyncio.Queue(), [w for w, _ in targets])
+        workers = [w for w, _ in targets]
+        state = _ReqState(asyncio.Queue(), workers, list(workers))
         self.reqs[rid] = state
         try:
             for w, prefill_addr in targets:
@@ -138,15 +151,27 @@ class ZmqEngineClient(BaseEngineClient):
                 event: TokenEvent = await state.queue.get()
                 if event.finish_reason or event.error:
                     state.done = True
+                else:
+                    self._prefill_done(state)
                 yield event
                 if state.done:
                     return
         finally:
             self.reqs.pop(rid, None)
-            for w in state.workers:
+            for w in state.counted:
                 w.in_flight -= 1
             if not state.done:
                 await self.abort_on(rid, state.workers)
+
+    @staticmethod
+    def _prefill_done(state: _ReqState) -> None:
+        """The first token is out: the prefill worker's part is (nearly) done, so it stops
+        counting towards that worker's load, which the routing policy balances."""
+        for w in state.counted:
+            if w.role == "prefill":
+                w.in_flight -= 1
+                state.counted.remove(w)
+                return
 
     async def abort(self, rid: str) -> None:
         state = self.reqs.get(rid)
@@ -233,6 +258,15 @@ class ZmqEngineClient(BaseEngineClient):
                 ))
 
     async def worker_stats(self) -> list[dict]:
+        return await self._ask_all(lambda qid: StatsQuery(qid, self.inbox_addr))
+
+    async def flush_cache(self) -> list[dict]:
+        """Flush every worker's prefix cache; their stats afterwards, one dict per worker."""
+        self.routing.flush()
+        return await self._ask_all(lambda qid: FlushCache(qid, self.inbox_addr), timeout_s=30.0)
+
+    async def _ask_all(self, make_query, timeout_s: float = 2.0) -> list[dict]:
+        """Send each worker ``make_query(query_id)`` and collect the ``WorkerStats`` replies."""
         out = []
         for w in self.workers:
             qid = next(self.query_ids)
@@ -240,8 +274,8 @@ class ZmqEngineClient(BaseEngineClient):
             self.stats_waiters[qid] = fut
             row = {"worker_id": w.worker_id, "role": w.role, "addr": w.addr, "healthy": w.ready}
             try:
-                await w.sock.send(encode(StatsQuery(qid, self.inbox_addr)), zmq.NOBLOCK)
-                stats = await asyncio.wait_for(fut, timeout=2.0)
+                await w.sock.send(encode(make_query(qid)), zmq.NOBLOCK)
+                stats = await asyncio.wait_for(fut, timeout=timeout_s)
                 row.update(msgspec.structs.asdict(stats))
                 row.pop("query_id", None)
             except (zmq.Again, asyncio.TimeoutError):

@@ -18,7 +18,16 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size per worker (MiB)")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-running", type=int, default=64, help="sequences in one step")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="no prefix reuse on prefill/colocated workers (the cache-off baseline)")
     p.add_argument("--log-level", default="warning")
+
+
+def _add_routing_flag(p: argparse.ArgumentParser) -> None:
+    from splitserve.server.routing import ROUTING_POLICIES
+
+    p.add_argument("--routing", choices=sorted(ROUTING_POLICIES), default="cache_aware",
+                   help="how the API server picks a prefill (or colocated) worker")
 
 
 def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
@@ -27,6 +36,7 @@ def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--threads-per-worker", type=int, default=0, help="0: split the cores")
     p.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds")
+    _add_routing_flag(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inbox", required=True)
     for role in ROLES:
         p.add_argument(f"--{role}-addr", action="append", default=[])
+    _add_routing_flag(p)
     p.add_argument("--log-level", default="warning")
     return parser
 
@@ -97,6 +108,8 @@ def _cluster_spec(args: argparse.Namespace, colocated: bool):
         threads_per_worker=args.threads_per_worker,
         transfer_timeout_s=args.transfer_timeout,
         log_level=args.log_level,
+        disable_radix_cache=args.disable_radix_cache,
+        routing=args.routing,
     )
 
 
@@ -146,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
                 dtype=args.dtype, page_size=args.page_size, kv_cache_mb=args.kv_cache_mb,
                 max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                 transfer_timeout_s=args.transfer_timeout, num_threads=args.threads,
+                disable_radix_cache=args.disable_radix_cache,
             ),
             args.log_level,
         )
@@ -155,4 +169,5 @@ def main(argv: list[str] | None = None) -> None:
         run_api_server(
             args.model, args.host, args.port, args.inbox,
             args.prefill_addr, args.decode_addr, args.colocated_addr, args.log_level,
+            routing=args.routing,
         )

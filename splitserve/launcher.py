@@ -39,6 +39,8 @@ class ClusterSpec:
     threads_per_worker: int = 0  # 0: split the machine's cores between the workers
     transfer_timeout_s: float = 30.0
     log_level: str = "warning"
+    disable_radix_cache: bool = False
+    routing: str = "cache_aware"  # prefill worker choice: "cache_aware" | "round_robin"
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -83,15 +85,17 @@ class Cluster:
         for i, role in enumerate(roles):
             addr = free_tcp_addr()
             addrs[role].append(addr)
+            cache_flag = ["--disable-radix-cache"] if s.disable_radix_cache else []
             self._spawn(f"{role}-{i}", [
                 "worker", "--role", role, "--worker-id", f"{role}-{i}", "--addr", addr,
                 "--server-addr", server_inbox, "--model", s.model_path, "--dtype", s.dtype,
                 "--page-size", str(s.page_size), "--kv-cache-mb", str(s.kv_cache_mb),
                 "--max-batch-tokens", str(s.max_batch_tokens), "--max-running", str(s.max_running),
                 "--transfer-timeout", str(s.transfer_timeout_s), "--threads", str(threads),
+                *cache_flag,
             ], threads)
         server_args = ["api-server", "--model", s.model_path, "--host", s.host, "--port",
-                       str(s.port), "--inbox", server_inbox]
+                       str(s.port), "--inbox", server_inbox, "--routing", s.routing]
         for role, role_addrs in addrs.items():
             for addr in role_addrs:
                 server_args += [f"--{role}-addr", addr]

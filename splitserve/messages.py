@@ -73,6 +73,14 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
+class FlushCache(msgspec.Struct, tag="flush_cache"):
+    """Drop every prefix-cache entry no running request pins; the worker answers with its
+    ``WorkerStats`` (``query_id``) once done, so a caller can wait for the flush."""
+
+    query_id: int
+    reply_addr: str
+
+
 # ---- worker -> server -------------------------------------------------------------------------
 
 
@@ -116,6 +124,12 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     num_running: int
     num_waiting: int
     num_transferring: int = 0
+    # Prefix cache (zeros where off). Pages of ``page_size`` tokens; counters since start.
+    cache_pages: int = 0  # pages the cache owns (part of pages_used)
+    cache_evictable_pages: int = 0  # of those, pages no request pins
+    cache_hit_tokens: int = 0  # prompt tokens served from the cache
+    cache_prompt_tokens: int = 0  # prompt tokens admitted
+    cache_evicted_pages: int = 0  # pages evicted (pool pressure or flush)
 
 
 # ---- decode <-> prefill (KV transfer control) ----------------------------------------------
@@ -156,6 +170,7 @@ Message = (
     | AbortTask
     | StatsQuery
     | Shutdown
+    | FlushCache
     | WorkerReady
     | TokenBatch
     | RequestError
