@@ -44,8 +44,17 @@ def cluster(request) -> Cluster:
 
 
 def worker_pages_used(cluster: Cluster) -> dict[str, int]:
+    """Pages each worker holds for requests: used pages minus the prefix cache's evictable ones
+    (those are a cache, given back on demand, not a leak)."""
     rows = httpx.get(cluster.spec.url + "/workers", timeout=10).json()
-    return {r["worker_id"]: r["pages_used"] for r in rows}
+    return {r["worker_id"]: r["pages_used"] - r["cache_evictable_pages"] for r in rows}
+
+
+def flush_cache(cluster: Cluster) -> list[dict]:
+    """``POST /flush_cache``; the workers' stats after the flush."""
+    r = httpx.post(cluster.spec.url + "/flush_cache", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 def complete_ids(cluster: Cluster, prompt_ids: list[int], max_tokens: int, **kw) -> dict:

@@ -71,8 +71,12 @@ def _prompts() -> list[tuple[str, list[int], list[int]]]:
     """(case, first prompt, second prompt); the two share exactly the named prefix."""
     tail_a, tail_b = [2110, 314, 1345], [7721, 88, 1203]
     cases = []
-    for name, shared in [("shorter_than_page", 3), ("exactly_page", 4), ("page_plus_one", 5),
-                         ("three_pages", 12)]:
+    for name, shared in [
+        ("shorter_than_page", 3),
+        ("exactly_page", 4),
+        ("page_plus_one", 5),
+        ("three_pages", 12),
+    ]:
         cases.append((name, TRUNK[:shared] + tail_a, TRUNK[:shared] + tail_b))
     cases.append(("identical_aligned", TRUNK[:8], TRUNK[:8]))
     cases.append(("identical_unaligned", TRUNK[:11], TRUNK[:11]))
