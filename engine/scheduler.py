@@ -117,6 +117,8 @@ class Scheduler:
         token_ids, logprobs = self.runner.run(reqs, chunks, sample_rows)
         for r, n in zip(reqs, chunks):
             r.kv_len += n
+            if n > 1:  # a prefill chunk: later prompts with the same prefix can reuse it now
+                self.cache.cache_prefix(r)
         outputs = []
         for i, tok, lp in zip(sample_rows, token_ids, logprobs):
             outputs.append(self._append_token(reqs[i], tok, lp))
@@ -152,7 +154,7 @@ class Scheduler:
                 break
             if req.kv_len == len(req.page_ids) * page_size:
                 # Evict unpinned cache entries first; retract only when that is not enough.
-                while not self.cache.ensure_free(1) and self._retract_one(keep=req):
+                while not self.cache.ensure_free(1) and self._retract_one(req, reqs):
                     pass
                 if not self.cache.ensure_free(1):
                     self._retract(req)
@@ -187,10 +189,12 @@ class Scheduler:
             budget -= chunk
         return reqs, chunks
 
-    def _retract_one(self, keep: Req) -> bool:
-        """Retract the most recently admitted running request other than ``keep``."""
+    def _retract_one(self, keep: Req, scheduled: list[Req]) -> bool:
+        """Retract the most recently admitted running request other than ``keep`` and those
+        already in this step's batch (retracting one of those would leave it in the batch with
+        no pages)."""
         for victim in reversed(self.running):
-            if victim is not keep:
+            if victim is not keep and victim not in scheduled:
                 self._retract(victim)
                 return True
         return False

@@ -63,6 +63,13 @@ class BasePrefixCache(abc.ABC):
         the request with no pages and ``kv_len == 0``.
         """
 
+    def cache_prefix(self, req: Req) -> None:
+        """Share what ``req`` has computed so far while it keeps running: cache its full pages
+        of KV (``req.kv_len`` tokens, rounded down to pages) and pin them for ``req``, so that
+        requests admitted next reuse them before ``req`` is released (concurrent requests with
+        a common prefix; a prompt whose KV is still being sent). Afterwards
+        ``req.matched_len`` covers those pages. The default does nothing."""
+
     @abc.abstractmethod
     def evict(self, num_pages: int) -> int:
         """Free at least ``num_pages`` unpinned cached pages if there are that many; returns pages
@@ -146,6 +153,24 @@ class RadixPrefixCache(BasePrefixCache):
         if req.locked_node is not None:
             self.tree.unlock(req.locked_node)
         req.locked_node, req.page_ids, req.kv_len, req.matched_len = None, [], 0, 0
+
+    def cache_prefix(self, req: Req) -> None:
+        ps = self.page_size
+        num_full = req.kv_len // ps
+        if num_full * ps <= req.matched_len:
+            return  # nothing new since the last call (or the match)
+        tokens = req.tokens(0, num_full * ps)
+        cached_len = self.tree.insert(tokens, req.page_ids[:num_full])
+        duplicates = req.page_ids[req.matched_len // ps : cached_len // ps]
+        # Swap our duplicates for the tree's copies and move the pin down to the new end.
+        result = self.tree.match_prefix(tokens)
+        self.tree.lock(result.last_node)
+        if req.locked_node is not None:
+            self.tree.unlock(req.locked_node)
+        if duplicates:
+            self.allocator.free(duplicates)
+        req.page_ids = result.page_ids + req.page_ids[num_full:]
+        req.locked_node, req.matched_len = result.last_node, result.matched_len
 
     def evict(self, num_pages: int) -> int:
         freed = self.tree.evict(num_pages)

@@ -124,13 +124,39 @@ def test_batched_and_repeated_prompts_match(model, reference) -> None:
     sched.cache.tree.check_integrity()
 
 
-def test_small_pool_evicts_and_waits(model, reference) -> None:
-    """A pool that holds only a few sequences: the cache evicts, requests wait, none fails."""
+@pytest.mark.parametrize("cache", ["radix", "none"])
+def test_small_pool_evicts_and_waits(model, reference, cache) -> None:
+    """A pool that holds only a few sequences: the cache evicts, requests wait or are retracted,
+    none fails (with the cache off too: retraction alone must cope)."""
     prompts = [p for _, a, b in CASES for p in (a, b)]
-    sched = make_scheduler(model, "radix", num_pages=12)  # 11 usable pages of 4 tokens
+    sched = make_scheduler(model, cache, num_pages=12)  # 11 usable pages of 4 tokens
     reqs = run(sched, prompts, together=True)
     assert [r.output_ids for r in reqs] == [o for n, _, _ in CASES for o in reference[n]]
-    assert sched.cache.stats().evicted_pages > 0
+    assert sched.num_retracted > 0
+    if cache == "radix":
+        assert sched.cache.stats().evicted_pages > 0
     assert sched.pool.allocator.num_used == sched.cache.stats().evictable_pages
     sched.cache.flush()
     assert sched.pool.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("prefill_only", [False, True], ids=["colocated", "prefill"])
+def test_running_request_shares_its_prefix(model, reference, prefill_only) -> None:
+    """A prompt's KV is reusable as soon as it is computed, before its request is released."""
+    name, a, b = CASES[3]  # three shared pages
+    sched = make_scheduler(model, "radix", prefill_only=prefill_only)
+    first, second = Req("a", list(a), GREEDY), Req("b", list(b), GREEDY)
+    sched.add(first)
+    outs = sched.step()  # prefills ``first``; it keeps running (or awaits its KV send)
+    assert first.page_ids and first.kv_len == len(a)
+    sched.add(second)
+    while sched.has_work:
+        outs += sched.step()
+    assert second.cached_len == 12
+    assert second.output_ids[:1] == reference[name][1][:1]
+    for out in outs:
+        if out.prefilled:
+            sched.free(out.req)
+    if not prefill_only:
+        assert [first.output_ids, second.output_ids] == reference[name]
+    assert sched.pool.allocator.num_used == sched.cache.stats().evictable_pages
