@@ -55,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()  # need more than one token of KV: new or retracted
         self.running: list[Req] = []  # decoding: exactly one token missing its KV
         self.num_retracted = 0
+        self.last_num_scheduled = 0  # sequences in the last step; 0 means it could not run any
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -97,6 +98,7 @@ class Scheduler:
     def step(self) -> list[StepOutput]:
         """Schedule and run one forward pass. Returns the tokens sampled in it."""
         reqs, chunks = self._schedule()
+        self.last_num_scheduled = len(reqs)
         if not reqs:
             return []
         sample_rows = [i for i, (r, n) in enumerate(zip(reqs, chunks)) if n == r.extend_len]

@@ -91,7 +91,9 @@ class BaseWorker:
 
     def run_once(self, idle_wait_ms: int = 0) -> None:
         """Drain the inbox, expire timed-out requests, run one step if there is work."""
-        busy = self.has_work()
+        # Work that cannot be scheduled (waiting for pages) must not spin the core the model uses;
+        # the poll still returns at once when a message arrives.
+        busy = self.has_work() and self.scheduler.last_num_scheduled > 0
         if self.inbox.poll(0 if busy else idle_wait_ms):
             for _ in range(MAX_MESSAGES_PER_STEP):
                 item = self.inbox.recv()
