@@ -213,7 +213,8 @@ class _ServedModel:
         if job.echo_text is not None:
             text = job.echo_text + text
         ids = job.output_ids if job.return_token_ids else None
-        return job.formatter.full(text, finish, job.usage, ids, logprobs)
+        prompt_ids = job.input_ids if job.return_token_ids else None
+        return job.formatter.full(text, finish, job.usage, ids, logprobs, prompt_ids)
 
     async def streaming_response(self, job: _Job) -> Response:
         pieces = self.stream_text(job)

@@ -167,14 +167,18 @@ class ResponseFormatter:
         usage: Usage,
         token_ids: list[int] | None = None,
         logprobs: dict[str, Any] | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
-        """The non-streaming response; ``token_ids`` (when asked for) are the generated ids,
-        ``logprobs`` the legacy-completions logprobs object (``server.logprobs``)."""
+        """The non-streaming response; ``token_ids`` (when asked for) are the generated ids and
+        ``prompt_token_ids`` the prompt's (vLLM's extension), ``logprobs`` the
+        legacy-completions logprobs object (``server.logprobs``)."""
         choice: dict[str, Any] = {
             "index": 0, "logprobs": logprobs, "finish_reason": finish_reason
         }
         if token_ids is not None:
             choice["token_ids"] = token_ids
+        if prompt_token_ids is not None:
+            choice["prompt_token_ids"] = prompt_token_ids
         if self.is_chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
