@@ -80,7 +80,7 @@ class Program:
     def _run_in(self, ctx: RunContext, state: ProgramState, args: tuple, kwargs: dict,
                 reraise: bool) -> None:
         try:
-            self.func(state, *args, **kwargs)
+            ctx.return_value = self.func(state, *args, **kwargs)
             for st in list(ctx.states):  # branches nobody read may still hold a failure
                 st._sync()
         except ProgramError as err:

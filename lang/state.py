@@ -32,6 +32,7 @@ class RunContext:
     warm_forks: bool = True  # send a fork's shared prefix once before its branches
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None  # the program's own failure (stream mode)
+    return_value: Any = None  # what the program function returned
     states: list[ProgramState] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -224,6 +225,12 @@ class ProgramState:
         self._rendered = other._rendered
 
     # ---- used by the interpreter --------------------------------------------------------------
+
+    @property
+    def return_value(self) -> Any:
+        """What the program function returned (e.g. its fork branches)."""
+        self._sync()
+        return self._ctx.return_value
 
     @property
     def ctx(self) -> RunContext:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
+
 from splitserve.server.app import create_app
 from splitserve.server.fake_client import FakeEngineClient
 
