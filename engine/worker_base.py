@@ -192,6 +192,10 @@ class BaseWorker:
             finish_reason=req.finish_reason,
             prompt_len=req.prompt_len,
             cached_len=req.cached_len,
+            # The first output carries them: from the prefill worker when disaggregated.
+            prompt_logprobs=(
+                req.prompt_logprobs if index == 0 and req.sampling.wants_prompt_logprobs else None
+            ),
         )
 
     def num_transferring(self) -> int:

@@ -52,9 +52,27 @@ class BaseGenerateRequest(BaseModel):
 
 
 class CompletionRequest(BaseGenerateRequest):
-    """``POST /v1/completions``. ``prompt`` becomes a string or a list of token ids."""
+    """``POST /v1/completions``. ``prompt`` becomes a string or a list of token ids.
+
+    Legacy-completions logprobs: ``logprobs`` (0-5) returns the generated tokens' logprobs;
+    with ``echo`` the prompt is prepended to the text and its tokens are scored too, and
+    ``max_tokens: 0`` then scores the prompt without generating. ``logprob_start_len``
+    (extension, SGLang's name) scores only prompt tokens from that index on (the rest are
+    null), so a shared prefix before it can be served from the prefix cache.
+    """
 
     prompt: str | list[int]
+    max_tokens: int | None = Field(None, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    logprob_start_len: int | None = Field(None, ge=0)
+    # Extension (vLLM's name): False for a prompt that already holds its special tokens, e.g. one
+    # rendered through the chat template by a client (``splitserve.lang``).
+    add_special_tokens: bool = True
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.echo and self.logprobs is not None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -143,12 +161,24 @@ class ResponseFormatter:
         }
 
     def full(
-        self, text: str, finish_reason: str, usage: Usage, token_ids: list[int] | None = None
+        self,
+        text: str,
+        finish_reason: str,
+        usage: Usage,
+        token_ids: list[int] | None = None,
+        logprobs: dict[str, Any] | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
-        """The non-streaming response; ``token_ids`` (when asked for) are the generated ids."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        """The non-streaming response; ``token_ids`` (when asked for) are the generated ids and
+        ``prompt_token_ids`` the prompt's (vLLM's extension), ``logprobs`` the
+        legacy-completions logprobs object (``server.logprobs``)."""
+        choice: dict[str, Any] = {
+            "index": 0, "logprobs": logprobs, "finish_reason": finish_reason
+        }
         if token_ids is not None:
             choice["token_ids"] = token_ids
+        if prompt_token_ids is not None:
+            choice["prompt_token_ids"] = prompt_token_ids
         if self.is_chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:

@@ -26,6 +26,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # Prompt logprobs (echo/logprobs, ``lang.select``): -1 asks for none; otherwise the logprob of
+    # every prompt token at index >= max(1, logprob_start_len) comes back with the first token.
+    # A start past a shared prefix lets that prefix stay cacheable (only later positions scored).
+    logprob_start_len: int = -1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.logprob_start_len >= 0
 
     @property
     def is_greedy(self) -> bool:
@@ -93,6 +101,9 @@ class TokenOutput(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None  # "stop" | "length"
     prompt_len: int = 0
     cached_len: int = 0
+    # Set on the output with index 0 when ``sampling.logprob_start_len >= 0``: logprobs of prompt
+    # tokens ``max(1, logprob_start_len) .. prompt_len - 1`` (the first token has none).
+    prompt_logprobs: list[float] | None = None
 
 
 class TokenBatch(msgspec.Struct, tag="tokens"):
