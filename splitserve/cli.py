@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -125,9 +126,24 @@ def _run_cluster(args: argparse.Namespace, colocated: bool) -> None:
         cluster.stop()
 
 
+def _die_with_parent() -> None:
+    """Children of a launcher exit when it dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``);
+    without this a killed launcher would leave workers holding ports and memory."""
+    if os.environ.get("SPLITSERVE_DIE_WITH_PARENT") != "1" or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
+    if args.command in ("worker", "api-server"):
+        _die_with_parent()
     if args.command == "launch":
         _run_cluster(args, colocated=False)
     elif args.command == "serve":

@@ -63,7 +63,7 @@ class Cluster:
         return ["colocated"] if s.colocated else ["prefill"] * s.num_prefill + ["decode"] * s.num_decode
 
     def _spawn(self, name: str, args: list[str], threads: int) -> None:
-        env = dict(os.environ, **self.spec.extra_env)
+        env = dict(os.environ, SPLITSERVE_DIE_WITH_PARENT="1", **self.spec.extra_env)
         if threads > 0:
             env["OMP_NUM_THREADS"] = str(threads)
         cmd = [sys.executable, "-m", "splitserve", *args, "--log-level", self.spec.log_level]
