@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from splitserve.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from splitserve.engine.grammar.request_grammar import RequestGrammar
 
 
 @dataclass(slots=True, eq=False)
@@ -31,6 +35,7 @@ class Req:
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     emitted_len: int = 0  # output tokens already sent to the server
+    grammar: RequestGrammar | None = None  # set once its constraint compiled (None: free text)
 
     @property
     def prompt_len(self) -> int:
@@ -61,6 +66,8 @@ class Req:
         last = self.output_ids[-1]
         if (not s.ignore_eos and last in eos_token_ids) or last in s.stop_token_ids:
             self.finish_reason = "stop"
+        elif self.grammar is not None and self.grammar.must_end():
+            self.finish_reason = "stop"  # the grammar is complete; only a stop token could follow
         elif len(self.output_ids) >= s.max_new_tokens:
             self.finish_reason = "length"
         return self.finish_reason

@@ -14,6 +14,7 @@ import torch
 import zmq
 
 from splitserve.config import WorkerArgs
+from splitserve.engine.grammar.worker_grammars import CompileDone, create_worker_grammars
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
@@ -36,6 +37,7 @@ from splitserve.messages import (
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGES_PER_STEP = 256  # bound the time spent draining the inbox between forward passes
+COMPILE_POLL_MS = 5  # inbox wait while only grammar compiles are pending (no busy loop)
 
 
 class BaseWorker:
@@ -53,13 +55,20 @@ class BaseWorker:
         num_pages = max(2, args.kv_cache_mb * 2**20 // layout.page_bytes)
         self.pool = KVPool(layout, num_pages)
         self.scheduler = Scheduler(
-            ModelRunner(model, self.pool),
+            ModelRunner(model, self.pool, vocab_size=self.model_config.vocab_size),
             SchedulerConfig(
                 max_batch_tokens=args.max_batch_tokens,
                 max_running=args.max_running,
                 prefill_only=self.role == "prefill",
+                jump_forward=args.jump_forward,
             ),
             self.model_config.eos_token_ids,
+        )
+        self.grammars = create_worker_grammars(
+            args.model_path,
+            self.model_config.vocab_size,
+            self.model_config.eos_token_ids,
+            jump_forward=args.jump_forward and self.role != "prefill",
         )
         self.ctx = zmq.Context()
         self.inbox = Inbox(self.ctx, args.addr)
@@ -80,6 +89,7 @@ class BaseWorker:
             while not self.stopped:
                 self.run_once(idle_wait_ms=20)
         finally:
+            self.grammars.service.shutdown()
             self.inbox.close()
             self.outbox.close()
             self.ctx.term()
@@ -87,12 +97,15 @@ class BaseWorker:
     def run_once(self, idle_wait_ms: int = 0) -> None:
         """Drain the inbox, expire timed-out requests, run one step if there is work."""
         busy = self.has_work()
-        if self.inbox.poll(0 if busy else idle_wait_ms):
+        wait_ms = 0 if busy else COMPILE_POLL_MS if len(self.grammars) else idle_wait_ms
+        if self.inbox.poll(wait_ms):
             for _ in range(MAX_MESSAGES_PER_STEP):
                 item = self.inbox.recv()
                 if item is None:
                     break
                 self.dispatch(*item)
+        for done in self.grammars.poll():
+            self.on_grammar_done(done)
         self.check_timeouts(time.monotonic())
         if self.scheduler.has_work:
             self.on_step_outputs(self.scheduler.step())
@@ -127,6 +140,10 @@ class BaseWorker:
         logger.warning("%s worker ignores %s", self.role, type(msg).__name__)
 
     def on_step_outputs(self, outputs: list[StepOutput]) -> None:
+        raise NotImplementedError
+
+    def on_grammar_done(self, done: CompileDone) -> None:
+        """A request's constraint compiled (``done.req.grammar`` set) or failed (``done.error``)."""
         raise NotImplementedError
 
     def check_timeouts(self, now: float) -> None:

@@ -22,6 +22,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from splitserve.server.constraints import constraint_from_request
 from splitserve.server.detokenizer import IncrementalDetokenizer
 from splitserve.server.engine_client import BaseEngineClient
 from splitserve.server.errors import APIError, from_validation_errors, install_error_handlers
@@ -132,6 +133,7 @@ class _ServedModel:
             # The chat template's end marker may differ from config's EOS; send both.
             stop_token_ids=[] if req.ignore_eos else list(self.eos_token_ids),
             ignore_eos=req.ignore_eos,
+            constraint=constraint_from_request(req),
         )
         rid = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
         fmt = ResponseFormatter(rid, int(time.time()), req.model, is_chat, req.include_usage)
