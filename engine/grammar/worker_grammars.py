@@ -41,7 +41,8 @@ class WorkerGrammars:
         service: compiles and caches (kind, text) constraints.
         vocab_size: the model's logits width (from the model config; may exceed the tokenizer's).
         stop_token_ids: the model's EOS ids, which the grammar allows only where it may end.
-        tokenizer: the model's tokenizer, to tokenize jump-forward strings; None: no jumping.
+        tokenizer: the model's tokenizer (tokenizes jump-forward strings).
+        jump_forward: give requests the tokenizer so that they may jump forward.
     """
 
     def __init__(
@@ -49,13 +50,15 @@ class WorkerGrammars:
         service: GrammarService,
         vocab_size: int,
         stop_token_ids: list[int],
-        tokenizer: Any | None = None,
+        tokenizer: Any,
+        jump_forward: bool = True,
     ) -> None:
         self.service = service
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
+        self.tokenizer = tokenizer
         self._encode = None
-        if tokenizer is not None:
+        if jump_forward:
             self._encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
         self._pending: dict[str, tuple[Req, Future[CompiledGrammar]]] = {}
 
@@ -118,7 +121,7 @@ def create_worker_grammars(
     stops = list(dict.fromkeys([*eos_token_ids, *_tokenizer_eos(tokenizer)]))
     service = create_grammar_service(tokenizer, vocab_size, stop_token_ids=stops)
     logger.info("grammar backends: %s", ", ".join(b.name for b in service.backends))
-    return WorkerGrammars(service, vocab_size, stops, tokenizer if jump_forward else None)
+    return WorkerGrammars(service, vocab_size, stops, tokenizer, jump_forward)
 
 
 def _tokenizer_eos(tokenizer: Any) -> list[int]:
