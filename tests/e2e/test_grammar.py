@@ -159,6 +159,23 @@ def test_constrained_neighbours_do_not_change_greedy_tokens(grammar_cluster, tok
         _ok(r)
 
 
+def test_colocated_worker_constrains_too(colocated_cluster) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    ip, colour, city = _concurrently([
+        lambda: _chat(colocated_cluster, "An IP address?", 24, regex=IPV4),
+        lambda: _chat(colocated_cluster, "Colour?", 8, choice=["red", "green"]),
+        lambda: _chat(colocated_cluster, "Where is the Eiffel tower? Answer in JSON.", 48,
+                      response_format={"type": "json_schema",
+                                       "json_schema": {"name": "c", "schema": schema}}),
+    ])
+    assert re.fullmatch(IPV4, _ok(ip)["message"]["content"])
+    assert _ok(colour)["message"]["content"] in ("red", "green")
+    reply = _ok(city)
+    if reply["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(reply["message"]["content"]), schema)
+
+
 def test_no_pages_leak_after_grammar_requests(grammar_cluster) -> None:
     # Runs last in the module: every constrained request above, failed ones included, is done.
     deadline = time.monotonic() + 10
