@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.forward_batch import build_forward_batch
+from splitserve.engine.grammar.batch_mask import fill_grammar_bitmask
+from splitserve.engine.grammar.bitmask import apply_bitmask
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.request import Req
 from splitserve.engine.sampling import Sampler, make_generator
@@ -18,10 +20,14 @@ class ModelRunner:
             ``batch.logit_indices`` (``engine.llama``).
         pool: the worker's KV pool.
         device: device of the model and pool.
+        vocab_size: the model's logits width; needed only when requests carry grammars.
     """
 
-    def __init__(self, model: torch.nn.Module, pool: KVPool, device: str = "cpu") -> None:
+    def __init__(
+        self, model: torch.nn.Module, pool: KVPool, device: str = "cpu", vocab_size: int = 0
+    ) -> None:
         self.model = model
+        self.vocab_size = vocab_size  # logits width, for grammar bitmasks (0: no grammars)
         self.pool = pool
         self.device = device
         self.sampler = Sampler()
@@ -46,6 +52,10 @@ class ModelRunner:
             device=self.device,
             all_logit_seq_indices=scored,
         )
+        picked = [reqs[i] for i in sample_rows]
+        # Filled before the forward pass: the matchers' state is already known, and the CPU
+        # work then does not sit between the logits and the sampler.
+        bitmask, masked_rows = fill_grammar_bitmask(picked, self.vocab_size)
         logits = self.model(batch, self.pool)
         if scored:
             # Rows after the sampled ones score every position of the scored chunks, in order.
@@ -56,7 +66,8 @@ class ModelRunner:
             logits = logits[: len(sample_rows)]
         if not sample_rows:
             return [], []
-        picked = [reqs[i] for i in sample_rows]
+        if masked_rows:
+            apply_bitmask(logits, bitmask, masked_rows)
         ids, logprobs = self.sampler.sample(
             logits, [r.sampling for r in picked], [_step_generator(r) for r in picked]
         )

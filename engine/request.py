@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from splitserve.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from splitserve.engine.grammar.request_grammar import RequestGrammar
 
 
 @dataclass(slots=True, eq=False)
@@ -33,6 +37,7 @@ class Req:
     emitted_len: int = 0  # output tokens already sent to the server
     # Logprobs of prompt tokens from ``prompt_logprob_start`` on, filled chunk by chunk.
     prompt_logprobs: list[float] = field(default_factory=list)
+    grammar: RequestGrammar | None = None  # set once its constraint compiled (None: free text)
 
     @property
     def prompt_len(self) -> int:
@@ -80,6 +85,8 @@ class Req:
         last = self.output_ids[-1]
         if (not s.ignore_eos and last in eos_token_ids) or last in s.stop_token_ids:
             self.finish_reason = "stop"
+        elif self.grammar is not None and self.grammar.must_end():
+            self.finish_reason = "stop"  # the grammar is complete; only a stop token could follow
         elif len(self.output_ids) >= s.max_new_tokens:
             self.finish_reason = "length"
         return self.finish_reason

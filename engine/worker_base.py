@@ -15,6 +15,7 @@ import torch
 import zmq
 
 from splitserve.config import WorkerArgs
+from splitserve.engine.grammar.worker_grammars import CompileDone, create_worker_grammars
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
@@ -40,6 +41,7 @@ MAX_MESSAGES_PER_STEP = 256  # bound the time spent draining the inbox between f
 # Where the model and KV pool live ("cpu" unless set, e.g. "cuda" for bench/gpu_check.sh). An
 # environment variable rather than a CLI flag for now: the GPU path is not yet a served setup.
 DEVICE_ENV = "SPLITSERVE_DEVICE"
+COMPILE_POLL_MS = 5  # inbox wait while only grammar compiles are pending (no busy loop)
 
 
 class BaseWorker:
@@ -58,13 +60,20 @@ class BaseWorker:
         num_pages = max(2, args.kv_cache_mb * 2**20 // layout.page_bytes)
         self.pool = KVPool(layout, num_pages, device)
         self.scheduler = Scheduler(
-            ModelRunner(model, self.pool, device),
+            ModelRunner(model, self.pool, device, vocab_size=self.model_config.vocab_size),
             SchedulerConfig(
                 max_batch_tokens=args.max_batch_tokens,
                 max_running=args.max_running,
                 prefill_only=self.role == "prefill",
+                jump_forward=args.jump_forward,
             ),
             self.model_config.eos_token_ids,
+        )
+        self.grammars = create_worker_grammars(
+            args.model_path,
+            self.model_config.vocab_size,
+            self.model_config.eos_token_ids,
+            jump_forward=args.jump_forward and self.role != "prefill",
         )
         self.ctx = zmq.Context()
         self.inbox = Inbox(self.ctx, args.addr)
@@ -85,6 +94,7 @@ class BaseWorker:
             while not self.stopped:
                 self.run_once(idle_wait_ms=20)
         finally:
+            self.grammars.service.shutdown()
             self.inbox.close()
             self.outbox.close()
             self.ctx.term()
@@ -94,12 +104,15 @@ class BaseWorker:
         # Work that cannot be scheduled (waiting for pages) must not spin the core the model uses;
         # the poll still returns at once when a message arrives.
         busy = self.has_work() and self.scheduler.last_num_scheduled > 0
-        if self.inbox.poll(0 if busy else idle_wait_ms):
+        wait_ms = 0 if busy else COMPILE_POLL_MS if len(self.grammars) else idle_wait_ms
+        if self.inbox.poll(wait_ms):
             for _ in range(MAX_MESSAGES_PER_STEP):
                 item = self.inbox.recv()
                 if item is None:
                     break
                 self.dispatch(*item)
+        for done in self.grammars.poll():
+            self.on_grammar_done(done)
         self.check_timeouts(time.monotonic())
         if self.scheduler.has_work:
             self.on_step_outputs(self.scheduler.step())
@@ -134,6 +147,10 @@ class BaseWorker:
         logger.warning("%s worker ignores %s", self.role, type(msg).__name__)
 
     def on_step_outputs(self, outputs: list[StepOutput]) -> None:
+        raise NotImplementedError
+
+    def on_grammar_done(self, done: CompileDone) -> None:
+        """A request's constraint compiled (``done.req.grammar`` set) or failed (``done.error``)."""
         raise NotImplementedError
 
     def check_timeouts(self, now: float) -> None:

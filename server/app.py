@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from splitserve.messages import SamplingParams
+from splitserve.server.constraints import constraint_from_request
 from splitserve.server.detokenizer import IncrementalDetokenizer
 from splitserve.server.engine_client import BaseEngineClient
 from splitserve.server.errors import APIError, from_validation_errors, install_error_handlers
@@ -142,6 +143,7 @@ class _ServedModel:
             stop_token_ids=[] if req.ignore_eos else list(self.eos_token_ids),
             ignore_eos=req.ignore_eos,
             logprob_start_len=(req.logprob_start_len or 0) if scores_prompt else -1,
+            constraint=constraint_from_request(req),
         )
         rid = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
         fmt = ResponseFormatter(rid, int(time.time()), req.model, is_chat, req.include_usage)

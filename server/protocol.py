@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
 
@@ -19,6 +19,33 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``. ``strict`` is accepted; the grammar enforces the schema
+    either way. A missing ``schema`` means any JSON object (OpenAI leaves it optional)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is 'json_schema'")
+        return self
 
 
 class BaseGenerateRequest(BaseModel):
@@ -38,6 +65,11 @@ class BaseGenerateRequest(BaseModel):
     n: int | None = Field(None, ge=1)
     ignore_eos: bool = False  # extension (vLLM, SGLang): keep generating past EOS
     return_token_ids: bool = False  # extension (vLLM): the generated ids in each choice
+    response_format: ResponseFormat | None = None
+    # Extensions (vLLM/SGLang names) for the other constraint kinds; one constraint per request.
+    regex: str | None = None  # the whole output matches this regular expression
+    ebnf: str | None = None  # a GBNF grammar with a ``root`` rule (e.g. a SQL subset)
+    choice: list[str] | None = Field(None, min_length=1)  # the output is exactly one of these
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 
