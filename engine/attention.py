@@ -6,12 +6,14 @@ first stores the new tokens' K/V in the pool, then lets every new token at posit
 its own sequence's keys ``0..p`` (cached prefix plus the new tokens, causal), optionally limited to
 a sliding window of the last ``sliding_window`` positions.
 
-Backends are chosen by name through :func:`create_attention_backend` (``"torch"`` now; a Triton
-backend for GPUs will register here).
+Backends are chosen by name through :func:`create_attention_backend`: ``"torch"`` (here) and
+``"triton"`` (:mod:`splitserve.engine.triton_attention`, imported on demand so that CPU-only runs
+never import Triton). :func:`default_attention_backend` picks one for a device.
 """
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -232,6 +234,14 @@ def _decode_mask(
 
 
 ATTENTION_BACKENDS: dict[str, type[BaseAttentionBackend]] = {"torch": TorchAttentionBackend}
+# Registered by importing their module, which create_attention_backend does on first use.
+LAZY_ATTENTION_BACKENDS: dict[str, str] = {"triton": "splitserve.engine.triton_attention"}
+ATTENTION_ENV = "SPLITSERVE_ATTENTION"  # override the automatic choice: torch | triton
+
+
+def attention_backend_names() -> list[str]:
+    """Every backend name :func:`create_attention_backend` accepts (for CLI choices)."""
+    return sorted(set(ATTENTION_BACKENDS) | set(LAZY_ATTENTION_BACKENDS))
 
 
 def create_attention_backend(name: str = "torch") -> BaseAttentionBackend:
@@ -240,11 +250,24 @@ def create_attention_backend(name: str = "torch") -> BaseAttentionBackend:
     Raises:
         ValueError: unknown name (the message lists the registered ones).
     """
+    if name not in ATTENTION_BACKENDS and name in LAZY_ATTENTION_BACKENDS:
+        import importlib
+
+        importlib.import_module(LAZY_ATTENTION_BACKENDS[name])
     if name not in ATTENTION_BACKENDS:
         raise ValueError(
-            f"unknown attention backend {name!r}; choose from {sorted(ATTENTION_BACKENDS)}"
+            f"unknown attention backend {name!r}; choose from {attention_backend_names()}"
         )
     return ATTENTION_BACKENDS[name]()
+
+
+def default_attention_backend(device: str | torch.device) -> str:
+    """The backend name for tensors on ``device``: ``$SPLITSERVE_ATTENTION`` if set, else
+    ``"triton"`` on CUDA and ``"torch"`` elsewhere (Triton's CPU path is only an interpreter)."""
+    forced = os.environ.get(ATTENTION_ENV)
+    if forced:
+        return forced
+    return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
 def paged_attention(

@@ -128,11 +128,13 @@ class KVPool:
 
     def read_pages(self, page_ids: list[int]) -> torch.Tensor:
         """Copy of pages ``page_ids``: ``[len(page_ids), num_layers, 2, page_size, H, D]``."""
-        return self.buffer[torch.tensor(page_ids, dtype=torch.long)]
+        return self.buffer[torch.tensor(page_ids, dtype=torch.long, device=self.buffer.device)]
 
     def write_pages(self, page_ids: list[int], data: torch.Tensor) -> None:
-        """Install whole pages (as produced by :meth:`read_pages` on a peer with the same layout)."""
-        self.buffer[torch.tensor(page_ids, dtype=torch.long)] = data.to(self.buffer.dtype)
+        """Install whole pages (as produced by :meth:`read_pages` on a peer with the same layout;
+        ``data`` may be on another device, e.g. received into host memory)."""
+        idx = torch.tensor(page_ids, dtype=torch.long, device=self.buffer.device)
+        self.buffer[idx] = data.to(self.buffer.device, self.buffer.dtype)
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

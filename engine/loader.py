@@ -8,7 +8,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from splitserve.engine.attention import BaseAttentionBackend
+from splitserve.engine.attention import (
+    BaseAttentionBackend,
+    create_attention_backend,
+    default_attention_backend,
+)
 from splitserve.engine.llama import LlamaForCausalLM, hf_weight_map
 from splitserve.engine.model_config import ModelConfig
 
@@ -49,7 +53,8 @@ def load_model(
         path: folder with ``config.json`` and ``*.safetensors`` (single file or sharded + index).
         dtype: serving dtype (weights are converted while copying).
         device: where parameters live.
-        attn_backend: attention implementation; default the torch backend.
+        attn_backend: attention implementation; default :func:`default_attention_backend` for
+            ``device`` (Triton on CUDA, torch elsewhere, ``$SPLITSERVE_ATTENTION`` overrides).
 
     Returns:
         ``(model, config)``; the model is in eval mode.
@@ -61,6 +66,8 @@ def load_model(
     path = Path(path)
     config = ModelConfig.from_dir(path)
     files = weight_files(path)
+    if attn_backend is None:
+        attn_backend = create_attention_backend(default_attention_backend(device))
     with torch.device(device):
         model = LlamaForCausalLM(config, dtype, attn_backend)
     model.rope.to(device)

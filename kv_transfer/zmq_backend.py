@@ -14,8 +14,9 @@ from splitserve.messages import KVPages
 
 
 def _as_bytes_view(t: torch.Tensor) -> memoryview:
-    # bfloat16 has no numpy dtype: expose the raw bytes instead.
-    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+    # bfloat16 has no numpy dtype: expose the raw bytes instead. A GPU pool's pages are copied
+    # to host memory first (.cpu() is a no-op for a CPU tensor).
+    return memoryview(t.contiguous().cpu().view(torch.uint8).reshape(-1).numpy())
 
 
 class ZmqKVSender(BaseKVSender):

@@ -47,7 +47,8 @@ class BasePrefixCache(abc.ABC):
         """Admission of a request that holds no pages: point ``req.page_ids`` at the cached pages
         of its longest cached prefix, lock them, and set ``req.kv_len = req.matched_len`` to the
         matched length (a multiple of ``page_size``, and shorter than the sequence, so at least
-        one token is computed and new KV never lands in a cached page)."""
+        one token is computed and new KV never lands in a cached page; short of every position
+        whose logits score a requested prompt logprob)."""
 
     @abc.abstractmethod
     def unmatch(self, req: Req) -> None:
@@ -129,7 +130,11 @@ class RadixPrefixCache(BasePrefixCache):
 
     def match(self, req: Req) -> None:
         # Leave out the last token: its logits are needed to sample, so it must be computed.
-        result = self.tree.match_prefix(req.tokens(0, req.seq_len - 1))
+        end = req.seq_len - 1
+        nxt = req.next_prompt_logprob
+        if nxt is not None:  # prompt logprobs from ``nxt`` on need the logits of ``nxt - 1`` on
+            end = min(end, nxt - 1)
+        result = self.tree.match_prefix(req.tokens(0, end))
         self.tree.lock(result.last_node)
         req.locked_node = result.last_node
         req.page_ids = list(result.page_ids)

@@ -10,9 +10,8 @@ import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
-from splitserve.server.engine_client import BaseEngineClient, TokenEvent
-
 from splitserve.messages import SamplingParams
+from splitserve.server.engine_client import BaseEngineClient, TokenEvent
 
 DEFAULT_REPLY = "Hello from the fake engine! héllo 世界 🚀 The end."
 

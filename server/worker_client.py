@@ -219,7 +219,8 @@ class ZmqEngineClient(BaseEngineClient):
             state.next_index += len(o.token_ids)
             state.queue.put_nowait(
                 TokenEvent(o.token_ids, o.logprobs, o.finish_reason,
-                           prompt_len=o.prompt_len, cached_len=o.cached_len)
+                           prompt_len=o.prompt_len, cached_len=o.cached_len,
+                           prompt_logprobs=o.prompt_logprobs)
             )
 
     def _on_stats(self, msg: WorkerStats) -> None:
@@ -278,7 +279,7 @@ class ZmqEngineClient(BaseEngineClient):
                 stats = await asyncio.wait_for(fut, timeout=timeout_s)
                 row.update(msgspec.structs.asdict(stats))
                 row.pop("query_id", None)
-            except (zmq.Again, asyncio.TimeoutError):
+            except (TimeoutError, zmq.Again):
                 self.stats_waiters.pop(qid, None)
                 row["healthy"] = False
             out.append(row)

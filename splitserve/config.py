@@ -25,6 +25,7 @@ class WorkerArgs:
     max_running: int = 64
     transfer_timeout_s: float = 30.0
     num_threads: int = 0  # 0: torch's default
+    jump_forward: bool = True  # append grammar-forced tokens without sampling them
     disable_radix_cache: bool = False  # prefill/colocated only; decode never caches
 
 

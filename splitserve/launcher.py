@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Self
 
 from splitserve.ipc import free_tcp_addr
 
@@ -38,6 +39,7 @@ class ClusterSpec:
     max_running: int = 64
     threads_per_worker: int = 0  # 0: split the machine's cores between the workers
     transfer_timeout_s: float = 30.0
+    jump_forward: bool = True  # grammar-forced tokens appended without sampling
     log_level: str = "warning"
     disable_radix_cache: bool = False
     routing: str = "cache_aware"  # prefill worker choice: "cache_aware" | "round_robin"
@@ -64,7 +66,7 @@ class Cluster:
         return ["colocated"] if s.colocated else ["prefill"] * s.num_prefill + ["decode"] * s.num_decode
 
     def _spawn(self, name: str, args: list[str], threads: int) -> None:
-        env = dict(os.environ, **self.spec.extra_env)
+        env = dict(os.environ, SPLITSERVE_DIE_WITH_PARENT="1", **self.spec.extra_env)
         if threads > 0:
             env["OMP_NUM_THREADS"] = str(threads)
         cmd = [sys.executable, "-m", "splitserve", *args, "--log-level", self.spec.log_level]
@@ -92,6 +94,7 @@ class Cluster:
                 "--page-size", str(s.page_size), "--kv-cache-mb", str(s.kv_cache_mb),
                 "--max-batch-tokens", str(s.max_batch_tokens), "--max-running", str(s.max_running),
                 "--transfer-timeout", str(s.transfer_timeout_s), "--threads", str(threads),
+                *([] if s.jump_forward else ["--disable-jump-forward"]),
                 *cache_flag,
             ], threads)
         server_args = ["api-server", "--model", s.model_path, "--host", s.host, "--port",
@@ -138,7 +141,7 @@ class Cluster:
                 proc.wait()
         self.procs.clear()
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:

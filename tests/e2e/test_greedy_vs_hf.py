@@ -17,9 +17,9 @@ PROMPTS = [
     "The capital of France is",
     "Write a short poem about the ocean and the moon.",
     "def quicksort(arr):\n    \"\"\"Sort a list of integers.\"\"\"\n",
-    "Explain, step by step, why the sky is blue during the day and red at sunset. "
+    ("Explain, step by step, why the sky is blue during the day and red at sunset. "
     "Mention Rayleigh scattering, the wavelength of light, and the path length through the "
-    "atmosphere. Then give a one-sentence summary for a child.",
+    "atmosphere. Then give a one-sentence summary for a child."),
 ]
 NEW_TOKENS = 32
 TIE_EPS = 1e-4

@@ -41,7 +41,7 @@ def test_chat_non_streaming(client, tokenizer) -> None:
 
 
 def test_streaming_equals_non_streaming(client) -> None:
-    kw = dict(model="default", prompt="Once upon a time", max_tokens=24, temperature=0)
+    kw = {"model": "default", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
     full = client.completions.create(**kw)
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -62,7 +62,7 @@ def test_chat_streaming(client) -> None:
 
 
 def test_stop_string(client) -> None:
-    kw = dict(model="default", prompt="Count: 1, 2, 3, 4, 5,", max_tokens=20, temperature=0)
+    kw = {"model": "default", "prompt": "Count: 1, 2, 3, 4, 5,", "max_tokens": 20, "temperature": 0}
     free = client.completions.create(**kw).choices[0].text
     assert " 7," in free, free  # the model continues the count; the stop below must cut it
     r = client.completions.create(stop=[" 7"], **kw)
@@ -73,7 +73,7 @@ def test_stop_string(client) -> None:
 
 
 def test_seeded_sampling_is_reproducible(client) -> None:
-    kw = dict(model="default", prompt="My favourite food is", max_tokens=16, temperature=0.9, seed=7)
+    kw = {"model": "default", "prompt": "My favourite food is", "max_tokens": 16, "temperature": 0.9, "seed": 7}
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 

@@ -1,8 +1,13 @@
-"""Our paged Llama-family model against transformers on tiny random models (float32, CPU)."""
+"""Our paged Llama-family model against transformers on tiny random models (float32).
+
+Our model runs on ``$SPLITSERVE_DEVICE`` (default cpu; on cuda the loader picks the Triton
+attention backend); transformers stays on CPU.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -15,6 +20,7 @@ from splitserve.engine.kv_pool import KVPool, pages_for
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_config import ModelConfig
 
+DEVICE = os.environ.get("SPLITSERVE_DEVICE", "cpu")
 PAGE_SIZE = 4
 ATOL = 1e-4
 COMMON = {
@@ -83,7 +89,7 @@ def tiny(request, tmp_path_factory):
                 p.add_(torch.randn_like(p) * 0.1)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
-    model, cfg = load_model(path, torch.float32)
+    model, cfg = load_model(path, torch.float32, DEVICE)
     return model, cfg, hf.eval()
 
 
@@ -98,7 +104,7 @@ class Runner:
 
     def __init__(self, model, cfg: ModelConfig) -> None:
         self.model = model
-        self.pool = KVPool(cfg.kv_layout(PAGE_SIZE, "float32"), 64)
+        self.pool = KVPool(cfg.kv_layout(PAGE_SIZE, "float32"), 64, DEVICE)
         self.spare = self.pool.allocator.alloc(60)
         random.Random(0).shuffle(self.spare)
 
@@ -114,14 +120,15 @@ class Runner:
         pages: list[list[int]],
         all_logits: bool = False,
     ) -> torch.Tensor:
-        batch = build_forward_batch(chunks, prefix_lens, pages, PAGE_SIZE, list(range(len(chunks))))
+        rows = list(range(len(chunks)))
+        batch = build_forward_batch(chunks, prefix_lens, pages, PAGE_SIZE, rows, DEVICE)
         if all_logits:
             batch = _score_all(batch)
-        return self.model(batch, self.pool)
+        return self.model(batch, self.pool).cpu()
 
 
 def _score_all(batch: ForwardBatch) -> ForwardBatch:
-    batch.logit_indices = torch.arange(batch.input_ids.numel())
+    batch.logit_indices = torch.arange(batch.input_ids.numel(), device=batch.input_ids.device)
     return batch
 
 
@@ -185,7 +192,7 @@ def test_mixed_batch_equals_each_alone(tiny) -> None:
 def test_return_hidden(tiny) -> None:
     model, cfg, _ = tiny
     run = Runner(model, cfg)
-    batch = build_forward_batch([tokens(5, 4)], [0], [run.pages(5)], PAGE_SIZE, [0])
+    batch = build_forward_batch([tokens(5, 4)], [0], [run.pages(5)], PAGE_SIZE, [0], DEVICE)
     logits, hidden = model(batch, run.pool, return_hidden=True)
     assert logits.shape == (1, cfg.vocab_size) and logits.dtype == torch.float32
     assert hidden.shape == (1, cfg.hidden_size)

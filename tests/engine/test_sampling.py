@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from splitserve.engine.sampling import Sampler, filtered_probs, make_generator
 
+from splitserve.engine.sampling import Sampler, filtered_probs, make_generator
 from splitserve.messages import SamplingParams
 
 V = 8

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from splitserve.engine.kv_pool import PageAllocator
 from splitserve.radix_cache.radix_tree import MatchResult, RadixCache
 

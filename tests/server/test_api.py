@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+
 from splitserve.server.app import create_app, create_server
 from splitserve.server.fake_client import DEFAULT_REPLY, FakeEngineClient
 

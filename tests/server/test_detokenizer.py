@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from splitserve.server.detokenizer import IncrementalDetokenizer
 
 MULTIBYTE = "héllo 世界 🚀 naïve café — 日本語のテキスト 👩‍👩‍👧 done"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from splitserve.server.detokenizer import IncrementalDetokenizer
 from splitserve.server.stop_strings import StopStringMatcher
 

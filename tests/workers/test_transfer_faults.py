@@ -1,0 +1,128 @@
+"""Worker processes' transfer state machine, driven in-process: stalls time out, mismatched
+layouts are refused at the handshake, and every page is freed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from splitserve.config import WorkerArgs
+from splitserve.ipc import Inbox, free_tcp_addr
+from splitserve.messages import (
+    GenerateTask,
+    KVBootstrap,
+    KVFailed,
+    KVLayoutMsg,
+    RequestError,
+    SamplingParams,
+    TokenBatch,
+)
+from splitserve.worker_main import create_worker
+
+TIMEOUT_S = 0.5
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def make_worker(model_path: Path, role: str, server_addr: str):
+    args = WorkerArgs(role=role, worker_id=f"{role}-t", addr=free_tcp_addr(),
+                      server_addr=server_addr, model_path=str(model_path), kv_cache_mb=16,
+                      transfer_timeout_s=TIMEOUT_S, num_threads=1)
+    return create_worker(args)
+
+
+def pump(worker, inbox: Inbox, until, timeout_s: float = 10.0) -> list:
+    """Run the worker loop until ``until(messages)`` holds; return what the peer inbox got."""
+    got = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        worker.run_once(idle_wait_ms=10)
+        while (item := inbox.recv()) is not None:
+            got.append(item[0])
+        if until(got):
+            return got
+    raise AssertionError(f"condition not met; received {got}")
+
+
+def task(server: Inbox, prefill_addr: str | None = None) -> GenerateTask:
+    return GenerateTask(rid="r1", input_ids=list(range(10, 60)), reply_addr=server.addr,
+                        sampling=SamplingParams(max_new_tokens=8, temperature=0),
+                        prefill_addr=prefill_addr)
+
+
+def errors(got: list) -> list[RequestError]:
+    return [m for m in got if isinstance(m, RequestError)]
+
+
+def assert_pages_back(worker) -> None:
+    """No request holds a page: what is used is the prefix cache's, unpinned, and a flush
+    frees it all."""
+    cache = worker.scheduler.cache.stats()
+    assert worker.pool.allocator.num_used == cache.cached_pages == cache.evictable_pages
+    worker.scheduler.cache.flush()
+    assert worker.pool.allocator.num_used == 0
+
+
+def test_decode_times_out_when_prefill_never_sends(ctx, model_path) -> None:
+    server, dead_prefill = Inbox(ctx, free_tcp_addr()), Inbox(ctx, free_tcp_addr())
+    worker = make_worker(model_path, "decode", server.addr)
+    worker.dispatch(task(server, prefill_addr=dead_prefill.addr), [])
+    assert worker.pool.allocator.num_used > 0  # pages reserved for the prompt
+    t0 = time.monotonic()
+    got = pump(worker, server, lambda g: errors(g))
+    assert time.monotonic() - t0 < TIMEOUT_S + 2
+    assert "timed out" in errors(got)[0].message and errors(got)[0].code == 504
+    assert worker.pool.allocator.num_used == 0
+    boot = pump(worker, dead_prefill, lambda g: any(isinstance(m, KVFailed) for m in g))
+    assert isinstance(boot[0], KVBootstrap)  # the handshake went out, then the failure notice
+
+
+def test_prefill_times_out_without_bootstrap(ctx, model_path) -> None:
+    server = Inbox(ctx, free_tcp_addr())
+    worker = make_worker(model_path, "prefill", server.addr)
+    worker.dispatch(task(server), [])
+    got = pump(worker, server, lambda g: errors(g))
+    assert any(isinstance(m, TokenBatch) for m in got)  # the first token still went out
+    assert "no decode worker bootstrap" in errors(got)[0].message
+    assert not worker.transfers
+    assert_pages_back(worker)
+
+
+def test_prefill_refuses_mismatched_layout(ctx, model_path) -> None:
+    server, decode = Inbox(ctx, free_tcp_addr()), Inbox(ctx, free_tcp_addr())
+    worker = make_worker(model_path, "prefill", server.addr)
+    worker.dispatch(task(server), [])
+    lay = worker.pool.layout
+    wrong = KVLayoutMsg(lay.num_layers, lay.num_kv_heads, lay.head_dim, 32, "bfloat16")
+    worker.dispatch(KVBootstrap(rid="r1", dst_addr=decode.addr, page_ids=[1, 2, 3, 4], layout=wrong), [])
+    got = pump(worker, decode, lambda g: g)
+    assert isinstance(got[0], KVFailed)
+    assert "page_size: 16 here vs 32" in got[0].message and "dtype: float32 here vs bfloat16" in got[0].message
+    err = pump(worker, server, lambda g: errors(g))
+    assert "page_size" in errors(err)[0].message
+    worker.run_once()
+    assert_pages_back(worker)
+
+
+def test_prompt_larger_than_pool_is_refused(ctx, model_path) -> None:
+    server = Inbox(ctx, free_tcp_addr())
+    worker = make_worker(model_path, "colocated", server.addr)
+    capacity = (worker.pool.allocator.num_pages - 1) * worker.pool.page_size
+    big = GenerateTask(rid="big", input_ids=[5] * (capacity + 1), reply_addr=server.addr,
+                       sampling=SamplingParams(max_new_tokens=4))
+    worker.dispatch(big, [])
+    got = pump(worker, server, lambda g: errors(g))
+    assert errors(got)[0].code == 400 and "does not fit the KV pool" in errors(got)[0].message
+    # The worker still serves the next request.
+    worker.dispatch(task(server), [])
+    got = pump(worker, server, lambda g: any(
+        isinstance(m, TokenBatch) and m.outputs[-1].finish_reason for m in g))
+    assert_pages_back(worker)
