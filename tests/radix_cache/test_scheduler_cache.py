@@ -160,3 +160,23 @@ def test_running_request_shares_its_prefix(model, reference, prefill_only) -> No
     if not prefill_only:
         assert [first.output_ids, second.output_ids] == reference[name]
     assert sched.pool.allocator.num_used == sched.cache.stats().evictable_pages
+
+
+def test_prompt_logprobs_are_computed_not_cached(model) -> None:
+    """A request asking for prompt logprobs matches only what it does not need to score."""
+    prompt = TRUNK[:13]
+    scored = SamplingParams(max_new_tokens=2, temperature=0.0, logprob_start_len=6)
+    results = {}
+    for cache in ("none", "radix"):
+        sched = make_scheduler(model, cache)
+        run(sched, [prompt])  # warms the cache (3 pages)
+        req = Req("scored", list(prompt), scored)
+        sched.add(req)
+        while sched.has_work:
+            sched.step()
+        results[cache] = req
+    warm, cold = results["radix"], results["none"]
+    assert warm.cached_len == 4  # position 5 predicts token 6: pages past it are recomputed
+    assert len(warm.prompt_logprobs) == len(prompt) - 6
+    assert warm.prompt_logprobs == pytest.approx(cold.prompt_logprobs, abs=1e-4)
+    assert warm.output_ids == cold.output_ids
