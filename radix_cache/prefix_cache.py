@@ -165,16 +165,16 @@ class RadixPrefixCache(BasePrefixCache):
         if num_full * ps <= req.matched_len:
             return  # nothing new since the last call (or the match)
         tokens = req.tokens(0, num_full * ps)
-        cached_len = self.tree.insert(tokens, req.page_ids[:num_full])
-        duplicates = req.page_ids[req.matched_len // ps : cached_len // ps]
-        # Swap our duplicates for the tree's copies and move the pin down to the new end.
+        if self.tree.match_prefix(tokens).matched_len > req.matched_len:
+            # Another request cached part of this span meanwhile. Swapping our copies for the
+            # tree's would free pages a KV send may still be reading (zero-copy backends), so
+            # leave it to :meth:`release`, which runs once the pages are no longer read.
+            return
+        self.tree.insert(tokens, req.page_ids[:num_full])  # the tree takes our new pages
         result = self.tree.match_prefix(tokens)
-        self.tree.lock(result.last_node)
+        self.tree.lock(result.last_node)  # move the pin down to the new end
         if req.locked_node is not None:
             self.tree.unlock(req.locked_node)
-        if duplicates:
-            self.allocator.free(duplicates)
-        req.page_ids = result.page_ids + req.page_ids[num_full:]
         req.locked_node, req.matched_len = result.last_node, result.matched_len
 
     def evict(self, num_pages: int) -> int:
