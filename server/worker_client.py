@@ -58,6 +58,7 @@ class _ReqState:
     next_index: int = 0
     pending: dict[int, TokenOutput] = field(default_factory=dict)
     done: bool = False
+    failed: bool = False
 
 
 class ZmqEngineClient(BaseEngineClient):
@@ -138,6 +139,7 @@ class ZmqEngineClient(BaseEngineClient):
                 event: TokenEvent = await state.queue.get()
                 if event.finish_reason or event.error:
                     state.done = True
+                    state.failed = event.error is not None
                 yield event
                 if state.done:
                     return
@@ -145,7 +147,9 @@ class ZmqEngineClient(BaseEngineClient):
             self.reqs.pop(rid, None)
             for w in state.workers:
                 w.in_flight -= 1
-            if not state.done:
+            if not state.done or state.failed:
+                # A failure reported by one worker (or the heartbeat) may leave the other holding
+                # pages until its own timeout; abort is idempotent, so tell both now.
                 await self.abort_on(rid, state.workers)
 
     async def abort(self, rid: str) -> None:
