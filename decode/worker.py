@@ -20,8 +20,8 @@ from splitserve.engine.request import Req
 from splitserve.engine.scheduler import StepOutput
 from splitserve.engine.worker_base import BaseWorker
 from splitserve.kv_transfer.base import layout_to_msg
-from splitserve.kv_transfer.zmq_backend import ZmqKVReceiver
-from splitserve.messages import GenerateTask, KVBootstrap, KVFailed, KVPages, Message
+from splitserve.kv_transfer.registry import create_kv_receiver
+from splitserve.messages import GenerateTask, KVBootstrap, KVFailed, KVPages, Message, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,10 @@ class DecodeWorker(BaseWorker):
     def __init__(self, args) -> None:
         self.role = args.role  # "decode" or "colocated"
         super().__init__(args)
-        self.receiver = ZmqKVReceiver(self.pool)
+        # The colocated worker receives nothing; its pool is a plain one (kv_transfer.registry).
+        self.receiver = create_kv_receiver(
+            args.kv_transfer if self.role == "decode" else "zmq", self.pool
+        )
         self.admission: deque[PendingKV] = deque()  # waiting for pages to reserve
         self.awaiting_kv: dict[str, PendingKV] = {}  # bootstrapped, waiting for KVPages
 
@@ -78,6 +81,8 @@ class DecodeWorker(BaseWorker):
                 dst_addr=self.args.addr,
                 page_ids=list(req.page_ids),
                 layout=layout_to_msg(self.pool.layout),
+                kv_transfer=self.receiver.name,
+                endpoint=self.receiver.endpoint(),
             )
             self.send(pending.prefill_addr, boot)
 
@@ -98,6 +103,8 @@ class DecodeWorker(BaseWorker):
             return  # aborted or timed out: its pages are already free
         req = pending.req
         try:
+            if not set(header.page_ids) <= set(req.page_ids):
+                raise ValueError("pages outside the request's reservation")
             self.receiver.install(header, frames)
         except ValueError as exc:
             del self.awaiting_kv[header.rid]
@@ -162,7 +169,7 @@ class DecodeWorker(BaseWorker):
     def num_transferring(self) -> int:
         return len(self.awaiting_kv)
 
-    def stats(self, query_id: int = 0):
+    def stats(self, query_id: int = 0) -> WorkerStats:
         s = super().stats(query_id)
         s.num_waiting += len(self.admission)
-        return s
+        return self.receiver.metrics.fill(s) if self.role == "decode" else s
