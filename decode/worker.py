@@ -25,6 +25,10 @@ from splitserve.messages import GenerateTask, KVBootstrap, KVFailed, KVPages, Me
 
 logger = logging.getLogger(__name__)
 
+# Seconds a failed request's reserved pages stay out of use with a one-sided backend (the prefill
+# worker may still be writing them until it hears of the failure).
+QUARANTINE_S = 3.0
+
 
 @dataclass(slots=True)
 class PendingKV:
@@ -48,6 +52,7 @@ class DecodeWorker(BaseWorker):
         )
         self.admission: deque[PendingKV] = deque()  # waiting for pages to reserve
         self.awaiting_kv: dict[str, PendingKV] = {}  # bootstrapped, waiting for KVPages
+        self.quarantine: deque[tuple[float, Req]] = deque()  # (release time, failed request)
 
     def on_generate(self, task: GenerateTask) -> None:
         error = self.check_fits(task)
@@ -92,7 +97,7 @@ class DecodeWorker(BaseWorker):
         elif isinstance(msg, KVFailed):
             pending = self.awaiting_kv.pop(msg.rid, None)
             if pending is not None:
-                self.scheduler.free(pending.req)
+                self._free_reserved(pending.req)
                 self.fail(msg.rid, pending.req.reply_addr, msg.message, 500)
         else:
             super().on_peer_message(msg, frames)
@@ -108,7 +113,7 @@ class DecodeWorker(BaseWorker):
             self.receiver.install(header, frames)
         except ValueError as exc:
             del self.awaiting_kv[header.rid]
-            self.scheduler.free(req)
+            self._free_reserved(req)
             self.fail(req.rid, req.reply_addr, f"KV transfer failed: {exc}", 500)
             return
         if not header.last:
@@ -140,7 +145,7 @@ class DecodeWorker(BaseWorker):
             return
         pending = self.awaiting_kv.pop(rid, None)
         if pending is not None:
-            self.scheduler.free(pending.req)
+            self._free_reserved(pending.req)
             self._admit()
             return
         for pending in self.admission:
@@ -148,7 +153,20 @@ class DecodeWorker(BaseWorker):
                 self.admission.remove(pending)
                 return
 
+    def _free_reserved(self, req: Req) -> None:
+        """Free the pages of a request whose KV did not fully arrive."""
+        if self.receiver.one_sided:
+            self.quarantine.append((time.monotonic() + QUARANTINE_S, req))
+        else:
+            self.scheduler.free(req)
+
     def check_timeouts(self, now: float) -> None:
+        released = False
+        while self.quarantine and self.quarantine[0][0] < now:
+            self.scheduler.free(self.quarantine.popleft()[1])
+            released = True
+        if released:
+            self._admit()
         expired = [p for p in self.awaiting_kv.values() if p.deadline < now]
         expired += [p for p in self.admission if p.deadline < now]
         for pending in expired:

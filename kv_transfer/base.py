@@ -104,9 +104,15 @@ class BaseKVSender(abc.ABC):
 
 
 class BaseKVReceiver(abc.ABC):
-    """Decode side. ``metrics`` counts what was installed."""
+    """Decode side. ``metrics`` counts what was installed.
+
+    ``one_sided``: the peer writes into this pool directly (shm, mooncake), so a request that
+    fails before its last message keeps its pages reserved for ``QUARANTINE_S`` seconds: the
+    prefill side may still be writing them until it hears of the failure.
+    """
 
     name = "base"
+    one_sided = False
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool

@@ -181,6 +181,7 @@ class ShmKVReceiver(BaseKVReceiver):
     """The pages are already in the pool when the header arrives; check and count them."""
 
     name = "shm"
+    one_sided = True
 
     def __init__(self, pool: KVPool) -> None:
         super().__init__(pool)
