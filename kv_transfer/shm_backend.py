@@ -82,7 +82,10 @@ class ShmSegment:
                 os.ftruncate(fd, size)
             elif os.fstat(fd).st_size < size:
                 raise ValueError(f"shared-memory segment {name} is smaller than {size} bytes")
-            self._mmap = mmap.mmap(fd, size)
+            # MAP_POPULATE: fault every page in now (tmpfs allocation on the owner's side, page
+            # tables on the peer's), not during the first transfers.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mmap = mmap.mmap(fd, size, flags=flags)
         finally:
             os.close(fd)  # the mapping keeps the memory; the name stays until unlinked
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
