@@ -26,6 +26,7 @@ class WorkerArgs:
     transfer_timeout_s: float = 30.0
     num_threads: int = 0  # 0: torch's default
     kv_transfer: str = "zmq"  # KV transfer backend (kv_transfer.registry); same on both roles
+    jump_forward: bool = True  # append grammar-forced tokens without sampling them
 
 
 ROLES = ("prefill", "decode", "colocated")

@@ -40,6 +40,7 @@ class ClusterSpec:
     threads_per_worker: int = 0  # 0: split the machine's cores between the workers
     transfer_timeout_s: float = 30.0
     kv_transfer: str = "zmq"  # kv_transfer.registry.KV_TRANSFER_BACKENDS
+    jump_forward: bool = True  # grammar-forced tokens appended without sampling
     log_level: str = "warning"
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -64,7 +65,7 @@ class Cluster:
         return ["colocated"] if s.colocated else ["prefill"] * s.num_prefill + ["decode"] * s.num_decode
 
     def _spawn(self, name: str, args: list[str], threads: int) -> None:
-        env = dict(os.environ, **self.spec.extra_env)
+        env = dict(os.environ, SPLITSERVE_DIE_WITH_PARENT="1", **self.spec.extra_env)
         if threads > 0:
             env["OMP_NUM_THREADS"] = str(threads)
         cmd = [sys.executable, "-m", "splitserve", *args, "--log-level", self.spec.log_level]
@@ -92,6 +93,7 @@ class Cluster:
                 "--max-batch-tokens", str(s.max_batch_tokens), "--max-running", str(s.max_running),
                 "--transfer-timeout", str(s.transfer_timeout_s), "--threads", str(threads),
                 "--kv-transfer", s.kv_transfer,
+                *([] if s.jump_forward else ["--disable-jump-forward"]),
             ], threads)
         server_args = ["api-server", "--model", s.model_path, "--host", s.host, "--port",
                        str(s.port), "--inbox", server_inbox]
