@@ -120,6 +120,11 @@ class DecodeWorker(BaseWorker):
         pending = self.awaiting_kv.get(header.rid)
         if pending is None:
             return  # aborted or timed out: its pages are already free
+        # A stall is silence from the prefill worker, not a long queue there: every message
+        # (pages or the keepalive it sends while the request waits) restarts the timer.
+        pending.deadline = time.monotonic() + self.args.transfer_timeout_s
+        if not header.page_ids and not header.last:
+            return  # keepalive
         req = pending.req
         try:
             if not set(header.page_ids) <= set(req.page_ids):

@@ -25,7 +25,7 @@ from splitserve.engine.worker_base import BaseWorker
 from splitserve.ipc import PeerUnreachable
 from splitserve.kv_transfer.base import layout_from_msg
 from splitserve.kv_transfer.registry import create_kv_sender
-from splitserve.messages import GenerateTask, KVBootstrap, KVFailed, Message, WorkerStats
+from splitserve.messages import GenerateTask, KVBootstrap, KVFailed, KVPages, Message, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ class Transfer:
     prefilled: bool = False  # first token sampled; pages now owned by this transfer
     bootstrap: KVBootstrap | None = None
     num_pages_sent: int = 0  # leading prompt pages already shipped (early chunks)
+    last_progress: float = 0.0  # when the decode worker last heard of this request
 
 
 @dataclass(slots=True)
@@ -112,7 +113,18 @@ class PrefillWorker(BaseWorker):
             self._drop(t, f"refused by prefill worker: {mismatch}")
             return
         t.bootstrap = msg
+        self._keepalive(t, time.monotonic())  # the ack: decode now waits on our progress
         self._maybe_send(t)
+
+    def _keepalive(self, t: Transfer, now: float) -> None:
+        """An empty ``KVPages``: the request is alive here (queued or computing). The decode
+        worker's stall timer restarts on every message, so a long prefill queue is not a stall,
+        while a prefill worker that dies or hangs still times out there."""
+        try:
+            self.send(t.bootstrap.dst_addr, KVPages(rid=t.rid, page_ids=[], num_frames=0, last=False))
+        except PeerUnreachable as exc:
+            logger.warning("keepalive for %s not delivered: %s", t.rid, exc)
+        t.last_progress = now
 
     def on_step_outputs(self, outputs: list[StepOutput]) -> None:
         self._send_early_pages()
@@ -160,6 +172,7 @@ class PrefillWorker(BaseWorker):
                 pass
             return False
         t.num_pages_sent = end
+        t.last_progress = time.monotonic()
         return True
 
     def _maybe_send(self, t: Transfer) -> None:
@@ -224,6 +237,10 @@ class PrefillWorker(BaseWorker):
             elif t.bootstrap is None:
                 self._drop(t, f"KV transfer timed out: no decode worker bootstrap within "
                               f"{self.args.transfer_timeout_s:g} s")
+        interval = self.args.transfer_timeout_s / 3
+        for t in list(self.transfers.values()):
+            if t.bootstrap is not None and not t.prefilled and now - t.last_progress > interval:
+                self._keepalive(t, now)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work  # draining is checked every loop, no need to spin
