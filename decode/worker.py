@@ -22,10 +22,14 @@ from splitserve.engine.scheduler import StepOutput
 from splitserve.engine.worker_base import BaseWorker
 from splitserve.ipc import PeerUnreachable
 from splitserve.kv_transfer.base import layout_to_msg
-from splitserve.kv_transfer.zmq_backend import ZmqKVReceiver
-from splitserve.messages import GenerateTask, KVBootstrap, KVFailed, KVPages, Message
+from splitserve.kv_transfer.registry import create_kv_receiver
+from splitserve.messages import GenerateTask, KVBootstrap, KVFailed, KVPages, Message, WorkerStats
 
 logger = logging.getLogger(__name__)
+
+# Seconds a failed request's reserved pages stay out of use with a one-sided backend (the prefill
+# worker may still be writing them until it hears of the failure).
+QUARANTINE_S = 3.0
 
 
 @dataclass(slots=True)
@@ -44,9 +48,13 @@ class DecodeWorker(BaseWorker):
     def __init__(self, args) -> None:
         self.role = args.role  # "decode" or "colocated"
         super().__init__(args)
-        self.receiver = ZmqKVReceiver(self.pool)
+        # The colocated worker receives nothing; its pool is a plain one (kv_transfer.registry).
+        self.receiver = create_kv_receiver(
+            args.kv_transfer if self.role == "decode" else "zmq", self.pool
+        )
         self.admission: deque[PendingKV] = deque()  # waiting for pages to reserve
         self.awaiting_kv: dict[str, PendingKV] = {}  # bootstrapped, waiting for KVPages
+        self.quarantine: deque[tuple[float, Req]] = deque()  # (release time, failed request)
         # Constrained requests whose grammar is still compiling: prefilled here (colocated),
         # or whose KV already arrived (they start decoding once the compile is done).
         self.compiling_local: dict[str, Req] = {}
@@ -91,6 +99,8 @@ class DecodeWorker(BaseWorker):
                 dst_addr=self.args.addr,
                 page_ids=list(req.page_ids),
                 layout=layout_to_msg(self.pool.layout),
+                kv_transfer=self.receiver.name,
+                endpoint=self.receiver.endpoint(),
             )
             self.send(pending.prefill_addr, boot)
 
@@ -101,7 +111,7 @@ class DecodeWorker(BaseWorker):
             pending = self.awaiting_kv.pop(msg.rid, None)
             if pending is not None:
                 self.grammars.discard(msg.rid)
-                self.scheduler.free(pending.req)
+                self._free_reserved(pending.req)
                 self.fail(msg.rid, pending.req.reply_addr, msg.message, 500)
         else:
             super().on_peer_message(msg, frames)
@@ -110,12 +120,19 @@ class DecodeWorker(BaseWorker):
         pending = self.awaiting_kv.get(header.rid)
         if pending is None:
             return  # aborted or timed out: its pages are already free
+        # A stall is silence from the prefill worker, not a long queue there: every message
+        # (pages or the keepalive it sends while the request waits) restarts the timer.
+        pending.deadline = time.monotonic() + self.args.transfer_timeout_s
+        if not header.page_ids and not header.last:
+            return  # keepalive
         req = pending.req
         try:
+            if not set(header.page_ids) <= set(req.page_ids):
+                raise ValueError("pages outside the request's reservation")
             self.receiver.install(header, frames)
         except ValueError as exc:
             del self.awaiting_kv[header.rid]
-            self.scheduler.free(req)
+            self._free_reserved(req)
             self.fail(req.rid, req.reply_addr, f"KV transfer failed: {exc}", 500)
             return
         if not header.last:
@@ -196,7 +213,7 @@ class DecodeWorker(BaseWorker):
             return
         pending = self.awaiting_kv.pop(rid, None)
         if pending is not None:
-            self.scheduler.free(pending.req)
+            self._free_reserved(pending.req)
             self._admit()
             return
         for pending in self.admission:
@@ -204,7 +221,20 @@ class DecodeWorker(BaseWorker):
                 self.admission.remove(pending)
                 return
 
+    def _free_reserved(self, req: Req) -> None:
+        """Free the pages of a request whose KV did not fully arrive."""
+        if self.receiver.one_sided:
+            self.quarantine.append((time.monotonic() + QUARANTINE_S, req))
+        else:
+            self.scheduler.free(req)
+
     def check_timeouts(self, now: float) -> None:
+        released = False
+        while self.quarantine and self.quarantine[0][0] < now:
+            self.scheduler.free(self.quarantine.popleft()[1])
+            released = True
+        if released:
+            self._admit()
         expired = [p for p in self.awaiting_kv.values() if p.deadline < now]
         expired += [p for p in self.admission if p.deadline < now]
         for pending in expired:
@@ -225,7 +255,7 @@ class DecodeWorker(BaseWorker):
     def num_transferring(self) -> int:
         return len(self.awaiting_kv)
 
-    def stats(self, query_id: int = 0):
+    def stats(self, query_id: int = 0) -> WorkerStats:
         s = super().stats(query_id)
         s.num_waiting += len(self.admission) + len(self.compiling_local)
-        return s
+        return self.receiver.metrics.fill(s) if self.role == "decode" else s

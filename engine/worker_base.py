@@ -16,12 +16,12 @@ import zmq
 
 from splitserve.config import WorkerArgs
 from splitserve.engine.grammar.worker_grammars import CompileDone, create_worker_grammars
-from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Req
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 from splitserve.ipc import Inbox, Outbox, PeerUnreachable
+from splitserve.kv_transfer.registry import create_kv_pool
 from splitserve.messages import (
     AbortTask,
     FlushCache,
@@ -60,7 +60,8 @@ class BaseWorker:
         model, self.model_config = load_model(args.model_path, dtype=dtype, device=device)
         layout = self.model_config.kv_layout(args.page_size, args.dtype)
         num_pages = max(2, args.kv_cache_mb * 2**20 // layout.page_bytes)
-        self.pool = KVPool(layout, num_pages, device)
+        # The backend decides where the pool lives (shm: a segment the prefill side maps).
+        self.pool = create_kv_pool(args.kv_transfer, self.role, layout, num_pages, device)
         # The decode worker's pages arrive by KV transfer: nothing of its own to reuse.
         use_cache = self.role != "decode" and not args.disable_radix_cache
         cache = create_prefix_cache(

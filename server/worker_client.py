@@ -61,6 +61,7 @@ class _ReqState:
     next_index: int = 0
     pending: dict[int, TokenOutput] = field(default_factory=dict)
     done: bool = False
+    failed: bool = False
 
 
 class ZmqEngineClient(BaseEngineClient):
@@ -151,6 +152,7 @@ class ZmqEngineClient(BaseEngineClient):
                 event: TokenEvent = await state.queue.get()
                 if event.finish_reason or event.error:
                     state.done = True
+                    state.failed = event.error is not None
                 else:
                     self._prefill_done(state)
                 yield event
@@ -160,7 +162,9 @@ class ZmqEngineClient(BaseEngineClient):
             self.reqs.pop(rid, None)
             for w in state.counted:
                 w.in_flight -= 1
-            if not state.done:
+            if not state.done or state.failed:
+                # A failure reported by one worker (or the heartbeat) may leave the other holding
+                # pages until its own timeout; abort is idempotent, so tell both now.
                 await self.abort_on(rid, state.workers)
 
     @staticmethod

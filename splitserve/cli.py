@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-from splitserve.config import DTYPES, ROLES, WorkerArgs
+from splitserve.config import DTYPES, KV_TRANSFER_BACKENDS, ROLES, WorkerArgs
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -19,6 +19,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size per worker (MiB)")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-running", type=int, default=64, help="sequences in one step")
+    p.add_argument("--kv-transfer", choices=KV_TRANSFER_BACKENDS, default="zmq",
+                   help="how KV pages move from prefill to decode workers (same on both roles)")
     p.add_argument(
         "--disable-jump-forward", action="store_true",
         help="sample every token of constrained outputs, even those the grammar forces",
@@ -112,6 +114,7 @@ def _cluster_spec(args: argparse.Namespace, colocated: bool):
         max_running=args.max_running,
         threads_per_worker=args.threads_per_worker,
         transfer_timeout_s=args.transfer_timeout,
+        kv_transfer=args.kv_transfer,
         jump_forward=not args.disable_jump_forward,
         log_level=args.log_level,
         disable_radix_cache=args.disable_radix_cache,
@@ -180,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
                 dtype=args.dtype, page_size=args.page_size, kv_cache_mb=args.kv_cache_mb,
                 max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                 transfer_timeout_s=args.transfer_timeout, num_threads=args.threads,
+                kv_transfer=args.kv_transfer,
                 jump_forward=not args.disable_jump_forward,
                 disable_radix_cache=args.disable_radix_cache,
             ),

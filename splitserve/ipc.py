@@ -77,23 +77,40 @@ class Outbox:
             self.socks[addr] = sock
         return sock
 
-    def send(self, addr: str, msg: Message, frames: list | tuple = ()) -> None:
+    def send(
+        self, addr: str, msg: Message, frames: list | tuple = (), track: bool = False
+    ) -> list[zmq.MessageTracker]:
         """Send ``msg`` (and raw ``frames``, sent without copying) to ``addr``.
+
+        Returns:
+            With ``track``, one tracker per frame: ``done`` once ZeroMQ no longer reads that
+            frame's memory (it was written to the socket, or dropped by :meth:`reset`).
 
         Raises:
             PeerUnreachable: the peer's send queue is full.
         """
         sock = self._sock(addr)
+        trackers = []
         try:
             if frames:
                 sock.send(encode(msg), zmq.SNDMORE | zmq.NOBLOCK)
                 for i, frame in enumerate(frames):
                     more = zmq.SNDMORE if i < len(frames) - 1 else 0
-                    sock.send(frame, more, copy=False)
+                    tracker = sock.send(frame, more, copy=False, track=track)
+                    if track and tracker is not None:
+                        trackers.append(tracker)
             else:
                 sock.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again as exc:
             raise PeerUnreachable(f"peer {addr} is not reading (send queue full)") from exc
+        return trackers
+
+    def reset(self, addr: str) -> None:
+        """Close the socket to ``addr`` discarding what it still queues (a new one is made on the
+        next send)."""
+        sock = self.socks.pop(addr, None)
+        if sock is not None:
+            sock.close(linger=0)
 
     def close(self) -> None:
         for sock in self.socks.values():

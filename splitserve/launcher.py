@@ -39,6 +39,7 @@ class ClusterSpec:
     max_running: int = 64
     threads_per_worker: int = 0  # 0: split the machine's cores between the workers
     transfer_timeout_s: float = 30.0
+    kv_transfer: str = "zmq"  # kv_transfer.registry.KV_TRANSFER_BACKENDS
     jump_forward: bool = True  # grammar-forced tokens appended without sampling
     log_level: str = "warning"
     disable_radix_cache: bool = False
@@ -94,6 +95,7 @@ class Cluster:
                 "--page-size", str(s.page_size), "--kv-cache-mb", str(s.kv_cache_mb),
                 "--max-batch-tokens", str(s.max_batch_tokens), "--max-running", str(s.max_running),
                 "--transfer-timeout", str(s.transfer_timeout_s), "--threads", str(threads),
+                "--kv-transfer", s.kv_transfer,
                 *([] if s.jump_forward else ["--disable-jump-forward"]),
                 *cache_flag,
             ], threads)
@@ -139,6 +141,10 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        # Shared-memory KV segments of children that could not clean up (killed).
+        from splitserve.kv_transfer.shm_backend import sweep_stale_segments
+
+        sweep_stale_segments({proc.pid for _, proc in self.procs})
         self.procs.clear()
 
     def __enter__(self) -> Self:

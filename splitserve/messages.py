@@ -156,6 +156,22 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     cache_hit_tokens: int = 0  # prompt tokens served from the cache
     cache_prompt_tokens: int = 0  # prompt tokens admitted
     cache_evicted_pages: int = 0  # pages evicted (pool pressure or flush)
+    # KV transfer (kv_transfer.metrics.TransferMetrics): the backend, what this worker sent
+    # (prefill) or installed (decode), and the install latency histogram (decode: from the
+    # sender's send call to the pages being in this pool; bucket upper bounds in ms, and
+    # ``kv_latency_counts`` has one more entry: slower than the last bound).
+    kv_transfer: str = ""
+    kv_bytes_sent: int = 0
+    kv_pages_sent: int = 0
+    kv_messages_sent: int = 0
+    kv_send_s: float = 0.0
+    kv_bytes_received: int = 0
+    kv_pages_received: int = 0
+    kv_messages_received: int = 0
+    kv_latency_ms_buckets: list[float] = []
+    kv_latency_counts: list[int] = []
+    kv_latency_ms_sum: float = 0.0
+    kv_gbps: float = 0.0  # bytes over summed per-message latency (receiver) or send time (sender)
 
 
 # ---- decode <-> prefill (KV transfer control) ----------------------------------------------
@@ -168,17 +184,22 @@ class KVBootstrap(msgspec.Struct, tag="kv_bootstrap", kw_only=True):
     dst_addr: str
     page_ids: list[int]
     layout: KVLayoutMsg
+    kv_transfer: str = "zmq"  # backend name; the prefill worker refuses one that is not its own
+    endpoint: dict[str, str] = {}  # backend-specific: where the pages live (shm segment, ...)
 
 
 class KVPages(msgspec.Struct, tag="kv_pages", kw_only=True):
     """Prefill -> decode header; followed by ``num_frames`` raw frames holding the pages, in
-    ``page_ids`` order. ``last`` marks the final message of the request; it carries the first
+    ``page_ids`` order (zmq backend: one frame per run of pages; backends that write into the
+    decode pool directly send no frames). A request's pages may come in several messages, chunk
+    by chunk as the prompt is computed; ``last`` marks the final one, which carries the first
     generated token so the decode worker can continue from it."""
 
     rid: str
     page_ids: list[int]
     num_frames: int
     last: bool
+    sent_at: float = 0.0  # sender's time.time() when it started this message (latency metric)
     first_token: int = -1
     first_logprob: float = 0.0
     finished: bool = False

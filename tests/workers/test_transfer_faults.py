@@ -16,6 +16,7 @@ from splitserve.messages import (
     KVBootstrap,
     KVFailed,
     KVLayoutMsg,
+    KVPages,
     RequestError,
     SamplingParams,
     TokenBatch,
@@ -126,3 +127,32 @@ def test_prompt_larger_than_pool_is_refused(ctx, model_path) -> None:
     got = pump(worker, server, lambda g: any(
         isinstance(m, TokenBatch) and m.outputs[-1].finish_reason for m in g))
     assert_pages_back(worker)
+
+
+def test_keepalives_hold_the_decode_timer_and_silence_trips_it(ctx, model_path) -> None:
+    """A request queued at a live prefill worker is not a stall; a silent one is."""
+    server, prefill = Inbox(ctx, free_tcp_addr()), Inbox(ctx, free_tcp_addr())
+    worker = make_worker(model_path, "decode", server.addr)
+    worker.dispatch(task(server, prefill_addr=prefill.addr), [])
+    keepalive = KVPages(rid="r1", page_ids=[], num_frames=0, last=False)
+    t_end = time.monotonic() + 3 * TIMEOUT_S
+    while time.monotonic() < t_end:  # the prefill side keeps saying "still here"
+        worker.dispatch(keepalive, [])
+        worker.run_once(idle_wait_ms=10)
+        time.sleep(TIMEOUT_S / 5)
+    assert "r1" in worker.awaiting_kv and worker.pool.allocator.num_used > 0
+    got = pump(worker, server, lambda g: errors(g))  # then silence
+    assert "timed out" in errors(got)[0].message
+    assert worker.pool.allocator.num_used == 0
+
+
+def test_prefill_acks_the_bootstrap(ctx, model_path) -> None:
+    server, decode = Inbox(ctx, free_tcp_addr()), Inbox(ctx, free_tcp_addr())
+    worker = make_worker(model_path, "prefill", server.addr)
+    worker.dispatch(task(server), [])
+    lay = worker.pool.layout
+    layout = KVLayoutMsg(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype)
+    worker.dispatch(KVBootstrap(rid="r1", dst_addr=decode.addr, page_ids=[1, 2, 3, 4],
+                                layout=layout, kv_transfer=worker.args.kv_transfer), [])
+    got = pump(worker, decode, lambda g: any(isinstance(m, KVPages) and m.last for m in g))
+    assert not got[0].page_ids and not got[0].last  # the ack comes before any page
