@@ -25,6 +25,9 @@ class WorkerArgs:
     max_running: int = 64
     transfer_timeout_s: float = 30.0
     num_threads: int = 0  # 0: torch's default
+    router_url: str | None = None  # join this router (POST /workers/register) at start
+    api_key: str | None = None  # the router's API key, for registering
+    curve_keys: str | None = None  # CURVE key file (splitserve.security): encrypted, authenticated links
 
 
 ROLES = ("prefill", "decode", "colocated")

@@ -40,6 +40,11 @@ class ClusterSpec:
     threads_per_worker: int = 0  # 0: split the machine's cores between the workers
     transfer_timeout_s: float = 30.0
     log_level: str = "warning"
+    api_key: str | None = None  # passed to children in the environment, not on the command line
+    curve_keys: str | None = None  # CURVE key file: encrypted, authenticated worker links
+    max_body_bytes: int = 4 * 2**20
+    max_inflight_per_worker: int = 256
+    dead_after_s: float = 5.0
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -57,6 +62,7 @@ class Cluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.commands: dict[str, tuple[list[str], dict[str, str]]] = {}
 
     def _roles(self) -> list[str]:
         s = self.spec
@@ -66,9 +72,30 @@ class Cluster:
         env = dict(os.environ, **self.spec.extra_env)
         if threads > 0:
             env["OMP_NUM_THREADS"] = str(threads)
+        if self.spec.api_key:
+            env["SPLITSERVE_API_KEY"] = self.spec.api_key
+        if self.spec.curve_keys:
+            args = [*args, "--curve-keys", self.spec.curve_keys]
         cmd = [sys.executable, "-m", "splitserve", *args, "--log-level", self.spec.log_level]
+        self.commands[name] = (cmd, env)
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self.procs.append((name, proc))
+
+    def proc(self, name: str) -> subprocess.Popen:
+        """The process called ``name`` (``prefill-0``, ``decode-1``, ``api-server``...)."""
+        return next(p for n, p in self.procs if n == name)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process (fault-injection tests); :meth:`restart` brings it back."""
+        proc = self.proc(name)
+        proc.kill()
+        proc.wait()
+
+    def restart(self, name: str) -> None:
+        """Start the process ``name`` again with its original command (same address)."""
+        cmd, env = self.commands[name]
+        new = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.procs = [(n, new if n == name else p) for n, p in self.procs]
 
     def start(self, timeout_s: float = 180.0) -> Cluster:
         """Spawn every process and wait until ``/health`` answers 200.
@@ -81,7 +108,9 @@ class Cluster:
         threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // len(roles))
         server_inbox = free_tcp_addr()
         addrs: dict[str, list[str]] = {"prefill": [], "decode": [], "colocated": []}
-        for i, role in enumerate(roles):
+        self.addrs, self.server_inbox = addrs, server_inbox
+        for role in roles:
+            i = len(addrs[role])  # prefill-0, prefill-1, decode-0, ...
             addr = free_tcp_addr()
             addrs[role].append(addr)
             self._spawn(f"{role}-{i}", [
@@ -92,7 +121,9 @@ class Cluster:
                 "--transfer-timeout", str(s.transfer_timeout_s), "--threads", str(threads),
             ], threads)
         server_args = ["api-server", "--model", s.model_path, "--host", s.host, "--port",
-                       str(s.port), "--inbox", server_inbox]
+                       str(s.port), "--inbox", server_inbox, "--max-body-bytes",
+                       str(s.max_body_bytes), "--max-inflight-per-worker",
+                       str(s.max_inflight_per_worker), "--dead-after", str(s.dead_after_s)]
         for role, role_addrs in addrs.items():
             for addr in role_addrs:
                 server_args += [f"--{role}-addr", addr]
@@ -105,7 +136,7 @@ class Cluster:
         while time.monotonic() < deadline:
             self.check_alive()
             try:
-                with urllib.request.urlopen(self.spec.url + "/health", timeout=2) as r:
+                with urllib.request.urlopen(self.spec.url + "/health", timeout=2) as r:  # open path
                     if r.status == 200:
                         return
             except OSError:

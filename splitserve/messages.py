@@ -116,6 +116,10 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     num_running: int
     num_waiting: int
     num_transferring: int = 0
+    kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
+    transfer_failures: int = 0  # requests this worker failed because their KV transfer failed
+    requests_failed: int = 0
 
 
 # ---- decode <-> prefill (KV transfer control) ----------------------------------------------
