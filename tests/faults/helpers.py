@@ -100,6 +100,6 @@ def metric(cluster: Cluster, name: str, headers=None) -> float:
     text = httpx.get(cluster.spec.url + "/metrics", timeout=10, headers=headers).text
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
+        if line.startswith((name + " ", name + "{")):
             total += float(line.rsplit(" ", 1)[1])
     return total

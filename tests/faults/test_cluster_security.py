@@ -10,7 +10,6 @@ import os
 import pickle
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
