@@ -218,3 +218,19 @@ def test_soak_decode_killed_and_restarted(cluster) -> None:
         assert used is None or used <= total
     wait_all_healthy(cluster, 4)
     assert_no_pages(cluster)
+
+
+def test_metrics_after_faults(cluster) -> None:
+    """Runs last in this module: latencies were observed, worker gauges are there, the kills and
+    KV traffic are counted."""
+    for name in ("splitserve_time_to_first_token_seconds_count",
+                 "splitserve_inter_token_latency_seconds_count",
+                 "splitserve_e2e_request_latency_seconds_count",
+                 "splitserve_worker_kv_bytes_sent_total", "splitserve_worker_kv_bytes_received_total",
+                 "splitserve_worker_failures_total", "splitserve_worker_pages_total"):
+        assert metric(cluster, name) > 0, name
+    text = httpx.get(cluster.spec.url + "/metrics", timeout=10).text
+    for wid in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+        assert f'splitserve_worker_pages_used{{role="{wid.split("-")[0]}",worker_id="{wid}"}}' in text \
+            or f'worker_id="{wid}"' in text
+    assert 'splitserve_requests_total{outcome="error"}' in text
