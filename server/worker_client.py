@@ -177,9 +177,10 @@ class ZmqEngineClient(BaseEngineClient):
         self.ctx.destroy(linger=0)
 
     def is_ready(self) -> bool:
-        """Every worker given at start has reported ready, and there is a way to serve."""
+        """Every worker given at start has reported ready once, and some can serve now (one dead
+        worker of many does not take the whole router out of a load balancer)."""
         static = [w for w in self.workers if not w.registered]
-        if any(not w.ready for w in static):
+        if any(not (w.ready or w.failures) for w in static):
             return False
         roles = {w.role for w in self.workers if w.ready}
         return "colocated" in roles or {"prefill", "decode"} <= roles

@@ -150,7 +150,7 @@ def _run_cluster(args: argparse.Namespace, colocated: bool) -> None:
         kind = "colocated worker" if colocated else f"{args.prefill} prefill + {args.decode} decode"
         print(f"splitserve ready ({kind}): {cluster.spec.url}/v1  (Ctrl-C to stop)", flush=True)
         while not stop["now"]:
-            cluster.check_alive()
+            cluster.supervise()  # a worker that dies is restarted; the router takes it back
             time.sleep(0.5)
     except ClusterError as exc:
         sys.exit(f"error: {exc}")

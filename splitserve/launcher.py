@@ -63,6 +63,7 @@ class Cluster:
         self.spec = spec
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.commands: dict[str, tuple[list[str], dict[str, str]]] = {}
+        self.restarts: dict[str, int] = {}
 
     def _roles(self) -> list[str]:
         s = self.spec
@@ -151,6 +152,26 @@ class Cluster:
             if proc.poll() is not None:
                 self.stop()
                 raise ClusterError(f"{name} exited with code {proc.returncode}")
+
+    def supervise(self, max_restarts: int = 5) -> list[str]:
+        """Restart workers that exited (the router fails or re-runs their requests meanwhile and
+        takes them back once ready). Returns the names restarted.
+
+        Raises:
+            ClusterError: the API server exited, or a worker died more than ``max_restarts`` times.
+        """
+        restarted = []
+        for name, proc in list(self.procs):
+            if proc.poll() is None:
+                continue
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            if name == "api-server" or self.restarts[name] > max_restarts:
+                self.stop()
+                raise ClusterError(f"{name} exited with code {proc.returncode}")
+            logger.warning("%s exited with code %s; restarting", name, proc.returncode)
+            self.restart(name)
+            restarted.append(name)
+        return restarted
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every process, then SIGKILL those still alive after ``grace_s``."""

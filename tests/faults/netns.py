@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from typing import Self
 
 
 class NetnsUnavailable(RuntimeError):
@@ -15,7 +16,7 @@ class NetnsUnavailable(RuntimeError):
 
 def _ip(*args: str, ns: str | None = None) -> None:
     cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if r.returncode != 0:
         raise NetnsUnavailable(f"{' '.join(cmd)}: {r.stderr.strip()}")
 
@@ -36,7 +37,7 @@ class Hosts:
         self.dev = {n: f"v{n[:3]}{tag}" for n in names}  # <= 15 characters
         self.created: list[str] = []
 
-    def __enter__(self) -> Hosts:
+    def __enter__(self) -> Self:
         try:
             _ip("ip", "netns", "add", self.hub)
             self.created.append(self.hub)
@@ -72,5 +73,5 @@ class Hosts:
 
     def __exit__(self, *exc) -> None:
         for ns in reversed(self.created):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
         self.created.clear()
