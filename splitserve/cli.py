@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster_flags(p)
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="launch on this Ray cluster (needs --config; pip install ray)")
+    p.add_argument("--config", default=None, help="cluster spec YAML (see splitserve.ray_launch)")
 
     p = sub.add_parser("serve", help="one colocated worker (prefill and decode in one process)")
     _add_cluster_flags(p)
@@ -134,7 +137,35 @@ def _cluster_spec(args: argparse.Namespace, colocated: bool):
     )
 
 
+def _run_on_ray(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from splitserve.ray_launch import RayClusterSpec, launch_on_ray, wait_healthy
+
+    if not args.config:
+        sys.exit("error: --ray needs --config cluster.yaml")
+    try:
+        import ray
+    except ImportError:
+        sys.exit("error: --ray needs Ray: pip install 'ray>=2.9'")
+    spec = RayClusterSpec.from_yaml(Path(args.config).read_text())
+    url, handles = launch_on_ray(args.ray, spec, args.api_key, args.log_level)
+    wait_healthy(url, spec.prefill.count + spec.decode.count, api_key=args.api_key)
+    print(f"splitserve ready on Ray: {url}/v1  (Ctrl-C to stop)", flush=True)
+    stop = {"now": False}
+    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    try:
+        while not stop["now"]:
+            time.sleep(0.5)
+    finally:
+        print("stopping...", flush=True)
+        ray.get([h.stop.remote() for h in reversed(handles)])
+
+
 def _run_cluster(args: argparse.Namespace, colocated: bool) -> None:
+    if getattr(args, "ray", None):
+        return _run_on_ray(args)
     from splitserve.launcher import Cluster, ClusterError
 
     cluster = Cluster(_cluster_spec(args, colocated))
