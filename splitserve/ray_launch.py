@@ -90,9 +90,10 @@ def _options(role: RoleSpec | None, node_ip: str | None) -> dict[str, Any]:
     return opts
 
 
-def launch_on_ray(address: str, spec: RayClusterSpec, api_key: str | None = None,
+def launch_on_ray(address: str | None, spec: RayClusterSpec, api_key: str | None = None,
                   log_level: str = "warning"):
-    """Start the router and workers on the Ray cluster at ``address``. Returns ``(router_url,
+    """Start the router and workers on the Ray cluster at ``address`` (None: the Ray instance
+    this process already joined or started). Returns ``(router_url,
     handles)``; keep the handles alive (dropping them stops the processes)."""
     import ray
 
