@@ -15,10 +15,12 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from splitserve.engine.grammar.worker_grammars import CompileDone
 from splitserve.engine.kv_pool import pages_for
 from splitserve.engine.request import Req
 from splitserve.engine.scheduler import StepOutput
 from splitserve.engine.worker_base import BaseWorker
+from splitserve.ipc import PeerUnreachable
 from splitserve.kv_transfer.base import layout_to_msg
 from splitserve.kv_transfer.zmq_backend import ZmqKVReceiver
 from splitserve.messages import GenerateTask, KVBootstrap, KVFailed, KVPages, Message
@@ -45,6 +47,10 @@ class DecodeWorker(BaseWorker):
         self.receiver = ZmqKVReceiver(self.pool)
         self.admission: deque[PendingKV] = deque()  # waiting for pages to reserve
         self.awaiting_kv: dict[str, PendingKV] = {}  # bootstrapped, waiting for KVPages
+        # Constrained requests whose grammar is still compiling: prefilled here (colocated),
+        # or whose KV already arrived (they start decoding once the compile is done).
+        self.compiling_local: dict[str, Req] = {}
+        self.kv_ready: dict[str, Req] = {}
 
     def on_generate(self, task: GenerateTask) -> None:
         error = self.check_fits(task)
@@ -52,8 +58,15 @@ class DecodeWorker(BaseWorker):
             self.fail(task.rid, task.reply_addr, error, 400)
             return
         req = self.new_req(task)
+        constrained = task.sampling.constraint is not None
+        if constrained:
+            # Disaggregated: compiles while the pages are reserved and the KV travels.
+            self.grammars.submit(req)
         if task.prefill_addr is None:
-            self.scheduler.add(req)
+            if constrained:
+                self.compiling_local[req.rid] = req
+            else:
+                self.scheduler.add(req)
             return
         deadline = time.monotonic() + self.args.transfer_timeout_s
         self.admission.append(PendingKV(req, task.prefill_addr, deadline))
@@ -87,6 +100,7 @@ class DecodeWorker(BaseWorker):
         elif isinstance(msg, KVFailed):
             pending = self.awaiting_kv.pop(msg.rid, None)
             if pending is not None:
+                self.grammars.discard(msg.rid)
                 self.scheduler.free(pending.req)
                 self.fail(msg.rid, pending.req.reply_addr, msg.message, 500)
         else:
@@ -108,6 +122,7 @@ class DecodeWorker(BaseWorker):
             return
         del self.awaiting_kv[header.rid]
         if header.finished:  # the first token ended it; the prefill worker reported it
+            self.grammars.discard(req.rid)
             self.scheduler.free(req)
             self._admit()
             return
@@ -115,7 +130,48 @@ class DecodeWorker(BaseWorker):
         req.output_logprobs.append(header.first_logprob)
         req.kv_len = req.prompt_len
         req.emitted_len = 1
+        if self.grammars.is_pending(req.rid):
+            self.kv_ready[req.rid] = req
+            return
+        self._start_decoding(req)
+
+    def _start_decoding(self, req: Req) -> None:
+        """Run a request whose KV arrived; a constrained one replays the prefill worker's first
+        token into its matcher first (and may jump forward from there)."""
+        if req.grammar is not None:
+            first = req.output_ids[-1]
+            if not req.grammar.accept(first):
+                self.scheduler.free(req)
+                self.fail(req.rid, req.reply_addr, f"grammar refused first token {first}", 500)
+                self._admit()
+                return
+            if req.check_finished(self.scheduler.eos_token_ids) or self.scheduler.jump_forward(req):
+                # Normally the prefill worker already saw this end; report it if it did not.
+                self.emit([(req.reply_addr, self.token_output(req, req.emitted_len))])
+                self.scheduler.free(req)
+                self._admit()
+                return
         self.scheduler.add_running(req)
+
+    def on_grammar_done(self, done: CompileDone) -> None:
+        req = done.req
+        if done.error is not None:
+            self._fail_compile(req, done.error, done.code)
+        elif self.compiling_local.pop(req.rid, None) is not None:
+            self.scheduler.add(req)
+        elif self.kv_ready.pop(req.rid, None) is not None:
+            self._start_decoding(req)
+        # Otherwise its KV is still on the way; _on_kv_pages starts it.
+
+    def _fail_compile(self, req: Req, message: str, code: int) -> None:
+        pending = self.awaiting_kv.get(req.rid)
+        if pending is not None:  # the prefill worker fails it too; free its copy now
+            try:
+                self.send(pending.prefill_addr, KVFailed(req.rid, message))
+            except PeerUnreachable as exc:
+                logger.warning("could not tell the prefill worker about %s: %s", req.rid, exc)
+        self.on_abort(req.rid)
+        self.fail(req.rid, req.reply_addr, message, code)
 
     def on_step_outputs(self, outputs: list[StepOutput]) -> None:
         emitted = []
@@ -128,6 +184,13 @@ class DecodeWorker(BaseWorker):
             self._admit()
 
     def on_abort(self, rid: str) -> None:
+        self.grammars.discard(rid)
+        self.compiling_local.pop(rid, None)
+        ready = self.kv_ready.pop(rid, None)
+        if ready is not None:  # its pages are installed
+            self.scheduler.free(ready)
+            self._admit()
+            return
         if self.scheduler.abort(rid) is not None:
             self._admit()
             return
@@ -164,5 +227,5 @@ class DecodeWorker(BaseWorker):
 
     def stats(self, query_id: int = 0):
         s = super().stats(query_id)
-        s.num_waiting += len(self.admission)
+        s.num_waiting += len(self.admission) + len(self.compiling_local)
         return s

@@ -10,6 +10,7 @@ requests it had to retract.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from splitserve.engine.kv_pool import KVPool, pages_for
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Req
 
+logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -25,6 +27,7 @@ class SchedulerConfig:
     max_batch_tokens: int = 2048  # new tokens per forward pass (prefill chunks + decodes)
     max_running: int = 64  # sequences in one forward pass
     prefill_only: bool = False  # prefill worker: requests leave after their first token
+    jump_forward: bool = True  # append tokens a request's grammar forces without sampling them
 
 
 @dataclass(slots=True)
@@ -55,6 +58,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()  # need more than one token of KV: new or retracted
         self.running: list[Req] = []  # decoding: exactly one token missing its KV
         self.num_retracted = 0
+        self.last_num_scheduled = 0  # sequences in the last step; 0 means it could not run any
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -67,8 +71,9 @@ class Scheduler:
         self.waiting.append(req)
 
     def add_running(self, req: Req) -> None:
-        """Queue a request whose KV is complete but for its last token (KV received)."""
-        assert req.extend_len == 1, "add_running needs exactly one token without KV"
+        """Queue a request whose KV is complete but for its last tokens (KV received): the
+        sampled token, plus any its grammar forced after it (jump-forward)."""
+        assert req.extend_len >= 1, "add_running needs at least one token without KV"
         self.running.append(req)
 
     def abort(self, rid: str) -> Req | None:
@@ -97,6 +102,7 @@ class Scheduler:
     def step(self) -> list[StepOutput]:
         """Schedule and run one forward pass. Returns the tokens sampled in it."""
         reqs, chunks = self._schedule()
+        self.last_num_scheduled = len(reqs)
         if not reqs:
             return []
         sample_rows = [i for i, (r, n) in enumerate(zip(reqs, chunks)) if n == r.extend_len]
@@ -112,7 +118,14 @@ class Scheduler:
         was_waiting = req in self.waiting  # O(len(waiting)): only prefill rows get here
         req.output_ids.append(token_id)
         req.output_logprobs.append(logprob)
+        if req.grammar is not None and not req.grammar.accept(token_id):
+            # The mask allowed only what the grammar accepts, so this is a bug; end the output
+            # rather than emit text that breaks the constraint.
+            logger.error("request %s: grammar refused sampled token %d", req.rid, token_id)
+            req.finish_reason = "stop"
         finished = req.check_finished(self.eos_token_ids) is not None
+        if not finished and not self.config.prefill_only:
+            finished = self.jump_forward(req)
         if was_waiting:
             self.waiting.remove(req)
         elif finished:
@@ -125,6 +138,22 @@ class Scheduler:
             self.running.append(req)
         return StepOutput(req, token_id, logprob, finished)
 
+    def jump_forward(self, req: Req) -> bool:
+        """Append the tokens ``req``'s grammar forces next, unsampled; the next step extends
+        them with the sequence's other missing tokens. Returns: True if ``req`` is now finished.
+
+        The prefill worker never jumps: its request leaves with exactly one sampled token.
+        """
+        if req.grammar is None or not self.config.jump_forward:
+            return req.finish_reason is not None
+        room = req.sampling.max_new_tokens - len(req.output_ids)
+        forced = req.grammar.forced_tokens(limit=room)
+        if not forced:
+            return req.finish_reason is not None
+        req.output_ids.extend(forced)
+        req.output_logprobs.extend([0.0] * len(forced))  # chosen by the grammar: probability 1
+        return req.check_finished(self.eos_token_ids) is not None
+
     def _schedule(self) -> tuple[list[Req], list[int]]:
         reqs: list[Req] = []
         chunks: list[int] = []
@@ -136,16 +165,19 @@ class Scheduler:
                 continue
             if len(reqs) >= self.config.max_running:
                 break
-            if req.kv_len == len(req.page_ids) * page_size:
-                while not alloc.can_alloc(1) and self._retract_one(keep=req):
+            # Usually 1 (the last sampled token); more after a grammar jump-forward.
+            chunk = req.extend_len
+            need = pages_for(req.kv_len + chunk, page_size) - len(req.page_ids)
+            if need > 0:
+                while not alloc.can_alloc(need) and self._retract_one(keep=req):
                     pass
-                if not alloc.can_alloc(1):
+                if not alloc.can_alloc(need):
                     self._retract(req)
                     continue
-                req.page_ids.extend(alloc.alloc(1))
+                req.page_ids.extend(alloc.alloc(need))
             reqs.append(req)
-            chunks.append(1)
-        budget = self.config.max_batch_tokens - len(reqs)
+            chunks.append(chunk)
+        budget = self.config.max_batch_tokens - sum(chunks)
         for req in self.waiting:
             if budget <= 0 or len(reqs) >= self.config.max_running:
                 break

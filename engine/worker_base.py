@@ -15,6 +15,7 @@ import torch
 import zmq
 
 from splitserve.config import WorkerArgs
+from splitserve.engine.grammar.worker_grammars import CompileDone, create_worker_grammars
 from splitserve.engine.heartbeat import Heartbeat
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.loader import load_model
@@ -41,6 +42,7 @@ MAX_MESSAGES_PER_STEP = 256  # bound the time spent draining the inbox between f
 # Where the model and KV pool live ("cpu" unless set, e.g. "cuda" for bench/gpu_check.sh). An
 # environment variable rather than a CLI flag for now: the GPU path is not yet a served setup.
 DEVICE_ENV = "SPLITSERVE_DEVICE"
+COMPILE_POLL_MS = 5  # inbox wait while only grammar compiles are pending (no busy loop)
 
 
 class BaseWorker:
@@ -59,13 +61,20 @@ class BaseWorker:
         num_pages = max(2, args.kv_cache_mb * 2**20 // layout.page_bytes)
         self.pool = KVPool(layout, num_pages, device)
         self.scheduler = Scheduler(
-            ModelRunner(model, self.pool, device),
+            ModelRunner(model, self.pool, device, vocab_size=self.model_config.vocab_size),
             SchedulerConfig(
                 max_batch_tokens=args.max_batch_tokens,
                 max_running=args.max_running,
                 prefill_only=self.role == "prefill",
+                jump_forward=args.jump_forward,
             ),
             self.model_config.eos_token_ids,
+        )
+        self.grammars = create_worker_grammars(
+            args.model_path,
+            self.model_config.vocab_size,
+            self.model_config.eos_token_ids,
+            jump_forward=args.jump_forward and self.role != "prefill",
         )
         self.ctx = zmq.Context()
         self.curve = self.auth = None
@@ -100,19 +109,25 @@ class BaseWorker:
             beat.join()
             if self.auth is not None:
                 self.auth.stop()
+            self.grammars.service.shutdown()
             self.inbox.close()
             self.outbox.close()
             self.ctx.term()
 
     def run_once(self, idle_wait_ms: int = 0) -> None:
         """Drain the inbox, expire timed-out requests, run one step if there is work."""
-        busy = self.has_work()
-        if self.inbox.poll(0 if busy else idle_wait_ms):
+        # Work that cannot be scheduled (waiting for pages) must not spin the core the model uses;
+        # the poll still returns at once when a message arrives.
+        busy = self.has_work() and self.scheduler.last_num_scheduled > 0
+        wait_ms = 0 if busy else COMPILE_POLL_MS if len(self.grammars) else idle_wait_ms
+        if self.inbox.poll(wait_ms):
             for _ in range(MAX_MESSAGES_PER_STEP):
                 item = self.inbox.recv()
                 if item is None:
                     break
                 self.dispatch(*item)
+        for done in self.grammars.poll():
+            self.on_grammar_done(done)
         self.check_timeouts(time.monotonic())
         if self.scheduler.has_work:
             self.on_step_outputs(self.scheduler.step())
@@ -147,6 +162,10 @@ class BaseWorker:
         logger.warning("%s worker ignores %s", self.role, type(msg).__name__)
 
     def on_step_outputs(self, outputs: list[StepOutput]) -> None:
+        raise NotImplementedError
+
+    def on_grammar_done(self, done: CompileDone) -> None:
+        """A request's constraint compiled (``done.req.grammar`` set) or failed (``done.error``)."""
         raise NotImplementedError
 
     def check_timeouts(self, now: float) -> None:
@@ -214,6 +233,10 @@ class BaseWorker:
             finish_reason=req.finish_reason,
             prompt_len=req.prompt_len,
             cached_len=req.cached_len,
+            # The first output carries them: from the prefill worker when disaggregated.
+            prompt_logprobs=(
+                req.prompt_logprobs if index == 0 and req.sampling.wants_prompt_logprobs else None
+            ),
         )
 
     def num_transferring(self) -> int:

@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from splitserve.engine.grammar.worker_grammars import CompileDone
 from splitserve.engine.kv_pool import pages_for
 from splitserve.engine.request import Req
 from splitserve.engine.scheduler import StepOutput
@@ -60,7 +61,24 @@ class PrefillWorker(BaseWorker):
         t = self._transfer(task.rid, task.reply_addr)
         t.reply_addr = task.reply_addr
         t.req = self.new_req(task)
-        self.scheduler.add(t.req)
+        if task.sampling.constraint is not None:
+            self.grammars.submit(t.req)  # joins the scheduler in on_grammar_done
+        else:
+            self.scheduler.add(t.req)
+
+    def on_grammar_done(self, done: CompileDone) -> None:
+        t = self.transfers.get(done.req.rid)
+        if t is None or t.req is not done.req:
+            return  # aborted while compiling
+        if done.error is None:
+            self.scheduler.add(done.req)
+            return
+        self._drop(t, done.error, done.code)  # first, so the client gets this error
+        if t.bootstrap is not None:  # free the decode side's reserved pages now
+            try:
+                self.send(t.bootstrap.dst_addr, KVFailed(t.rid, done.error))
+            except PeerUnreachable as exc:
+                logger.warning("could not tell the decode worker about %s: %s", t.rid, exc)
 
     def on_peer_message(self, msg: Message, frames: list) -> None:
         if isinstance(msg, KVFailed):  # the decode side gave up; it has told the server
@@ -117,15 +135,16 @@ class PrefillWorker(BaseWorker):
         del self.transfers[req.rid]
 
     def on_abort(self, rid: str) -> None:
+        self.grammars.discard(rid)
         t = self.transfers.pop(rid, None)
         if t is not None and t.req is not None and self.scheduler.abort(rid) is None:
             self.scheduler.free(t.req)
 
-    def _drop(self, t: Transfer, message: str) -> None:
+    def _drop(self, t: Transfer, message: str, code: int = 500) -> None:
         self.on_abort(t.rid)
         self.transfers.pop(t.rid, None)
         if t.reply_addr:
-            self.fail(t.rid, t.reply_addr, message, 500)
+            self.fail(t.rid, t.reply_addr, message, code)
 
     def check_timeouts(self, now: float) -> None:
         for t in [t for t in self.transfers.values() if t.deadline < now]:

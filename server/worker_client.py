@@ -336,7 +336,8 @@ class ZmqEngineClient(BaseEngineClient):
             state.next_index += len(o.token_ids)
             state.queue.put_nowait(
                 TokenEvent(o.token_ids, o.logprobs, o.finish_reason,
-                           prompt_len=o.prompt_len, cached_len=o.cached_len)
+                           prompt_len=o.prompt_len, cached_len=o.cached_len,
+                           prompt_logprobs=o.prompt_logprobs)
             )
 
     def _on_stats(self, msg: WorkerStats) -> None:

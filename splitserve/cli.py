@@ -22,6 +22,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size per worker (MiB)")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget of one step")
     p.add_argument("--max-running", type=int, default=64, help="sequences in one step")
+    p.add_argument(
+        "--disable-jump-forward", action="store_true",
+        help="sample every token of constrained outputs, even those the grammar forces",
+    )
     p.add_argument("--log-level", default="warning")
 
 
@@ -128,6 +132,7 @@ def _cluster_spec(args: argparse.Namespace, colocated: bool):
         max_running=args.max_running,
         threads_per_worker=args.threads_per_worker,
         transfer_timeout_s=args.transfer_timeout,
+        jump_forward=not args.disable_jump_forward,
         log_level=args.log_level,
         api_key=args.api_key,
         curve_keys=args.curve_keys,
@@ -190,9 +195,24 @@ def _run_cluster(args: argparse.Namespace, colocated: bool) -> None:
         cluster.stop()
 
 
+def _die_with_parent() -> None:
+    """Children of a launcher exit when it dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``);
+    without this a killed launcher would leave workers holding ports and memory."""
+    if os.environ.get("SPLITSERVE_DIE_WITH_PARENT") != "1" or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
+    if args.command in ("worker", "api-server"):
+        _die_with_parent()
     if args.command == "launch":
         _run_cluster(args, colocated=False)
     elif args.command == "serve":
@@ -218,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
                 max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                 transfer_timeout_s=args.transfer_timeout, num_threads=args.threads,
                 router_url=args.router, api_key=args.api_key, curve_keys=args.curve_keys,
+                jump_forward=not args.disable_jump_forward,
             ),
             args.log_level,
         )

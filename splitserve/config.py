@@ -28,6 +28,7 @@ class WorkerArgs:
     router_url: str | None = None  # join this router (POST /workers/register) at start
     api_key: str | None = None  # the router's API key, for registering
     curve_keys: str | None = None  # CURVE key file (splitserve.security): encrypted, authenticated links
+    jump_forward: bool = True  # append grammar-forced tokens without sampling them
 
 
 ROLES = ("prefill", "decode", "colocated")

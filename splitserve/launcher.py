@@ -39,6 +39,7 @@ class ClusterSpec:
     max_running: int = 64
     threads_per_worker: int = 0  # 0: split the machine's cores between the workers
     transfer_timeout_s: float = 30.0
+    jump_forward: bool = True  # grammar-forced tokens appended without sampling
     log_level: str = "warning"
     api_key: str | None = None  # passed to children in the environment, not on the command line
     curve_keys: str | None = None  # CURVE key file: encrypted, authenticated worker links
@@ -70,7 +71,7 @@ class Cluster:
         return ["colocated"] if s.colocated else ["prefill"] * s.num_prefill + ["decode"] * s.num_decode
 
     def _spawn(self, name: str, args: list[str], threads: int) -> None:
-        env = dict(os.environ, **self.spec.extra_env)
+        env = dict(os.environ, SPLITSERVE_DIE_WITH_PARENT="1", **self.spec.extra_env)
         if threads > 0:
             env["OMP_NUM_THREADS"] = str(threads)
         if self.spec.api_key:
@@ -120,6 +121,7 @@ class Cluster:
                 "--page-size", str(s.page_size), "--kv-cache-mb", str(s.kv_cache_mb),
                 "--max-batch-tokens", str(s.max_batch_tokens), "--max-running", str(s.max_running),
                 "--transfer-timeout", str(s.transfer_timeout_s), "--threads", str(threads),
+                *([] if s.jump_forward else ["--disable-jump-forward"]),
             ], threads)
         server_args = ["api-server", "--model", s.model_path, "--host", s.host, "--port",
                        str(s.port), "--inbox", server_inbox, "--max-body-bytes",

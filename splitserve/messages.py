@@ -10,12 +10,26 @@ from __future__ import annotations
 import msgspec
 
 
+class Constraint(msgspec.Struct, frozen=True):
+    """A grammar the output must match (DESIGN.md, "Structured generation").
+
+    ``kind`` is one of ``engine.grammar.GRAMMAR_KINDS``: ``json_schema`` (``text`` is the schema
+    as JSON), ``json_object`` (``text`` ignored), ``regex``, ``ebnf`` (a GBNF grammar with a
+    ``root`` rule) or ``choice`` (``text`` is a JSON list of strings).
+    """
+
+    kind: str
+    text: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick each next token. Units: tokens.
 
     ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0`` disable those filters;
     ``temperature == 0`` is greedy. Generation stops at ``max_new_tokens`` (finish ``length``),
     at an EOS id of the model unless ``ignore_eos``, or at any of ``stop_token_ids`` (finish ``stop``).
+    ``constraint`` rides here (as in SGLang/vLLM) so it reaches every worker's ``Req`` with the
+    rest of the request's sampling; a constrained request also stops when its grammar ends.
     """
 
     max_new_tokens: int = 16
@@ -26,6 +40,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # Prompt logprobs (echo/logprobs, ``lang.select``): -1 asks for none; otherwise the logprob of
+    # every prompt token at index >= max(1, logprob_start_len) comes back with the first token.
+    # A start past a shared prefix lets that prefix stay cacheable (only later positions scored).
+    logprob_start_len: int = -1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.logprob_start_len >= 0
+    constraint: Constraint | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -93,6 +116,9 @@ class TokenOutput(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None  # "stop" | "length"
     prompt_len: int = 0
     cached_len: int = 0
+    # Set on the output with index 0 when ``sampling.logprob_start_len >= 0``: logprobs of prompt
+    # tokens ``max(1, logprob_start_len) .. prompt_len - 1`` (the first token has none).
+    prompt_logprobs: list[float] | None = None
 
 
 class TokenBatch(msgspec.Struct, tag="tokens"):
