@@ -330,6 +330,10 @@ class ZmqEngineClient(BaseEngineClient):
         state = self.reqs.get(out.rid)
         if state is None:
             return
+        # Tokens are a sign of life too: the first comes from prefill, the rest from decode.
+        src = state.prefill if out.index == 0 and state.prefill else state.workers[0]
+        if src.ready:
+            src.last_seen = time.monotonic()
         state.pending[out.index] = out
         while state.next_index in state.pending:
             o = state.pending.pop(state.next_index)
@@ -360,9 +364,18 @@ class ZmqEngineClient(BaseEngineClient):
             w.ready = True
 
     async def _health(self) -> None:
+        last_tick = time.monotonic()
         while True:
             await asyncio.sleep(HEALTH_CHECK_S)
             now = time.monotonic()
+            # If this loop itself stalled (GC, CPU starvation), the beats that came meanwhile are
+            # still unread in the inbox: credit the stall to every worker instead of blaming them.
+            stall = now - last_tick - HEALTH_CHECK_S
+            last_tick = now
+            if stall > HEALTH_CHECK_S:
+                for w in self.workers:
+                    w.last_seen += stall
+                continue
             for w in self.workers:
                 if w.ready and now - w.last_seen > self.dead_after_s:
                     self._declare_dead(w, f"sent no heartbeat for {self.dead_after_s:g} s")

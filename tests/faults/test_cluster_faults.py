@@ -29,14 +29,14 @@ from tests.faults.helpers import (
 pytestmark = pytest.mark.slow
 
 DETECT_BOUND_S = 5.0  # a killed worker's requests end this soon (socket monitor: ~immediate)
-DEAD_AFTER_S = 3.0  # heartbeat silence before a hung worker is declared dead
+DEAD_AFTER_S = 5.0  # heartbeat silence before a hung worker is declared dead
 
 
 @pytest.fixture(scope="module")
 def cluster(model_path: Path):
     spec = ClusterSpec(model_path=str(model_path), port=free_port(), num_prefill=2, num_decode=2,
                        kv_cache_mb=48, threads_per_worker=1, dead_after_s=DEAD_AFTER_S,
-                       transfer_timeout_s=20)
+                       transfer_timeout_s=60)
     with Cluster(spec) as c:
         wait_all_healthy(c, 4)
         yield c
@@ -45,11 +45,6 @@ def cluster(model_path: Path):
 def _body(prompt: str, max_tokens: int, **kw) -> dict:
     return {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, **kw}
-
-
-def _restore(cluster: Cluster, name: str) -> None:
-    cluster.restart(name)
-    wait_all_healthy(cluster, 4)
 
 
 def test_client_disconnect_frees_pages_at_once(cluster) -> None:
@@ -84,14 +79,17 @@ def test_decode_killed_while_streaming(cluster) -> None:
             assert e.wait(120)
         t_kill = time.monotonic()
         cluster.kill("decode-0")
-        results = [f.result(timeout=120) for f in futs]
+        try:
+            results = [f.result(timeout=120) for f in futs]
+        finally:
+            cluster.restart("decode-0")
     failed = [r for r in results if r.error]
     ok = [(p, r) for p, r in zip(prompts, results) if not r.error]
     assert failed, "no stream was on the killed decode worker"
     for r in failed:  # fail fast: an error event, not a hang
         assert r.ended_at - t_kill < DETECT_BOUND_S, r.ended_at - t_kill
         assert "decode worker decode-0" in r.error["message"], r.error
-    _restore(cluster, "decode-0")
+    wait_all_healthy(cluster, 4)
     for p, r in ok:  # the others ran on to the end, correct
         assert r.finish_reason == "length"
         assert r.text == complete(url, _body(p, 120)).json()["choices"][0]["text"]
@@ -111,7 +109,10 @@ def test_prefill_killed(cluster) -> None:
         time.sleep(0.3)
         cluster.kill("prefill-0")
         t_kill = time.monotonic()
-        results = [f.result(timeout=120) for f in futs]
+        try:
+            results = [f.result(timeout=120) for f in futs]
+        finally:
+            cluster.restart("prefill-0")
     assert time.monotonic() - t_kill < 60
     n_ok = 0
     for ref, r in zip(refs, results):
@@ -119,12 +120,13 @@ def test_prefill_killed(cluster) -> None:
             assert r.json()["choices"][0]["text"] == ref
             n_ok += 1
         else:  # in flight on the dead worker: a clean 503
-            assert r.status_code == 503 and "prefill worker prefill-0" in r.json()["error"]["message"]
+            assert r.status_code == 503, r.text
+            assert "prefill worker prefill-0" in r.json()["error"]["message"]
             assert r.headers["retry-after"]
     # Requests queued on prefill-0 (no token yet) were re-run on prefill-1.
     assert metric(cluster, "splitserve_request_retries_total") > retries_before
     assert n_ok >= 1
-    _restore(cluster, "prefill-0")
+    wait_all_healthy(cluster, 4)
     assert_no_pages(cluster)
 
 
@@ -155,7 +157,7 @@ def test_hung_worker_fails_its_requests_and_is_taken_back(cluster) -> None:
             failed = [r for r in results if r.error]
             assert failed
             for r in failed:
-                assert r.ended_at - t_stop < DEAD_AFTER_S + 3, r.ended_at - t_stop
+                assert r.ended_at - t_stop < DEAD_AFTER_S + 5, r.ended_at - t_stop
                 assert "decode worker decode-1 sent no heartbeat" in r.error["message"]
             assert not workers(cluster)["decode-1"]["healthy"]
             # Meanwhile new requests go to the healthy decode worker.
