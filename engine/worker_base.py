@@ -16,6 +16,7 @@ import zmq
 
 from splitserve.config import WorkerArgs
 from splitserve.engine.grammar.worker_grammars import CompileDone, create_worker_grammars
+from splitserve.engine.heartbeat import Heartbeat
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Req
@@ -85,9 +86,17 @@ class BaseWorker:
             jump_forward=args.jump_forward and self.role != "prefill",
         )
         self.ctx = zmq.Context()
-        self.inbox = Inbox(self.ctx, args.addr)
-        self.outbox = Outbox(self.ctx)
+        self.curve = self.auth = None
+        if args.curve_keys:
+            from splitserve.security import CurveKeys, start_authenticator
+
+            self.curve = CurveKeys.load(args.curve_keys)
+            self.auth = start_authenticator(self.ctx, self.curve)
+        self.inbox = Inbox(self.ctx, args.addr, self.curve)
+        self.outbox = Outbox(self.ctx, self.curve)
         self.stopped = False
+        self.num_failed = 0
+        self.num_transfer_failures = 0
         logger.info(
             "%s worker %s: %s, %s on %s (%s attention), %d KV pages of %d tokens, inbox %s",
             self.role, args.worker_id, args.model_path, args.dtype, device,
@@ -99,10 +108,16 @@ class BaseWorker:
     def serve_forever(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopped", True))
         self.send(self.args.server_addr, WorkerReady(self.args.worker_id, self.role, self.args.addr))
+        beat = Heartbeat(self.ctx, self.args.server_addr, self.stats, configure=self._curve_client)
+        beat.start()
         try:
             while not self.stopped:
                 self.run_once(idle_wait_ms=20)
         finally:
+            beat.stop()
+            beat.join()
+            if self.auth is not None:
+                self.auth.stop()
             self.grammars.service.shutdown()
             self.inbox.close()
             self.outbox.close()
@@ -192,11 +207,20 @@ class BaseWorker:
             return f"prompt of {n} tokens does not fit the KV pool ({cap} tokens)"
         return None
 
+    def _curve_client(self, sock: zmq.Socket) -> None:
+        if self.curve is not None:
+            from splitserve.security import apply_curve_client
+
+            apply_curve_client(sock, self.curve)
+
     def send(self, addr: str, msg: Message, frames: list | tuple = ()) -> None:
         self.outbox.send(addr, msg, frames)
 
     def fail(self, rid: str, reply_addr: str, message: str, code: int = 500) -> None:
         logger.info("request %s failed: %s", rid, message)
+        self.num_failed += 1
+        if "KV transfer" in message or "refused by prefill" in message:
+            self.num_transfer_failures += 1
         try:
             self.send(reply_addr, RequestError(rid, message, code))
         except PeerUnreachable as exc:
@@ -249,4 +273,6 @@ class BaseWorker:
             cache_hit_tokens=cache.hit_tokens,
             cache_prompt_tokens=cache.prompt_tokens,
             cache_evicted_pages=cache.evicted_pages,
+            transfer_failures=self.num_transfer_failures,
+            requests_failed=self.num_failed,
         )

@@ -30,7 +30,6 @@ from splitserve.server.detokenizer import IncrementalDetokenizer
 from splitserve.server.engine_client import BaseEngineClient
 from splitserve.server.errors import APIError, from_validation_errors, install_error_handlers
 from splitserve.server.logprobs import logprobs_object
-from splitserve.server.metrics import render_metrics
 from splitserve.server.protocol import (
     BaseGenerateRequest,
     ChatCompletionRequest,
@@ -411,11 +410,6 @@ def create_app(
         """Drop every prefix-cache entry no running request pins; answers after the workers
         did, with their stats (for benchmarks and tests)."""
         return await client.flush_cache()
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(render_metrics(await client.worker_stats()),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
 

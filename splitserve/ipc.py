@@ -34,10 +34,14 @@ class PeerUnreachable(RuntimeError):
 class Inbox:
     """The process's bound PULL socket."""
 
-    def __init__(self, ctx: zmq.Context, addr: str) -> None:
+    def __init__(self, ctx: zmq.Context, addr: str, curve=None) -> None:
         self.addr = addr
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:  # splitserve.security.CurveKeys
+            from splitserve.security import apply_curve_server
+
+            apply_curve_server(self.sock, curve)
         self.sock.bind(addr)
 
     def poll(self, timeout_ms: int) -> bool:
@@ -63,8 +67,9 @@ class Inbox:
 class Outbox:
     """PUSH sockets to peers, connected on first use."""
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    def __init__(self, ctx: zmq.Context, curve=None) -> None:
         self.ctx = ctx
+        self.curve = curve  # splitserve.security.CurveKeys, or None
         self.socks: dict[str, zmq.Socket] = {}
 
     def _sock(self, addr: str) -> zmq.Socket:
@@ -73,6 +78,10 @@ class Outbox:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            if self.curve is not None:
+                from splitserve.security import apply_curve_client
+
+                apply_curve_client(sock, self.curve)
             sock.connect(addr)
             self.socks[addr] = sock
         return sock

@@ -172,6 +172,8 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     kv_latency_counts: list[int] = []
     kv_latency_ms_sum: float = 0.0
     kv_gbps: float = 0.0  # bytes over summed per-message latency (receiver) or send time (sender)
+    transfer_failures: int = 0  # requests this worker failed because their KV transfer failed
+    requests_failed: int = 0
 
 
 # ---- decode <-> prefill (KV transfer control) ----------------------------------------------

@@ -47,7 +47,10 @@ def ctx():
 def make_worker(model_path: Path, role: str, server_addr: str, kv_transfer: str, **kw):
     args = WorkerArgs(role=role, worker_id=f"{role}-t", addr=free_tcp_addr(),
                       server_addr=server_addr, model_path=str(model_path), kv_cache_mb=16,
-                      max_batch_tokens=32, num_threads=1, kv_transfer=kv_transfer, **kw)
+                      max_batch_tokens=32, num_threads=1, kv_transfer=kv_transfer,
+                      # Transfer tests count pages; the prefix cache (tested elsewhere) would
+                      # keep the prompt's pages after the request.
+                      disable_radix_cache=True, **kw)
     return create_worker(args)
 
 
