@@ -110,7 +110,7 @@ def test_killed_workers_leave_no_shm_segments(model_path, tokenizer) -> None:
         while decode_pages_used(cluster) != 0 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert decode_pages_used(cluster) == 0
-        os.kill(pids["decode-1"], signal.SIGKILL)
+        os.kill(pids["decode-0"], signal.SIGKILL)
         time.sleep(0.5)
         assert {p.name for p in SHM_DIR.glob(PREFIX + "*")} >= names  # a killed owner leaves it
     finally:

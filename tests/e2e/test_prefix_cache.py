@@ -52,7 +52,7 @@ def test_shared_prefix_is_cached_and_pages_return(cluster, tokenizer) -> None:
     hits = sum(r["cache_hit_tokens"] for r in rows) - sum(r["cache_hit_tokens"] for r in before)
     assert hits == cached  # counters are since start: other tests of the session add to them
     metrics = httpx.get(cluster.spec.url + "/metrics", timeout=10).text
-    assert "splitserve_prefix_cache_hit_tokens_total{" in metrics
+    assert "splitserve_worker_cache_hit_tokens_total{" in metrics
 
     assert all(r["pages_used"] == 0 for r in flush_cache(cluster))
     cold = complete_ids(cluster, second, 8)
