@@ -15,15 +15,21 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from splitserve.engine.grammar.worker_grammars import CompileDone
 from splitserve.engine.kv_pool import pages_for
 from splitserve.engine.request import Req
 from splitserve.engine.scheduler import StepOutput
 from splitserve.engine.worker_base import BaseWorker
+from splitserve.ipc import PeerUnreachable
 from splitserve.kv_transfer.base import layout_to_msg
-from splitserve.kv_transfer.zmq_backend import ZmqKVReceiver
-from splitserve.messages import GenerateTask, KVBootstrap, KVFailed, KVPages, Message
+from splitserve.kv_transfer.registry import create_kv_receiver
+from splitserve.messages import GenerateTask, KVBootstrap, KVFailed, KVPages, Message, WorkerStats
 
 logger = logging.getLogger(__name__)
+
+# Seconds a failed request's reserved pages stay out of use with a one-sided backend (the prefill
+# worker may still be writing them until it hears of the failure).
+QUARANTINE_S = 3.0
 
 
 @dataclass(slots=True)
@@ -42,9 +48,17 @@ class DecodeWorker(BaseWorker):
     def __init__(self, args) -> None:
         self.role = args.role  # "decode" or "colocated"
         super().__init__(args)
-        self.receiver = ZmqKVReceiver(self.pool)
+        # The colocated worker receives nothing; its pool is a plain one (kv_transfer.registry).
+        self.receiver = create_kv_receiver(
+            args.kv_transfer if self.role == "decode" else "zmq", self.pool
+        )
         self.admission: deque[PendingKV] = deque()  # waiting for pages to reserve
         self.awaiting_kv: dict[str, PendingKV] = {}  # bootstrapped, waiting for KVPages
+        self.quarantine: deque[tuple[float, Req]] = deque()  # (release time, failed request)
+        # Constrained requests whose grammar is still compiling: prefilled here (colocated),
+        # or whose KV already arrived (they start decoding once the compile is done).
+        self.compiling_local: dict[str, Req] = {}
+        self.kv_ready: dict[str, Req] = {}
 
     def on_generate(self, task: GenerateTask) -> None:
         error = self.check_fits(task)
@@ -52,8 +66,15 @@ class DecodeWorker(BaseWorker):
             self.fail(task.rid, task.reply_addr, error, 400)
             return
         req = self.new_req(task)
+        constrained = task.sampling.constraint is not None
+        if constrained:
+            # Disaggregated: compiles while the pages are reserved and the KV travels.
+            self.grammars.submit(req)
         if task.prefill_addr is None:
-            self.scheduler.add(req)
+            if constrained:
+                self.compiling_local[req.rid] = req
+            else:
+                self.scheduler.add(req)
             return
         deadline = time.monotonic() + self.args.transfer_timeout_s
         self.admission.append(PendingKV(req, task.prefill_addr, deadline))
@@ -78,6 +99,8 @@ class DecodeWorker(BaseWorker):
                 dst_addr=self.args.addr,
                 page_ids=list(req.page_ids),
                 layout=layout_to_msg(self.pool.layout),
+                kv_transfer=self.receiver.name,
+                endpoint=self.receiver.endpoint(),
             )
             self.send(pending.prefill_addr, boot)
 
@@ -87,7 +110,8 @@ class DecodeWorker(BaseWorker):
         elif isinstance(msg, KVFailed):
             pending = self.awaiting_kv.pop(msg.rid, None)
             if pending is not None:
-                self.scheduler.free(pending.req)
+                self.grammars.discard(msg.rid)
+                self._free_reserved(pending.req)
                 self.fail(msg.rid, pending.req.reply_addr, msg.message, 500)
         else:
             super().on_peer_message(msg, frames)
@@ -96,18 +120,26 @@ class DecodeWorker(BaseWorker):
         pending = self.awaiting_kv.get(header.rid)
         if pending is None:
             return  # aborted or timed out: its pages are already free
+        # A stall is silence from the prefill worker, not a long queue there: every message
+        # (pages or the keepalive it sends while the request waits) restarts the timer.
+        pending.deadline = time.monotonic() + self.args.transfer_timeout_s
+        if not header.page_ids and not header.last:
+            return  # keepalive
         req = pending.req
         try:
+            if not set(header.page_ids) <= set(req.page_ids):
+                raise ValueError("pages outside the request's reservation")
             self.receiver.install(header, frames)
         except ValueError as exc:
             del self.awaiting_kv[header.rid]
-            self.scheduler.free(req)
+            self._free_reserved(req)
             self.fail(req.rid, req.reply_addr, f"KV transfer failed: {exc}", 500)
             return
         if not header.last:
             return
         del self.awaiting_kv[header.rid]
         if header.finished:  # the first token ended it; the prefill worker reported it
+            self.grammars.discard(req.rid)
             self.scheduler.free(req)
             self._admit()
             return
@@ -115,7 +147,48 @@ class DecodeWorker(BaseWorker):
         req.output_logprobs.append(header.first_logprob)
         req.kv_len = req.prompt_len
         req.emitted_len = 1
+        if self.grammars.is_pending(req.rid):
+            self.kv_ready[req.rid] = req
+            return
+        self._start_decoding(req)
+
+    def _start_decoding(self, req: Req) -> None:
+        """Run a request whose KV arrived; a constrained one replays the prefill worker's first
+        token into its matcher first (and may jump forward from there)."""
+        if req.grammar is not None:
+            first = req.output_ids[-1]
+            if not req.grammar.accept(first):
+                self.scheduler.free(req)
+                self.fail(req.rid, req.reply_addr, f"grammar refused first token {first}", 500)
+                self._admit()
+                return
+            if req.check_finished(self.scheduler.eos_token_ids) or self.scheduler.jump_forward(req):
+                # Normally the prefill worker already saw this end; report it if it did not.
+                self.emit([(req.reply_addr, self.token_output(req, req.emitted_len))])
+                self.scheduler.free(req)
+                self._admit()
+                return
         self.scheduler.add_running(req)
+
+    def on_grammar_done(self, done: CompileDone) -> None:
+        req = done.req
+        if done.error is not None:
+            self._fail_compile(req, done.error, done.code)
+        elif self.compiling_local.pop(req.rid, None) is not None:
+            self.scheduler.add(req)
+        elif self.kv_ready.pop(req.rid, None) is not None:
+            self._start_decoding(req)
+        # Otherwise its KV is still on the way; _on_kv_pages starts it.
+
+    def _fail_compile(self, req: Req, message: str, code: int) -> None:
+        pending = self.awaiting_kv.get(req.rid)
+        if pending is not None:  # the prefill worker fails it too; free its copy now
+            try:
+                self.send(pending.prefill_addr, KVFailed(req.rid, message))
+            except PeerUnreachable as exc:
+                logger.warning("could not tell the prefill worker about %s: %s", req.rid, exc)
+        self.on_abort(req.rid)
+        self.fail(req.rid, req.reply_addr, message, code)
 
     def on_step_outputs(self, outputs: list[StepOutput]) -> None:
         emitted = []
@@ -128,12 +201,19 @@ class DecodeWorker(BaseWorker):
             self._admit()
 
     def on_abort(self, rid: str) -> None:
+        self.grammars.discard(rid)
+        self.compiling_local.pop(rid, None)
+        ready = self.kv_ready.pop(rid, None)
+        if ready is not None:  # its pages are installed
+            self.scheduler.free(ready)
+            self._admit()
+            return
         if self.scheduler.abort(rid) is not None:
             self._admit()
             return
         pending = self.awaiting_kv.pop(rid, None)
         if pending is not None:
-            self.scheduler.free(pending.req)
+            self._free_reserved(pending.req)
             self._admit()
             return
         for pending in self.admission:
@@ -141,7 +221,20 @@ class DecodeWorker(BaseWorker):
                 self.admission.remove(pending)
                 return
 
+    def _free_reserved(self, req: Req) -> None:
+        """Free the pages of a request whose KV did not fully arrive."""
+        if self.receiver.one_sided:
+            self.quarantine.append((time.monotonic() + QUARANTINE_S, req))
+        else:
+            self.scheduler.free(req)
+
     def check_timeouts(self, now: float) -> None:
+        released = False
+        while self.quarantine and self.quarantine[0][0] < now:
+            self.scheduler.free(self.quarantine.popleft()[1])
+            released = True
+        if released:
+            self._admit()
         expired = [p for p in self.awaiting_kv.values() if p.deadline < now]
         expired += [p for p in self.admission if p.deadline < now]
         for pending in expired:
@@ -162,7 +255,7 @@ class DecodeWorker(BaseWorker):
     def num_transferring(self) -> int:
         return len(self.awaiting_kv)
 
-    def stats(self, query_id: int = 0):
+    def stats(self, query_id: int = 0) -> WorkerStats:
         s = super().stats(query_id)
-        s.num_waiting += len(self.admission)
-        return s
+        s.num_waiting += len(self.admission) + len(self.compiling_local)
+        return self.receiver.metrics.fill(s) if self.role == "decode" else s

@@ -7,6 +7,7 @@ attention backend.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,7 @@ def build_forward_batch(
     page_size: int,
     logit_seq_indices: list[int],
     device: str | torch.device = "cpu",
+    all_logit_seq_indices: Sequence[int] = (),
 ) -> ForwardBatch:
     """Build a :class:`ForwardBatch`.
 
@@ -65,6 +67,9 @@ def build_forward_batch(
         page_size: tokens per page.
         logit_seq_indices: which sequences (by batch index) need logits for their last new token.
         device: where to put the tensors.
+        all_logit_seq_indices: sequences that need logits at *every* new token (prompt
+            logprobs). Their rows follow the ``logit_seq_indices`` rows, in this order, so the
+            first ``len(logit_seq_indices)`` rows of the logits are always the ones to sample.
 
     Raises:
         ValueError: a sequence's pages cannot hold its tokens.
@@ -76,10 +81,12 @@ def build_forward_batch(
     extend_lens: list[int] = []
     seq_lens: list[int] = []
     ends: list[int] = []
+    starts: list[int] = []
     for chunk, prefix_len, pages in zip(token_chunks, prefix_lens, page_lists, strict=True):
         seq_len = prefix_len + len(chunk)
         if len(pages) * page_size < seq_len:
             raise ValueError(f"{len(pages)} pages of {page_size} cannot hold {seq_len} tokens")
+        starts.append(len(ids))
         ids.extend(chunk)
         pos = range(prefix_len, seq_len)
         positions.extend(pos)
@@ -104,5 +111,8 @@ def build_forward_batch(
         page_table=table.to(device),
         out_page_ids=as_long(out_pages),
         out_offsets=as_long(out_offsets),
-        logit_indices=as_long([ends[i] for i in logit_seq_indices]),
+        logit_indices=as_long(
+            [ends[i] for i in logit_seq_indices]
+            + [t for i in all_logit_seq_indices for t in range(starts[i], ends[i] + 1)]
+        ),
     )

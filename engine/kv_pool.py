@@ -99,17 +99,27 @@ class KVPool:
         layout: model and page geometry.
         num_pages: pages in the pool, including the reserved scratch page 0.
         device: torch device of the buffer.
+        memory: optional uint8 tensor of at least ``num_pages * layout.page_bytes`` bytes to use
+            as the buffer (not zeroed) instead of a fresh allocation.
     """
 
-    def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        device: str | torch.device = "cpu",
+        memory: torch.Tensor | None = None,
+    ) -> None:
         self.layout = layout
         self.page_size = layout.page_size
         self.allocator = PageAllocator(num_pages)
-        self.buffer = torch.zeros(
-            (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim),
-            dtype=getattr(torch, layout.dtype),
-            device=device,
-        )
+        shape = (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        dtype = getattr(torch, layout.dtype)
+        if memory is None:
+            self.buffer = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            # Caller-provided bytes (e.g. a shared-memory segment a peer writes into).
+            self.buffer = memory.view(torch.uint8)[: num_pages * layout.page_bytes].view(dtype).view(shape)
 
     def k_pages(self, layer: int) -> torch.Tensor:
         """View ``[num_pages, page_size, num_kv_heads, head_dim]`` of layer ``layer``'s keys."""

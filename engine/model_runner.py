@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.forward_batch import build_forward_batch
+from splitserve.engine.grammar.batch_mask import fill_grammar_bitmask
+from splitserve.engine.grammar.bitmask import apply_bitmask
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.request import Req
 from splitserve.engine.sampling import Sampler, make_generator
@@ -18,10 +20,14 @@ class ModelRunner:
             ``batch.logit_indices`` (``engine.llama``).
         pool: the worker's KV pool.
         device: device of the model and pool.
+        vocab_size: the model's logits width; needed only when requests carry grammars.
     """
 
-    def __init__(self, model: torch.nn.Module, pool: KVPool, device: str = "cpu") -> None:
+    def __init__(
+        self, model: torch.nn.Module, pool: KVPool, device: str = "cpu", vocab_size: int = 0
+    ) -> None:
         self.model = model
+        self.vocab_size = vocab_size  # logits width, for grammar bitmasks (0: no grammars)
         self.pool = pool
         self.device = device
         self.sampler = Sampler()
@@ -36,6 +42,7 @@ class ModelRunner:
         Returns:
             token ids and their logprobs, one per entry of ``sample_rows``.
         """
+        scored = [i for i, (r, n) in enumerate(zip(reqs, chunk_lens)) if _scores_prompt(r, n)]
         batch = build_forward_batch(
             token_chunks=[r.tokens(r.kv_len, r.kv_len + n) for r, n in zip(reqs, chunk_lens)],
             prefix_lens=[r.kv_len for r in reqs],
@@ -43,15 +50,50 @@ class ModelRunner:
             page_size=self.pool.page_size,
             logit_seq_indices=sample_rows,
             device=self.device,
+            all_logit_seq_indices=scored,
         )
+        picked = [reqs[i] for i in sample_rows]
+        # Filled before the forward pass: the matchers' state is already known, and the CPU
+        # work then does not sit between the logits and the sampler.
+        bitmask, masked_rows = fill_grammar_bitmask(picked, self.vocab_size)
         logits = self.model(batch, self.pool)
+        if scored:
+            # Rows after the sampled ones score every position of the scored chunks, in order.
+            _record_prompt_logprobs(
+                [reqs[i] for i in scored], [chunk_lens[i] for i in scored],
+                logits[len(sample_rows):],
+            )
+            logits = logits[: len(sample_rows)]
         if not sample_rows:
             return [], []
-        picked = [reqs[i] for i in sample_rows]
+        if masked_rows:
+            apply_bitmask(logits, bitmask, masked_rows)
         ids, logprobs = self.sampler.sample(
             logits, [r.sampling for r in picked], [_step_generator(r) for r in picked]
         )
         return ids.tolist(), logprobs.tolist()
+
+
+def _scores_prompt(req: Req, chunk_len: int) -> bool:
+    """Whether this chunk of ``req`` covers a position that predicts a missing prompt logprob:
+    position ``p`` predicts token ``p + 1``."""
+    nxt = req.next_prompt_logprob
+    return nxt is not None and req.kv_len <= nxt - 1 < req.kv_len + chunk_len
+
+
+def _record_prompt_logprobs(reqs: list[Req], chunk_lens: list[int], logits: torch.Tensor) -> None:
+    """Append to each request the logprobs of the prompt tokens its chunk's logits predict."""
+    row = 0
+    for req, n in zip(reqs, chunk_lens):
+        first, nxt = req.kv_len, req.next_prompt_logprob
+        assert nxt is not None
+        # Positions p in [nxt - 1, min(end, prompt_len - 1)) predict prompt tokens p + 1.
+        lo, hi = nxt - 1, min(first + n, req.prompt_len - 1)
+        rows = logits[row + lo - first : row + hi - first]
+        targets = torch.tensor(req.input_ids[lo + 1 : hi + 1], dtype=torch.long)
+        lp = torch.log_softmax(rows.float(), dim=-1).gather(1, targets.to(rows.device)[:, None])
+        req.prompt_logprobs.extend(lp[:, 0].tolist())
+        row += n
 
 
 def _step_generator(req: Req) -> torch.Generator | None:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from splitserve.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from splitserve.engine.grammar.request_grammar import RequestGrammar
 
 
 @dataclass(slots=True, eq=False)
@@ -28,9 +32,14 @@ class Req:
     page_ids: list[int] = field(default_factory=list)
     kv_len: int = 0
     cached_len: int = 0  # prompt tokens served from a prefix cache (reported to the client)
+    matched_len: int = 0  # leading tokens whose pages the prefix cache lent at this admission
+    locked_node: object | None = None  # the prefix cache's pin on those pages (radix TreeNode)
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     emitted_len: int = 0  # output tokens already sent to the server
+    # Logprobs of prompt tokens from ``prompt_logprob_start`` on, filled chunk by chunk.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    grammar: RequestGrammar | None = None  # set once its constraint compiled (None: free text)
 
     @property
     def prompt_len(self) -> int:
@@ -45,6 +54,23 @@ class Req:
     def extend_len(self) -> int:
         """Tokens still missing their KV."""
         return self.seq_len - self.kv_len
+
+    @property
+    def prompt_logprob_start(self) -> int:
+        """First prompt index that gets a logprob (index 0 has no context to score it)."""
+        return max(1, self.sampling.logprob_start_len)
+
+    @property
+    def next_prompt_logprob(self) -> int | None:
+        """Prompt index whose logprob is still missing, or None when none are (left) to compute.
+
+        Kept as a count, not recomputed from ``kv_len``, so a retracted request that is prefilled
+        again does not score its prompt twice.
+        """
+        if not self.sampling.wants_prompt_logprobs:
+            return None
+        nxt = self.prompt_logprob_start + len(self.prompt_logprobs)
+        return nxt if nxt < self.prompt_len else None
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids ``[start, end)`` of prompt + output, without building the whole list."""
@@ -61,6 +87,8 @@ class Req:
         last = self.output_ids[-1]
         if (not s.ignore_eos and last in eos_token_ids) or last in s.stop_token_ids:
             self.finish_reason = "stop"
+        elif self.grammar is not None and self.grammar.must_end():
+            self.finish_reason = "stop"  # the grammar is complete; only a stop token could follow
         elif len(self.output_ids) >= s.max_new_tokens:
             self.finish_reason = "length"
         return self.finish_reason

@@ -10,13 +10,16 @@ requests it had to retract.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 from splitserve.engine.kv_pool import KVPool, pages_for
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Req
+from splitserve.radix_cache.prefix_cache import BasePrefixCache, NoPrefixCache
 
+logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -25,6 +28,7 @@ class SchedulerConfig:
     max_batch_tokens: int = 2048  # new tokens per forward pass (prefill chunks + decodes)
     max_running: int = 64  # sequences in one forward pass
     prefill_only: bool = False  # prefill worker: requests leave after their first token
+    jump_forward: bool = True  # append tokens a request's grammar forces without sampling them
 
 
 @dataclass(slots=True)
@@ -47,14 +51,18 @@ class Scheduler:
         runner: ModelRunner,
         config: SchedulerConfig,
         eos_token_ids: list[int],
+        cache: BasePrefixCache | None = None,
     ) -> None:
         self.runner = runner
         self.pool: KVPool = runner.pool
+        # Every page a request gets or gives back goes through the cache (a no-op one when off).
+        self.cache = cache or NoPrefixCache(self.pool.allocator, self.pool.page_size)
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Req] = deque()  # need more than one token of KV: new or retracted
         self.running: list[Req] = []  # decoding: exactly one token missing its KV
         self.num_retracted = 0
+        self.last_num_scheduled = 0  # sequences in the last step; 0 means it could not run any
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -67,8 +75,9 @@ class Scheduler:
         self.waiting.append(req)
 
     def add_running(self, req: Req) -> None:
-        """Queue a request whose KV is complete but for its last token (KV received)."""
-        assert req.extend_len == 1, "add_running needs exactly one token without KV"
+        """Queue a request whose KV is complete but for its last tokens (KV received): the
+        sampled token, plus any its grammar forced after it (jump-forward)."""
+        assert req.extend_len >= 1, "add_running needs at least one token without KV"
         self.running.append(req)
 
     def abort(self, rid: str) -> Req | None:
@@ -82,11 +91,21 @@ class Scheduler:
         return None
 
     def free(self, req: Req) -> None:
-        """Return ``req``'s pages to the pool."""
-        if req.page_ids:
-            self.pool.allocator.free(req.page_ids)
-            req.page_ids = []
-        req.kv_len = 0
+        """Give back ``req``'s pages: its computed KV goes to the prefix cache (when on), the
+        rest to the pool. Afterwards ``req`` holds no pages and ``kv_len == 0``."""
+        self.cache.release(req)
+
+    def check_pages(self, held_by_callers: int = 0) -> None:
+        """Every used page is either the cache's or a request's (call when idle, or pass the
+        pages held outside the queues, e.g. prefilled requests awaiting their KV send).
+
+        Raises:
+            AssertionError: pages leaked or were counted twice.
+        """
+        held = sum(len(r.page_ids) - r.matched_len // self.pool.page_size
+                   for r in (*self.waiting, *self.running))
+        used, cached = self.pool.allocator.num_used, self.cache.stats().cached_pages
+        assert used == cached + held + held_by_callers, (used, cached, held, held_by_callers)
 
     @property
     def has_work(self) -> bool:
@@ -97,12 +116,15 @@ class Scheduler:
     def step(self) -> list[StepOutput]:
         """Schedule and run one forward pass. Returns the tokens sampled in it."""
         reqs, chunks = self._schedule()
+        self.last_num_scheduled = len(reqs)
         if not reqs:
             return []
         sample_rows = [i for i, (r, n) in enumerate(zip(reqs, chunks)) if n == r.extend_len]
         token_ids, logprobs = self.runner.run(reqs, chunks, sample_rows)
         for r, n in zip(reqs, chunks):
             r.kv_len += n
+            if n > 1:  # a prefill chunk (or jump-forward tokens): reusable by later prompts now
+                self.cache.cache_prefix(r)
         outputs = []
         for i, tok, lp in zip(sample_rows, token_ids, logprobs):
             outputs.append(self._append_token(reqs[i], tok, lp))
@@ -112,7 +134,14 @@ class Scheduler:
         was_waiting = req in self.waiting  # O(len(waiting)): only prefill rows get here
         req.output_ids.append(token_id)
         req.output_logprobs.append(logprob)
+        if req.grammar is not None and not req.grammar.accept(token_id):
+            # The mask allowed only what the grammar accepts, so this is a bug; end the output
+            # rather than emit text that breaks the constraint.
+            logger.error("request %s: grammar refused sampled token %d", req.rid, token_id)
+            req.finish_reason = "stop"
         finished = req.check_finished(self.eos_token_ids) is not None
+        if not finished and not self.config.prefill_only:
+            finished = self.jump_forward(req)
         if was_waiting:
             self.waiting.remove(req)
         elif finished:
@@ -125,6 +154,22 @@ class Scheduler:
             self.running.append(req)
         return StepOutput(req, token_id, logprob, finished)
 
+    def jump_forward(self, req: Req) -> bool:
+        """Append the tokens ``req``'s grammar forces next, unsampled; the next step extends
+        them with the sequence's other missing tokens. Returns: True if ``req`` is now finished.
+
+        The prefill worker never jumps: its request leaves with exactly one sampled token.
+        """
+        if req.grammar is None or not self.config.jump_forward:
+            return req.finish_reason is not None
+        room = req.sampling.max_new_tokens - len(req.output_ids)
+        forced = req.grammar.forced_tokens(limit=room)
+        if not forced:
+            return req.finish_reason is not None
+        req.output_ids.extend(forced)
+        req.output_logprobs.extend([0.0] * len(forced))  # chosen by the grammar: probability 1
+        return req.check_finished(self.eos_token_ids) is not None
+
     def _schedule(self) -> tuple[list[Req], list[int]]:
         reqs: list[Req] = []
         chunks: list[int] = []
@@ -136,39 +181,52 @@ class Scheduler:
                 continue
             if len(reqs) >= self.config.max_running:
                 break
-            if req.kv_len == len(req.page_ids) * page_size:
-                while not alloc.can_alloc(1) and self._retract_one(keep=req):
+            # Usually 1 (the last sampled token); more after a grammar jump-forward.
+            chunk = req.extend_len
+            need = pages_for(req.kv_len + chunk, page_size) - len(req.page_ids)
+            if need > 0:
+                # Evict unpinned cache entries first; retract only when that is not enough.
+                while not self.cache.ensure_free(need) and self._retract_one(req, reqs):
                     pass
-                if not alloc.can_alloc(1):
+                if not self.cache.ensure_free(need):
                     self._retract(req)
                     continue
-                req.page_ids.extend(alloc.alloc(1))
+                req.page_ids.extend(alloc.alloc(need))
             reqs.append(req)
-            chunks.append(1)
-        budget = self.config.max_batch_tokens - len(reqs)
+            chunks.append(chunk)
+        budget = self.config.max_batch_tokens - sum(chunks)
         for req in self.waiting:
             if budget <= 0 or len(reqs) >= self.config.max_running:
                 break
-            chunk = min(req.extend_len, budget)
-            need = pages_for(req.kv_len + chunk, page_size) - len(req.page_ids)
-            if not req.page_ids:
+            is_new = not req.page_ids
+            if is_new:
                 # Admit a new prompt only if all of it fits, with a page of headroom per running
                 # request, so a half-prefilled prompt does not force decodes to retract.
-                total = pages_for(req.seq_len + 1, page_size)
-                if not alloc.can_alloc(total + len(self.running)):
-                    break
-            if not alloc.can_alloc(need):
+                self.cache.match(req)
+                total = pages_for(req.seq_len + 1, page_size) - len(req.page_ids)
+                if not self.cache.ensure_free(total + len(self.running)):
+                    self.cache.unmatch(req)
+                    break  # waits (FIFO) until requests finish or cache entries unpin
+            chunk = min(req.extend_len, budget)
+            need = pages_for(req.kv_len + chunk, page_size) - len(req.page_ids)
+            if not self.cache.ensure_free(need):
+                if is_new:
+                    self.cache.unmatch(req)
                 break  # FIFO: later prompts wait behind this one
+            if is_new:
+                self.cache.admitted(req)
             req.page_ids.extend(alloc.alloc(need))
             reqs.append(req)
             chunks.append(chunk)
             budget -= chunk
         return reqs, chunks
 
-    def _retract_one(self, keep: Req) -> bool:
-        """Retract the most recently admitted running request other than ``keep``."""
+    def _retract_one(self, keep: Req, scheduled: list[Req]) -> bool:
+        """Retract the most recently admitted running request other than ``keep`` and those
+        already in this step's batch (retracting one of those would leave it in the batch with
+        no pages)."""
         for victim in reversed(self.running):
-            if victim is not keep:
+            if victim is not keep and victim not in scheduled:
                 self._retract(victim)
                 return True
         return False

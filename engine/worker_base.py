@@ -15,14 +15,17 @@ import torch
 import zmq
 
 from splitserve.config import WorkerArgs
-from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.grammar.worker_grammars import CompileDone, create_worker_grammars
+from splitserve.engine.heartbeat import Heartbeat
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Req
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 from splitserve.ipc import Inbox, Outbox, PeerUnreachable
+from splitserve.kv_transfer.registry import create_kv_pool
 from splitserve.messages import (
     AbortTask,
+    FlushCache,
     GenerateTask,
     Message,
     RequestError,
@@ -33,6 +36,7 @@ from splitserve.messages import (
     WorkerReady,
     WorkerStats,
 )
+from splitserve.radix_cache.prefix_cache import create_prefix_cache
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,7 @@ MAX_MESSAGES_PER_STEP = 256  # bound the time spent draining the inbox between f
 # Where the model and KV pool live ("cpu" unless set, e.g. "cuda" for bench/gpu_check.sh). An
 # environment variable rather than a CLI flag for now: the GPU path is not yet a served setup.
 DEVICE_ENV = "SPLITSERVE_DEVICE"
+COMPILE_POLL_MS = 5  # inbox wait while only grammar compiles are pending (no busy loop)
 
 
 class BaseWorker:
@@ -56,20 +61,42 @@ class BaseWorker:
         model, self.model_config = load_model(args.model_path, dtype=dtype, device=device)
         layout = self.model_config.kv_layout(args.page_size, args.dtype)
         num_pages = max(2, args.kv_cache_mb * 2**20 // layout.page_bytes)
-        self.pool = KVPool(layout, num_pages, device)
+        # The backend decides where the pool lives (shm: a segment the prefill side maps).
+        self.pool = create_kv_pool(args.kv_transfer, self.role, layout, num_pages, device)
+        # The decode worker's pages arrive by KV transfer: nothing of its own to reuse.
+        use_cache = self.role != "decode" and not args.disable_radix_cache
+        cache = create_prefix_cache(
+            "radix" if use_cache else "none", self.pool.allocator, self.pool.page_size
+        )
         self.scheduler = Scheduler(
-            ModelRunner(model, self.pool, device),
+            ModelRunner(model, self.pool, device, vocab_size=self.model_config.vocab_size),
             SchedulerConfig(
                 max_batch_tokens=args.max_batch_tokens,
                 max_running=args.max_running,
                 prefill_only=self.role == "prefill",
+                jump_forward=args.jump_forward,
             ),
             self.model_config.eos_token_ids,
+            cache,
+        )
+        self.grammars = create_worker_grammars(
+            args.model_path,
+            self.model_config.vocab_size,
+            self.model_config.eos_token_ids,
+            jump_forward=args.jump_forward and self.role != "prefill",
         )
         self.ctx = zmq.Context()
-        self.inbox = Inbox(self.ctx, args.addr)
-        self.outbox = Outbox(self.ctx)
+        self.curve = self.auth = None
+        if args.curve_keys:
+            from splitserve.security import CurveKeys, start_authenticator
+
+            self.curve = CurveKeys.load(args.curve_keys)
+            self.auth = start_authenticator(self.ctx, self.curve)
+        self.inbox = Inbox(self.ctx, args.addr, self.curve)
+        self.outbox = Outbox(self.ctx, self.curve)
         self.stopped = False
+        self.num_failed = 0
+        self.num_transfer_failures = 0
         logger.info(
             "%s worker %s: %s, %s on %s (%s attention), %d KV pages of %d tokens, inbox %s",
             self.role, args.worker_id, args.model_path, args.dtype, device,
@@ -81,23 +108,35 @@ class BaseWorker:
     def serve_forever(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopped", True))
         self.send(self.args.server_addr, WorkerReady(self.args.worker_id, self.role, self.args.addr))
+        beat = Heartbeat(self.ctx, self.args.server_addr, self.stats, configure=self._curve_client)
+        beat.start()
         try:
             while not self.stopped:
                 self.run_once(idle_wait_ms=20)
         finally:
+            beat.stop()
+            beat.join()
+            if self.auth is not None:
+                self.auth.stop()
+            self.grammars.service.shutdown()
             self.inbox.close()
             self.outbox.close()
             self.ctx.term()
 
     def run_once(self, idle_wait_ms: int = 0) -> None:
         """Drain the inbox, expire timed-out requests, run one step if there is work."""
-        busy = self.has_work()
-        if self.inbox.poll(0 if busy else idle_wait_ms):
+        # Work that cannot be scheduled (waiting for pages) must not spin the core the model uses;
+        # the poll still returns at once when a message arrives.
+        busy = self.has_work() and self.scheduler.last_num_scheduled > 0
+        wait_ms = 0 if busy else COMPILE_POLL_MS if len(self.grammars) else idle_wait_ms
+        if self.inbox.poll(wait_ms):
             for _ in range(MAX_MESSAGES_PER_STEP):
                 item = self.inbox.recv()
                 if item is None:
                     break
                 self.dispatch(*item)
+        for done in self.grammars.poll():
+            self.on_grammar_done(done)
         self.check_timeouts(time.monotonic())
         if self.scheduler.has_work:
             self.on_step_outputs(self.scheduler.step())
@@ -112,6 +151,11 @@ class BaseWorker:
             elif isinstance(msg, AbortTask):
                 self.on_abort(msg.rid)
             elif isinstance(msg, StatsQuery):
+                self.send(msg.reply_addr, self.stats(msg.query_id))
+            elif isinstance(msg, FlushCache):
+                freed = self.scheduler.cache.flush()
+                logger.info("%s worker %s: flushed %d cached pages", self.role,
+                            self.args.worker_id, freed)
                 self.send(msg.reply_addr, self.stats(msg.query_id))
             elif isinstance(msg, Shutdown):
                 self.stopped = True
@@ -132,6 +176,10 @@ class BaseWorker:
         logger.warning("%s worker ignores %s", self.role, type(msg).__name__)
 
     def on_step_outputs(self, outputs: list[StepOutput]) -> None:
+        raise NotImplementedError
+
+    def on_grammar_done(self, done: CompileDone) -> None:
+        """A request's constraint compiled (``done.req.grammar`` set) or failed (``done.error``)."""
         raise NotImplementedError
 
     def check_timeouts(self, now: float) -> None:
@@ -159,11 +207,20 @@ class BaseWorker:
             return f"prompt of {n} tokens does not fit the KV pool ({cap} tokens)"
         return None
 
+    def _curve_client(self, sock: zmq.Socket) -> None:
+        if self.curve is not None:
+            from splitserve.security import apply_curve_client
+
+            apply_curve_client(sock, self.curve)
+
     def send(self, addr: str, msg: Message, frames: list | tuple = ()) -> None:
         self.outbox.send(addr, msg, frames)
 
     def fail(self, rid: str, reply_addr: str, message: str, code: int = 500) -> None:
         logger.info("request %s failed: %s", rid, message)
+        self.num_failed += 1
+        if "KV transfer" in message or "refused by prefill" in message:
+            self.num_transfer_failures += 1
         try:
             self.send(reply_addr, RequestError(rid, message, code))
         except PeerUnreachable as exc:
@@ -190,6 +247,10 @@ class BaseWorker:
             finish_reason=req.finish_reason,
             prompt_len=req.prompt_len,
             cached_len=req.cached_len,
+            # The first output carries them: from the prefill worker when disaggregated.
+            prompt_logprobs=(
+                req.prompt_logprobs if index == 0 and req.sampling.wants_prompt_logprobs else None
+            ),
         )
 
     def num_transferring(self) -> int:
@@ -197,6 +258,7 @@ class BaseWorker:
 
     def stats(self, query_id: int = 0) -> WorkerStats:
         alloc = self.pool.allocator
+        cache = self.scheduler.cache.stats()
         return WorkerStats(
             query_id=query_id,
             worker_id=self.args.worker_id,
@@ -206,4 +268,11 @@ class BaseWorker:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_transferring=self.num_transferring(),
+            cache_pages=cache.cached_pages,
+            cache_evictable_pages=cache.evictable_pages,
+            cache_hit_tokens=cache.hit_tokens,
+            cache_prompt_tokens=cache.prompt_tokens,
+            cache_evicted_pages=cache.evicted_pages,
+            transfer_failures=self.num_transfer_failures,
+            requests_failed=self.num_failed,
         )

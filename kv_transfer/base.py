@@ -1,17 +1,24 @@
 """The KV transfer interface: how a prefill worker ships a request's pages to a decode worker.
 
 The control flow (DESIGN.md, "KV transfer") is the same for every backend: the decode worker
-reserves pages and sends a ``KVBootstrap`` naming them; the prefill worker computes the prompt and
-calls :meth:`BaseKVSender.send`; the decode worker calls :meth:`BaseKVReceiver.install` for each
-``KVPages`` message. Backends differ only in how the page bytes move.
+reserves pages and sends a ``KVBootstrap`` naming them (and, in ``endpoint``, whatever the backend
+needs to reach its pool: a shared-memory segment, a registered memory address); the prefill
+worker calls :meth:`BaseKVSender.send` once per computed chunk of the prompt (``last=False``) and
+once more with the first token (``last=True``); the decode worker calls
+:meth:`BaseKVReceiver.install` for each ``KVPages`` message. Backends differ only in how the page
+bytes move: as ZeroMQ frames after the header, or written straight into the decode pool before
+the header is sent.
+
+Backends are chosen by name (``--kv-transfer``) through ``kv_transfer.registry``.
 """
 
 from __future__ import annotations
 
 import abc
 
-from splitserve.engine.kv_pool import KVLayout
-from splitserve.messages import KVLayoutMsg, KVPages
+from splitserve.engine.kv_pool import KVLayout, KVPool
+from splitserve.kv_transfer.metrics import TransferMetrics
+from splitserve.messages import KVBootstrap, KVLayoutMsg, KVPages
 
 
 def layout_to_msg(layout: KVLayout) -> KVLayoutMsg:
@@ -24,36 +31,105 @@ def layout_from_msg(msg: KVLayoutMsg) -> KVLayout:
     return KVLayout(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.page_size, msg.dtype)
 
 
+def contiguous_runs(page_ids: list[int]) -> list[tuple[int, int]]:
+    """``(index into page_ids, length)`` of each maximal run of consecutive page ids."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(page_ids) + 1):
+        if i == len(page_ids) or page_ids[i] != page_ids[i - 1] + 1:
+            runs.append((start, i - start))
+            start = i
+    return runs if page_ids else []
+
+
+def joint_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """``(src start page, dst start page, length)`` runs contiguous on both sides."""
+    runs: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(src):
+        j = i + 1
+        while j < len(src) and src[j] == src[j - 1] + 1 and dst[j] == dst[j - 1] + 1:
+            j += 1
+        runs.append((src[i], dst[i], j - i))
+        i = j
+    return runs
+
+
 class BaseKVSender(abc.ABC):
-    """Prefill side."""
+    """Prefill side. ``metrics`` counts what was sent."""
+
+    name = "base"
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.metrics = TransferMetrics(self.name)
 
     @abc.abstractmethod
     def send(
         self,
-        dst_addr: str,
-        rid: str,
+        boot: KVBootstrap,
         src_page_ids: list[int],
         dst_page_ids: list[int],
-        first_token: int,
-        first_logprob: float,
-        finished: bool,
+        *,
+        last: bool,
+        first_token: int = -1,
+        first_logprob: float = 0.0,
+        finished: bool = False,
     ) -> None:
-        """Ship pages ``src_page_ids`` (of this worker's pool) into ``dst_page_ids`` of the peer
-        at ``dst_addr``, then the first sampled token. The source pages may be freed as soon as
-        this returns.
+        """Ship pages ``src_page_ids`` of this worker's pool into ``dst_page_ids`` of the peer
+        that sent ``boot``, then a ``KVPages`` header (``last``: the final message of request
+        ``boot.rid``, carrying the first token). Only complete pages may be sent before ``last``.
+
+        The source pages must not be freed or overwritten until :meth:`is_done` says so.
 
         Raises:
             splitserve.ipc.PeerUnreachable: the peer does not accept data.
+            ValueError: page counts differ, or the peer's endpoint is unusable.
         """
+
+    def poll(self) -> None:
+        """Make progress on asynchronous sends (called every worker loop iteration)."""
+
+    def is_done(self, rid: str) -> bool:
+        """Whether every send of ``rid`` has finished reading the source pages (they may be
+        freed). Forgets ``rid`` once it returns True."""
+        return True
+
+    def cancel_peer(self, dst_addr: str) -> None:
+        """Drop whatever is still queued for ``dst_addr`` (it stopped reading); afterwards the
+        source pages of those sends may be freed."""
+
+    def close(self) -> None:
+        """Release backend resources (connections, mappings)."""
 
 
 class BaseKVReceiver(abc.ABC):
-    """Decode side."""
+    """Decode side. ``metrics`` counts what was installed.
+
+    ``one_sided``: the peer writes into this pool directly (shm, mooncake), so a request that
+    fails before its last message keeps its pages reserved for ``QUARANTINE_S`` seconds: the
+    prefill side may still be writing them until it hears of the failure.
+    """
+
+    name = "base"
+    one_sided = False
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.metrics = TransferMetrics(self.name)
+
+    def endpoint(self) -> dict[str, str]:
+        """What the prefill side needs to reach this pool; sent in every ``KVBootstrap``."""
+        return {}
 
     @abc.abstractmethod
     def install(self, header: KVPages, frames: list) -> None:
-        """Write the pages carried by one ``KVPages`` message into the local pool.
+        """Complete one ``KVPages`` message: copy the pages its frames carry into the local pool
+        (or check that a one-sided write already put them there), and record metrics.
 
         Raises:
             ValueError: the frames do not match the header or the pool's layout.
         """
+
+    def close(self) -> None:
+        """Release backend resources (shared-memory segments, registrations)."""

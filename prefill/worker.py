@@ -4,6 +4,11 @@ pages to the decode worker that reserved room for them (DESIGN.md, steps 2-3).
 Prefill starts as soon as the task arrives; the decode worker's ``KVBootstrap`` (where the pages
 go) may come before or after. A request whose bootstrap does not come within
 ``transfer_timeout_s`` fails and its pages are freed.
+
+Overlap: after every scheduler step, each bootstrapped request's newly completed pages are sent
+at once (``KVPages`` with ``last=False``), so when the first token is sampled only the last
+piece is still to go. After the last send the pages wait in ``draining`` until the backend no
+longer reads them (zmq sends straight from the pool), at most ``transfer_timeout_s``.
 """
 
 from __future__ import annotations
@@ -12,14 +17,15 @@ import logging
 import time
 from dataclasses import dataclass
 
+from splitserve.engine.grammar.worker_grammars import CompileDone
 from splitserve.engine.kv_pool import pages_for
 from splitserve.engine.request import Req
 from splitserve.engine.scheduler import StepOutput
 from splitserve.engine.worker_base import BaseWorker
 from splitserve.ipc import PeerUnreachable
 from splitserve.kv_transfer.base import layout_from_msg
-from splitserve.kv_transfer.zmq_backend import ZmqKVSender
-from splitserve.messages import GenerateTask, KVBootstrap, KVFailed, Message
+from splitserve.kv_transfer.registry import create_kv_sender
+from splitserve.messages import GenerateTask, KVBootstrap, KVFailed, KVPages, Message, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +40,17 @@ class Transfer:
     req: Req | None = None  # set once the task arrived
     prefilled: bool = False  # first token sampled; pages now owned by this transfer
     bootstrap: KVBootstrap | None = None
+    num_pages_sent: int = 0  # leading prompt pages already shipped (early chunks)
+    last_progress: float = 0.0  # when the decode worker last heard of this request
+
+
+@dataclass(slots=True)
+class Draining:
+    """Pages of a sent request that the backend may still be reading."""
+
+    req: Req
+    dst_addr: str
+    deadline: float
 
 
 class PrefillWorker(BaseWorker):
@@ -41,8 +58,9 @@ class PrefillWorker(BaseWorker):
 
     def __init__(self, args) -> None:
         super().__init__(args)
-        self.sender = ZmqKVSender(self.pool, self.outbox)
+        self.sender = create_kv_sender(args.kv_transfer, self.pool, self.outbox)
         self.transfers: dict[str, Transfer] = {}
+        self.draining: dict[str, Draining] = {}
 
     def _transfer(self, rid: str, reply_addr: str = "") -> Transfer:
         t = self.transfers.get(rid)
@@ -60,7 +78,24 @@ class PrefillWorker(BaseWorker):
         t = self._transfer(task.rid, task.reply_addr)
         t.reply_addr = task.reply_addr
         t.req = self.new_req(task)
-        self.scheduler.add(t.req)
+        if task.sampling.constraint is not None:
+            self.grammars.submit(t.req)  # joins the scheduler in on_grammar_done
+        else:
+            self.scheduler.add(t.req)
+
+    def on_grammar_done(self, done: CompileDone) -> None:
+        t = self.transfers.get(done.req.rid)
+        if t is None or t.req is not done.req:
+            return  # aborted while compiling
+        if done.error is None:
+            self.scheduler.add(done.req)
+            return
+        self._drop(t, done.error, done.code)  # first, so the client gets this error
+        if t.bootstrap is not None:  # free the decode side's reserved pages now
+            try:
+                self.send(t.bootstrap.dst_addr, KVFailed(t.rid, done.error))
+            except PeerUnreachable as exc:
+                logger.warning("could not tell the decode worker about %s: %s", t.rid, exc)
 
     def on_peer_message(self, msg: Message, frames: list) -> None:
         if isinstance(msg, KVFailed):  # the decode side gave up; it has told the server
@@ -70,14 +105,29 @@ class PrefillWorker(BaseWorker):
             return super().on_peer_message(msg, frames)
         t = self._transfer(msg.rid)
         mismatch = self.pool.layout.mismatch(layout_from_msg(msg.layout))
+        if msg.kv_transfer != self.args.kv_transfer:
+            mismatch = (f"KV transfer backend mismatch: {self.args.kv_transfer!r} here vs "
+                        f"{msg.kv_transfer!r} on the decode worker")
         if mismatch:
             self.send(msg.dst_addr, KVFailed(msg.rid, f"refused by prefill worker: {mismatch}"))
             self._drop(t, f"refused by prefill worker: {mismatch}")
             return
         t.bootstrap = msg
+        self._keepalive(t, time.monotonic())  # the ack: decode now waits on our progress
         self._maybe_send(t)
 
+    def _keepalive(self, t: Transfer, now: float) -> None:
+        """An empty ``KVPages``: the request is alive here (queued or computing). The decode
+        worker's stall timer restarts on every message, so a long prefill queue is not a stall,
+        while a prefill worker that dies or hangs still times out there."""
+        try:
+            self.send(t.bootstrap.dst_addr, KVPages(rid=t.rid, page_ids=[], num_frames=0, last=False))
+        except PeerUnreachable as exc:
+            logger.warning("keepalive for %s not delivered: %s", t.rid, exc)
+        t.last_progress = now
+
     def on_step_outputs(self, outputs: list[StepOutput]) -> None:
+        self._send_early_pages()
         emitted = []
         for out in outputs:
             t = self.transfers.get(out.req.rid)
@@ -92,42 +142,94 @@ class PrefillWorker(BaseWorker):
             if t is not None:
                 self._maybe_send(t)
 
-    def _maybe_send(self, t: Transfer) -> None:
-        if not (t.prefilled and t.bootstrap and t.req):
-            return
+    def _send_early_pages(self) -> None:
+        """Ship the complete pages that chunked prefill produced since the last step."""
+        for t in list(self.transfers.values()):
+            if t.prefilled or t.bootstrap is None or t.req is None:
+                continue
+            complete = min(t.req.kv_len, t.req.prompt_len) // self.pool.page_size
+            if complete > t.num_pages_sent:
+                self._send_pages(t, complete, last=False)
+
+    def _send_pages(self, t: Transfer, end: int, last: bool) -> bool:
+        """Send prompt pages ``[t.num_pages_sent, end)``; False (request dropped) on failure."""
         req, boot = t.req, t.bootstrap
-        n = pages_for(req.prompt_len, self.pool.page_size)
-        finished = req.finish_reason is not None
+        start = t.num_pages_sent
         try:
-            if len(boot.page_ids) < n and not finished:
-                raise ValueError(f"decode reserved {len(boot.page_ids)} pages, prompt needs {n}")
+            if len(boot.page_ids) < end:
+                raise ValueError(f"decode reserved {len(boot.page_ids)} pages, prompt needs {end}")
             self.sender.send(
-                boot.dst_addr,
-                req.rid,
-                [] if finished else req.page_ids[:n],
-                [] if finished else boot.page_ids[:n],
-                req.output_ids[0],
-                req.output_logprobs[0],
-                finished,
+                boot, req.page_ids[start:end], boot.page_ids[start:end], last=last,
+                first_token=req.output_ids[0] if last else -1,
+                first_logprob=req.output_logprobs[0] if last else 0.0,
+                finished=last and req.finish_reason is not None,
             )
         except (PeerUnreachable, ValueError) as exc:
             self._drop(t, f"KV transfer failed: {exc}")
+            try:  # let the decode worker free its reservation now rather than at its deadline
+                self.send(boot.dst_addr, KVFailed(req.rid, f"prefill worker: KV transfer failed: {exc}"))
+            except PeerUnreachable:
+                pass
+            return False
+        t.num_pages_sent = end
+        t.last_progress = time.monotonic()
+        return True
+
+    def _maybe_send(self, t: Transfer) -> None:
+        if not (t.bootstrap and t.req):
             return
-        self.scheduler.free(req)
+        req = t.req
+        if not t.prefilled:
+            complete = min(req.kv_len, req.prompt_len) // self.pool.page_size
+            if complete > t.num_pages_sent:
+                self._send_pages(t, complete, last=False)
+            return
+        # A request that ended with its first token needs no more pages (the decode side frees
+        # the ones it got).
+        n = t.num_pages_sent if req.finish_reason else pages_for(req.prompt_len, self.pool.page_size)
+        if not self._send_pages(t, n, last=True):
+            return
         del self.transfers[req.rid]
+        self._release(req, t.bootstrap.dst_addr)
+
+    def _release(self, req: Req, dst_addr: str) -> None:
+        """Free ``req``'s pages once the backend is done reading them."""
+        if self.sender.is_done(req.rid):
+            self.scheduler.free(req)
+        else:
+            deadline = time.monotonic() + self.args.transfer_timeout_s
+            self.draining[req.rid] = Draining(req, dst_addr, deadline)
+
+    def _check_draining(self, now: float) -> None:
+        for rid, d in list(self.draining.items()):
+            if d.deadline < now:
+                logger.warning("KV send of %s to %s not done after %g s: dropping what is queued",
+                               rid, d.dst_addr, self.args.transfer_timeout_s)
+                self.sender.cancel_peer(d.dst_addr)
+            elif not self.sender.is_done(rid):
+                continue
+            del self.draining[rid]
+            self.scheduler.free(d.req)
 
     def on_abort(self, rid: str) -> None:
+        # Pages of early chunks may still be queued in the backend: freeing them now is safe
+        # (the pool outlives every send; at worst stale bytes reach a request that is gone), and
+        # a finished request in ``draining`` keeps its pages until the backend is done.
+        self.grammars.discard(rid)
         t = self.transfers.pop(rid, None)
         if t is not None and t.req is not None and self.scheduler.abort(rid) is None:
             self.scheduler.free(t.req)
 
-    def _drop(self, t: Transfer, message: str) -> None:
+    def _drop(self, t: Transfer, message: str, code: int = 500) -> None:
         self.on_abort(t.rid)
         self.transfers.pop(t.rid, None)
         if t.reply_addr:
-            self.fail(t.rid, t.reply_addr, message, 500)
+            self.fail(t.rid, t.reply_addr, message, code)
 
     def check_timeouts(self, now: float) -> None:
+        self.sender.poll()
+        if self.draining:
+            self._check_draining(now)
         for t in [t for t in self.transfers.values() if t.deadline < now]:
             if t.req is None:
                 # A bootstrap whose task never came (the task failed validation or was aborted).
@@ -135,9 +237,16 @@ class PrefillWorker(BaseWorker):
             elif t.bootstrap is None:
                 self._drop(t, f"KV transfer timed out: no decode worker bootstrap within "
                               f"{self.args.transfer_timeout_s:g} s")
+        interval = self.args.transfer_timeout_s / 3
+        for t in list(self.transfers.values()):
+            if t.bootstrap is not None and not t.prefilled and now - t.last_progress > interval:
+                self._keepalive(t, now)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work  # draining is checked every loop, no need to spin
 
     def num_transferring(self) -> int:
-        return sum(1 for t in self.transfers.values() if t.prefilled)
+        return sum(1 for t in self.transfers.values() if t.prefilled) + len(self.draining)
+
+    def stats(self, query_id: int = 0) -> WorkerStats:
+        return self.sender.metrics.fill(super().stats(query_id))

@@ -25,9 +25,11 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from splitserve.messages import SamplingParams
+from splitserve.server.constraints import constraint_from_request
 from splitserve.server.detokenizer import IncrementalDetokenizer
 from splitserve.server.engine_client import BaseEngineClient
 from splitserve.server.errors import APIError, from_validation_errors, install_error_handlers
+from splitserve.server.logprobs import logprobs_object
 from splitserve.server.protocol import (
     BaseGenerateRequest,
     ChatCompletionRequest,
@@ -52,6 +54,12 @@ class _Job:
     usage: Usage
     return_token_ids: bool = False
     output_ids: list[int] = field(default_factory=list)
+    # Legacy-completions echo/logprobs (``server.logprobs``).
+    echo_text: str | None = None  # the prompt's text, prepended when ``echo``
+    want_logprobs: bool = False
+    discard_output: bool = False  # max_tokens 0: the engine samples one token we drop
+    output_logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -83,8 +91,8 @@ class _ServedModel:
 
     def completion_ids(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, str):
-            # add_special_tokens: a raw prompt gets BOS where the model expects one.
-            return self.tokenizer.encode(req.prompt, add_special_tokens=True)
+            # By default a raw prompt gets BOS where the model expects one.
+            return self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         vocab_size = len(self.tokenizer)
         bad = next((t for t in req.prompt if not 0 <= t < vocab_size), None)
         if bad is not None:
@@ -122,8 +130,10 @@ class _ServedModel:
                 f"the context length {self.context_len}; at most {room} allowed",
                 param=max_param,
             )
+        scores_prompt = isinstance(req, CompletionRequest) and req.wants_prompt_logprobs
         sampling = SamplingParams(
-            max_new_tokens=room if max_tokens is None else max_tokens,
+            # max_tokens 0 (echo only): the engine always samples a first token; it is dropped.
+            max_new_tokens=room if max_tokens is None else max(1, max_tokens),
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
@@ -132,6 +142,8 @@ class _ServedModel:
             # The chat template's end marker may differ from config's EOS; send both.
             stop_token_ids=[] if req.ignore_eos else list(self.eos_token_ids),
             ignore_eos=req.ignore_eos,
+            logprob_start_len=(req.logprob_start_len or 0) if scores_prompt else -1,
+            constraint=constraint_from_request(req),
         )
         rid = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
         fmt = ResponseFormatter(rid, int(time.time()), req.model, is_chat, req.include_usage)
@@ -157,6 +169,9 @@ class _ServedModel:
                     raise APIError(ev.error, status_code=ev.error_code)
                 job.usage.completion_tokens += len(ev.token_ids)
                 job.output_ids.extend(ev.token_ids)
+                job.output_logprobs.extend(ev.logprobs)
+                if ev.prompt_logprobs is not None:
+                    job.prompt_logprobs = ev.prompt_logprobs
                 job.usage.prompt_tokens = ev.prompt_len or job.usage.prompt_tokens
                 job.usage.cached_tokens = max(job.usage.cached_tokens, ev.cached_len)
                 text = stops.feed(detok.push(ev.token_ids))
@@ -186,8 +201,22 @@ class _ServedModel:
             async for piece in pieces:
                 parts.append(piece.text)
                 finish = piece.finish_reason or finish
+        text = "".join(parts)
+        if job.discard_output:
+            text, finish, job.output_ids, job.output_logprobs = "", "length", [], []
+            job.usage.completion_tokens = 0
+        logprobs = None
+        if job.want_logprobs:
+            echoed = job.input_ids if job.echo_text is not None else []
+            logprobs = logprobs_object(
+                self.tokenizer, echoed, job.prompt_logprobs, job.sampling.logprob_start_len,
+                job.output_ids, job.output_logprobs,
+            )
+        if job.echo_text is not None:
+            text = job.echo_text + text
         ids = job.output_ids if job.return_token_ids else None
-        return job.formatter.full("".join(parts), finish, job.usage, ids)
+        prompt_ids = job.input_ids if job.return_token_ids else None
+        return job.formatter.full(text, finish, job.usage, ids, logprobs, prompt_ids)
 
     async def streaming_response(self, job: _Job) -> Response:
         pieces = self.stream_text(job)
@@ -270,6 +299,17 @@ class _SSEResponse(StreamingResponse):
                 await _aclose(self.body_iterator)  # type: ignore[arg-type]
 
 
+def check_echo(req: CompletionRequest) -> None:
+    """The combinations of echo/logprobs this server does not serve, as 400s."""
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(
+            "max_tokens: 0 is only allowed with echo (to score the prompt)", param="max_tokens"
+        )
+    if req.stream and (req.echo or req.logprobs is not None):
+        raise APIError("stream: echo and logprobs are not supported with stream yet",
+                       param="stream")
+
+
 async def _parse(request: Request, model_cls: type[BaseGenerateRequest]) -> Any:
     """Validate the raw body ourselves: malformed JSON and bad fields both become 400."""
     body = await request.body()
@@ -310,7 +350,13 @@ def create_app(
     async def completions(request: Request) -> Response:
         req: CompletionRequest = await _parse(request, CompletionRequest)
         served.check_model(req)
+        check_echo(req)
         job = served.make_job(req, served.completion_ids(req), is_chat=False)
+        if req.echo:
+            prompt = req.prompt
+            job.echo_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+        job.want_logprobs = req.logprobs is not None
+        job.discard_output = req.max_tokens == 0
         return await respond(job, req.stream)
 
     @app.post("/v1/chat/completions")
@@ -339,6 +385,16 @@ def create_app(
             raise APIError(f"model '{model}' not found", param="model", status_code=404)
         return model_card()
 
+    @app.get("/chat_template")
+    async def chat_template() -> dict[str, Any]:
+        # For clients that render role-structured prompts themselves (splitserve.lang) and send
+        # them to /v1/completions with add_special_tokens false.
+        return {
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "bos_token": getattr(tokenizer, "bos_token", None),
+            "eos_token": getattr(tokenizer, "eos_token", None),
+        }
+
     @app.get("/health")
     async def health() -> Response:
         if client.is_ready():
@@ -348,6 +404,12 @@ def create_app(
     @app.get("/workers")
     async def workers() -> list[dict]:
         return await client.worker_stats()
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> list[dict]:
+        """Drop every prefix-cache entry no running request pins; answers after the workers
+        did, with their stats (for benchmarks and tests)."""
+        return await client.flush_cache()
 
     return app
 

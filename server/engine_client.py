@@ -19,7 +19,8 @@ class TokenEvent:
 
     ``finish_reason`` is ``"stop"`` (EOS or a stop token id) or ``"length"`` (max tokens) on the
     last event; ``error`` is set (and the stream ends) when a worker failed the request, with
-    ``error_code`` an HTTP status. ``prompt_len``/``cached_len`` are in tokens.
+    ``error_code`` an HTTP status. ``prompt_len``/``cached_len`` are in tokens. ``prompt_logprobs``: see
+    ``messages.TokenOutput``.
     """
 
     token_ids: list[int]
@@ -29,6 +30,7 @@ class TokenEvent:
     error_code: int = 500
     prompt_len: int = 0
     cached_len: int = 0
+    prompt_logprobs: list[float] | None = None  # on the first event, when asked for
 
 
 class BaseEngineClient(abc.ABC):
@@ -53,3 +55,9 @@ class BaseEngineClient(abc.ABC):
     async def worker_stats(self) -> list[dict]:
         """One dict per worker: ``worker_id``, ``role``, ``pages_total``, ``pages_used``,
         ``num_running``, ``num_waiting``."""
+
+    async def flush_cache(self) -> list[dict]:
+        """Drop every unpinned prefix-cache entry on every worker; returns
+        :meth:`worker_stats`-shaped rows taken after the flush. Clients without a cache
+        return their stats unchanged."""
+        return await self.worker_stats()

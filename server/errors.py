@@ -18,6 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
+RETRY_AFTER_S = 1
+
 
 class APIError(Exception):
     """An error to report to the client as HTTP ``status_code`` with an OpenAI-style body."""
@@ -49,7 +51,9 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+        # 503 is "busy or no healthy worker now": tell clients when to try again.
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status_code == 503 else None
+        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
 
 
 def error_type(status_code: int) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
 
@@ -19,6 +19,33 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``. ``strict`` is accepted; the grammar enforces the schema
+    either way. A missing ``schema`` means any JSON object (OpenAI leaves it optional)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI ``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is 'json_schema'")
+        return self
 
 
 class BaseGenerateRequest(BaseModel):
@@ -38,6 +65,11 @@ class BaseGenerateRequest(BaseModel):
     n: int | None = Field(None, ge=1)
     ignore_eos: bool = False  # extension (vLLM, SGLang): keep generating past EOS
     return_token_ids: bool = False  # extension (vLLM): the generated ids in each choice
+    response_format: ResponseFormat | None = None
+    # Extensions (vLLM/SGLang names) for the other constraint kinds; one constraint per request.
+    regex: str | None = None  # the whole output matches this regular expression
+    ebnf: str | None = None  # a GBNF grammar with a ``root`` rule (e.g. a SQL subset)
+    choice: list[str] | None = Field(None, min_length=1)  # the output is exactly one of these
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 
@@ -52,9 +84,27 @@ class BaseGenerateRequest(BaseModel):
 
 
 class CompletionRequest(BaseGenerateRequest):
-    """``POST /v1/completions``. ``prompt`` becomes a string or a list of token ids."""
+    """``POST /v1/completions``. ``prompt`` becomes a string or a list of token ids.
+
+    Legacy-completions logprobs: ``logprobs`` (0-5) returns the generated tokens' logprobs;
+    with ``echo`` the prompt is prepended to the text and its tokens are scored too, and
+    ``max_tokens: 0`` then scores the prompt without generating. ``logprob_start_len``
+    (extension, SGLang's name) scores only prompt tokens from that index on (the rest are
+    null), so a shared prefix before it can be served from the prefix cache.
+    """
 
     prompt: str | list[int]
+    max_tokens: int | None = Field(None, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    logprob_start_len: int | None = Field(None, ge=0)
+    # Extension (vLLM's name): False for a prompt that already holds its special tokens, e.g. one
+    # rendered through the chat template by a client (``splitserve.lang``).
+    add_special_tokens: bool = True
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.echo and self.logprobs is not None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -143,12 +193,24 @@ class ResponseFormatter:
         }
 
     def full(
-        self, text: str, finish_reason: str, usage: Usage, token_ids: list[int] | None = None
+        self,
+        text: str,
+        finish_reason: str,
+        usage: Usage,
+        token_ids: list[int] | None = None,
+        logprobs: dict[str, Any] | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
-        """The non-streaming response; ``token_ids`` (when asked for) are the generated ids."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        """The non-streaming response; ``token_ids`` (when asked for) are the generated ids and
+        ``prompt_token_ids`` the prompt's (vLLM's extension), ``logprobs`` the
+        legacy-completions logprobs object (``server.logprobs``)."""
+        choice: dict[str, Any] = {
+            "index": 0, "logprobs": logprobs, "finish_reason": finish_reason
+        }
         if token_ids is not None:
             choice["token_ids"] = token_ids
+        if prompt_token_ids is not None:
+            choice["prompt_token_ids"] = prompt_token_ids
         if self.is_chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:

@@ -25,7 +25,14 @@ class WorkerArgs:
     max_running: int = 64
     transfer_timeout_s: float = 30.0
     num_threads: int = 0  # 0: torch's default
+    kv_transfer: str = "zmq"  # KV transfer backend (kv_transfer.registry); same on both roles
+    router_url: str | None = None  # join this router (POST /workers/register) at start
+    api_key: str | None = None  # the router's API key, for registering
+    curve_keys: str | None = None  # CURVE key file (splitserve.security): encrypted, authenticated links
+    jump_forward: bool = True  # append grammar-forced tokens without sampling them
+    disable_radix_cache: bool = False  # prefill/colocated only; decode never caches
 
 
 ROLES = ("prefill", "decode", "colocated")
 DTYPES = ("float32", "bfloat16")
+KV_TRANSFER_BACKENDS = ("zmq", "shm", "mooncake", "nixl")  # see kv_transfer.registry

@@ -34,10 +34,14 @@ class PeerUnreachable(RuntimeError):
 class Inbox:
     """The process's bound PULL socket."""
 
-    def __init__(self, ctx: zmq.Context, addr: str) -> None:
+    def __init__(self, ctx: zmq.Context, addr: str, curve=None) -> None:
         self.addr = addr
         self.sock = ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:  # splitserve.security.CurveKeys
+            from splitserve.security import apply_curve_server
+
+            apply_curve_server(self.sock, curve)
         self.sock.bind(addr)
 
     def poll(self, timeout_ms: int) -> bool:
@@ -63,8 +67,9 @@ class Inbox:
 class Outbox:
     """PUSH sockets to peers, connected on first use."""
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    def __init__(self, ctx: zmq.Context, curve=None) -> None:
         self.ctx = ctx
+        self.curve = curve  # splitserve.security.CurveKeys, or None
         self.socks: dict[str, zmq.Socket] = {}
 
     def _sock(self, addr: str) -> zmq.Socket:
@@ -73,27 +78,48 @@ class Outbox:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            if self.curve is not None:
+                from splitserve.security import apply_curve_client
+
+                apply_curve_client(sock, self.curve)
             sock.connect(addr)
             self.socks[addr] = sock
         return sock
 
-    def send(self, addr: str, msg: Message, frames: list | tuple = ()) -> None:
+    def send(
+        self, addr: str, msg: Message, frames: list | tuple = (), track: bool = False
+    ) -> list[zmq.MessageTracker]:
         """Send ``msg`` (and raw ``frames``, sent without copying) to ``addr``.
+
+        Returns:
+            With ``track``, one tracker per frame: ``done`` once ZeroMQ no longer reads that
+            frame's memory (it was written to the socket, or dropped by :meth:`reset`).
 
         Raises:
             PeerUnreachable: the peer's send queue is full.
         """
         sock = self._sock(addr)
+        trackers = []
         try:
             if frames:
                 sock.send(encode(msg), zmq.SNDMORE | zmq.NOBLOCK)
                 for i, frame in enumerate(frames):
                     more = zmq.SNDMORE if i < len(frames) - 1 else 0
-                    sock.send(frame, more, copy=False)
+                    tracker = sock.send(frame, more, copy=False, track=track)
+                    if track and tracker is not None:
+                        trackers.append(tracker)
             else:
                 sock.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again as exc:
             raise PeerUnreachable(f"peer {addr} is not reading (send queue full)") from exc
+        return trackers
+
+    def reset(self, addr: str) -> None:
+        """Close the socket to ``addr`` discarding what it still queues (a new one is made on the
+        next send)."""
+        sock = self.socks.pop(addr, None)
+        if sock is not None:
+            sock.close(linger=0)
 
     def close(self) -> None:
         for sock in self.socks.values():

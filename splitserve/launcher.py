@@ -43,7 +43,16 @@ class ClusterSpec:
     # {"prefill": [0], "decode": [1]}; see parse_cpu_affinity for the string form.
     cpu_affinity: dict[str, list[int]] = field(default_factory=dict)
     transfer_timeout_s: float = 30.0
+    kv_transfer: str = "zmq"  # kv_transfer.registry.KV_TRANSFER_BACKENDS
+    jump_forward: bool = True  # grammar-forced tokens appended without sampling
     log_level: str = "warning"
+    disable_radix_cache: bool = False
+    routing: str = "cache_aware"  # prefill worker choice: "cache_aware" | "round_robin"
+    api_key: str | None = None  # passed to children in the environment, not on the command line
+    curve_keys: str | None = None  # CURVE key file: encrypted, authenticated worker links
+    max_body_bytes: int = 4 * 2**20
+    max_inflight_per_worker: int = 256
+    dead_after_s: float = 5.0
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -86,6 +95,8 @@ class Cluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.commands: dict[str, tuple[list[str], dict[str, str]]] = {}
+        self.restarts: dict[str, int] = {}
 
     def _roles(self) -> list[str]:
         s = self.spec
@@ -97,15 +108,36 @@ class Cluster:
         return aff.get(name) or aff.get(name.rsplit("-", 1)[0] if name != "api-server" else name)
 
     def _spawn(self, name: str, args: list[str], threads: int) -> None:
-        env = dict(os.environ, **self.spec.extra_env)
+        env = dict(os.environ, SPLITSERVE_DIE_WITH_PARENT="1", **self.spec.extra_env)
         if threads > 0:
             env["OMP_NUM_THREADS"] = str(threads)
+        if self.spec.api_key:
+            env["SPLITSERVE_API_KEY"] = self.spec.api_key
+        if self.spec.curve_keys:
+            args = [*args, "--curve-keys", self.spec.curve_keys]
         cmd = [sys.executable, "-m", "splitserve", *args, "--log-level", self.spec.log_level]
         cpus = self._cpus(name)
         if cpus:  # applied by the child's cli.main before it starts any thread
             env[AFFINITY_ENV] = ",".join(map(str, cpus))
+        self.commands[name] = (cmd, env)
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self.procs.append((name, proc))
+
+    def proc(self, name: str) -> subprocess.Popen:
+        """The process called ``name`` (``prefill-0``, ``decode-1``, ``api-server``...)."""
+        return next(p for n, p in self.procs if n == name)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process (fault-injection tests); :meth:`restart` brings it back."""
+        proc = self.proc(name)
+        proc.kill()
+        proc.wait()
+
+    def restart(self, name: str) -> None:
+        """Start the process ``name`` again with its original command (same address)."""
+        cmd, env = self.commands[name]
+        new = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.procs = [(n, new if n == name else p) for n, p in self.procs]
 
     def start(self, timeout_s: float = 180.0) -> Cluster:
         """Spawn every process and wait until ``/health`` answers 200.
@@ -118,20 +150,28 @@ class Cluster:
         threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // len(roles))
         server_inbox = free_tcp_addr()
         addrs: dict[str, list[str]] = {"prefill": [], "decode": [], "colocated": []}
-        for i, role in enumerate(roles):
+        self.addrs, self.server_inbox = addrs, server_inbox
+        for role in roles:
+            i = len(addrs[role])  # prefill-0, prefill-1, decode-0, ...
             addr = free_tcp_addr()
             addrs[role].append(addr)
             cpus = self._cpus(f"{role}-{i}")
             n = s.threads_per_worker or (len(cpus) if cpus else threads)
+            cache_flag = ["--disable-radix-cache"] if s.disable_radix_cache else []
             self._spawn(f"{role}-{i}", [
                 "worker", "--role", role, "--worker-id", f"{role}-{i}", "--addr", addr,
                 "--server-addr", server_inbox, "--model", s.model_path, "--dtype", s.dtype,
                 "--page-size", str(s.page_size), "--kv-cache-mb", str(s.kv_cache_mb),
                 "--max-batch-tokens", str(s.max_batch_tokens), "--max-running", str(s.max_running),
                 "--transfer-timeout", str(s.transfer_timeout_s), "--threads", str(n),
+                "--kv-transfer", s.kv_transfer,
+                *([] if s.jump_forward else ["--disable-jump-forward"]),
+                *cache_flag,
             ], n)
         server_args = ["api-server", "--model", s.model_path, "--host", s.host, "--port",
-                       str(s.port), "--inbox", server_inbox]
+                       str(s.port), "--inbox", server_inbox, "--routing", s.routing, "--max-body-bytes",
+                       str(s.max_body_bytes), "--max-inflight-per-worker",
+                       str(s.max_inflight_per_worker), "--dead-after", str(s.dead_after_s)]
         for role, role_addrs in addrs.items():
             for addr in role_addrs:
                 server_args += [f"--{role}-addr", addr]
@@ -144,7 +184,7 @@ class Cluster:
         while time.monotonic() < deadline:
             self.check_alive()
             try:
-                with urllib.request.urlopen(self.spec.url + "/health", timeout=2) as r:
+                with urllib.request.urlopen(self.spec.url + "/health", timeout=2) as r:  # open path
                     if r.status == 200:
                         return
             except OSError:
@@ -160,6 +200,26 @@ class Cluster:
                 self.stop()
                 raise ClusterError(f"{name} exited with code {proc.returncode}")
 
+    def supervise(self, max_restarts: int = 5) -> list[str]:
+        """Restart workers that exited (the router fails or re-runs their requests meanwhile and
+        takes them back once ready). Returns the names restarted.
+
+        Raises:
+            ClusterError: the API server exited, or a worker died more than ``max_restarts`` times.
+        """
+        restarted = []
+        for name, proc in list(self.procs):
+            if proc.poll() is None:
+                continue
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            if name == "api-server" or self.restarts[name] > max_restarts:
+                self.stop()
+                raise ClusterError(f"{name} exited with code {proc.returncode}")
+            logger.warning("%s exited with code %s; restarting", name, proc.returncode)
+            self.restart(name)
+            restarted.append(name)
+        return restarted
+
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every process, then SIGKILL those still alive after ``grace_s``."""
         for _, proc in self.procs:
@@ -172,6 +232,10 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        # Shared-memory KV segments of children that could not clean up (killed).
+        from splitserve.kv_transfer.shm_backend import sweep_stale_segments
+
+        sweep_stale_segments({proc.pid for _, proc in self.procs})
         self.procs.clear()
 
     def __enter__(self) -> Self:

@@ -10,12 +10,26 @@ from __future__ import annotations
 import msgspec
 
 
+class Constraint(msgspec.Struct, frozen=True):
+    """A grammar the output must match (DESIGN.md, "Structured generation").
+
+    ``kind`` is one of ``engine.grammar.GRAMMAR_KINDS``: ``json_schema`` (``text`` is the schema
+    as JSON), ``json_object`` (``text`` ignored), ``regex``, ``ebnf`` (a GBNF grammar with a
+    ``root`` rule) or ``choice`` (``text`` is a JSON list of strings).
+    """
+
+    kind: str
+    text: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick each next token. Units: tokens.
 
     ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0`` disable those filters;
     ``temperature == 0`` is greedy. Generation stops at ``max_new_tokens`` (finish ``length``),
     at an EOS id of the model unless ``ignore_eos``, or at any of ``stop_token_ids`` (finish ``stop``).
+    ``constraint`` rides here (as in SGLang/vLLM) so it reaches every worker's ``Req`` with the
+    rest of the request's sampling; a constrained request also stops when its grammar ends.
     """
 
     max_new_tokens: int = 16
@@ -26,6 +40,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # Prompt logprobs (echo/logprobs, ``lang.select``): -1 asks for none; otherwise the logprob of
+    # every prompt token at index >= max(1, logprob_start_len) comes back with the first token.
+    # A start past a shared prefix lets that prefix stay cacheable (only later positions scored).
+    logprob_start_len: int = -1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.logprob_start_len >= 0
+    constraint: Constraint | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -73,6 +96,14 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
+class FlushCache(msgspec.Struct, tag="flush_cache"):
+    """Drop every prefix-cache entry no running request pins; the worker answers with its
+    ``WorkerStats`` (``query_id``) once done, so a caller can wait for the flush."""
+
+    query_id: int
+    reply_addr: str
+
+
 # ---- worker -> server -------------------------------------------------------------------------
 
 
@@ -93,6 +124,9 @@ class TokenOutput(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None  # "stop" | "length"
     prompt_len: int = 0
     cached_len: int = 0
+    # Set on the output with index 0 when ``sampling.logprob_start_len >= 0``: logprobs of prompt
+    # tokens ``max(1, logprob_start_len) .. prompt_len - 1`` (the first token has none).
+    prompt_logprobs: list[float] | None = None
 
 
 class TokenBatch(msgspec.Struct, tag="tokens"):
@@ -116,6 +150,30 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     num_running: int
     num_waiting: int
     num_transferring: int = 0
+    # Prefix cache (zeros where off). Pages of ``page_size`` tokens; counters since start.
+    cache_pages: int = 0  # pages the cache owns (part of pages_used)
+    cache_evictable_pages: int = 0  # of those, pages no request pins
+    cache_hit_tokens: int = 0  # prompt tokens served from the cache
+    cache_prompt_tokens: int = 0  # prompt tokens admitted
+    cache_evicted_pages: int = 0  # pages evicted (pool pressure or flush)
+    # KV transfer (kv_transfer.metrics.TransferMetrics): the backend, what this worker sent
+    # (prefill) or installed (decode), and the install latency histogram (decode: from the
+    # sender's send call to the pages being in this pool; bucket upper bounds in ms, and
+    # ``kv_latency_counts`` has one more entry: slower than the last bound).
+    kv_transfer: str = ""
+    kv_bytes_sent: int = 0
+    kv_pages_sent: int = 0
+    kv_messages_sent: int = 0
+    kv_send_s: float = 0.0
+    kv_bytes_received: int = 0
+    kv_pages_received: int = 0
+    kv_messages_received: int = 0
+    kv_latency_ms_buckets: list[float] = []
+    kv_latency_counts: list[int] = []
+    kv_latency_ms_sum: float = 0.0
+    kv_gbps: float = 0.0  # bytes over summed per-message latency (receiver) or send time (sender)
+    transfer_failures: int = 0  # requests this worker failed because their KV transfer failed
+    requests_failed: int = 0
 
 
 # ---- decode <-> prefill (KV transfer control) ----------------------------------------------
@@ -128,17 +186,22 @@ class KVBootstrap(msgspec.Struct, tag="kv_bootstrap", kw_only=True):
     dst_addr: str
     page_ids: list[int]
     layout: KVLayoutMsg
+    kv_transfer: str = "zmq"  # backend name; the prefill worker refuses one that is not its own
+    endpoint: dict[str, str] = {}  # backend-specific: where the pages live (shm segment, ...)
 
 
 class KVPages(msgspec.Struct, tag="kv_pages", kw_only=True):
     """Prefill -> decode header; followed by ``num_frames`` raw frames holding the pages, in
-    ``page_ids`` order. ``last`` marks the final message of the request; it carries the first
+    ``page_ids`` order (zmq backend: one frame per run of pages; backends that write into the
+    decode pool directly send no frames). A request's pages may come in several messages, chunk
+    by chunk as the prompt is computed; ``last`` marks the final one, which carries the first
     generated token so the decode worker can continue from it."""
 
     rid: str
     page_ids: list[int]
     num_frames: int
     last: bool
+    sent_at: float = 0.0  # sender's time.time() when it started this message (latency metric)
     first_token: int = -1
     first_logprob: float = 0.0
     finished: bool = False
@@ -156,6 +219,7 @@ Message = (
     | AbortTask
     | StatsQuery
     | Shutdown
+    | FlushCache
     | WorkerReady
     | TokenBatch
     | RequestError

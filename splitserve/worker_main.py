@@ -29,4 +29,12 @@ def run_worker(args: WorkerArgs, log_level: str = "info") -> None:
     logging.basicConfig(
         level=log_level.upper(), format=f"%(asctime)s {args.worker_id} %(levelname)s %(message)s"
     )
-    create_worker(args).serve_forever()
+    worker = create_worker(args)
+    if args.router_url:
+        from splitserve.engine.heartbeat import register_with_router
+
+        # After loading: the router routes to us as soon as our WorkerReady reaches its inbox.
+        args.server_addr = register_with_router(
+            args.router_url, args.role, args.worker_id, args.addr, args.api_key
+        )
+    worker.serve_forever()

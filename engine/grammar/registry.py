@@ -12,13 +12,19 @@ BACKEND_NAMES: tuple[str, ...] = ("xgrammar", "outlines")
 DEFAULT_BACKEND = "xgrammar"
 
 
-def create_backend(name: str, tokenizer: Any, vocab_size: int | None = None) -> BaseGrammarBackend:
+def create_backend(
+    name: str,
+    tokenizer: Any,
+    vocab_size: int | None = None,
+    stop_token_ids: list[int] | None = None,
+) -> BaseGrammarBackend:
     """Build one backend by name.
 
     Args:
         name: one of ``BACKEND_NAMES``.
         tokenizer: the Hugging Face tokenizer the model samples with.
         vocab_size: the model's logits width; defaults to ``len(tokenizer)``.
+        stop_token_ids: tokens that end the output; defaults to the tokenizer's EOS.
 
     Returns:
         The backend.
@@ -29,11 +35,11 @@ def create_backend(name: str, tokenizer: Any, vocab_size: int | None = None) -> 
     if name == "xgrammar":
         from splitserve.engine.grammar.xgrammar_backend import XGrammarBackend
 
-        return XGrammarBackend(tokenizer, vocab_size)
+        return XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
     if name == "outlines":
         from splitserve.engine.grammar.outlines_backend import OutlinesBackend
 
-        return OutlinesBackend(tokenizer, vocab_size)
+        return OutlinesBackend(tokenizer, vocab_size, stop_token_ids)
     raise ValueError(f"unknown grammar backend {name!r}; expected one of {BACKEND_NAMES}")
 
 
@@ -44,6 +50,7 @@ def create_grammar_service(
     fallback: bool = True,
     timeout_s: float = 30.0,
     num_threads: int = 2,
+    stop_token_ids: list[int] | None = None,
 ) -> GrammarService:
     """Build the service with the default backend first and (if ``fallback``) the others after.
 
@@ -54,6 +61,8 @@ def create_grammar_service(
         fallback: also try the remaining backends when the default cannot compile.
         timeout_s: per-backend compile timeout.
         num_threads: compile threads.
+        stop_token_ids: tokens that end the output (the model's EOS ids); defaults to the
+            tokenizer's EOS.
 
     Returns:
         The service. Backends whose package is missing are skipped (the default must exist).
@@ -64,7 +73,7 @@ def create_grammar_service(
     backends = []
     for name in names:
         try:
-            backends.append(create_backend(name, tokenizer, vocab_size))
+            backends.append(create_backend(name, tokenizer, vocab_size, stop_token_ids))
         except ImportError:
             if name == default_backend:
                 raise

@@ -20,8 +20,8 @@ def free_port() -> int:
 
 def _launch(model_path: Path, **kw) -> Iterator[Cluster]:
     # One thread per worker: CI machines have 2 cores shared with pytest and the API server.
-    spec = ClusterSpec(model_path=str(model_path), port=free_port(), kv_cache_mb=128,
-                       threads_per_worker=1, **kw)
+    options = {"kv_cache_mb": 128, "threads_per_worker": 1, **kw}
+    spec = ClusterSpec(model_path=str(model_path), port=free_port(), **options)
     with Cluster(spec) as cluster:
         yield cluster
 
@@ -44,8 +44,17 @@ def cluster(request) -> Cluster:
 
 
 def worker_pages_used(cluster: Cluster) -> dict[str, int]:
+    """Pages each worker holds for requests: used pages minus the prefix cache's evictable ones
+    (those are a cache, given back on demand, not a leak)."""
     rows = httpx.get(cluster.spec.url + "/workers", timeout=10).json()
-    return {r["worker_id"]: r["pages_used"] for r in rows}
+    return {r["worker_id"]: r["pages_used"] - r["cache_evictable_pages"] for r in rows}
+
+
+def flush_cache(cluster: Cluster) -> list[dict]:
+    """``POST /flush_cache``; the workers' stats after the flush."""
+    r = httpx.post(cluster.spec.url + "/flush_cache", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 def complete_ids(cluster: Cluster, prompt_ids: list[int], max_tokens: int, **kw) -> dict:
@@ -55,3 +64,12 @@ def complete_ids(cluster: Cluster, prompt_ids: list[int], max_tokens: int, **kw)
     r = httpx.post(cluster.spec.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+@pytest.fixture(scope="session")
+def grammar_cluster(model_path: Path) -> Iterator[Cluster]:
+    """1 prefill + 1 decode with KV room for ~32 concurrent schema-carrying prompts."""
+    # The decode side's transfer deadline also covers queueing for prefill, which 32 schema
+    # prompts on one CPU thread can exceed at the default 30 s.
+    yield from _launch(model_path, num_prefill=1, num_decode=1, kv_cache_mb=640,
+                       transfer_timeout_s=180.0)

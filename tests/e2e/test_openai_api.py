@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import worker_pages_used
+from tests.e2e.conftest import flush_cache, worker_pages_used
 
 
 @pytest.fixture
@@ -113,6 +113,7 @@ def test_abandoned_stream_frees_pages(cluster) -> None:
 
 def test_no_pages_in_use_after_requests(cluster) -> None:
     wait_for_no_pages(cluster)
+    assert all(row["pages_used"] == 0 for row in flush_cache(cluster))
 
 
 def wait_for_no_pages(cluster, timeout_s: float = 10.0) -> None:

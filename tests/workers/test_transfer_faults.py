@@ -16,6 +16,7 @@ from splitserve.messages import (
     KVBootstrap,
     KVFailed,
     KVLayoutMsg,
+    KVPages,
     RequestError,
     SamplingParams,
     TokenBatch,
@@ -62,6 +63,15 @@ def errors(got: list) -> list[RequestError]:
     return [m for m in got if isinstance(m, RequestError)]
 
 
+def assert_pages_back(worker) -> None:
+    """No request holds a page: what is used is the prefix cache's, unpinned, and a flush
+    frees it all."""
+    cache = worker.scheduler.cache.stats()
+    assert worker.pool.allocator.num_used == cache.cached_pages == cache.evictable_pages
+    worker.scheduler.cache.flush()
+    assert worker.pool.allocator.num_used == 0
+
+
 def test_decode_times_out_when_prefill_never_sends(ctx, model_path) -> None:
     server, dead_prefill = Inbox(ctx, free_tcp_addr()), Inbox(ctx, free_tcp_addr())
     worker = make_worker(model_path, "decode", server.addr)
@@ -83,7 +93,8 @@ def test_prefill_times_out_without_bootstrap(ctx, model_path) -> None:
     got = pump(worker, server, lambda g: errors(g))
     assert any(isinstance(m, TokenBatch) for m in got)  # the first token still went out
     assert "no decode worker bootstrap" in errors(got)[0].message
-    assert worker.pool.allocator.num_used == 0 and not worker.transfers
+    assert not worker.transfers
+    assert_pages_back(worker)
 
 
 def test_prefill_refuses_mismatched_layout(ctx, model_path) -> None:
@@ -99,7 +110,7 @@ def test_prefill_refuses_mismatched_layout(ctx, model_path) -> None:
     err = pump(worker, server, lambda g: errors(g))
     assert "page_size" in errors(err)[0].message
     worker.run_once()
-    assert worker.pool.allocator.num_used == 0
+    assert_pages_back(worker)
 
 
 def test_prompt_larger_than_pool_is_refused(ctx, model_path) -> None:
@@ -115,4 +126,33 @@ def test_prompt_larger_than_pool_is_refused(ctx, model_path) -> None:
     worker.dispatch(task(server), [])
     got = pump(worker, server, lambda g: any(
         isinstance(m, TokenBatch) and m.outputs[-1].finish_reason for m in g))
+    assert_pages_back(worker)
+
+
+def test_keepalives_hold_the_decode_timer_and_silence_trips_it(ctx, model_path) -> None:
+    """A request queued at a live prefill worker is not a stall; a silent one is."""
+    server, prefill = Inbox(ctx, free_tcp_addr()), Inbox(ctx, free_tcp_addr())
+    worker = make_worker(model_path, "decode", server.addr)
+    worker.dispatch(task(server, prefill_addr=prefill.addr), [])
+    keepalive = KVPages(rid="r1", page_ids=[], num_frames=0, last=False)
+    t_end = time.monotonic() + 3 * TIMEOUT_S
+    while time.monotonic() < t_end:  # the prefill side keeps saying "still here"
+        worker.dispatch(keepalive, [])
+        worker.run_once(idle_wait_ms=10)
+        time.sleep(TIMEOUT_S / 5)
+    assert "r1" in worker.awaiting_kv and worker.pool.allocator.num_used > 0
+    got = pump(worker, server, lambda g: errors(g))  # then silence
+    assert "timed out" in errors(got)[0].message
     assert worker.pool.allocator.num_used == 0
+
+
+def test_prefill_acks_the_bootstrap(ctx, model_path) -> None:
+    server, decode = Inbox(ctx, free_tcp_addr()), Inbox(ctx, free_tcp_addr())
+    worker = make_worker(model_path, "prefill", server.addr)
+    worker.dispatch(task(server), [])
+    lay = worker.pool.layout
+    layout = KVLayoutMsg(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype)
+    worker.dispatch(KVBootstrap(rid="r1", dst_addr=decode.addr, page_ids=[1, 2, 3, 4],
+                                layout=layout, kv_transfer=worker.args.kv_transfer), [])
+    got = pump(worker, decode, lambda g: any(isinstance(m, KVPages) and m.last for m in g))
+    assert not got[0].page_ids and not got[0].last  # the ack comes before any page

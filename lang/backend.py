@@ -1,0 +1,101 @@
+"""The seam between the interpreter and a model server. Implementations: ``lang.endpoint``
+(a splitserve server) and ``lang.openai_compatible`` (any OpenAI-compatible server)."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve.lang.chat_template import ChatTemplate
+
+
+@dataclass(slots=True)
+class TextPrompt:
+    """A prompt as text. ``templated``: it was rendered through the chat template and already
+    holds its special tokens (the server must not add BOS again)."""
+
+    text: str
+    templated: bool = False
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    """A prompt as chat messages, for backends without a client-side template. The last message
+    is the one to continue; generation always starts a fresh assistant message."""
+
+    messages: list[dict[str, str]]
+
+
+Prompt = TextPrompt | ChatPrompt
+
+
+@dataclass(slots=True)
+class SamplingArgs:
+    """Resolved sampling for one step (``None``: the server's default)."""
+
+    max_tokens: int = 128
+    stop: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class GenOutput:
+    """One generation: its text and what the server reported (``finish_reason``,
+    ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``)."""
+
+    text: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SelectOutput:
+    """Scores of each choice: ``normalized[i]`` is the mean logprob of choice ``i``'s tokens
+    given the prompt, ``sums[i]`` their sum, ``num_tokens[i]`` how many tokens were scored."""
+
+    index: int
+    normalized: list[float]
+    sums: list[float]
+    num_tokens: list[int]
+
+
+class BaseBackend(abc.ABC):
+    """A model server the interpreter calls. Methods are called from many threads at once."""
+
+    @abc.abstractmethod
+    def chat_template(self) -> ChatTemplate | None:
+        """The template to render role programs as text, or None: roles map to chat messages
+        (:class:`ChatPrompt`)."""
+
+    @abc.abstractmethod
+    def generate(self, prompt: Prompt, sampling: SamplingArgs,
+                 constraint: tuple[str, Any] | None) -> GenOutput:
+        """Generate a continuation of ``prompt``.
+
+        Args:
+            constraint: ``(kind, value)`` from ``lang.constraints.constraint_of``, or None.
+
+        Raises:
+            BackendError: the server failed, or cannot enforce ``constraint``.
+        """
+
+    @abc.abstractmethod
+    def stream(self, prompt: Prompt, sampling: SamplingArgs,
+               constraint: tuple[str, Any] | None) -> Iterator[str | GenOutput]:
+        """Like :meth:`generate`, yielding text deltas and then the final :class:`GenOutput`."""
+
+    @abc.abstractmethod
+    def select(self, prompt: Prompt, choices: list[str]) -> SelectOutput:
+        """Score each choice as a continuation of ``prompt``.
+
+        Raises:
+            BackendError: the server cannot score prompt tokens (``unsupported``).
+        """
+
+    @abc.abstractmethod
+    def prefill(self, prompt: Prompt) -> dict[str, Any]:
+        """Run ``prompt`` once so the server's prefix cache holds it (forks and batches send
+        their shared prefix this way). Returns the usage the server reported."""

@@ -1,0 +1,107 @@
+"""``OpenAICompatible``: any server that speaks the OpenAI API (vLLM, SGLang, OpenAI itself...).
+
+Role programs become chat messages (``/v1/chat/completions``); plain-text programs use
+``/v1/completions``. Only constraints the OpenAI API defines (``json_schema`` through
+``response_format``) are sent; regex, choices, typed ``dtype`` and ``select`` (which needs prompt
+logprobs) are a :class:`BackendError` with ``unsupported`` set, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from splitserve.lang.backend import (
+    BaseBackend,
+    ChatPrompt,
+    GenOutput,
+    Prompt,
+    SamplingArgs,
+    SelectOutput,
+)
+from splitserve.lang.chat_template import ChatTemplate
+from splitserve.lang.errors import BackendError
+from splitserve.lang.http_client import (
+    OpenAIHTTP,
+    completion_output,
+    sampling_fields,
+    stream_deltas,
+    usage_meta,
+)
+
+
+def json_schema_format(schema: dict[str, Any] | str) -> dict[str, Any]:
+    """OpenAI's ``response_format`` for a JSON Schema (dict, or its JSON text)."""
+    import json
+
+    value = json.loads(schema) if isinstance(schema, str) else schema
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": value}}
+
+
+class OpenAIBackendBase(BaseBackend):
+    """Generation over the OpenAI HTTP API; subclasses decide templates and constraints."""
+
+    def __init__(self, base_url: str, model: str, api_key: str | None = None,
+                 timeout_s: float = 600.0) -> None:
+        self.http = OpenAIHTTP(base_url, api_key, timeout_s)
+        self.model = model
+
+    def constraint_fields(self, constraint: tuple[str, Any] | None) -> dict[str, Any]:
+        """Body fields that enforce ``constraint``. Raises BackendError if unsupported."""
+        raise NotImplementedError
+
+    def request(self, prompt: Prompt, sampling: SamplingArgs,
+                constraint: tuple[str, Any] | None) -> tuple[str, dict[str, Any], bool]:
+        """``(path, body, is_chat)`` of the request that continues ``prompt``."""
+        body: dict[str, Any] = {"model": self.model, **sampling_fields(sampling),
+                                **self.constraint_fields(constraint)}
+        if isinstance(prompt, ChatPrompt):
+            return "/chat/completions", {**body, "messages": prompt.messages}, True
+        body["prompt"] = prompt.text
+        if prompt.templated:
+            body["add_special_tokens"] = False  # the template wrote them (splitserve, vLLM)
+        return "/completions", body, False
+
+    def generate(self, prompt: Prompt, sampling: SamplingArgs,
+                 constraint: tuple[str, Any] | None) -> GenOutput:
+        path, body, is_chat = self.request(prompt, sampling, constraint)
+        return completion_output(self.http.post(path, body), is_chat)
+
+    def stream(self, prompt: Prompt, sampling: SamplingArgs,
+               constraint: tuple[str, Any] | None) -> Iterator[str | GenOutput]:
+        path, body, is_chat = self.request(prompt, sampling, constraint)
+        body["stream_options"] = {"include_usage": True}
+        yield from stream_deltas(self.http.post_sse(path, body), is_chat)
+
+    def prefill(self, prompt: Prompt) -> dict[str, Any]:
+        # One token: the cheapest request every OpenAI-compatible server accepts.
+        path, body, _ = self.request(prompt, SamplingArgs(max_tokens=1, temperature=0.0), None)
+        return usage_meta(self.http.post(path, body))
+
+
+class OpenAICompatible(OpenAIBackendBase):
+    """Any OpenAI-compatible server.
+
+    Args:
+        base_url: the API root, e.g. ``http://host:8000/v1``.
+        model: the model name to send.
+        api_key: sent as a bearer token when set.
+    """
+
+    def chat_template(self) -> ChatTemplate | None:
+        return None  # the server applies its own template to chat messages
+
+    def constraint_fields(self, constraint: tuple[str, Any] | None) -> dict[str, Any]:
+        if constraint is None:
+            return {}
+        kind, value = constraint
+        if kind == "json_schema":
+            return {"response_format": json_schema_format(value)}
+        raise BackendError(
+            f"OpenAICompatible backend cannot enforce a {kind} constraint (the OpenAI API has "
+            "none); use lang.Endpoint with a splitserve server", unsupported=True)
+
+    def select(self, prompt: Prompt, choices: list[str]) -> SelectOutput:
+        raise BackendError(
+            "select needs prompt-token logprobs, which OpenAICompatible does not request; use "
+            "lang.Endpoint with a splitserve server, or gen(choices=...) there", unsupported=True)

@@ -1,0 +1,65 @@
+"""Worker membership over HTTP: workers join (``POST /workers/register``), operators drain
+(``POST /workers/{id}/drain``) and resume them. ``GET /workers`` (in ``server.app``) lists them.
+These routes sit behind the same API key as the rest of the API (a worker that could join
+without it would receive users' prompts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ValidationError, field_validator
+
+from splitserve.config import ROLES
+from splitserve.server.errors import APIError, from_validation_errors
+
+
+class Registration(BaseModel):
+    role: str
+    worker_id: str
+    addr: str  # the worker's ZeroMQ inbox, e.g. tcp://10.0.0.5:5601
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v: str) -> str:
+        if v not in ROLES:
+            raise ValueError(f"must be one of {', '.join(ROLES)}")
+        return v
+
+    @field_validator("addr")
+    @classmethod
+    def _addr(cls, v: str) -> str:
+        if not v.startswith(("tcp://", "ipc://")) or "*" in v:
+            raise ValueError("must be a tcp://HOST:PORT or ipc://PATH address to connect to")
+        return v
+
+
+def install_membership(app: FastAPI, client: Any) -> None:
+    """Add the membership routes for a :class:`ZmqEngineClient`."""
+
+    @app.post("/workers/register")
+    async def register(request: Request) -> dict:
+        try:
+            reg = Registration.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise from_validation_errors(exc.errors()) from None
+        known = client.find(reg.worker_id)
+        if known is not None and known.addr != reg.addr and known.ready:
+            raise APIError(f"worker_id: '{reg.worker_id}' is already registered at {known.addr}",
+                           param="worker_id", status_code=409)
+        client.add_worker(reg.role, reg.addr, reg.worker_id)
+        return {"worker_id": reg.worker_id, "server_addr": client.inbox_addr}
+
+    def _set_draining(worker_id: str, draining: bool) -> dict:
+        w = client.drain(worker_id, draining)
+        if w is None:
+            raise APIError(f"no worker '{worker_id}'", status_code=404)
+        return {"worker_id": w.worker_id, "draining": w.draining, "in_flight": w.in_flight}
+
+    @app.post("/workers/{worker_id}/drain")
+    async def drain(worker_id: str) -> dict:
+        return _set_draining(worker_id, True)
+
+    @app.post("/workers/{worker_id}/resume")
+    async def resume(worker_id: str) -> dict:
+        return _set_draining(worker_id, False)

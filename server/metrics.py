@@ -1,0 +1,139 @@
+"""``GET /metrics`` in Prometheus text format.
+
+Request latencies are observed by the engine client as tokens reach the server (TTFT, the time
+between tokens, end to end); worker gauges and counters are read at scrape time from the
+workers' latest heartbeats (at most half a second old).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import generate_latest
+
+from splitserve.server.engine_client import TokenEvent
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class RequestTimer:
+    """Times one request: call :meth:`on_event` for every event it yields."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.m = metrics
+        self.start = self.last = time.monotonic()
+        self.num_tokens = 0
+
+    def on_event(self, ev: TokenEvent) -> None:
+        now = time.monotonic()
+        if ev.token_ids:
+            if self.num_tokens == 0:
+                self.m.ttft.observe(now - self.start)
+            else:
+                # Tokens that come together share the gap since the previous event.
+                gap = (now - self.last) / len(ev.token_ids)
+                for _ in ev.token_ids:
+                    self.m.itl.observe(gap)
+            self.num_tokens += len(ev.token_ids)
+            self.last = now
+        if ev.error is not None:
+            self.m.requests.labels("error").inc()
+        elif ev.finish_reason is not None:
+            self.m.e2e.observe(now - self.start)
+            self.m.requests.labels("finished").inc()
+
+    def rejected(self) -> None:
+        self.m.requests.labels("rejected").inc()
+
+
+class ServerMetrics:
+    """The router's metrics, in their own registry (so several apps can live in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("splitserve_time_to_first_token_seconds",
+                              "Time from request arrival to its first token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("splitserve_inter_token_latency_seconds",
+                             "Time between consecutive output tokens", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("splitserve_e2e_request_latency_seconds",
+                             "Time from arrival to the last token of finished requests",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("splitserve_requests", "Requests by outcome "
+                                "(finished, error, rejected = 503 before start)", ["outcome"],
+                                registry=r)
+        self.worker_failures = Counter("splitserve_worker_failures",
+                                       "Workers declared dead (connection lost or silent)", ["role"],
+                                       registry=r)
+        self.retries = Counter("splitserve_request_retries", "Requests re-run on other workers "
+                               "after losing one before their first token", registry=r)
+        self.client: Any = None
+
+    def request_timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def attach(self, client: Any) -> None:
+        """Report the workers of ``client`` (a ZmqEngineClient) at scrape time."""
+        self.client = client
+        self.registry.register(_WorkerCollector(client))
+
+
+_GAUGES = {
+    "pages_used": "KV pages in use",
+    "pages_total": "KV pages in the pool",
+    "num_running": "Requests in the running batch",
+    "num_waiting": "Requests queued (waiting for prefill or for pages)",
+    "num_transferring": "Requests with a KV transfer in progress",
+    "cache_pages": "KV pages owned by the prefix cache",
+    "cache_evictable_pages": "Prefix-cache pages no request pins",
+    "kv_gbps": "KV transfer throughput (GB/s) over the worker's lifetime",
+}
+_COUNTERS = {
+    "kv_bytes_sent": "KV bytes sent to decode workers",
+    "kv_bytes_received": "KV bytes received from prefill workers",
+    "transfer_failures": "Requests failed because their KV transfer failed or timed out",
+    "requests_failed": "Requests a worker failed",
+    "cache_hit_tokens": "Prompt tokens served from the prefix cache",
+    "cache_prompt_tokens": "Prompt tokens admitted (the hit rate's denominator)",
+    "cache_evicted_pages": "Prefix-cache pages evicted",
+    "kv_pages_sent": "KV pages sent to decode workers",
+    "kv_pages_received": "KV pages received from prefill workers",
+}
+
+
+class _WorkerCollector:
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def collect(self):
+        labels = ["worker_id", "role"]
+        fams = {k: GaugeMetricFamily(f"splitserve_worker_{k}", h, labels=labels)
+                for k, h in _GAUGES.items()}
+        fams |= {k: CounterMetricFamily(f"splitserve_worker_{k}", h, labels=labels)
+                 for k, h in _COUNTERS.items()}
+        healthy = GaugeMetricFamily("splitserve_worker_healthy", "1 if the worker is healthy",
+                                    labels=labels)
+        in_flight = GaugeMetricFamily("splitserve_worker_in_flight",
+                                      "Requests the router has in flight on the worker", labels=labels)
+        for w in self.client.workers:
+            lv = [w.worker_id, w.role]
+            healthy.add_metric(lv, 1.0 if w.ready else 0.0)
+            in_flight.add_metric(lv, w.in_flight)
+            for k, fam in fams.items():
+                if k in w.last_stats:
+                    fam.add_metric(lv, w.last_stats[k])
+        yield from fams.values()
+        yield healthy
+        yield in_flight
+
+
+def install_metrics(app: FastAPI, metrics: ServerMetrics) -> None:
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,116 @@
+"""Routing policies: which prefill (or colocated) worker gets a request.
+
+``cache_aware`` (default) keeps, per worker, an approximate radix tree of the prompts it was sent
+(the router cannot see the worker's real cache, so it assumes a worker still holds what it was
+sent, up to a bounded size) and sends a request to the worker with the longest cached prefix,
+unless the load is unbalanced, in which case the least-loaded worker gets it (as SGLang's router
+does). ``round_robin`` cycles, ignoring prefixes: the baseline to compare against.
+Units: tokens; load is requests in flight.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from splitserve.radix_cache.radix_tree import RadixCache
+
+
+class RoutedWorker(Protocol):
+    """What a policy reads from a worker handle."""
+
+    addr: str
+    in_flight: int
+
+
+class BaseRoutingPolicy(abc.ABC):
+    """Chooses among live workers of one role."""
+
+    @abc.abstractmethod
+    def pick(self, workers: Sequence[RoutedWorker], input_ids: Sequence[int]) -> RoutedWorker:
+        """The worker for a request with prompt ``input_ids`` (``workers`` is non-empty)."""
+
+    def flush(self) -> None:
+        """Workers dropped their caches (``POST /flush_cache``): forget what they hold."""
+
+
+class RoundRobinPolicy(BaseRoutingPolicy):
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def pick(self, workers: Sequence[RoutedWorker], input_ids: Sequence[int]) -> RoutedWorker:
+        return workers[next(self._counter) % len(workers)]
+
+
+@dataclass(slots=True)
+class CacheAwareConfig:
+    """Thresholds, as SGLang's router names them.
+
+    The load counts as unbalanced when ``max - min > balance_abs_threshold`` requests and
+    ``max > balance_rel_threshold * min``; then the least-loaded worker wins. Otherwise the
+    longest match wins if it covers at least ``cache_threshold`` of the prompt; below that the
+    least-loaded worker (ties: the smallest tree) gets it, to spread new prefixes.
+    ``max_tree_tokens`` bounds each worker's tree (LRU eviction), like a worker's pool does.
+    """
+
+    balance_abs_threshold: int = 8
+    balance_rel_threshold: float = 1.5
+    cache_threshold: float = 0.3
+    max_tree_tokens: int = 1 << 20
+
+
+class CacheAwarePolicy(BaseRoutingPolicy):
+    def __init__(self, config: CacheAwareConfig | None = None) -> None:
+        self.config = config or CacheAwareConfig()
+        self._trees: dict[str, RadixCache] = {}
+
+    def _tree(self, addr: str) -> RadixCache:
+        if addr not in self._trees:
+            # page_size 1 and no allocator: it tracks token prefixes, it owns no memory.
+            self._trees[addr] = RadixCache(page_size=1, allocator=None)
+        return self._trees[addr]
+
+    def pick(self, workers: Sequence[RoutedWorker], input_ids: Sequence[int]) -> RoutedWorker:
+        cfg = self.config
+        loads = [w.in_flight for w in workers]
+        lo, hi = min(loads), max(loads)
+        least_loaded = min(workers, key=lambda w: (w.in_flight, self._tree(w.addr).total_pages))
+        if hi - lo > cfg.balance_abs_threshold and hi > cfg.balance_rel_threshold * lo:
+            chosen = least_loaded
+        else:
+            matched = [self._tree(w.addr).match_prefix(input_ids).matched_len for w in workers]
+            best = max(range(len(workers)), key=lambda i: (matched[i], -loads[i]))
+            covers = matched[best] >= cfg.cache_threshold * len(input_ids)
+            chosen = workers[best] if matched[best] and covers else least_loaded
+        self._remember(chosen.addr, input_ids)
+        return chosen
+
+    def _remember(self, addr: str, input_ids: Sequence[int]) -> None:
+        tree = self._tree(addr)
+        tree.insert(input_ids, [0] * len(input_ids))  # page ids are unused without an allocator
+        over = tree.total_pages - self.config.max_tree_tokens
+        if over > 0:
+            tree.evict(over)
+
+    def flush(self) -> None:
+        self._trees.clear()
+
+
+ROUTING_POLICIES: dict[str, type[BaseRoutingPolicy]] = {
+    "cache_aware": CacheAwarePolicy,
+    "round_robin": RoundRobinPolicy,
+}
+
+
+def create_routing_policy(name: str) -> BaseRoutingPolicy:
+    """The policy called ``name`` (a key of :data:`ROUTING_POLICIES`).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name not in ROUTING_POLICIES:
+        raise ValueError(f"unknown routing {name!r}: expected one of {sorted(ROUTING_POLICIES)}")
+    return ROUTING_POLICIES[name]()

@@ -1,0 +1,182 @@
+"""The prefix cache inside the scheduler, with the real default model in-process: greedy outputs
+are identical with the cache on and off, hits are where the page geometry says, and every page
+comes back (to the pool or to the cache's evictable set)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.loader import load_model
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.request import Req
+from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.messages import SamplingParams
+from splitserve.radix_cache.prefix_cache import create_prefix_cache
+
+pytestmark = pytest.mark.slow
+
+PAGE_SIZE = 4
+NEW_TOKENS = 6
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # a small shared CPU box: more threads only wait on each other
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    return load_model(model_path, torch.float32)
+
+
+def make_scheduler(model, cache: str, num_pages: int = 256, prefill_only: bool = False):
+    net, cfg = model
+    pool = KVPool(cfg.kv_layout(PAGE_SIZE, "float32"), num_pages)
+    prefix_cache = create_prefix_cache(cache, pool.allocator, PAGE_SIZE)
+    config = SchedulerConfig(max_batch_tokens=64, max_running=8, prefill_only=prefill_only)
+    return Scheduler(ModelRunner(net, pool), config, cfg.eos_token_ids, prefix_cache)
+
+
+def run(sched: Scheduler, prompts: list[list[int]], together: bool = False) -> list[Req]:
+    """Generate for each prompt, one after another (or all queued at once); returns the requests.
+    A prefill-only scheduler's requests are freed right after their first token, as the prefill
+    worker does after the KV send."""
+    reqs = [Req(f"r{i}", list(p), GREEDY) for i, p in enumerate(prompts)]
+    batches = [reqs] if together else [[r] for r in reqs]
+    for batch in batches:
+        for r in batch:
+            sched.add(r)
+        for _ in range(500):
+            if not sched.has_work:
+                break
+            for out in sched.step():
+                if out.prefilled:
+                    sched.free(out.req)
+            sched.check_pages()  # every used page is the cache's or a queued request's
+        assert not sched.has_work
+    return reqs
+
+
+# A shared trunk, then prompts diverging from it at every position relative to the page size.
+TRUNK = [1, 504, 3458, 282, 4649, 314, 260, 3575, 282, 2545, 28, 457, 9876, 30, 2]
+
+
+def _prompts() -> list[tuple[str, list[int], list[int]]]:
+    """(case, first prompt, second prompt); the two share exactly the named prefix."""
+    tail_a, tail_b = [2110, 314, 1345], [7721, 88, 1203]
+    cases = []
+    for name, shared in [
+        ("shorter_than_page", 3),
+        ("exactly_page", 4),
+        ("page_plus_one", 5),
+        ("three_pages", 12),
+    ]:
+        cases.append((name, TRUNK[:shared] + tail_a, TRUNK[:shared] + tail_b))
+    cases.append(("identical_aligned", TRUNK[:8], TRUNK[:8]))
+    cases.append(("identical_unaligned", TRUNK[:11], TRUNK[:11]))
+    return cases
+
+
+CASES = _prompts()
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> dict[str, list[list[int]]]:
+    """Outputs with the cache off."""
+    sched = make_scheduler(model, "none")
+    return {name: [r.output_ids for r in run(sched, [a, b])] for name, a, b in CASES}
+
+
+@pytest.mark.parametrize("prefill_only", [False, True], ids=["colocated", "prefill"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_same_greedy_tokens_with_cache(model, reference, case, prefill_only) -> None:
+    name, a, b = case
+    sched = make_scheduler(model, "radix", prefill_only=prefill_only)
+    first, second = run(sched, [a, b])
+    want = reference[name]
+    n = 1 if prefill_only else NEW_TOKENS
+    assert [first.output_ids[:n], second.output_ids[:n]] == [w[:n] for w in want]
+    shared = sum(1 for x, y in zip(a, b) if x == y) if a != b else len(a)
+    # At most the last token is recomputed; only whole pages are reused.
+    assert second.cached_len == min(shared, len(b) - 1) // PAGE_SIZE * PAGE_SIZE
+    assert first.cached_len == 0
+    stats = sched.cache.stats()
+    assert sched.pool.allocator.num_used == stats.cached_pages == stats.evictable_pages
+    sched.cache.flush()
+    assert sched.pool.allocator.num_used == 0
+
+
+def test_batched_and_repeated_prompts_match(model, reference) -> None:
+    prompts = [p for _, a, b in CASES for p in (a, b)]
+    sched = make_scheduler(model, "radix")
+    together = run(sched, prompts, together=True)
+    again = run(sched, prompts)  # now everything is cached
+    want = [out for name, _, _ in CASES for out in reference[name]]
+    assert [r.output_ids for r in together] == want
+    assert [r.output_ids for r in again] == want
+    assert all(r.cached_len > 0 for r in again if r.prompt_len > PAGE_SIZE)
+    sched.cache.tree.check_integrity()
+
+
+@pytest.mark.parametrize("cache", ["radix", "none"])
+def test_small_pool_evicts_and_waits(model, reference, cache) -> None:
+    """A pool that holds only a few sequences: the cache evicts, requests wait or are retracted,
+    none fails (with the cache off too: retraction alone must cope)."""
+    prompts = [p for _, a, b in CASES for p in (a, b)]
+    sched = make_scheduler(model, cache, num_pages=12)  # 11 usable pages of 4 tokens
+    reqs = run(sched, prompts, together=True)
+    assert [r.output_ids for r in reqs] == [o for n, _, _ in CASES for o in reference[n]]
+    assert sched.num_retracted > 0
+    if cache == "radix":
+        assert sched.cache.stats().evicted_pages > 0
+    assert sched.pool.allocator.num_used == sched.cache.stats().evictable_pages
+    sched.cache.flush()
+    assert sched.pool.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("prefill_only", [False, True], ids=["colocated", "prefill"])
+def test_running_request_shares_its_prefix(model, reference, prefill_only) -> None:
+    """A prompt's KV is reusable as soon as it is computed, before its request is released."""
+    name, a, b = CASES[3]  # three shared pages
+    sched = make_scheduler(model, "radix", prefill_only=prefill_only)
+    first, second = Req("a", list(a), GREEDY), Req("b", list(b), GREEDY)
+    sched.add(first)
+    outs = sched.step()  # prefills ``first``; it keeps running (or awaits its KV send)
+    assert first.page_ids and first.kv_len == len(a)
+    sched.add(second)
+    while sched.has_work:
+        outs += sched.step()
+    assert second.cached_len == 12
+    assert second.output_ids[:1] == reference[name][1][:1]
+    for out in outs:
+        if out.prefilled:
+            sched.free(out.req)
+    if not prefill_only:
+        assert [first.output_ids, second.output_ids] == reference[name]
+    assert sched.pool.allocator.num_used == sched.cache.stats().evictable_pages
+
+
+def test_prompt_logprobs_are_computed_not_cached(model) -> None:
+    """A request asking for prompt logprobs matches only what it does not need to score."""
+    prompt = TRUNK[:13]
+    scored = SamplingParams(max_new_tokens=2, temperature=0.0, logprob_start_len=6)
+    results = {}
+    for cache in ("none", "radix"):
+        sched = make_scheduler(model, cache)
+        run(sched, [prompt])  # warms the cache (3 pages)
+        req = Req("scored", list(prompt), scored)
+        sched.add(req)
+        while sched.has_work:
+            sched.step()
+        results[cache] = req
+    warm, cold = results["radix"], results["none"]
+    assert warm.cached_len == 4  # position 5 predicts token 6: pages past it are recomputed
+    assert len(warm.prompt_logprobs) == len(prompt) - 6
+    assert warm.prompt_logprobs == pytest.approx(cold.prompt_logprobs, abs=1e-4)
+    assert warm.output_ids == cold.output_ids
