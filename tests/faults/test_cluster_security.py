@@ -159,7 +159,9 @@ def test_worker_joins_router_and_drain(cluster, keyfile, model_path) -> None:
     env = dict(os.environ, SPLITSERVE_API_KEY=KEY, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "splitserve", "worker", "--role", "decode", "--router", url,
            "--worker-id", "decode-joined", "--model", str(model_path), "--kv-cache-mb", "32",
-           "--threads", "1", "--curve-keys", str(keyfile)]
+           "--threads", "1", "--curve-keys", str(keyfile),
+           # The cluster's dtype: a worker on another one is refused at the KV handshake.
+           "--dtype", cluster.spec.dtype]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         wait_all_healthy(cluster, 3, headers=AUTH)
