@@ -221,17 +221,23 @@ class Cluster:
         return restarted
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every process, then SIGKILL those still alive after ``grace_s``."""
-        for _, proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        """SIGTERM every process, then SIGKILL those still alive after ``grace_s``.
+
+        The API server goes first: stopped after its workers, it would report each of them as
+        lost (an error log per worker on every ordinary shutdown)."""
         deadline = time.monotonic() + grace_s
-        for _, proc in self.procs:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        api = [p for name, p in self.procs if name == "api-server"]
+        workers = [p for name, p in self.procs if name != "api-server"]
+        for group in (api, workers):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in group:
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         # Shared-memory KV segments of children that could not clean up (killed).
         from splitserve.kv_transfer.shm_backend import sweep_stale_segments
 
