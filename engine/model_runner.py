@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.forward_batch import build_forward_batch
-from splitserve.engine.grammar.batch_mask import fill_grammar_bitmask
-from splitserve.engine.grammar.bitmask import apply_bitmask
+from splitserve.engine.grammar.batch_mask import BatchMask
+from splitserve.engine.grammar.mask_thread import MaskFillThread
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.request import Req
 from splitserve.engine.sampling import Sampler, make_generator
@@ -21,16 +21,32 @@ class ModelRunner:
         pool: the worker's KV pool.
         device: device of the model and pool.
         vocab_size: the model's logits width; needed only when requests carry grammars.
+        overlap_grammar_mask: fill constrained rows' masks on a background thread while the
+            forward pass runs (see ``grammar.mask_thread`` for why that is safe); False fills
+            them on the calling thread before the forward pass. Same tokens either way; may be
+            switched between steps.
     """
 
     def __init__(
-        self, model: torch.nn.Module, pool: KVPool, device: str = "cpu", vocab_size: int = 0
+        self,
+        model: torch.nn.Module,
+        pool: KVPool,
+        device: str = "cpu",
+        vocab_size: int = 0,
+        overlap_grammar_mask: bool = True,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size  # logits width, for grammar bitmasks (0: no grammars)
         self.pool = pool
         self.device = device
         self.sampler = Sampler()
+        self.overlap_grammar_mask = overlap_grammar_mask
+        self.grammar_mask: BatchMask | None = None  # made at the first constrained step
+        self.mask_thread = MaskFillThread()
+
+    def close(self) -> None:
+        """Stop the grammar mask thread (if it was ever started)."""
+        self.mask_thread.close()
 
     @torch.inference_mode()
     def run(
@@ -42,36 +58,65 @@ class ModelRunner:
         Returns:
             token ids and their logprobs, one per entry of ``sample_rows``.
         """
-        scored = [i for i, (r, n) in enumerate(zip(reqs, chunk_lens)) if _scores_prompt(r, n)]
-        batch = build_forward_batch(
-            token_chunks=[r.tokens(r.kv_len, r.kv_len + n) for r, n in zip(reqs, chunk_lens)],
-            prefix_lens=[r.kv_len for r in reqs],
-            page_lists=[r.page_ids for r in reqs],
-            page_size=self.pool.page_size,
-            logit_seq_indices=sample_rows,
-            device=self.device,
-            all_logit_seq_indices=scored,
-        )
         picked = [reqs[i] for i in sample_rows]
-        # Filled before the forward pass: the matchers' state is already known, and the CPU
-        # work then does not sit between the logits and the sampler.
-        bitmask, masked_rows = fill_grammar_bitmask(picked, self.vocab_size)
-        logits = self.model(batch, self.pool)
-        if scored:
-            # Rows after the sampled ones score every position of the scored chunks, in order.
-            _record_prompt_logprobs(
-                [reqs[i] for i in scored], [chunk_lens[i] for i in scored],
-                logits[len(sample_rows):],
+        masked_rows = [j for j, r in enumerate(picked) if r.grammar is not None]
+        mask = self._start_grammar_mask(picked, masked_rows) if masked_rows else None
+        try:
+            scored = [i for i, (r, n) in enumerate(zip(reqs, chunk_lens)) if _scores_prompt(r, n)]
+            batch = build_forward_batch(
+                token_chunks=[r.tokens(r.kv_len, r.kv_len + n) for r, n in zip(reqs, chunk_lens)],
+                prefix_lens=[r.kv_len for r in reqs],
+                page_lists=[r.page_ids for r in reqs],
+                page_size=self.pool.page_size,
+                logit_seq_indices=sample_rows,
+                device=self.device,
+                all_logit_seq_indices=scored,
             )
-            logits = logits[: len(sample_rows)]
+            logits = self.model(batch, self.pool)
+            if scored:
+                # Rows after the sampled ones score every position of the scored chunks, in order.
+                _record_prompt_logprobs(
+                    [reqs[i] for i in scored], [chunk_lens[i] for i in scored],
+                    logits[len(sample_rows):],
+                )
+                logits = logits[: len(sample_rows)]
+        finally:
+            # Grammar state is the caller's again only after this (grammar.mask_thread, point 3).
+            self.mask_thread.join()
         if not sample_rows:
             return [], []
-        if masked_rows:
-            apply_bitmask(logits, bitmask, masked_rows)
+        if mask is not None:
+            mask.apply(logits, masked_rows)
         ids, logprobs = self.sampler.sample(
             logits, [r.sampling for r in picked], [_step_generator(r) for r in picked]
         )
         return ids.tolist(), logprobs.tolist()
+
+    def _start_grammar_mask(self, picked: list[Req], rows: list[int]) -> BatchMask:
+        """Start filling the mask of the constrained ``rows`` of ``picked``: on the mask thread,
+        so that it overlaps the forward pass, or here and now when overlap is off.
+
+        Returns: the runner's mask, to ``apply`` once the fill is joined.
+
+        Raises:
+            ValueError: if the runner was built without ``vocab_size``.
+        """
+        if self.grammar_mask is None:
+            self.grammar_mask = BatchMask(self.vocab_size, self.device)
+        mask = self.grammar_mask
+        grammars = [picked[j].grammar for j in rows]
+
+        def fill() -> None:
+            # Inference mode is per thread: without it the mask thread could not write in place
+            # to buffers first made under ``run``'s inference mode (e.g. by a serial step).
+            with torch.inference_mode():
+                mask.fill(grammars, rows)  # type: ignore[arg-type]
+
+        if self.overlap_grammar_mask:
+            self.mask_thread.start(fill)
+        else:
+            fill()
+        return mask
 
 
 def _scores_prompt(req: Req, chunk_len: int) -> bool:

@@ -69,7 +69,10 @@ class BaseWorker:
             "radix" if use_cache else "none", self.pool.allocator, self.pool.page_size
         )
         self.scheduler = Scheduler(
-            ModelRunner(model, self.pool, device, vocab_size=self.model_config.vocab_size),
+            ModelRunner(
+                model, self.pool, device, vocab_size=self.model_config.vocab_size,
+                overlap_grammar_mask=args.overlap_grammar_mask,
+            ),
             SchedulerConfig(
                 max_batch_tokens=args.max_batch_tokens,
                 max_running=args.max_running,
@@ -119,6 +122,7 @@ class BaseWorker:
             if self.auth is not None:
                 self.auth.stop()
             self.grammars.service.shutdown()
+            self.scheduler.runner.close()
             self.inbox.close()
             self.outbox.close()
             self.ctx.term()

@@ -30,6 +30,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--disable-jump-forward", action="store_true",
         help="sample every token of constrained outputs, even those the grammar forces",
     )
+    p.add_argument(
+        "--disable-mask-overlap", action="store_true",
+        help="fill grammar token masks before each forward pass, not on a thread during it",
+    )
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="no prefix reuse on prefill/colocated workers (the cache-off baseline)")
     p.add_argument("--log-level", default="warning")
@@ -162,6 +166,7 @@ def _cluster_spec(args: argparse.Namespace, colocated: bool):
         transfer_timeout_s=args.transfer_timeout,
         kv_transfer=args.kv_transfer,
         jump_forward=not args.disable_jump_forward,
+        overlap_grammar_mask=not args.disable_mask_overlap,
         log_level=args.log_level,
         disable_radix_cache=args.disable_radix_cache,
         routing=args.routing,
@@ -280,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
                 kv_transfer=args.kv_transfer,
                 router_url=args.router, api_key=args.api_key, curve_keys=args.curve_keys,
                 jump_forward=not args.disable_jump_forward,
+                overlap_grammar_mask=not args.disable_mask_overlap,
                 disable_radix_cache=args.disable_radix_cache,
             ),
             args.log_level,

@@ -30,6 +30,7 @@ class WorkerArgs:
     api_key: str | None = None  # the router's API key, for registering
     curve_keys: str | None = None  # CURVE key file (splitserve.security): encrypted, authenticated links
     jump_forward: bool = True  # append grammar-forced tokens without sampling them
+    overlap_grammar_mask: bool = True  # fill grammar masks on a thread during the forward pass
     disable_radix_cache: bool = False  # prefill/colocated only; decode never caches
 
 

@@ -45,6 +45,7 @@ class ClusterSpec:
     transfer_timeout_s: float = 30.0
     kv_transfer: str = "zmq"  # kv_transfer.registry.KV_TRANSFER_BACKENDS
     jump_forward: bool = True  # grammar-forced tokens appended without sampling
+    overlap_grammar_mask: bool = True  # grammar masks filled on a thread during the forward pass
     log_level: str = "warning"
     disable_radix_cache: bool = False
     routing: str = "cache_aware"  # prefill worker choice: "cache_aware" | "round_robin"
@@ -166,6 +167,7 @@ class Cluster:
                 "--transfer-timeout", str(s.transfer_timeout_s), "--threads", str(n),
                 "--kv-transfer", s.kv_transfer,
                 *([] if s.jump_forward else ["--disable-jump-forward"]),
+                *([] if s.overlap_grammar_mask else ["--disable-mask-overlap"]),
                 *cache_flag,
             ], n)
         server_args = ["api-server", "--model", s.model_path, "--host", s.host, "--port",

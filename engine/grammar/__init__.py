@@ -9,6 +9,9 @@ Scheduler-side use::
     matcher.fill_bitmask(bitmask, row)                        # bitmask = allocate_bitmask(B, V)
     apply_bitmask(logits, bitmask, rows)                      # before sampling
     matcher.accept_token(token_id)                            # after sampling
+
+``ModelRunner`` does the fill and apply per batch with ``batch_mask.BatchMask``, the fill on
+``mask_thread.MaskFillThread`` while the forward pass runs.
 """
 
 from splitserve.engine.grammar.base import (

@@ -1,16 +1,11 @@
-"""RequestGrammar (end detection, jump-forward) and the batch bitmask, without a model."""
+"""RequestGrammar (end detection, jump-forward), without a model."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-import torch
-
-from splitserve.engine.grammar.batch_mask import fill_grammar_bitmask
 from splitserve.engine.grammar.request_grammar import RequestGrammar
-from splitserve.engine.request import Req
-from splitserve.messages import SamplingParams
 
 
 def _grammar(backend: Any, tokenizer: Any, kind: str, text: str) -> RequestGrammar:
@@ -39,14 +34,3 @@ def test_forced_tokens_hold_back_the_last_token(xgrammar_backend, tokenizer) -> 
         assert grammar.accept(token_id)  # the matcher advanced past the forced tokens
     assert grammar.must_end()
     assert _grammar(xgrammar_backend, tokenizer, "regex", "hello world").forced_tokens(0) == []
-
-
-def test_batch_bitmask_leaves_unconstrained_rows_open(xgrammar_backend, tokenizer) -> None:
-    free = Req("a", [1], SamplingParams())
-    constrained = Req("b", [1], SamplingParams())
-    constrained.grammar = _grammar(xgrammar_backend, tokenizer, "regex", "[0-9]+")
-    bitmask, rows = fill_grammar_bitmask([free, constrained], xgrammar_backend.vocab_size)
-    assert rows == [1] and bitmask is not None
-    assert bool((bitmask[0] == -1).all()) and not bool((bitmask[1] == -1).all())
-    assert fill_grammar_bitmask([free], xgrammar_backend.vocab_size) == (None, [])
-    assert torch.count_nonzero(bitmask[1]) > 0

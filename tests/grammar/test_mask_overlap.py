@@ -1,0 +1,127 @@
+"""The mask filled on the mask thread during the forward pass gives the same tokens as the mask
+filled before it, on the real default model in-process: greedy constrained requests (both
+backends, jump-forward on) next to unconstrained ones, which keep their tokens from running alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from splitserve.engine.grammar.batch_mask import BatchMask
+from splitserve.engine.grammar.request_grammar import RequestGrammar
+from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.loader import load_model
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.request import Req
+from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.messages import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PERSON = json.dumps({
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                   "city": {"type": "string"}},
+    "required": ["name", "age", "city"],
+})
+IPV4 = r"((25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(25[0-5]|2[0-4]\d|1?\d?\d)"
+CHOICES = ["lighthouse", "harbour", "open sea"]
+# (backend, kind, constraint text, prompt); None: an unconstrained request.
+REQUESTS: list[tuple[str | None, str, str, str]] = [
+    ("xgrammar", "json_schema", PERSON, "Give a person record as JSON."),
+    (None, "", "", "Tell me about lighthouses."),
+    ("xgrammar", "regex", IPV4, "What is the IP address of the local host?"),
+    ("outlines", "regex", IPV4, "Write an IPv4 address."),
+    (None, "", "", "Write a haiku about the sea."),
+    ("xgrammar", "choice", json.dumps(CHOICES), "Where does the keeper live?"),
+    ("xgrammar", "json_object", "", "Describe a ship as a JSON object."),
+]
+MAX_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # a small shared CPU box: more threads only wait on each other
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    return load_model(model_path, torch.float32)
+
+
+def _generate(model, tokenizer: Any, backends: dict, overlap: bool,
+              only_unconstrained: bool = False) -> list[list[int]]:
+    """Greedy outputs of ``REQUESTS`` (all in one batch), in order."""
+    net, cfg = model
+    runner = ModelRunner(net, KVPool(cfg.kv_layout(16, "float32"), 128),
+                         vocab_size=cfg.vocab_size, overlap_grammar_mask=overlap)
+    scheduler = Scheduler(runner, SchedulerConfig(jump_forward=True), cfg.eos_token_ids)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+    reqs = []
+    for i, (backend, kind, text, prompt) in enumerate(REQUESTS):
+        if only_unconstrained and backend is not None:
+            continue
+        ids = encode(tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        ))
+        req = Req(f"r{i}", list(ids), SamplingParams(max_new_tokens=MAX_NEW_TOKENS,
+                                                     temperature=0.0))
+        if backend is not None:
+            matcher = backends[backend].compile(kind, text).create_matcher(max_rollback_tokens=64)
+            req.grammar = RequestGrammar(matcher, cfg.vocab_size, cfg.eos_token_ids, encode)
+        reqs.append(req)
+        scheduler.add(req)
+    try:
+        while scheduler.has_work:
+            scheduler.step()
+    finally:
+        runner.close()
+    return [r.output_ids for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def serial(model, tokenizer, backends) -> list[list[int]]:
+    return _generate(model, tokenizer, backends, overlap=False)
+
+
+def test_overlap_gives_the_serial_tokens(model, tokenizer, backends, serial) -> None:
+    assert _generate(model, tokenizer, backends, overlap=True) == serial
+
+
+def test_overlap_waits_for_a_slow_fill(model, tokenizer, backends, serial, monkeypatch) -> None:
+    """A fill that ends long after the forward pass: the runner must wait for it, not sample
+    with the last step's mask."""
+    fill = BatchMask.fill
+
+    def slow_fill(self, grammars, rows) -> None:
+        time.sleep(0.15)  # longer than a forward pass of this batch
+        fill(self, grammars, rows)
+
+    monkeypatch.setattr(BatchMask, "fill", slow_fill)
+    assert _generate(model, tokenizer, backends, overlap=True) == serial
+
+
+def test_outputs_follow_constraints_and_free_rows_are_independent(
+    model, tokenizer, backends, serial
+) -> None:
+    texts = {REQUESTS[i][1:3]: tokenizer.decode(ids, skip_special_tokens=True)
+             for i, ids in enumerate(serial) if REQUESTS[i][0] is not None}
+    for (kind, text), output in texts.items():
+        if kind == "regex":
+            assert re.fullmatch(text, output), output
+        elif kind == "choice":
+            assert output in CHOICES
+    person = texts[("json_schema", PERSON)]
+    if len(serial[0]) < MAX_NEW_TOKENS:  # it ended: complete JSON
+        assert set(json.loads(person)) >= {"name", "age", "city"}
+    alone = _generate(model, tokenizer, backends, overlap=True, only_unconstrained=True)
+    assert alone == [ids for i, ids in enumerate(serial) if REQUESTS[i][0] is None]
