@@ -1,7 +1,9 @@
 """Grammar-constrained decoding benchmark (issue 4), with ratios from one run.
 
 1. Step time with constraints vs without, at batch 1 and 16: an in-process scheduler on the
-   real model; only steps where the whole batch decodes are timed.
+   real model; only steps where the whole batch decodes are timed. Constrained runs go twice,
+   with the mask filled on the runner's thread before the forward pass (serial) and on the mask
+   thread during it (overlap, the default), alternating with the unconstrained run.
 2. Compile time p50/p99 and coverage per backend and for the fallback chain (xgrammar, then
    outlines), per JSONSchemaBench subset, on a sample of each subset.
 3. Tokens/s for JSON outputs with jump-forward on vs off.
@@ -23,8 +25,9 @@ from typing import Any
 import torch
 
 from splitserve.default_model import ensure_default_model
-from splitserve.engine import model_runner
 from splitserve.engine.grammar import GrammarService
+from splitserve.engine.grammar.batch_mask import BatchMask
+from splitserve.engine.grammar.mask_thread import MaskFillThread
 from splitserve.engine.grammar.worker_grammars import WorkerGrammars, create_worker_grammars
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.loader import load_model
@@ -43,25 +46,32 @@ PERSON = json.dumps({
     "required": ["name", "age", "city", "email", "is_member"],
     "additionalProperties": False,
 })
-LONG_TEXT = json.dumps({  # free text inside JSON: the batch stays full for many steps
-    "type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"],
+STORY = json.dumps({  # JSON with free text: the batch stays full for tens of steps
+    "type": "object",
+    "properties": {k: {"type": "string"} for k in ("title", "keeper", "setting", "story", "moral")},
+    "required": ["title", "keeper", "setting", "story", "moral"],
 })
+STORY_PROMPT = "Tell me a long story about a lighthouse keeper, as JSON."
 
 
 class Engine:
-    """One in-process worker: model, pool, scheduler and grammar compiles."""
+    """One in-process worker: the model, grammar compiles, and schedulers sharing the model."""
 
     def __init__(self, model_path: str, jump_forward: bool = True) -> None:
         self.model, self.config = load_model(model_path, dtype=torch.float32)
-        pool = KVPool(self.config.kv_layout(16, "float32"), 2048)
-        runner = ModelRunner(self.model, pool, vocab_size=self.config.vocab_size)
-        self.scheduler = Scheduler(
-            runner, SchedulerConfig(jump_forward=jump_forward), self.config.eos_token_ids
-        )
         self.grammars: WorkerGrammars = create_worker_grammars(
             model_path, self.config.vocab_size, self.config.eos_token_ids, jump_forward
         )
         self.tokenizer = self.grammars.tokenizer
+        self.scheduler = self.new_scheduler(jump_forward, num_pages=2048)
+
+    def new_scheduler(self, jump_forward: bool, num_pages: int, overlap: bool = True) -> Scheduler:
+        """A scheduler with its own KV pool (``num_pages`` pages of 16 tokens) and runner."""
+        pool = KVPool(self.config.kv_layout(16, "float32"), num_pages)
+        runner = ModelRunner(self.model, pool, vocab_size=self.config.vocab_size,
+                             overlap_grammar_mask=overlap)
+        config = SchedulerConfig(jump_forward=jump_forward)
+        return Scheduler(runner, config, self.config.eos_token_ids)
 
     def chat_ids(self, text: str) -> list[int]:
         prompt = self.tokenizer.apply_chat_template(
@@ -69,9 +79,10 @@ class Engine:
         )
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def run(self, prompts: list[str], constraint: Constraint | None, max_new_tokens: int,
-            ignore_eos: bool = False) -> tuple[list[Req], list[tuple[int, float]]]:
-        """Generate greedily. Returns: the requests and (decode batch size, seconds) per step."""
+    def submit(self, scheduler: Scheduler, prompts: list[str], constraint: Constraint | None,
+               max_new_tokens: int, ignore_eos: bool = False) -> list[Req]:
+        """Queue greedy requests on ``scheduler`` once their grammar compiled (cached after the
+        first time). Returns: the requests."""
         reqs = []
         for i, text in enumerate(prompts):
             sampling = SamplingParams(
@@ -82,51 +93,126 @@ class Engine:
             req = Req(rid=str(i), input_ids=self.chat_ids(text), sampling=sampling)
             reqs.append(req)
             if constraint is None:
-                self.scheduler.add(req)
+                scheduler.add(req)
             else:
                 self.grammars.submit(req)
         while len(self.grammars):
             for done in self.grammars.poll():
                 assert done.error is None, done.error
-                self.scheduler.add(done.req)
+                scheduler.add(done.req)
             time.sleep(0.001)
-        steps = []
+        return reqs
+
+    def run(self, prompts: list[str], constraint: Constraint | None, max_new_tokens: int,
+            ignore_eos: bool = False) -> tuple[list[Req], int]:
+        """Generate greedily on the engine's own scheduler.
+
+        Returns: the requests and the number of forward steps taken.
+        """
+        reqs = self.submit(self.scheduler, prompts, constraint, max_new_tokens, ignore_eos)
+        num_steps = 0
         while self.scheduler.has_work:
-            decoding = not self.scheduler.waiting
-            batch = len(self.scheduler.running)
-            start = time.perf_counter()
             self.scheduler.step()
-            if decoding:
-                steps.append((batch, time.perf_counter() - start))
-        return reqs, steps
+            num_steps += 1
+        return reqs, num_steps
+
+
+# name: (constrained, mask filled during the forward pass, mask applied as a float bias).
+# "serial, xgrammar apply" is the runner before the overlap (issue 4): fill, forward, then
+# xgrammar's CPU kernel; it is also what non-CPU devices apply with.
+STEP_VARIANTS = {
+    "unconstrained": (False, True, True),
+    "serial, xgrammar apply": (True, False, False),
+    "serial": (True, False, True),
+    "overlap": (True, True, True),
+}
+MASK_PARTS = ("fill", "wait", "apply")
 
 
 def bench_step_time(engine: Engine, batch_sizes: list[int], steps: int, reps: int) -> None:
+    """Every variant gets its own scheduler on the same model and the same prompts; they take
+    one step each in turn, so outside load hits all alike, and step ``k`` of each is compared at
+    the same sequence length (the constrained outputs may end sooner: only the steps that all
+    variants ran with the full batch count)."""
     print("\n## Step time, constrained vs unconstrained (decode steps with the full batch)")
-    print(f"min over {reps} alternating runs of the median step; mask = bitmask fill + apply")
-    print("| batch | unconstrained ms | json_schema ms | ratio | mask ms/step |")
-    print("|---|---|---|---|---|")
-    prompt = "Tell me a long story about a lighthouse keeper, as JSON."
-    mask_s: list[float] = []
-    fill, apply = model_runner.fill_grammar_bitmask, model_runner.apply_bitmask
-    model_runner.fill_grammar_bitmask = _timed(fill, mask_s)
-    model_runner.apply_bitmask = _timed(apply, mask_s)
+    print("Median wall ms per step (main-thread CPU ms), ratio to unconstrained. Variants step in "
+          "turn. Mask ms/step: fill = matchers + bias (on the mask thread when overlapped), wait = "
+          "the runner waiting for the fill after the forward pass, apply = masking the logits")
+    print("| batch | steps | " + " | ".join(f"{v} ms | ratio" for v in STEP_VARIANTS)
+          + " | fill / wait / apply ms: " + " ; ".join(list(STEP_VARIANTS)[1:]) + " |")
+    print("|---|---|" + "---|---|" * len(STEP_VARIANTS) + "---|")
+    timings: dict[str, dict[int, list[float]]] = {part: {} for part in MASK_PARTS}
+    originals = (BatchMask.fill, BatchMask.apply, MaskFillThread.join)
+    BatchMask.fill = _timed_per_instance(BatchMask.fill, timings["fill"])
+    BatchMask.apply = _timed_per_instance(BatchMask.apply, timings["apply"])
+    MaskFillThread.join = _timed_per_instance(MaskFillThread.join, timings["wait"])
     try:
         for batch in batch_sizes:
-            best = [float("inf"), float("inf")]
-            mask_s.clear()
-            for _ in range(reps):  # alternate, so load from other processes hits both alike
-                for k, constraint in enumerate((None, Constraint("json_schema", LONG_TEXT))):
-                    _, timed = engine.run(
-                        [prompt] * batch, constraint, steps, ignore_eos=constraint is None
-                    )
-                    full = [t for b, t in timed if b == batch] or [t for _, t in timed]
-                    best[k] = min(best[k], statistics.median(full) * 1e3)
-            mask_ms = sum(mask_s) * 1e3 / max(1, reps * steps)
-            print(f"| {batch} | {best[0]:.1f} | {best[1]:.1f} | {best[1] / best[0]:.3f} "
-                  f"| {mask_ms:.2f} |")
+            prompt_len = len(engine.chat_ids(STORY_PROMPT))
+            num_pages = batch * ((prompt_len + steps) // 16 + 2) + 1
+            schedulers = {}
+            for name, (_, overlap, bias) in STEP_VARIANTS.items():
+                scheduler = engine.new_scheduler(False, num_pages, overlap)
+                mask = scheduler.runner.grammar_mask = BatchMask(engine.config.vocab_size)
+                mask.use_bias = bias
+                schedulers[name] = scheduler
+            samples: dict[str, list[tuple[float, float]]] = {name: [] for name in schedulers}
+            for values in timings.values():
+                values.clear()
+            for _ in range(reps):
+                timed = _steps_in_turn(engine, schedulers, batch, steps)
+                num_common = min(len(t) for t in timed.values())
+                for name, values in timed.items():
+                    samples[name] += values[:num_common]
+            _print_step_row(batch, samples, schedulers, timings)
     finally:
-        model_runner.fill_grammar_bitmask, model_runner.apply_bitmask = fill, apply
+        BatchMask.fill, BatchMask.apply, MaskFillThread.join = originals
+
+
+def _steps_in_turn(engine: Engine, schedulers: dict[str, Scheduler], batch: int,
+                   steps: int) -> dict[str, list[tuple[float, float]]]:
+    """One generation per variant, stepped in turn. Returns: per variant, (wall s, main-thread
+    CPU s) of each decode step with the full batch, in order."""
+    for name, scheduler in schedulers.items():
+        constraint = Constraint("json_schema", STORY) if STEP_VARIANTS[name][0] else None
+        engine.submit(scheduler, [STORY_PROMPT] * batch, constraint, steps,
+                      ignore_eos=constraint is None)
+    timed: dict[str, list[tuple[float, float]]] = {name: [] for name in schedulers}
+    order = list(schedulers)
+    while any(s.has_work for s in schedulers.values()):
+        order = order[1:] + order[:1]  # rotate: no variant always runs right after another
+        for name in order:
+            scheduler = schedulers[name]
+            if not scheduler.has_work:
+                continue
+            full = not scheduler.waiting and len(scheduler.running) == batch
+            start, cpu_start = time.perf_counter(), time.thread_time()
+            scheduler.step()
+            if full:
+                timed[name].append((time.perf_counter() - start, time.thread_time() - cpu_start))
+    return timed
+
+
+def _print_step_row(batch: int, samples: dict[str, list[tuple[float, float]]],
+                    schedulers: dict[str, Scheduler],
+                    timings: dict[str, dict[int, list[float]]]) -> None:
+    base = statistics.median(w for w, _ in samples["unconstrained"])
+    cells = [str(batch), str(len(samples["unconstrained"]))]
+    for values in samples.values():
+        wall = statistics.median(w for w, _ in values)
+        cpu = statistics.median(c for _, c in values)
+        cells += [f"{wall * 1e3:.1f} ({cpu * 1e3:.1f})", f"{wall / base:.3f}"]
+    parts = []
+    for scheduler in list(schedulers.values())[1:]:
+        runner = scheduler.runner
+        fills = timings["fill"].get(id(runner.grammar_mask), [])
+        owners = {"fill": runner.grammar_mask, "wait": runner.mask_thread,
+                  "apply": runner.grammar_mask}
+        per_step = [sum(timings[part].get(id(owners[part]), [])) * 1e3 / max(1, len(fills))
+                    for part in MASK_PARTS]
+        parts.append(" / ".join(f"{ms:.2f}" for ms in per_step))
+    cells.append(" ; ".join(parts))
+    print("| " + " | ".join(cells) + " |", flush=True)
 
 
 def bench_compile(engine: Engine, per_subset: int, timeout_s: float, seed: int) -> None:
@@ -180,26 +266,26 @@ def bench_jump_forward(model_path: str, batch: int, max_new_tokens: int) -> None
         engine = Engine(model_path, jump_forward=jump)
         engine.run(prompts[:1], Constraint("json_schema", PERSON), 4)  # warm up
         start = time.perf_counter()
-        reqs, steps = engine.run(prompts, Constraint("json_schema", PERSON), max_new_tokens)
+        reqs, num_steps = engine.run(prompts, Constraint("json_schema", PERSON), max_new_tokens)
         seconds = time.perf_counter() - start
         tokens = sum(len(r.output_ids) for r in reqs)
         valid = sum(_is_json(engine.tokenizer.decode(r.output_ids, skip_special_tokens=True))
                     for r in reqs)
         rates[jump] = tokens / seconds
-        print(f"| {'on' if jump else 'off'} | {tokens} | {len(steps)} | {seconds:.2f} | "
+        print(f"| {'on' if jump else 'off'} | {tokens} | {num_steps} | {seconds:.2f} | "
               f"{tokens / seconds:.1f} | {valid}/{batch} |")
     print(f"tokens/s ratio on/off: {rates[True] / rates[False]:.2f}")
 
 
-def _timed(fn: Callable, sink: list[float]) -> Callable:
-    """Wrap ``fn`` so that each call's seconds are appended to ``sink``."""
+def _timed_per_instance(method: Callable, sink: dict[int, list[float]]) -> Callable:
+    """Wrap ``method`` so that each call's seconds go to ``sink[id(self)]`` (from any thread)."""
 
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            return method(self, *args, **kwargs)
         finally:
-            sink.append(time.perf_counter() - start)
+            sink.setdefault(id(self), []).append(time.perf_counter() - start)
 
     return wrapper
 
@@ -220,9 +306,9 @@ def _is_json(text: str) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=24, help="decode steps per step-time run")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps per step-time run")
     parser.add_argument("--batch-sizes", default="1,16")
-    parser.add_argument("--reps", type=int, default=3, help="alternating step-time runs")
+    parser.add_argument("--reps", type=int, default=3, help="step-time runs per batch size")
     parser.add_argument("--schemas-per-subset", type=int, default=4)
     parser.add_argument("--compile-timeout", type=float, default=10.0)
     parser.add_argument("--jump-batch", type=int, default=4)
