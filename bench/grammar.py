@@ -135,9 +135,10 @@ def bench_step_time(engine: Engine, batch_sizes: list[int], steps: int, reps: in
     the same sequence length (the constrained outputs may end sooner: only the steps that all
     variants ran with the full batch count)."""
     print("\n## Step time, constrained vs unconstrained (decode steps with the full batch)")
-    print("Median wall ms per step (main-thread CPU ms), ratio to unconstrained. Variants step in "
-          "turn. Mask ms/step: fill = matchers + bias (on the mask thread when overlapped), wait = "
-          "the runner waiting for the fill after the forward pass, apply = masking the logits")
+    print("Median wall ms per step (main-thread CPU ms), ratios to unconstrained likewise (CPU "
+          "time is what outside load disturbs least). Variants step in turn. Mask ms/step: "
+          "fill = matchers + bias (on the mask thread when overlapped), wait = the runner "
+          "waiting for the fill after the forward pass, apply = masking the logits")
     print("| batch | steps | " + " | ".join(f"{v} ms | ratio" for v in STEP_VARIANTS)
           + " | fill / wait / apply ms: " + " ; ".join(list(STEP_VARIANTS)[1:]) + " |")
     print("|---|---|" + "---|---|" * len(STEP_VARIANTS) + "---|")
@@ -197,11 +198,13 @@ def _print_step_row(batch: int, samples: dict[str, list[tuple[float, float]]],
                     schedulers: dict[str, Scheduler],
                     timings: dict[str, dict[int, list[float]]]) -> None:
     base = statistics.median(w for w, _ in samples["unconstrained"])
+    base_cpu = statistics.median(c for _, c in samples["unconstrained"])
     cells = [str(batch), str(len(samples["unconstrained"]))]
     for values in samples.values():
         wall = statistics.median(w for w, _ in values)
         cpu = statistics.median(c for _, c in values)
-        cells += [f"{wall * 1e3:.1f} ({cpu * 1e3:.1f})", f"{wall / base:.3f}"]
+        cells += [f"{wall * 1e3:.1f} ({cpu * 1e3:.1f})",
+                  f"{wall / base:.3f} ({cpu / base_cpu:.3f})"]
     parts = []
     for scheduler in list(schedulers.values())[1:]:
         runner = scheduler.runner

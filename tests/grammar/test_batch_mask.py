@@ -40,7 +40,9 @@ def grammars(request, backends, tokenizer) -> list[RequestGrammar]:
     ]
 
 
-def _expected(logits: torch.Tensor, grammars: list[RequestGrammar], rows: list[int]) -> torch.Tensor:
+def _expected(
+    logits: torch.Tensor, grammars: list[RequestGrammar], rows: list[int]
+) -> torch.Tensor:
     """The reference: a fresh batch bitmask applied by plain torch ops."""
     bitmask = allocate_bitmask(logits.shape[0], grammars[0].vocab_size)
     for grammar, row in zip(grammars, rows):
