@@ -99,6 +99,15 @@ def test_narrower_logits_are_masked_wider_refused(grammars) -> None:
         BatchMask(0)
 
 
+def test_bfloat16_logits(grammars) -> None:
+    mask = BatchMask(grammars[0].vocab_size)
+    mask.fill(grammars, [0, 1, 2, 3])
+    logits = torch.randn(4, grammars[0].vocab_size).to(torch.bfloat16)
+    expected = _expected(logits, grammars, [0, 1, 2, 3])
+    mask.apply(logits, [0, 1, 2, 3])
+    assert torch.equal(logits, expected)
+
+
 def test_mask_thread_runs_elsewhere_and_reraises() -> None:
     thread = MaskFillThread()
     seen: list[int] = []
