@@ -11,7 +11,7 @@ It is a cache of the pool, never the source of truth: the pool is still written 
 a sequence is copied in from the pool whenever its cached length is not exactly one token short
 (new to decoding, back from an extend, retracted, its KV received by transfer). A sequence absent
 from a step's decode rows loses its slot. Memory: ``2 * num_layers * slots * Hkv * D * cap``
-elements (slots = highest live slot + headroom, cap = longest decode sequence rounded up), never
+elements (slots = highest live slot + headroom, cap = longest decode sequence + headroom), never
 more than ``max_bytes`` (the backend passes the pool's own size): above that, :meth:`plan`
 returns None and the caller gathers from the pool instead. With no decode rows it frees it all.
 """
@@ -25,11 +25,13 @@ import torch
 from splitserve.engine.decode_attention import decode_bias
 from splitserve.engine.kv_pool import KVPool, pages_for
 
-# Positions are allocated in steps of CAP_STEP. The products run over all ``cap`` positions (a
-# slice of the position dim would make oneDNN copy K and V first, measured ~2x slower), so a
-# bigger step wastes arithmetic on masked positions and a smaller one copies the whole cache to
-# grow more often; growing copies about what one step's attention reads anyway.
-CAP_STEP = 32
+# The products run over all ``cap`` positions: a slice of the position dim would make oneDNN
+# copy K and V first (measured ~2x slower). Growing means a fresh buffer and a copy, and the fresh
+# memory's page faults cost most (at batch 32, ~200 tokens: ~100 ms, about one step), so the
+# capacity grows by a quarter at a time (rounded to CAP_ALIGN): rare growth, at the price of
+# products over up to ~25% masked positions.
+CAP_ALIGN = 32
+CAP_GROWTH = 1.25
 
 
 def _round_up(n: int, m: int) -> int:
@@ -176,9 +178,11 @@ class DecodeKVCache:
         slots = max(num_slots, old_slots)
         if num_slots > old_slots:
             slots = _round_up(max(num_slots, old_slots * 3 // 2), 8)
-        cap = max(_round_up(num_keys, CAP_STEP), old_cap)
-        if self._bytes(slots, cap) > self.max_bytes:
-            slots = max(num_slots, old_slots)  # no slot headroom
+        cap = old_cap
+        if num_keys > old_cap:
+            cap = _round_up(int(max(num_keys, old_cap) * CAP_GROWTH), CAP_ALIGN)
+        if self._bytes(slots, cap) > self.max_bytes:  # try again without headroom
+            slots, cap = max(num_slots, old_slots), max(_round_up(num_keys, CAP_ALIGN), old_cap)
             if self._bytes(slots, cap) > self.max_bytes:
                 return False
         shape = (self.num_layers, slots, self.hkv)
