@@ -27,9 +27,11 @@ from splitserve.engine.scheduler import Scheduler, SchedulerConfig
 from splitserve.messages import SamplingParams
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "linear_pointwise")
-# The torch backend's decode attention: K/V gather and write, the two products, the softmax.
+# The torch backend's decode attention: K/V gather (or decode-cache append) and pool write, the
+# two products, the softmax.
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "aten::baddbmm", "aten::bmm")
 ATTENTION_OPS += ("aten::index_select", "aten::_softmax", "aten::_index_put_impl_")
+ATTENTION_OPS += ("aten::index_copy_",)
 
 
 def build(model_path: str, dtype: str, batch: int, prompt_len: int, max_new: int):
