@@ -75,8 +75,8 @@ def decode_bias(
 
 class GatherWorkspace:
     """Reused buffers for :func:`gather_head_major` (grown, never shrunk, so a steady decode
-    loop allocates nothing per layer: a fresh multi-MiB tensor per gather costs page faults,
-    ~5x the copy itself on one core here)."""
+    loop allocates nothing per layer: gathering into a fresh multi-MiB tensor took ~5x as long
+    as into a reused one on one core here, 0.39 vs 0.07 ms for 2.5 MB)."""
 
     def __init__(self) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
