@@ -51,6 +51,7 @@ class ModelRunner:
             logit_seq_indices=sample_rows,
             device=self.device,
             all_logit_seq_indices=scored,
+            seq_ids=[r.uid for r in reqs],
         )
         picked = [reqs[i] for i in sample_rows]
         # Filled before the forward pass: the matchers' state is already known, and the CPU
