@@ -27,12 +27,18 @@ from splitserve.engine.scheduler import Scheduler, SchedulerConfig
 from splitserve.messages import SamplingParams
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "linear_pointwise")
-# The torch backend's decode attention: K/V gather and write, the two products, the softmax.
+# The torch backend's decode attention: K/V gather (or decode-cache append) and pool write, the
+# two products, the softmax.
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "aten::baddbmm", "aten::bmm")
 ATTENTION_OPS += ("aten::index_select", "aten::_softmax", "aten::_index_put_impl_")
+ATTENTION_OPS += ("aten::index_copy_",)
 
 
-def build(model_path: str, dtype: str, batch: int, prompt_len: int, max_new: int):
+def build(
+    model_path: str, dtype: str, batch: int, prompt_len: int, max_new: int, min_len: int = 0
+):
+    """A scheduler with ``batch`` prefilled requests; prompt lengths are ``prompt_len``, or
+    uniform in ``[min_len, prompt_len]`` when ``min_len`` > 0 (a ShareGPT-like spread)."""
     model, cfg = load_model(model_path, dtype=getattr(torch, dtype))
     layout = cfg.kv_layout(16, dtype)
     pages = batch * ((prompt_len + max_new) // 16 + 2) + 8
@@ -42,7 +48,10 @@ def build(model_path: str, dtype: str, batch: int, prompt_len: int, max_new: int
     )
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
-        ids = torch.randint(100, cfg.vocab_size - 100, (prompt_len,), generator=g).tolist()
+        n = prompt_len
+        if min_len > 0:
+            n = int(torch.randint(min_len, prompt_len + 1, (1,), generator=g))
+        ids = torch.randint(100, cfg.vocab_size - 100, (n,), generator=g).tolist()
         params = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
         sched.add(Req(rid=str(i), input_ids=ids, sampling=params))
     while sched.waiting:  # prefill every request (a step prefills within the token budget)
@@ -109,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=180)
+    p.add_argument(
+        "--min-prompt-len", type=int, default=0,
+        help="if > 0: prompt lengths uniform in [this, --prompt-len] instead of all equal",
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--top", type=int, default=20)
@@ -118,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         dtype, why = default_dtype()
     else:
         dtype, why = args.dtype, "asked for"
-    sched = build(resolve_model(args.model), dtype, args.batch, args.prompt_len, 1000)
+    sched = build(
+        resolve_model(args.model), dtype, args.batch, args.prompt_len, 1000, args.min_prompt_len
+    )
     for _ in range(3):
         sched.step()  # warm-up
     times, cpu_times = [], []
@@ -135,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         sched.step()
     total = time.thread_time() - c0
     print(
-        f"dtype {dtype} ({why}); batch {args.batch}, ~{args.prompt_len}+ tokens of context, "
+        f"dtype {dtype} ({why}); batch {args.batch}, "
+        + (f"{args.min_prompt_len}-" if args.min_prompt_len else "~")
+        + f"{args.prompt_len}+ tokens of context, "
         f"{args.threads} thread(s)"
     )
     print(

@@ -21,12 +21,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from splitserve.engine.decode_attention import (
+    GatherWorkspace,
+    attend,
+    decode_bias,
+    gather_head_major,
+)
+from splitserve.engine.decode_kv_cache import DecodeKVCache, DecodePlan
 from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kv_pool import KVPool, pages_for
 
 
 class BaseAttentionBackend(ABC):
-    """Paged attention for one worker. Stateless between batches."""
+    """Paged attention for one worker. The pool is the only KV state between batches (a backend
+    may keep a cache of it, as the torch backend does for decode rows)."""
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch, pool: KVPool, sliding_window: int | None) -> Any:
@@ -89,25 +97,36 @@ class TorchAttentionMetadata:
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, P * page_size] bool, None = attend to all
     extends: list[_Extend]
     is_decode_only: bool
-    decode_lens: list[int] | None = None  # [Bd] KV lengths of the decode rows
-    sliding_window: int | None = None
-    decode_bias: torch.Tensor | None = None  # [Bd, Hq, S * Hkv], built by the first layer
+    # Head-major path (bfloat16): the step's mask, and the decode cache's plan when it serves.
+    decode_bias: torch.Tensor | None = None  # [Bd * Hkv, 1, P * page_size] (gather path)
+    decode_plan: DecodePlan | None = None
 
 
-# Decode rows attend through one batched product over all KV heads at once (see
-# _decode_all_heads) in bfloat16 with at most this many KV heads: it does num_kv_heads times the
-# score arithmetic but skips the per-head transposes of the gathered K/V. Measured on one core
-# (SmolLM2, batch 32, ~200 keys): 1.4 ms per layer against 2.6 ms for the SDPA path in bfloat16;
-# no gain in float32 (2.9 vs 2.8 ms), which keeps the SDPA path.
-MAX_KV_HEADS_ALL_HEADS = 4
+# Decode rows attend head-major (decode_attention.attend) in bfloat16: three batched ops per
+# layer with no wasted score arithmetic, over K/V the decode cache holds in place or that one
+# gather copies out of the pool. Float32 keeps the SDPA path, so greedy-vs-transformers numerics
+# are unchanged there.
+def _use_head_major(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16
 
 
-def _use_all_heads(num_kv_heads: int, dtype: torch.dtype) -> bool:
-    return num_kv_heads <= MAX_KV_HEADS_ALL_HEADS and dtype == torch.bfloat16
+DECODE_CACHE_ENV = "SPLITSERVE_DECODE_KV_CACHE"  # "0": gather decode K/V from the pool instead
 
 
 class TorchAttentionBackend(BaseAttentionBackend):
-    """Gather K/V pages into dense tensors and call ``scaled_dot_product_attention``."""
+    """Paged attention with torch ops on any device; the fast path is CPU bfloat16 decode.
+
+    Extends (prefill chunks) gather their sequence's pages and call
+    ``scaled_dot_product_attention``. Decode rows in bfloat16 read a
+    :class:`~splitserve.engine.decode_kv_cache.DecodeKVCache` when the batch carries sequence
+    ids (a worker's batches do), else gather; the cache is this backend's only state between
+    batches and is never the source of truth (bounded by the pool's own size).
+    """
+
+    def __init__(self) -> None:
+        self.decode_cache: DecodeKVCache | None = None
+        self.use_decode_cache = os.environ.get(DECODE_CACHE_ENV, "1") != "0"
+        self.workspace = GatherWorkspace()
 
     def prepare(
         self, batch: ForwardBatch, pool: KVPool, sliding_window: int | None
@@ -128,19 +147,41 @@ class TorchAttentionBackend(BaseAttentionBackend):
         meta = TorchAttentionMetadata(
             batch, None, None, None, extends, len(dec_rows) == len(batch.extend_lens)
         )
-        if dec_rows:
-            lens = [batch.seq_lens[i] for i in dec_rows]
-            num_pages = pages_for(max(lens), ps)
-            if meta.is_decode_only:
-                meta.decode_pages = batch.page_table[:, :num_pages]
-            else:
-                rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
-                meta.decode_pages = batch.page_table[rows, :num_pages]
-                meta.decode_tokens = torch.tensor(dec_tok, dtype=torch.long, device=device)
-            meta.decode_lens, meta.sliding_window = lens, sliding_window
-            if not _use_all_heads(pool.layout.num_kv_heads, pool.buffer.dtype):
-                meta.decode_mask = _decode_mask(lens, num_pages * ps, sliding_window, device)
+        if not dec_rows:
+            if self.decode_cache is not None:
+                self.decode_cache.clear()  # nothing decodes: hold no memory
+            return meta
+        lens = [batch.seq_lens[i] for i in dec_rows]
+        num_pages = pages_for(max(lens), ps)
+        if meta.is_decode_only:
+            meta.decode_pages = batch.page_table[:, :num_pages]
+        else:
+            rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
+            meta.decode_pages = batch.page_table[rows, :num_pages]
+            meta.decode_tokens = torch.tensor(dec_tok, dtype=torch.long, device=device)
+        if not _use_head_major(pool.buffer.dtype):
+            meta.decode_mask = _decode_mask(lens, num_pages * ps, sliding_window, device)
+            return meta
+        cache = self._decode_cache_for(pool, batch)
+        if cache is not None:
+            ids = [batch.seq_ids[i] for i in dec_rows]  # type: ignore[index]
+            meta.decode_plan = cache.plan(ids, lens, meta.decode_pages, sliding_window)
+        if meta.decode_plan is None:
+            meta.decode_bias = decode_bias(
+                lens, num_pages * ps, pool.layout.num_kv_heads, sliding_window,
+                pool.buffer.dtype, device,
+            )
         return meta
+
+    def _decode_cache_for(self, pool: KVPool, batch: ForwardBatch) -> DecodeKVCache | None:
+        """The decode cache of ``pool`` (made on first use), or None when off or when the batch
+        has no sequence ids to key it by."""
+        if not self.use_decode_cache or batch.seq_ids is None or pool.buffer.device.type != "cpu":
+            return None
+        if self.decode_cache is None or self.decode_cache.pool is not pool:
+            pool_bytes = pool.buffer.numel() * pool.buffer.element_size()
+            self.decode_cache = DecodeKVCache(pool, max_bytes=pool_bytes)
+        return self.decode_cache
 
     def forward(
         self,
@@ -155,10 +196,11 @@ class TorchAttentionBackend(BaseAttentionBackend):
         batch = meta.batch
         pool.write(layer, batch.out_page_ids, batch.out_offsets, k, v)
         if meta.is_decode_only:
-            return self._decode(q, layer, meta, pool, scale)
+            return self._decode(q, k, v, layer, meta, pool, scale)
         out = torch.empty_like(q)
         if meta.decode_pages is not None:
-            out[meta.decode_tokens] = self._decode(q[meta.decode_tokens], layer, meta, pool, scale)
+            dt = meta.decode_tokens
+            out[dt] = self._decode(q[dt], k[dt], v[dt], layer, meta, pool, scale)
         for e in meta.extends:
             end = e.start + e.extend_len
             out[e.start : end] = self._extend(
@@ -167,14 +209,22 @@ class TorchAttentionBackend(BaseAttentionBackend):
         return out
 
     def _decode(
-        self, q: torch.Tensor, layer: int, meta: TorchAttentionMetadata, pool: KVPool, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        meta: TorchAttentionMetadata,
+        pool: KVPool,
+        scale: float,
     ) -> torch.Tensor:
-        """``q [Bd, Hq, D]``, one token per sequence -> ``[Bd, Hq, D]``."""
+        """``q [Bd, Hq, D]`` (and the rows' new ``k``/``v [Bd, Hkv, D]``, already in the pool),
+        one token per sequence -> ``[Bd, Hq, D]``."""
         bd, hq, d = q.shape
         hkv = pool.layout.num_kv_heads
-        if _use_all_heads(hkv, pool.buffer.dtype):
-            return self._decode_all_heads(q, layer, meta, pool, scale)
         pages = meta.decode_pages
+        if _use_head_major(pool.buffer.dtype):
+            return self._decode_head_major(q, k, v, layer, meta, pool, scale)
         # [Bd * P, page_size * Hkv * D] -> [Bd, S, Hkv, D] -> [Bd, Hkv, S, D]
         kc = _gather(pool.k_pages(layer), pages).view(bd, -1, hkv, d).transpose(1, 2).to(q.dtype)
         vc = _gather(pool.v_pages(layer), pages).view(bd, -1, hkv, d).transpose(1, 2).to(q.dtype)
@@ -184,32 +234,32 @@ class TorchAttentionBackend(BaseAttentionBackend):
         o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.decode_mask, scale=scale)
         return o.reshape(bd, hq, d)
 
-    def _decode_all_heads(
-        self, q: torch.Tensor, layer: int, meta: TorchAttentionMetadata, pool: KVPool, scale: float
+    def _decode_head_major(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        meta: TorchAttentionMetadata,
+        pool: KVPool,
+        scale: float,
     ) -> torch.Tensor:
-        """Decode attention as two batched products per layer, with no per-head transposes.
-
-        The gathered keys ``[Bd, S, Hkv, D]`` are read as ``S * Hkv`` key rows of one matrix, so
-        each query head scores every (position, KV head) pair; an additive bias of ``-inf`` on
-        the pairs of other KV heads (and on positions past the sequence or outside the window)
-        makes the softmax over all pairs equal the softmax over its own head's positions, and
-        gives those pairs weight exactly 0 in the value product. Scores are in ``q``'s dtype (as
-        transformers' eager attention computes them); the softmax runs in float32.
-        """
-        bd, hq, d = q.shape
-        pages = meta.decode_pages.flatten()
-        k = _gather(pool.k_pages(layer), pages).view(bd, -1, d)  # [Bd, S * Hkv, D]
-        v = _gather(pool.v_pages(layer), pages).view(bd, -1, d)
-        if k.dtype != q.dtype:
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        if meta.decode_bias is None:
-            meta.decode_bias = _all_heads_bias(
-                meta.decode_lens, k.shape[1] // pool.layout.num_kv_heads,
-                pool.layout.num_kv_heads, hq, meta.sliding_window, q.dtype, q.device,
-            )
-        scores = torch.baddbmm(meta.decode_bias, q, k.transpose(1, 2), alpha=scale)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.bmm(probs, v)
+        """Decode rows over the decode cache (in place) or over a head-major gather."""
+        dtype = pool.buffer.dtype
+        qc = q.to(dtype)
+        plan, cache = meta.decode_plan, self.decode_cache
+        if plan is None or cache is None:
+            assert meta.decode_pages is not None and meta.decode_bias is not None
+            kt, vv = gather_head_major(pool, layer, meta.decode_pages, self.workspace, dtype)
+            return attend(qc, kt, vv, meta.decode_bias, scale).to(q.dtype)
+        cache.append(layer, plan, k, v)
+        kt, vv = cache.views(layer, plan)
+        if plan.is_identity:
+            return attend(qc, kt, vv, plan.bias, scale).to(q.dtype)
+        # Rows sit at their slots; free slots in between compute rows that are dropped.
+        qs = qc.new_zeros(plan.num_slots, *qc.shape[1:]).index_copy_(0, plan.slots, qc)
+        out = attend(qs, kt, vv, plan.bias, scale)
+        return out.index_select(0, plan.slots).to(q.dtype)
 
     def _extend(
         self,
@@ -266,31 +316,6 @@ def _extend_mask(
     if window is not None:
         mask &= kpos > qpos - window
     return mask
-
-
-def _all_heads_bias(
-    lens: list[int],
-    num_keys: int,
-    num_kv_heads: int,
-    num_heads: int,
-    window: int | None,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    """``[B, Hq, num_keys * Hkv]``: 0 where query head ``h`` may attend to (position ``s``, KV head
-    ``j``) — ``j`` is ``h``'s KV head, ``s < seq_len`` and inside the window — else ``-inf``."""
-    group = num_heads // num_kv_heads
-    seq = torch.tensor(lens, dtype=torch.long, device=device)[:, None, None, None]
-    kpos = torch.arange(num_keys, device=device)[None, None, :, None]
-    ok = kpos < seq
-    if window is not None:
-        ok = ok & (kpos > seq - 1 - window)
-    own = torch.arange(num_kv_heads, device=device)[None, None, None, :] == (
-        torch.arange(num_heads, device=device) // group
-    )[None, :, None, None]
-    ok = ok & own  # [B, Hq, S, Hkv]
-    bias = torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, float("-inf"))
-    return bias.view(len(lens), num_heads, num_keys * num_kv_heads)
 
 
 def _decode_mask(

@@ -28,6 +28,8 @@ class ForwardBatch:
         out_offsets: ``[T]`` int64, slot inside that page.
         logit_indices: ``[N]`` int64 indices into ``T`` whose logits are computed (usually the
             last new token of each sequence that finishes its prompt or decodes).
+        seq_ids: ``B`` ints identifying each sequence across steps (unique among live
+            sequences, never reused), or None. Attention backends may key caches by them.
     """
 
     input_ids: torch.Tensor
@@ -38,6 +40,7 @@ class ForwardBatch:
     out_page_ids: torch.Tensor
     out_offsets: torch.Tensor
     logit_indices: torch.Tensor
+    seq_ids: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -57,6 +60,7 @@ def build_forward_batch(
     logit_seq_indices: list[int],
     device: str | torch.device = "cpu",
     all_logit_seq_indices: Sequence[int] = (),
+    seq_ids: list[int] | None = None,
 ) -> ForwardBatch:
     """Build a :class:`ForwardBatch`.
 
@@ -70,6 +74,7 @@ def build_forward_batch(
         all_logit_seq_indices: sequences that need logits at *every* new token (prompt
             logprobs). Their rows follow the ``logit_seq_indices`` rows, in this order, so the
             first ``len(logit_seq_indices)`` rows of the logits are always the ones to sample.
+        seq_ids: per sequence, an id stable across steps (see :class:`ForwardBatch`), or None.
 
     Raises:
         ValueError: a sequence's pages cannot hold its tokens.
@@ -115,4 +120,5 @@ def build_forward_batch(
             [ends[i] for i in logit_seq_indices]
             + [t for i in all_logit_seq_indices for t in range(starts[i], ends[i] + 1)]
         ),
+        seq_ids=seq_ids,
     )

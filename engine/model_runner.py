@@ -71,6 +71,7 @@ class ModelRunner:
                 logit_seq_indices=sample_rows,
                 device=self.device,
                 all_logit_seq_indices=scored,
+                seq_ids=[r.uid for r in reqs],
             )
             logits = self.model(batch, self.pool)
             if scored:

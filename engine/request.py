@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -10,6 +11,10 @@ from splitserve.messages import SamplingParams
 
 if TYPE_CHECKING:
     from splitserve.engine.grammar.request_grammar import RequestGrammar
+
+# Process-wide counter for Req.uid: unlike rid (client-chosen, may repeat) or id() (reused after
+# garbage collection), a uid names one Req object for the life of the process.
+_uids = itertools.count()
 
 
 @dataclass(slots=True, eq=False)
@@ -40,6 +45,7 @@ class Req:
     # Logprobs of prompt tokens from ``prompt_logprob_start`` on, filled chunk by chunk.
     prompt_logprobs: list[float] = field(default_factory=list)
     grammar: RequestGrammar | None = None  # set once its constraint compiled (None: free text)
+    uid: int = field(default_factory=lambda: next(_uids))  # keys per-sequence engine caches
 
     @property
     def prompt_len(self) -> int:

@@ -22,8 +22,9 @@ class StreamOptions(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
-    """``response_format.json_schema``. ``strict`` is accepted; the grammar enforces the schema
-    either way. A missing ``schema`` means any JSON object (OpenAI leaves it optional)."""
+    """``response_format.json_schema``. A missing ``schema`` means any JSON object (OpenAI leaves
+    it optional). ``strict: true`` refuses (400) schemas with keywords the grammar cannot enforce
+    (:mod:`splitserve.engine.grammar.schema_limits`); otherwise those keywords are best effort."""
 
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
 

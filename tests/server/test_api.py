@@ -269,6 +269,13 @@ BAD_REQUESTS = [
         "max_completion_tokens",
     ),
     (CH, {"model": MODEL, "messages": [{"role": "user", "content": "w " * 300}]}, "messages"),
+    (
+        CH,
+        {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "tags", "strict": True,
+            "schema": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}},
+        "response_format",
+    ),
 ]
 
 

@@ -1,0 +1,190 @@
+"""The bfloat16 head-major decode path (decode_attention + decode_kv_cache) against a float32
+dense reference, over several steps in which sequences join, leave, extend and come back, and
+the decode cache against the gather path it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine.attention import TorchAttentionBackend
+from splitserve.engine.decode_kv_cache import DecodeKVCache
+from splitserve.engine.forward_batch import build_forward_batch
+from splitserve.engine.kv_pool import KVLayout, KVPool, pages_for
+
+PAGE = 4
+LAYERS = 2
+# bf16 inputs (q, K, V) are exact in both; the difference is the bf16 rounding of scores,
+# probabilities and output: ~3 significant bits of slack on values of magnitude ~1.
+TOL = 3e-2
+
+
+def reference(q, ks, vs, window, scale):
+    """Dense float32 attention of one token: ``q [Hq, D]`` over ``ks/vs [S, Hkv, D]``."""
+    hq, hkv = q.shape[0], ks.shape[1]
+    k = ks.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, S, D]
+    v = vs.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+    s = (q.float()[:, None, :] @ k.transpose(1, 2)).squeeze(1) * scale  # [Hq, S]
+    if window is not None:
+        s[:, : max(0, ks.shape[0] - window)] = float("-inf")
+    return (torch.softmax(s, -1)[:, None, :] @ v).squeeze(1)
+
+
+class Sim:
+    """Sequences of random bf16 K/V (per layer) growing in one pool; runs steps through a
+    backend with or without sequence ids and checks every token against the reference."""
+
+    def __init__(self, hkv: int, group: int, window: int | None, num_seqs: int) -> None:
+        self.hkv, self.hq, self.d, self.window = hkv, hkv * group, 16, window
+        layout = KVLayout(LAYERS, hkv, self.d, PAGE, "bfloat16")
+        self.pool = KVPool(layout, 256)
+        self.lens = [0] * num_seqs  # tokens whose K/V are in the pool
+        self.pages: list[list[int]] = [[] for _ in range(num_seqs)]
+        shape = (LAYERS, 64, hkv, self.d)  # up to 64 tokens per sequence
+        self.k = [torch.randn(shape).to(torch.bfloat16) for _ in range(num_seqs)]
+        self.v = [torch.randn(shape).to(torch.bfloat16) for _ in range(num_seqs)]
+
+    def step(self, backend: TorchAttentionBackend, rows: list[int], chunks: list[int],
+             with_ids: bool) -> list[torch.Tensor]:
+        """Extend ``rows`` by ``chunks`` tokens; returns each layer's output ``[T, Hq, D]``."""
+        for i, n in zip(rows, chunks, strict=True):
+            need = pages_for(self.lens[i] + n, PAGE) - len(self.pages[i])
+            self.pages[i] += self.pool.allocator.alloc(need)
+        batch = build_forward_batch(
+            [[0] * n for n in chunks], [self.lens[i] for i in rows],
+            [self.pages[i] for i in rows], PAGE, [], "cpu",
+            seq_ids=rows if with_ids else None,
+        )
+        meta = backend.prepare(batch, self.pool, self.window)
+        outs, scale = [], self.d**-0.5
+        q = torch.randn(LAYERS, sum(chunks), self.hq, self.d).to(torch.bfloat16)
+        for layer in range(LAYERS):
+            k = torch.cat([self.k[i][layer, self.lens[i] : self.lens[i] + n]
+                           for i, n in zip(rows, chunks)])
+            v = torch.cat([self.v[i][layer, self.lens[i] : self.lens[i] + n]
+                           for i, n in zip(rows, chunks)])
+            out = backend.forward(q[layer], k, v, layer, meta, self.pool, scale)
+            self.check(q[layer], out, layer, rows, chunks)
+            outs.append(out)
+        for i, n in zip(rows, chunks):
+            self.lens[i] += n
+        return outs
+
+    def check(self, q, out, layer, rows, chunks) -> None:
+        t = 0
+        for i, n in zip(rows, chunks):
+            for j in range(n):
+                end = self.lens[i] + j + 1
+                ref = reference(q[t], self.k[i][layer, :end], self.v[i][layer, :end],
+                                self.window, self.d**-0.5)
+                assert torch.allclose(out[t].float(), ref, atol=TOL, rtol=TOL), (layer, i, j)
+                t += 1
+
+
+# (rows, chunks) per step: prefill, decode-only steps, a row leaving and coming back (its
+# slot is dropped and refilled), a mixed step (a row extends 3 tokens: the cache must re-copy
+# it), a late joiner taking a free slot, and rows out of slot order.
+SCHEDULE = [
+    ([0, 1, 2, 3], [5, 9, 2, 13]),
+    ([0, 1, 2, 3], [1, 1, 1, 1]),
+    ([0, 1, 2, 3], [1, 1, 1, 1]),
+    ([0, 2, 3], [1, 1, 1]),
+    ([3, 1, 0, 2], [1, 1, 1, 1]),
+    ([0, 1, 2, 3, 4], [1, 3, 1, 1, 7]),
+    ([4, 3, 2, 1, 0], [1, 1, 1, 1, 1]),
+    ([1, 4], [1, 1]),
+    ([2, 0, 1, 4], [1, 1, 1, 1]),
+]
+
+
+@pytest.mark.parametrize("hkv,group", [(3, 3), (1, 4), (4, 1)])  # GQA, MQA, MHA
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_cache_matches_reference_and_gather(hkv, group, window) -> None:
+    torch.manual_seed(0)
+    cached, gathered = Sim(hkv, group, window, 5), Sim(hkv, group, window, 5)
+    for sim in (cached, gathered):  # same K/V in both
+        sim.k, sim.v = [t.clone() for t in cached.k], [t.clone() for t in cached.v]
+    with_cache, without = TorchAttentionBackend(), TorchAttentionBackend()
+    for rows, chunks in SCHEDULE:
+        torch.manual_seed(len(rows) * 100 + sum(chunks))
+        a = cached.step(with_cache, rows, chunks, with_ids=True)
+        torch.manual_seed(len(rows) * 100 + sum(chunks))
+        b = gathered.step(without, rows, chunks, with_ids=False)
+        for x, y in zip(a, b):
+            # Same inputs, same product shapes per (row, head): equal up to the products'
+            # blocking over the (masked, padded) key positions.
+            assert torch.allclose(x.float(), y.float(), atol=1e-2, rtol=1e-2)
+    cache = with_cache.decode_cache
+    assert cache is not None and set(cache.slot_of) == {2, 0, 1, 4}
+
+
+def test_decode_cache_respects_its_memory_bound() -> None:
+    torch.manual_seed(0)
+    sim = Sim(2, 2, None, 3)
+    backend = TorchAttentionBackend()
+    # Three slots of 32 positions need 2 * LAYERS * 3 * 2 * 16 * 32 * 2 bytes = 24 KiB.
+    cache = backend.decode_cache = DecodeKVCache(sim.pool, max_bytes=16 * 1024)
+    sim.step(backend, [0, 1, 2], [9, 9, 9], with_ids=True)
+    sim.step(backend, [0, 1, 2], [1, 1, 1], with_ids=True)  # too big: gathered (and checked)
+    assert cache.nbytes == 0 and not cache.slot_of
+    sim.step(backend, [0, 1], [1, 1], with_ids=True)  # two slots fit
+    assert 0 < cache.nbytes <= cache.max_bytes and set(cache.slot_of) == {0, 1}
+    sim.step(backend, [0, 1, 2], [2, 2, 2], with_ids=True)  # no decode rows: memory freed
+    assert cache.nbytes == 0
+
+
+def test_interrupted_step_drops_the_cache() -> None:
+    torch.manual_seed(0)
+    sim = Sim(2, 2, None, 2)
+    backend = TorchAttentionBackend()
+    sim.step(backend, [0, 1], [6, 2], with_ids=True)
+    sim.step(backend, [0, 1], [1, 1], with_ids=True)
+    cache = backend.decode_cache
+    assert isinstance(cache, DecodeKVCache)
+    # A step planned but never run (as if the forward raised before any layer): the next plan
+    # must not trust the half-written cache.
+    batch = build_forward_batch([[0], [0]], sim.lens, sim.pages, PAGE, [], seq_ids=[0, 1])
+    backend.prepare(batch, sim.pool, None)
+    assert cache._layers_left == LAYERS
+    sim.step(backend, [0, 1], [1, 1], with_ids=True)  # re-copies both rows from the pool
+    assert cache._layers_left == 0 and set(cache.slot_of) == {0, 1}
+
+
+def test_scheduler_tokens_equal_with_and_without_cache(model_path) -> None:
+    """The default model in bfloat16 through the scheduler (chunked prefill interleaved with
+    decodes, requests finishing at different steps): same greedy tokens either way."""
+    from splitserve.engine.loader import load_model
+    from splitserve.engine.model_runner import ModelRunner
+    from splitserve.engine.request import Req
+    from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+    from splitserve.messages import SamplingParams
+
+    model, cfg = load_model(model_path, dtype=torch.bfloat16)
+
+    def run(use_cache: bool) -> list[list[int]]:
+        backend = model.attn_backend
+        backend.use_decode_cache, backend.decode_cache = use_cache, None
+        pool = KVPool(cfg.kv_layout(16, "bfloat16"), 200)
+        sched = Scheduler(
+            ModelRunner(model, pool), SchedulerConfig(max_batch_tokens=48, max_running=8),
+            cfg.eos_token_ids,
+        )
+        g = torch.Generator().manual_seed(0)
+        reqs = []
+        for i in range(5):
+            ids = torch.randint(100, 40000, (10 + 29 * i,), generator=g).tolist()
+            params = SamplingParams(temperature=0.0, max_new_tokens=24 - 4 * i, ignore_eos=True)
+            reqs.append(Req(rid=str(i), input_ids=ids, sampling=params))
+            sched.add(reqs[-1])
+        while sched.has_work:
+            sched.step()
+        if use_cache:
+            assert backend.decode_cache is not None
+        return [r.output_ids for r in reqs]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert run(True) == run(False)
+    finally:
+        torch.set_num_threads(before)
