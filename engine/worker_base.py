@@ -93,7 +93,9 @@ class BaseWorker:
             self.curve = CurveKeys.load(args.curve_keys)
             self.auth = start_authenticator(self.ctx, self.curve)
         self.inbox = Inbox(self.ctx, args.addr, self.curve)
-        self.outbox = Outbox(self.ctx, self.curve)
+        # The decode worker watches its links to prefill workers: a dropped one frees the pages
+        # fenced for that worker at once (decode.fences).
+        self.outbox = Outbox(self.ctx, self.curve, watch_links=self.role == "decode")
         self.stopped = False
         self.num_failed = 0
         self.num_transfer_failures = 0
