@@ -24,6 +24,7 @@ from splitserve.engine.kv_pool import pages_for
 from splitserve.engine.request import Req
 from splitserve.engine.scheduler import StepOutput
 from splitserve.engine.worker_base import BaseWorker
+from splitserve.frames import Frames
 from splitserve.ipc import PeerUnreachable
 from splitserve.kv_transfer.base import layout_to_msg
 from splitserve.kv_transfer.registry import create_kv_receiver
@@ -116,7 +117,7 @@ class DecodeWorker(BaseWorker):
             )
             self.send(pending.prefill_addr, boot)
 
-    def on_peer_message(self, msg: Message, frames: list) -> None:
+    def on_peer_message(self, msg: Message, frames: Frames | list) -> None:
         if isinstance(msg, KVPages):
             self._on_kv_pages(msg, frames)
         elif isinstance(msg, KVFailed):
@@ -135,7 +136,7 @@ class DecodeWorker(BaseWorker):
         else:
             super().on_peer_message(msg, frames)
 
-    def _on_kv_pages(self, header: KVPages, frames: list) -> None:
+    def _on_kv_pages(self, header: KVPages, frames: Frames | list) -> None:
         pending = self.awaiting_kv.get(header.rid)
         if pending is None:
             return  # aborted or timed out: its pages are already free

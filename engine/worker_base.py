@@ -21,6 +21,7 @@ from splitserve.engine.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Req
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from splitserve.frames import Frames
 from splitserve.ipc import Inbox, Outbox, PeerUnreachable
 from splitserve.kv_transfer.registry import create_kv_pool
 from splitserve.messages import (
@@ -146,7 +147,7 @@ class BaseWorker:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def dispatch(self, msg: Message, frames: list) -> None:
+    def dispatch(self, msg: Message, frames: Frames | list) -> None:
         try:
             if isinstance(msg, GenerateTask):
                 self.on_generate(msg)
@@ -174,7 +175,7 @@ class BaseWorker:
     def on_abort(self, rid: str) -> None:
         raise NotImplementedError
 
-    def on_peer_message(self, msg: Message, frames: list) -> None:
+    def on_peer_message(self, msg: Message, frames: Frames | list) -> None:
         logger.warning("%s worker ignores %s", self.role, type(msg).__name__)
 
     def on_step_outputs(self, outputs: list[StepOutput]) -> None:

@@ -26,6 +26,7 @@ from splitserve.engine.kv_pool import pages_for
 from splitserve.engine.request import Req
 from splitserve.engine.scheduler import StepOutput
 from splitserve.engine.worker_base import BaseWorker
+from splitserve.frames import Frames
 from splitserve.ipc import PeerUnreachable
 from splitserve.kv_transfer.base import layout_from_msg
 from splitserve.kv_transfer.registry import create_kv_sender
@@ -111,7 +112,7 @@ class PrefillWorker(BaseWorker):
             except PeerUnreachable as exc:
                 logger.warning("could not tell the decode worker about %s: %s", t.rid, exc)
 
-    def on_peer_message(self, msg: Message, frames: list) -> None:
+    def on_peer_message(self, msg: Message, frames: Frames | list) -> None:
         if isinstance(msg, KVFailed):  # the decode side gave up; it has told the server
             self.on_abort(msg.rid)
             if msg.ack_addr:
