@@ -7,10 +7,13 @@ same run, and TTFT of disaggregated vs colocated serving at low load.
 
 Bandwidth: the sender (this process) ships ``size`` MiB of contiguous KV pages (the default
 model's layout) to a receiver process that installs them and acknowledges; time = send call to
-acknowledgement, best of ``--repeats``. Baselines: ``memcpy`` (a large torch copy, one thread)
-and raw loopback TCP (``sendall`` to a process doing ``recv_into``). Goals (issue 7): shm >= 50%
+acknowledgement. Baselines: ``memcpy`` (a large torch copy, one thread) and raw loopback TCP
+(one stream: ``sendall`` to a process doing ``recv_into``). All links are set up first, then timed
+in alternating rounds (one transfer each per round) so that load from other processes hits them
+alike; best and median of ``--repeats`` rounds. Goals (issue 7): shm >= 50%
 of memcpy; zmq >= 80% of TCP; mooncake >= zmq. TTFT: a 1-token completion per prompt length,
-colocated and disaggregated clusters up at once and measured alternately; goal <= 10% overhead.
+and a 2-token one (the second token waits for the last chunk's pages), colocated and
+disaggregated clusters up at once and measured alternately; goal <= 10% overhead.
 """
 
 from __future__ import annotations
@@ -40,16 +43,35 @@ def gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9
 
 
-# ---- baselines -------------------------------------------------------------------------------
+# ---- links: each measured one round at a time, alternating --------------------------------
+#
+# The machine is shared: a load spike during one measurement would skew a ratio between two
+# measurements taken one after the other. So every link (memcpy, TCP, each backend) is set up
+# once and then timed round-robin, one transfer each per round; the best of ``--repeats`` rounds
+# is reported, and the median next to it.
 
 
-def memcpy_gbps(size: int, repeats: int) -> float:
-    torch.set_num_threads(1)
-    src = torch.ones(size, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # touch the pages
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
-    return gbps(size, best)
+class MemcpyLink:
+    """One-thread torch copy of ``size`` bytes between two touched host buffers."""
+
+    name = "memcpy"
+
+    def __init__(self, size: int) -> None:
+        self.num_bytes = size
+        self.src = torch.ones(size, dtype=torch.uint8)
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)  # touch the pages
+
+    def once(self) -> float:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _timed(lambda: self.dst.copy_(self.src))
+        finally:
+            torch.set_num_threads(threads)
+
+    def close(self) -> None:
+        pass
 
 
 def _timed(fn) -> float:
@@ -58,37 +80,46 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _tcp_sink(port_q, size: int, repeats: int) -> None:
+def _tcp_sink(port_q, size: int) -> None:
+    """Receive ``size`` bytes into one touched buffer (``recv_into``), answer one byte; until EOF."""
     srv = socket.create_server(("127.0.0.1", 0))
     port_q.put(srv.getsockname()[1])
     conn, _ = srv.accept()
-    buf = memoryview(bytearray(size))
-    for _ in range(repeats):
+    buf = memoryview(bytearray(b"\0" * size))
+    while True:
         got = 0
         while got < size:
-            got += conn.recv_into(buf[got:], size - got)
+            n = conn.recv_into(buf[got:], size - got)
+            if n == 0:
+                conn.close()
+                return
+            got += n
         conn.sendall(b"k")
-    conn.close()
 
 
-def tcp_gbps(size: int, repeats: int) -> float:
-    q = mp.Queue()
-    p = mp.Process(target=_tcp_sink, args=(q, size, repeats))
-    p.start()
-    sock = socket.create_connection(("127.0.0.1", q.get(timeout=30)))
-    data = memoryview(bytearray(b"\1" * size))
-    times = []
-    for _ in range(repeats):
+class TcpLink:
+    """Raw loopback TCP, one stream: ``sendall`` of ``size`` bytes to a process doing
+    ``recv_into`` one buffer, then a one-byte answer. Default socket buffers, like ZeroMQ's."""
+
+    name = "TCP"
+
+    def __init__(self, size: int) -> None:
+        q = mp.get_context("spawn").Queue()
+        self.proc = mp.get_context("spawn").Process(target=_tcp_sink, args=(q, size))
+        self.proc.start()
+        self.sock = socket.create_connection(("127.0.0.1", q.get(timeout=60)))
+        self.num_bytes = size
+        self.data = memoryview(bytearray(b"\1" * size))
+
+    def once(self) -> float:
         t0 = time.perf_counter()
-        sock.sendall(data)
-        sock.recv(1)
-        times.append(time.perf_counter() - t0)
-    sock.close()
-    p.join()
-    return gbps(size, min(times))
+        self.sock.sendall(self.data)
+        self.sock.recv(1)
+        return time.perf_counter() - t0
 
-
-# ---- backends --------------------------------------------------------------------------------
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.join(30)
 
 
 def _receiver(backend: str, num_pages: int, conn) -> None:
@@ -104,62 +135,96 @@ def _receiver(backend: str, num_pages: int, conn) -> None:
             if conn.poll():
                 break
             continue
-        item = inbox.recv()
-        if item is None:
-            continue
-        header, frames = item
-        receiver.install(header, frames)
-        if header.last:
-            ack.send(ack_addr, header)
+        # Like a worker's loop: one poll, then every message already there.
+        while (item := inbox.recv()) is not None:
+            header, frames = item
+            receiver.install(header, frames)
+            if header.last:
+                ack.send(ack_addr, header)
     receiver.close()
     ack.close()
     inbox.close()
     ctx.term()
 
 
-def backend_gbps(backend: str, size: int, repeats: int) -> float:
-    n = size // LAYOUT.page_bytes
-    num_bytes = n * LAYOUT.page_bytes
-    parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=_receiver, args=(backend, n + 1, child))
-    proc.start()
-    dst_addr, endpoint = parent.recv()
-    ctx = zmq.Context()
-    acks = Inbox(ctx, free_tcp_addr())
-    parent.send(acks.addr)
-    pool = KVPool(LAYOUT, n + 1)
-    pool.buffer.fill_(1.0)
-    sender = create_kv_sender(backend, pool, Outbox(ctx))
-    pages = list(range(1, n + 1))
+class BackendLink:
+    """One KV transfer backend: this process sends ``size`` bytes of contiguous pages (the
+    default model's layout) to a receiver process that installs them and acknowledges the last
+    message; time = send call to acknowledgement."""
 
-    def one(rid: str, count: int) -> float:
-        boot = KVBootstrap(rid=rid, dst_addr=dst_addr, page_ids=pages[:count],
-                           layout=layout_to_msg(LAYOUT), kv_transfer=backend, endpoint=endpoint)
+    def __init__(self, backend: str, size: int, pool: KVPool) -> None:
+        self.name = backend
+        n = size // LAYOUT.page_bytes
+        self.pages = list(range(1, n + 1))
+        self.num_bytes = n * LAYOUT.page_bytes
+        self.parent, child = mp.Pipe()
+        self.proc = mp.get_context("spawn").Process(target=_receiver, args=(backend, n + 1, child))
+        self.proc.start()
+        self.dst_addr, self.endpoint = self.parent.recv()
+        self.ctx = zmq.Context()
+        self.acks = Inbox(self.ctx, free_tcp_addr())
+        self.parent.send(self.acks.addr)
+        self.sender = create_kv_sender(backend, pool, Outbox(self.ctx))
+        self.count = 0
+        self._one(2)  # connect and warm up
+
+    def _one(self, num_pages: int) -> float:
+        self.count += 1
+        rid = f"r{self.count}"
+        pages = self.pages[:num_pages]
+        boot = KVBootstrap(rid=rid, dst_addr=self.dst_addr, page_ids=pages,
+                           layout=layout_to_msg(LAYOUT), kv_transfer=self.name,
+                           endpoint=self.endpoint)
         t0 = time.perf_counter()
-        sender.send(boot, pages[:count], pages[:count], last=True, first_token=0)
+        self.sender.send(boot, pages, pages, last=True, first_token=0)
         while True:
-            sender.poll()
-            if acks.poll(1) and acks.recv() is not None:
+            self.sender.poll()
+            if self.acks.poll(1) and self.acks.recv() is not None:
                 break
         elapsed = time.perf_counter() - t0
-        while not sender.is_done(rid):
+        while not self.sender.is_done(rid):
             time.sleep(0.001)
         return elapsed
 
-    one("warmup", 2)
-    best = min(one(f"r{i}", n) for i in range(repeats))
-    parent.send("stop")
-    proc.join(30)
-    sender.close()
-    acks.close()
-    ctx.destroy(linger=0)
-    return gbps(num_bytes, best)
+    def once(self) -> float:
+        return self._one(len(self.pages))
+
+    def close(self) -> None:
+        self.parent.send("stop")
+        self.proc.join(30)
+        self.sender.close()
+        self.acks.close()
+        self.ctx.destroy(linger=0)
+
+
+def measure(size: int, backends: list[str], repeats: int) -> dict[str, list[float]]:
+    """GB/s of every link over ``repeats`` alternating rounds, keyed by link name."""
+    pool = KVPool(LAYOUT, size // LAYOUT.page_bytes + 1)  # the sending pool, shared by backends
+    pool.buffer.fill_(1.0)
+    links = [MemcpyLink(size), TcpLink(size)]
+    try:
+        links += [BackendLink(b, size, pool) for b in backends]
+        rates: dict[str, list[float]] = {link.name: [] for link in links}
+        for _ in range(repeats):
+            for link in links:
+                rates[link.name].append(gbps(link.num_bytes, link.once()))
+    finally:
+        for link in links:
+            link.close()
+    return rates
 
 
 # ---- TTFT ------------------------------------------------------------------------------------
 
 
 def ttft(args) -> None:
+    """Latency of 1-token and 2-token completions, colocated vs disaggregated, alternating.
+
+    The first token comes from the prefill worker, so with one token the KV transfer is off the
+    critical path except for the early-chunk sends inside the prefill loop; the second token is
+    the decode worker's, after the last chunk's pages arrived: the 2-token latency includes the
+    transfer tail. Prompts differ in every request (no prefix-cache hits).
+    """
     import httpx
 
     from splitserve.default_model import ensure_default_model
@@ -167,36 +232,46 @@ def ttft(args) -> None:
 
     path = str(ensure_default_model())
     common = {"model_path": path, "kv_cache_mb": args.kv_cache_mb, "threads_per_worker": 1,
-                  "max_batch_tokens": args.max_batch_tokens, "transfer_timeout_s": 120.0}
+              "max_batch_tokens": args.max_batch_tokens, "transfer_timeout_s": 120.0}
     specs = {"colocated": ClusterSpec(colocated=True, port=_port(), **common)}
     for b in args.ttft_backends:
         specs[f"disagg-{b}"] = ClusterSpec(kv_transfer=b, port=_port(), **common)
     clusters = {k: Cluster(s).start() for k, s in specs.items()}
     try:
-        results: dict[tuple[str, int], list[float]] = {}
+        results: dict[tuple[str, int, int], list[float]] = {}
+        seq = 0
         for length in args.prompt_lens:
             for rep in range(args.ttft_repeats + 1):  # the first round warms up
-                for name, cluster in clusters.items():
-                    ids = [(length * 7 + rep * 31 + i * 13) % 40000 + 100 for i in range(length)]
-                    body = {"model": "default", "prompt": ids, "max_tokens": 1, "temperature": 0}
-                    t0 = time.perf_counter()
-                    r = httpx.post(cluster.spec.url + "/v1/completions", json=body, timeout=600)
-                    dt = time.perf_counter() - t0
-                    assert r.status_code == 200, r.text
-                    if rep:
-                        results.setdefault((name, length), []).append(dt)
-        print(f"\nTTFT at low load (1 request at a time, median of {args.ttft_repeats}), "
+                names = list(clusters)
+                if rep % 2:  # alternate who goes first
+                    names.reverse()
+                for max_tokens in (1, 2):
+                    for name in names:
+                        seq += 1
+                        ids = [(seq * 7919 + i * 13) % 40000 + 100 for i in range(length)]
+                        body = {"model": "default", "prompt": ids, "max_tokens": max_tokens,
+                                "temperature": 0, "ignore_eos": True}
+                        t0 = time.perf_counter()
+                        r = httpx.post(clusters[name].spec.url + "/v1/completions", json=body,
+                                       timeout=600)
+                        dt = time.perf_counter() - t0
+                        assert r.status_code == 200, r.text
+                        if rep:
+                            results.setdefault((name, length, max_tokens), []).append(dt)
+        print(f"\nLatency at low load (1 request at a time, median of {args.ttft_repeats}; "
+              f"'1 tok' = TTFT, '2 tok' adds the KV transfer tail and one decode step), "
               f"load {os.getloadavg()[0]:.1f}")
-        print(f"{'prompt':>7} {'colocated s':>12} " + " ".join(
-            f"{n + ' s':>16} {'overhead':>9}" for n in clusters if n != "colocated"))
+        others = [n for n in clusters if n != "colocated"]
+        print(f"{'prompt':>7} {'tokens':>6} {'colocated s':>12} " + " ".join(
+            f"{n + ' s':>16} {'overhead':>9}" for n in others))
         for length in args.prompt_lens:
-            base = statistics.median(results[("colocated", length)])
-            row = f"{length:>7} {base:>12.3f} "
-            for name in clusters:
-                if name != "colocated":
-                    t = statistics.median(results[(name, length)])
+            for max_tokens in (1, 2):
+                base = statistics.median(results[("colocated", length, max_tokens)])
+                row = f"{length:>7} {max_tokens:>6} {base:>12.3f} "
+                for name in others:
+                    t = statistics.median(results[(name, length, max_tokens)])
                     row += f"{t:>16.3f} {100 * (t / base - 1):>+8.1f}% "
-            print(row + "  (goal <= +10%)")
+                print(row + "  (goal <= +10%)")
     finally:
         for c in clusters.values():
             c.stop()
@@ -213,8 +288,9 @@ def main() -> None:
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 512])
     avail = ["zmq", "shm"] + (["mooncake"] if importlib.util.find_spec("mooncake") else [])
     p.add_argument("--backends", nargs="+", default=avail)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-ttft", action="store_true")
+    p.add_argument("--repeats", type=int, default=5, help="alternating rounds per size")
+    p.add_argument("--no-ttft", action="store_true", help="bandwidth only")
+    p.add_argument("--no-bandwidth", action="store_true", help="TTFT only")
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--ttft-backends", nargs="+", default=["zmq"])
     p.add_argument("--ttft-repeats", type=int, default=2)
@@ -222,20 +298,24 @@ def main() -> None:
     p.add_argument("--max-batch-tokens", type=int, default=512)
     args = p.parse_args()
     print(f"cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}, page {LAYOUT.page_bytes} B "
-          f"({LAYOUT.num_layers} layers, {LAYOUT.dtype}); best of {args.repeats}")
-    for mib in args.sizes_mib:
-        size = mib * MIB
-        mem, tcp = memcpy_gbps(size, args.repeats), tcp_gbps(size, args.repeats)
-        print(f"\n{mib} MiB: memcpy {mem:.2f} GB/s, loopback TCP {tcp:.2f} GB/s")
-        got = {}
+          f"({LAYOUT.num_layers} layers, {LAYOUT.dtype}); best and median of {args.repeats} "
+          "alternating rounds")
+    goals = {"shm": ("memcpy", 0.5), "zmq": ("TCP", 0.8), "mooncake": ("zmq", 1.0)}
+    for mib in [] if args.no_bandwidth else args.sizes_mib:
+        got = measure(mib * MIB, args.backends, args.repeats)
+        best = {name: max(v) for name, v in got.items()}
+        med = {name: statistics.median(v) for name, v in got.items()}
+        print(f"\n{mib} MiB (load {os.getloadavg()[0]:.1f}): memcpy {best['memcpy']:.2f} GB/s, "
+              f"loopback TCP {best['TCP']:.2f} GB/s (median {med['TCP']:.2f})")
         for b in args.backends:
-            got[b] = backend_gbps(b, size, args.repeats)
-            ref, name, goal = {"shm": (mem, "memcpy", 0.5), "zmq": (tcp, "TCP", 0.8)}.get(
-                b, (got.get("zmq", 0.0), "zmq", 1.0))
-            ratio = got[b] / ref if ref else float("nan")
+            ref, goal = goals.get(b, ("zmq", 1.0))
+            if ref not in best:
+                print(f"  {b:>9}: {best[b]:6.2f} GB/s (median {med[b]:.2f})")
+                continue
+            ratio, ratio_med = best[b] / best[ref], med[b] / med[ref]
             ok = "ok" if ratio >= goal else "below goal"
-            print(f"  {b:>9}: {got[b]:6.2f} GB/s = {ratio:5.2f} x {name} "
-                  f"(goal >= {goal:.2f}: {ok})")
+            print(f"  {b:>9}: {best[b]:6.2f} GB/s = {ratio:5.2f} x {ref} (median {med[b]:.2f} "
+                  f"GB/s = {ratio_med:.2f} x) (goal >= {goal:.2f}: {ok})")
     if not args.no_ttft:
         ttft(args)
 

@@ -5,7 +5,10 @@
 A task without ``prefill_addr`` is prefilled here: that is the colocated worker (role
 ``colocated``), the baseline disaggregation is measured against. Admission control: a request is
 bootstrapped only when its prompt's pages can be reserved; until then it waits in a bounded-time
-queue. Every state has a deadline; on expiry the request fails and its pages are freed.
+queue. Every state has a deadline; on expiry the request fails and its pages are freed. With a
+one-sided backend (shm, mooncake) the pages of a request that failed before its KV fully arrived
+are freed only once the prefill worker acknowledges that it stopped writing them
+(``decode.fences``).
 """
 
 from __future__ import annotations
@@ -15,21 +18,27 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from splitserve.decode.fences import Fence, KVFences
 from splitserve.engine.grammar.worker_grammars import CompileDone
 from splitserve.engine.kv_pool import pages_for
 from splitserve.engine.request import Req
 from splitserve.engine.scheduler import StepOutput
 from splitserve.engine.worker_base import BaseWorker
+from splitserve.frames import Frames
 from splitserve.ipc import PeerUnreachable
 from splitserve.kv_transfer.base import layout_to_msg
 from splitserve.kv_transfer.registry import create_kv_receiver
-from splitserve.messages import GenerateTask, KVBootstrap, KVFailed, KVPages, Message, WorkerStats
+from splitserve.messages import (
+    GenerateTask,
+    KVBootstrap,
+    KVFailed,
+    KVPages,
+    KVReleased,
+    Message,
+    WorkerStats,
+)
 
 logger = logging.getLogger(__name__)
-
-# Seconds a failed request's reserved pages stay out of use with a one-sided backend (the prefill
-# worker may still be writing them until it hears of the failure).
-QUARANTINE_S = 3.0
 
 
 @dataclass(slots=True)
@@ -40,6 +49,8 @@ class PendingKV:
     prefill_addr: str
     deadline: float
     bootstrapped: bool = False
+    reserved: frozenset[int] = frozenset()  # req.page_ids once bootstrapped (checks each message)
+    link_drops: int = 0  # drops of the link to the prefill worker before the bootstrap
 
 
 class DecodeWorker(BaseWorker):
@@ -54,7 +65,7 @@ class DecodeWorker(BaseWorker):
         )
         self.admission: deque[PendingKV] = deque()  # waiting for pages to reserve
         self.awaiting_kv: dict[str, PendingKV] = {}  # bootstrapped, waiting for KVPages
-        self.quarantine: deque[tuple[float, Req]] = deque()  # (release time, failed request)
+        self.fences = KVFences()  # failed requests whose pages the prefill side may still write
         # Constrained requests whose grammar is still compiling: prefilled here (colocated),
         # or whose KV already arrived (they start decoding once the compile is done).
         self.compiling_local: dict[str, Req] = {}
@@ -93,6 +104,8 @@ class DecodeWorker(BaseWorker):
             req = pending.req
             req.page_ids = alloc.alloc(n)
             pending.bootstrapped = True
+            pending.reserved = frozenset(req.page_ids)
+            pending.link_drops = self.outbox.link_drops(pending.prefill_addr)
             self.awaiting_kv[req.rid] = pending
             boot = KVBootstrap(
                 rid=req.rid,
@@ -104,19 +117,26 @@ class DecodeWorker(BaseWorker):
             )
             self.send(pending.prefill_addr, boot)
 
-    def on_peer_message(self, msg: Message, frames: list) -> None:
+    def on_peer_message(self, msg: Message, frames: Frames | list) -> None:
         if isinstance(msg, KVPages):
             self._on_kv_pages(msg, frames)
         elif isinstance(msg, KVFailed):
             pending = self.awaiting_kv.pop(msg.rid, None)
             if pending is not None:
                 self.grammars.discard(msg.rid)
-                self._free_reserved(pending.req)
+                self._end_transfer(pending, msg.message, notify=False)
                 self.fail(msg.rid, pending.req.reply_addr, msg.message, 500)
+                self._admit()
+        elif isinstance(msg, KVReleased):
+            released = self.fences.release(msg.rid)
+            for req in released:
+                self.scheduler.free(req)
+            if released:
+                self._admit()
         else:
             super().on_peer_message(msg, frames)
 
-    def _on_kv_pages(self, header: KVPages, frames: list) -> None:
+    def _on_kv_pages(self, header: KVPages, frames: Frames | list) -> None:
         pending = self.awaiting_kv.get(header.rid)
         if pending is None:
             return  # aborted or timed out: its pages are already free
@@ -127,13 +147,16 @@ class DecodeWorker(BaseWorker):
             return  # keepalive
         req = pending.req
         try:
-            if not set(header.page_ids) <= set(req.page_ids):
+            # Checked before the receiver writes anything into the pool.
+            if not pending.reserved.issuperset(header.page_ids):
                 raise ValueError("pages outside the request's reservation")
             self.receiver.install(header, frames)
         except ValueError as exc:
             del self.awaiting_kv[header.rid]
-            self._free_reserved(req)
+            self.grammars.discard(req.rid)
+            self._end_transfer(pending, f"decode worker: KV transfer failed: {exc}")
             self.fail(req.rid, req.reply_addr, f"KV transfer failed: {exc}", 500)
+            self._admit()
             return
         if not header.last:
             return
@@ -181,13 +204,8 @@ class DecodeWorker(BaseWorker):
         # Otherwise its KV is still on the way; _on_kv_pages starts it.
 
     def _fail_compile(self, req: Req, message: str, code: int) -> None:
-        pending = self.awaiting_kv.get(req.rid)
-        if pending is not None:  # the prefill worker fails it too; free its copy now
-            try:
-                self.send(pending.prefill_addr, KVFailed(req.rid, message))
-            except PeerUnreachable as exc:
-                logger.warning("could not tell the prefill worker about %s: %s", req.rid, exc)
-        self.on_abort(req.rid)
+        # A request still awaiting its KV: the prefill worker frees its copy now, too.
+        self._abort(req.rid, message, notify=True)
         self.fail(req.rid, req.reply_addr, message, code)
 
     def on_step_outputs(self, outputs: list[StepOutput]) -> None:
@@ -201,6 +219,11 @@ class DecodeWorker(BaseWorker):
             self._admit()
 
     def on_abort(self, rid: str) -> None:
+        # The server aborts both workers; a one-sided transfer is fenced all the same.
+        self._abort(rid, "aborted", notify=False)
+
+    def _abort(self, rid: str, message: str, notify: bool) -> None:
+        """End ``rid`` wherever it is here (``message``, ``notify``: see :meth:`_end_transfer`)."""
         self.grammars.discard(rid)
         self.compiling_local.pop(rid, None)
         ready = self.kv_ready.pop(rid, None)
@@ -213,7 +236,7 @@ class DecodeWorker(BaseWorker):
             return
         pending = self.awaiting_kv.pop(rid, None)
         if pending is not None:
-            self._free_reserved(pending.req)
+            self._end_transfer(pending, message, notify)
             self._admit()
             return
         for pending in self.admission:
@@ -221,29 +244,53 @@ class DecodeWorker(BaseWorker):
                 self.admission.remove(pending)
                 return
 
-    def _free_reserved(self, req: Req) -> None:
-        """Free the pages of a request whose KV did not fully arrive."""
-        if self.receiver.one_sided:
-            self.quarantine.append((time.monotonic() + QUARANTINE_S, req))
+    def _end_transfer(self, pending: PendingKV, message: str, notify: bool = True) -> None:
+        """Free the reserved pages of a request whose KV did not fully arrive.
+
+        ``notify``: tell the prefill worker (``KVFailed``), so it stops computing and sending
+        now rather than at its own deadline. A one-sided backend always tells it and asks for
+        an acknowledgement; the pages stay fenced until it comes (``decode.fences``).
+        """
+        req, one_sided = pending.req, self.receiver.one_sided
+        if notify or one_sided:
+            ack_addr = self.args.addr if one_sided else ""
+            try:
+                self.send(pending.prefill_addr, KVFailed(req.rid, message, ack_addr))
+            except PeerUnreachable as exc:  # then only the fence's deadline frees the pages
+                logger.warning("could not tell the prefill worker about %s: %s", req.rid, exc)
+        if one_sided:
+            deadline = time.monotonic() + self.args.transfer_timeout_s
+            self.fences.add(Fence(req, pending.prefill_addr, deadline, pending.link_drops))
         else:
             self.scheduler.free(req)
 
-    def check_timeouts(self, now: float) -> None:
-        released = False
-        while self.quarantine and self.quarantine[0][0] < now:
-            self.scheduler.free(self.quarantine.popleft()[1])
-            released = True
-        if released:
+    def _check_fences(self, now: float) -> None:
+        """Free fenced pages whose prefill worker is gone or that waited out the timeout."""
+        drops = {addr: self.outbox.link_drops(addr) for addr in self.fences.peers()}
+        gone = self.fences.pop_where(lambda f: drops[f.prefill_addr] > f.link_drops)
+        for fence in gone:
+            logger.info("prefill worker %s is gone (link dropped): freeing the %d fenced pages "
+                        "of %s", fence.prefill_addr, len(fence.req.page_ids), fence.req.rid)
+        expired = self.fences.pop_where(lambda f: f.deadline < now)
+        for fence in expired:
+            logger.warning("no KVReleased from prefill worker %s for %s within %g s: freeing "
+                           "its %d pages", fence.prefill_addr, fence.req.rid,
+                           self.args.transfer_timeout_s, len(fence.req.page_ids))
+        for fence in gone + expired:
+            self.scheduler.free(fence.req)
+        if gone or expired:
             self._admit()
+
+    def check_timeouts(self, now: float) -> None:
+        if len(self.fences):
+            self._check_fences(now)
         expired = [p for p in self.awaiting_kv.values() if p.deadline < now]
         expired += [p for p in self.admission if p.deadline < now]
         for pending in expired:
             rid = pending.req.rid
             stage = "receiving KV pages" if pending.bootstrapped else "reserving KV pages"
-            self.on_abort(rid)
-            if pending.bootstrapped:
-                # Tell the prefill side too, so it frees its copy now rather than at its deadline.
-                self.send(pending.prefill_addr, KVFailed(rid, "decode worker timed out"))
+            # Tell the prefill side too, so it frees its copy now rather than at its deadline.
+            self._abort(rid, "decode worker timed out", notify=True)
             self.fail(
                 rid, pending.req.reply_addr,
                 f"KV transfer timed out {stage} after {self.args.transfer_timeout_s:g} s", 504,

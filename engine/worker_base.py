@@ -21,6 +21,7 @@ from splitserve.engine.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Req
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from splitserve.frames import Frames
 from splitserve.ipc import Inbox, Outbox, PeerUnreachable
 from splitserve.kv_transfer.registry import create_kv_pool
 from splitserve.messages import (
@@ -96,7 +97,9 @@ class BaseWorker:
             self.curve = CurveKeys.load(args.curve_keys)
             self.auth = start_authenticator(self.ctx, self.curve)
         self.inbox = Inbox(self.ctx, args.addr, self.curve)
-        self.outbox = Outbox(self.ctx, self.curve)
+        # The decode worker watches its links to prefill workers: a dropped one frees the pages
+        # fenced for that worker at once (decode.fences).
+        self.outbox = Outbox(self.ctx, self.curve, watch_links=self.role == "decode")
         self.stopped = False
         self.num_failed = 0
         self.num_transfer_failures = 0
@@ -148,7 +151,7 @@ class BaseWorker:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def dispatch(self, msg: Message, frames: list) -> None:
+    def dispatch(self, msg: Message, frames: Frames | list) -> None:
         try:
             if isinstance(msg, GenerateTask):
                 self.on_generate(msg)
@@ -176,7 +179,7 @@ class BaseWorker:
     def on_abort(self, rid: str) -> None:
         raise NotImplementedError
 
-    def on_peer_message(self, msg: Message, frames: list) -> None:
+    def on_peer_message(self, msg: Message, frames: Frames | list) -> None:
         logger.warning("%s worker ignores %s", self.role, type(msg).__name__)
 
     def on_step_outputs(self, outputs: list[StepOutput]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 
 from splitserve.engine.kv_pool import KVLayout, KVPool
+from splitserve.frames import Frames
 from splitserve.kv_transfer.metrics import TransferMetrics
 from splitserve.messages import KVBootstrap, KVLayoutMsg, KVPages
 
@@ -92,8 +93,15 @@ class BaseKVSender(abc.ABC):
 
     def is_done(self, rid: str) -> bool:
         """Whether every send of ``rid`` has finished reading the source pages (they may be
-        freed). Forgets ``rid`` once it returns True."""
+        freed) and, for one-sided backends, writing the destination pages. Forgets ``rid``
+        once it returns True."""
         return True
+
+    def cancel(self, rid: str) -> None:
+        """Stop sending ``rid``: writes of it that have not started are skipped (their headers
+        are never sent). One already running finishes; :meth:`is_done` says when. Backends
+        that write synchronously inside :meth:`send` (shm) or never into the peer's pool
+        (zmq: the receiver drops frames of a request it no longer has) have nothing to do."""
 
     def cancel_peer(self, dst_addr: str) -> None:
         """Drop whatever is still queued for ``dst_addr`` (it stopped reading); afterwards the
@@ -106,9 +114,10 @@ class BaseKVSender(abc.ABC):
 class BaseKVReceiver(abc.ABC):
     """Decode side. ``metrics`` counts what was installed.
 
-    ``one_sided``: the peer writes into this pool directly (shm, mooncake), so a request that
-    fails before its last message keeps its pages reserved for ``QUARANTINE_S`` seconds: the
-    prefill side may still be writing them until it hears of the failure.
+    ``one_sided``: the peer writes into this pool directly (shm, mooncake), so the pages of a
+    request that fails before its last message stay reserved until the prefill side
+    acknowledges that it stopped writing them (``KVFailed.ack_addr`` -> ``KVReleased``;
+    ``decode.fences``).
     """
 
     name = "base"
@@ -123,9 +132,11 @@ class BaseKVReceiver(abc.ABC):
         return {}
 
     @abc.abstractmethod
-    def install(self, header: KVPages, frames: list) -> None:
-        """Complete one ``KVPages`` message: copy the pages its frames carry into the local pool
-        (or check that a one-sided write already put them there), and record metrics.
+    def install(self, header: KVPages, frames: Frames | list) -> None:
+        """Complete one ``KVPages`` message: receive the pages its frames carry into the local
+        pool (or check that a one-sided write already put them there), and record metrics.
+        ``frames``: the message's raw frames, unread (``splitserve.frames``) or as a list.
+        The caller has checked that ``header.page_ids`` belong to request ``header.rid``.
 
         Raises:
             ValueError: the frames do not match the header or the pool's layout.

@@ -9,7 +9,10 @@ ZeroMQ. Where RDMA devices exist the same engine would use them (protocol ``rdma
 Writes run on one background thread (the engine's blocking ``batch_transfer_sync_write`` releases
 the GIL, so prefill compute continues meanwhile); :meth:`MooncakeKVSender.poll` sends each
 header, in order, once its pages are written. A failed write sends ``KVFailed`` to the decode
-worker instead, which fails the request and frees its pages.
+worker instead, which fails the request and frees its pages once this worker acknowledges.
+:meth:`MooncakeKVSender.cancel` marks a request's queued writes to be skipped; the write in
+flight, if any, cannot be recalled, so :meth:`MooncakeKVSender.is_done` stays False until it
+ends: only then may the prefill worker acknowledge (``KVReleased``) that it writes no more.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from splitserve.engine.kv_pool import KVPool
+from splitserve.frames import Frames, as_frames
 from splitserve.ipc import Outbox, PeerUnreachable
 from splitserve.kv_transfer.base import BaseKVReceiver, BaseKVSender, joint_runs
 from splitserve.messages import KVBootstrap, KVFailed, KVPages
@@ -55,7 +59,8 @@ class _Job:
     num_pages: int
     t0: float
     error: str | None = None
-    done: bool = False
+    done: bool = False  # set by the writer thread: written, failed or skipped
+    cancelled: bool = False  # skip the write if it has not started; send no header
 
 
 class MooncakeKVSender(BaseKVSender):
@@ -78,6 +83,9 @@ class MooncakeKVSender(BaseKVSender):
             if item is None:
                 return
             job, session, srcs, dsts, lens = item
+            if job.cancelled:
+                job.done = True
+                continue
             try:
                 ret = self.engine.batch_transfer_sync_write(session, srcs, dsts, lens) if srcs else 0
                 if ret != 0:
@@ -126,6 +134,8 @@ class MooncakeKVSender(BaseKVSender):
     def poll(self) -> None:
         while self._jobs and self._jobs[0].done:
             job = self._jobs.popleft()
+            if job.cancelled:
+                continue
             try:
                 if job.error:
                     logger.warning("request %s: %s", job.header.rid, job.error)
@@ -139,12 +149,21 @@ class MooncakeKVSender(BaseKVSender):
 
     def is_done(self, rid: str) -> bool:
         self.poll()
-        return all(job.header.rid != rid for job in self._jobs)
+        return all(job.done for job in self._jobs if job.header.rid == rid)
+
+    def cancel(self, rid: str) -> None:
+        for job in self._jobs:
+            if job.header.rid == rid:
+                job.cancelled = True
 
     def cancel_peer(self, dst_addr: str) -> None:
-        # Queued writes cannot be recalled; their pages stay registered memory of this pool,
-        # so freeing them is safe (stale bytes at worst reach a request that is gone).
-        self._jobs = deque(j for j in self._jobs if j.dst_addr != dst_addr)
+        # Queued writes are skipped; one in flight cannot be recalled. The source pages are
+        # registered memory of this pool, so freeing them now is safe (stale bytes at worst
+        # reach a request that is gone).
+        for job in self._jobs:
+            if job.dst_addr == dst_addr:
+                job.cancelled = True
+        self.poll()
 
     def close(self) -> None:
         self._todo.put(None)
@@ -168,8 +187,8 @@ class MooncakeKVReceiver(BaseKVReceiver):
             "num_pages": str(self.pool.allocator.num_pages),
         }
 
-    def install(self, header: KVPages, frames: list) -> None:
-        if header.num_frames or frames:
+    def install(self, header: KVPages, frames: Frames | list) -> None:
+        if header.num_frames or as_frames(frames).more:
             raise ValueError(f"KV message for {header.rid}: mooncake transfer carries no frames")
         latency = time.time() - header.sent_at if header.sent_at else None
         num_bytes = len(header.page_ids) * self.pool.layout.page_bytes

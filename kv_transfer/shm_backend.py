@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from splitserve.engine.kv_pool import KVLayout, KVPool
+from splitserve.frames import Frames, as_frames
 from splitserve.ipc import Outbox
 from splitserve.kv_transfer.base import BaseKVReceiver, BaseKVSender, joint_runs
 from splitserve.messages import KVBootstrap, KVPages
@@ -196,8 +197,8 @@ class ShmKVReceiver(BaseKVReceiver):
     def endpoint(self) -> dict[str, str]:
         return {"shm_name": self.segment.name, "num_pages": str(self.pool.allocator.num_pages)}
 
-    def install(self, header: KVPages, frames: list) -> None:
-        if header.num_frames or frames:
+    def install(self, header: KVPages, frames: Frames | list) -> None:
+        if header.num_frames or as_frames(frames).more:
             raise ValueError(f"KV message for {header.rid}: shm transfer carries no frames")
         latency = time.time() - header.sent_at if header.sent_at else None
         num_bytes = len(header.page_ids) * self.pool.layout.page_bytes

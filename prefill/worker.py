@@ -9,6 +9,10 @@ Overlap: after every scheduler step, each bootstrapped request's newly completed
 at once (``KVPages`` with ``last=False``), so when the first token is sampled only the last
 piece is still to go. After the last send the pages wait in ``draining`` until the backend no
 longer reads them (zmq sends straight from the pool), at most ``transfer_timeout_s``.
+
+A decode worker that gives up on a request sends ``KVFailed``; with a one-sided backend it also
+names an ``ack_addr`` and keeps the request's pages fenced until this worker answers
+``KVReleased``: sent once the request is dropped here and no write of it is in flight.
 """
 
 from __future__ import annotations
@@ -22,10 +26,19 @@ from splitserve.engine.kv_pool import pages_for
 from splitserve.engine.request import Req
 from splitserve.engine.scheduler import StepOutput
 from splitserve.engine.worker_base import BaseWorker
+from splitserve.frames import Frames
 from splitserve.ipc import PeerUnreachable
 from splitserve.kv_transfer.base import layout_from_msg
 from splitserve.kv_transfer.registry import create_kv_sender
-from splitserve.messages import GenerateTask, KVBootstrap, KVFailed, KVPages, Message, WorkerStats
+from splitserve.messages import (
+    GenerateTask,
+    KVBootstrap,
+    KVFailed,
+    KVPages,
+    KVReleased,
+    Message,
+    WorkerStats,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +74,8 @@ class PrefillWorker(BaseWorker):
         self.sender = create_kv_sender(args.kv_transfer, self.pool, self.outbox)
         self.transfers: dict[str, Transfer] = {}
         self.draining: dict[str, Draining] = {}
+        # rid -> (ack_addr, deadline): KVReleased owed once no write of rid is in flight.
+        self.acks_owed: dict[str, tuple[str, float]] = {}
 
     def _transfer(self, rid: str, reply_addr: str = "") -> Transfer:
         t = self.transfers.get(rid)
@@ -97,9 +112,13 @@ class PrefillWorker(BaseWorker):
             except PeerUnreachable as exc:
                 logger.warning("could not tell the decode worker about %s: %s", t.rid, exc)
 
-    def on_peer_message(self, msg: Message, frames: list) -> None:
+    def on_peer_message(self, msg: Message, frames: Frames | list) -> None:
         if isinstance(msg, KVFailed):  # the decode side gave up; it has told the server
             self.on_abort(msg.rid)
+            if msg.ack_addr:
+                deadline = time.monotonic() + self.args.transfer_timeout_s
+                self.acks_owed[msg.rid] = (msg.ack_addr, deadline)
+                self._send_acks(time.monotonic())
             return
         if not isinstance(msg, KVBootstrap):
             return super().on_peer_message(msg, frames)
@@ -211,10 +230,26 @@ class PrefillWorker(BaseWorker):
             del self.draining[rid]
             self.scheduler.free(d.req)
 
+    def _send_acks(self, now: float) -> None:
+        """Answer ``KVReleased`` for each owed rid that has no write in flight any more."""
+        for rid, (addr, deadline) in list(self.acks_owed.items()):
+            if self.sender.is_done(rid):
+                del self.acks_owed[rid]
+                try:
+                    self.send(addr, KVReleased(rid))
+                except PeerUnreachable as exc:  # the decode worker frees at its own deadline
+                    logger.warning("KVReleased for %s not delivered: %s", rid, exc)
+            elif deadline < now:  # a write that never ends: the decode side's deadline rules
+                logger.warning("KV writes of %s still in flight after %g s; not acknowledging",
+                               rid, self.args.transfer_timeout_s)
+                del self.acks_owed[rid]
+
     def on_abort(self, rid: str) -> None:
         # Pages of early chunks may still be queued in the backend: freeing them now is safe
         # (the pool outlives every send; at worst stale bytes reach a request that is gone), and
-        # a finished request in ``draining`` keeps its pages until the backend is done.
+        # a finished request in ``draining`` keeps its pages until the backend is done. Writes
+        # not yet started are skipped (one-sided backends).
+        self.sender.cancel(rid)
         self.grammars.discard(rid)
         t = self.transfers.pop(rid, None)
         if t is not None and t.req is not None and self.scheduler.abort(rid) is None:
@@ -230,6 +265,8 @@ class PrefillWorker(BaseWorker):
         self.sender.poll()
         if self.draining:
             self._check_draining(now)
+        if self.acks_owed:
+            self._send_acks(now)
         for t in [t for t in self.transfers.values() if t.deadline < now]:
             if t.req is None:
                 # A bootstrap whose task never came (the task failed validation or was aborted).

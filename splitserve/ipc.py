@@ -1,7 +1,9 @@
 """ZeroMQ plumbing shared by workers and the server: one bound PULL inbox per process, and PUSH
 sockets to peers by address. Every message is multipart: a msgspec header frame (see
 ``splitserve.messages``) followed by zero or more raw frames (KV pages). Nothing is unpickled:
-a header that does not decode as a known message is dropped with a warning.
+a header that does not decode as a known message is dropped with a warning, with its frames.
+The inbox hands out the raw frames unread (``splitserve.frames.SocketFrames``), so that a KV
+receiver can check the header and then receive each frame straight into its pool.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import socket
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from splitserve.frames import SocketFrames
 from splitserve.messages import Message, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -43,21 +47,36 @@ class Inbox:
 
             apply_curve_server(self.sock, curve)
         self.sock.bind(addr)
+        self._frames: SocketFrames | None = None  # the last message's frames, maybe unread
+
+    def _discard_unread(self) -> None:
+        if self._frames is not None:
+            self._frames.discard()
+            self._frames = None
 
     def poll(self, timeout_ms: int) -> bool:
+        self._discard_unread()  # else the unread frames would count as a new message
         return bool(self.sock.poll(timeout_ms, zmq.POLLIN))
 
-    def recv(self) -> tuple[Message, list[zmq.Frame]] | None:
-        """Receive one message without blocking; None when the inbox is empty or the message is
-        malformed (logged and dropped)."""
+    def recv(self) -> tuple[Message, SocketFrames] | None:
+        """Receive one message without blocking; None when the inbox is empty or the header is
+        malformed (logged and dropped with its frames).
+
+        Returns:
+            The decoded header and its raw frames, still unread: read them before the next
+            :meth:`recv` or :meth:`poll`, which discard what is left.
+        """
+        self._discard_unread()
         try:
-            parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            head = self.sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return None
+        frames = self._frames = SocketFrames(self.sock)
         try:
-            return decode(parts[0].buffer), parts[1:]
+            return decode(head), frames
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             logger.warning("dropped a malformed message on %s: %s", self.addr, exc)
+            self._discard_unread()
             return None
 
     def close(self) -> None:
@@ -65,12 +84,20 @@ class Inbox:
 
 
 class Outbox:
-    """PUSH sockets to peers, connected on first use."""
+    """PUSH sockets to peers, connected on first use.
 
-    def __init__(self, ctx: zmq.Context, curve=None) -> None:
+    ``watch_links``: count each peer link's drops (ZeroMQ socket monitor), for
+    :meth:`link_drops`. A dropped TCP or ipc link means the peer process closed it or is gone,
+    the same signal the router uses to declare a worker dead.
+    """
+
+    def __init__(self, ctx: zmq.Context, curve=None, watch_links: bool = False) -> None:
         self.ctx = ctx
         self.curve = curve  # splitserve.security.CurveKeys, or None
         self.socks: dict[str, zmq.Socket] = {}
+        self.watch_links = watch_links
+        self._monitors: dict[str, zmq.Socket] = {}
+        self._drops: dict[str, int] = {}
 
     def _sock(self, addr: str) -> zmq.Socket:
         sock = self.socks.get(addr)
@@ -82,9 +109,31 @@ class Outbox:
                 from splitserve.security import apply_curve_client
 
                 apply_curve_client(sock, self.curve)
+            if self.watch_links:  # before connecting, so that no event is missed
+                self._monitors[addr] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(addr)
             self.socks[addr] = sock
         return sock
+
+    def link_drops(self, addr: str) -> int:
+        """How many times an established link to ``addr`` dropped since this outbox first sent
+        there (0 without ``watch_links``). Never blocks."""
+        mon = self._monitors.get(addr)
+        while mon is not None:
+            try:
+                event = recv_monitor_message(mon, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._drops[addr] = self._drops.get(addr, 0) + 1
+        return self._drops.get(addr, 0)
+
+    def _unwatch(self, addr: str) -> None:
+        if addr not in self._monitors:
+            return
+        self.link_drops(addr)  # count what it saw so far
+        self.socks[addr].disable_monitor()  # before its monitor socket goes
+        self._monitors.pop(addr).close(0)
 
     def send(
         self, addr: str, msg: Message, frames: list | tuple = (), track: bool = False
@@ -117,11 +166,14 @@ class Outbox:
     def reset(self, addr: str) -> None:
         """Close the socket to ``addr`` discarding what it still queues (a new one is made on the
         next send)."""
+        self._unwatch(addr)
         sock = self.socks.pop(addr, None)
         if sock is not None:
             sock.close(linger=0)
 
     def close(self) -> None:
+        for addr in list(self._monitors):
+            self._unwatch(addr)
         for sock in self.socks.values():
             sock.close()
         self.socks.clear()

@@ -192,15 +192,17 @@ class KVBootstrap(msgspec.Struct, tag="kv_bootstrap", kw_only=True):
 
 class KVPages(msgspec.Struct, tag="kv_pages", kw_only=True):
     """Prefill -> decode header; followed by ``num_frames`` raw frames holding the pages, in
-    ``page_ids`` order (zmq backend: one frame per run of pages; backends that write into the
-    decode pool directly send no frames). A request's pages may come in several messages, chunk
-    by chunk as the prompt is computed; ``last`` marks the final one, which carries the first
-    generated token so the decode worker can continue from it."""
+    ``page_ids`` order (zmq backend: frame ``i`` holds the next ``frame_pages[i]`` pages, so the
+    receiver knows where each frame goes before reading it; backends that write into the decode
+    pool directly send no frames). A request's pages come in several messages: chunk by chunk as
+    the prompt is computed, and each chunk split into messages of a few MiB; ``last`` marks the
+    final one, which carries the first generated token so the decode worker can continue."""
 
     rid: str
     page_ids: list[int]
     num_frames: int
     last: bool
+    frame_pages: list[int] = []  # pages per frame (zmq); sums to len(page_ids)
     sent_at: float = 0.0  # sender's time.time() when it started this message (latency metric)
     first_token: int = -1
     first_logprob: float = 0.0
@@ -208,10 +210,24 @@ class KVPages(msgspec.Struct, tag="kv_pages", kw_only=True):
 
 
 class KVFailed(msgspec.Struct, tag="kv_failed"):
-    """Either side: the transfer of ``rid`` failed; the receiver frees its pages."""
+    """Either side: the transfer of ``rid`` failed; the receiver frees its pages.
+
+    Decode -> prefill with ``ack_addr`` (one-sided backends, which write into the decode pool
+    without the decode worker's involvement): stop writing ``rid``'s pages and, once no write of
+    it is in flight, answer :class:`KVReleased` to ``ack_addr``. The decode worker keeps the pages
+    out of use until then.
+    """
 
     rid: str
     message: str
+    ack_addr: str = ""
+
+
+class KVReleased(msgspec.Struct, tag="kv_released"):
+    """Prefill -> decode: the acknowledgement of a ``KVFailed`` with ``ack_addr``. The prefill
+    worker will not write ``rid``'s pages again; the decode worker may reuse them."""
+
+    rid: str
 
 
 Message = (
@@ -227,6 +243,7 @@ Message = (
     | KVBootstrap
     | KVPages
     | KVFailed
+    | KVReleased
 )
 
 _encoder = msgspec.msgpack.Encoder()

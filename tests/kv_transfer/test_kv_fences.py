@@ -1,0 +1,170 @@
+"""One-sided backends (shm, mooncake): a request that fails on the decode side keeps its pages
+until the prefill worker acknowledges that it stopped writing them (``KVFailed`` with
+``ack_addr`` -> ``KVReleased``), or, when no answer comes, until the transfer timeout; every page
+is accounted for at the end on both sides."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+
+import pytest
+import zmq
+
+from splitserve.engine.kv_pool import KVLayout, KVPool
+from splitserve.ipc import Inbox, Outbox, free_tcp_addr
+from splitserve.kv_transfer import mooncake_backend
+from splitserve.kv_transfer.base import layout_to_msg
+from splitserve.messages import (
+    AbortTask,
+    GenerateTask,
+    KVBootstrap,
+    KVFailed,
+    KVReleased,
+    SamplingParams,
+)
+from tests.kv_transfer.workers import make_worker, run_until
+
+ONE_SIDED = [
+    "shm",
+    pytest.param("mooncake", marks=pytest.mark.skipif(
+        importlib.util.find_spec("mooncake") is None,
+        reason="Mooncake Transfer Engine not installed (pip install 'splitserve[mooncake]')")),
+]
+LONG_PROMPT = list(range(100, 400))  # 10 chunks of 32 tokens; 19 pages
+OLD_QUARANTINE_S = 3.0  # the fixed hold this handshake replaced: the tests wait longer than it
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def start_request(server: Inbox, prefill, decode) -> None:
+    """Give both workers request r1 and run them until an early chunk reached the decode pool."""
+    sampling = SamplingParams(max_new_tokens=4, temperature=0)
+    prefill.dispatch(GenerateTask(rid="r1", input_ids=LONG_PROMPT, reply_addr=server.addr,
+                                  sampling=sampling), [])
+    decode.dispatch(GenerateTask(rid="r1", input_ids=LONG_PROMPT, reply_addr=server.addr,
+                                 sampling=sampling, prefill_addr=prefill.args.addr), [])
+    run_until([prefill, decode], server, lambda _: decode.receiver.metrics.pages_received > 0)
+    assert "r1" in decode.awaiting_kv  # mid-transfer
+
+
+def run_alone(worker, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        worker.run_once(idle_wait_ms=5)
+
+
+@pytest.mark.parametrize("backend", ONE_SIDED)
+def test_pages_freed_only_after_the_ack(ctx, model_path, backend) -> None:
+    server = Inbox(ctx, free_tcp_addr())
+    prefill = make_worker(model_path, "prefill", server.addr, backend)
+    decode = make_worker(model_path, "decode", server.addr, backend)
+    start_request(server, prefill, decode)
+    reserved = decode.pool.allocator.num_used
+    assert reserved == 19
+    decode.dispatch(AbortTask("r1"), [])  # the decode side gives up (only it hears of it)
+    run_alone(decode, OLD_QUARANTINE_S + 0.5)  # the prefill worker has not answered yet
+    assert decode.pool.allocator.num_used == reserved and "r1" in decode.fences
+    # The prefill worker reads the KVFailed, drops r1, acknowledges; then the pages come back.
+    run_until([prefill, decode], server, lambda _: decode.pool.allocator.num_used == 0,
+              timeout_s=5)
+    assert "r1" not in decode.fences and "r1" not in prefill.transfers
+    sent = prefill.sender.metrics.messages_sent
+    run_until([prefill, decode], server, lambda _: prefill.pool.allocator.num_used == 0,
+              timeout_s=5)
+    run_alone(prefill, 0.3)
+    assert prefill.sender.metrics.messages_sent == sent  # nothing written after the ack
+    assert decode.pool.allocator.num_used == 0 == prefill.pool.allocator.num_used
+    decode.scheduler.check_pages()
+    decode.receiver.close()
+    prefill.sender.close()
+
+
+def test_pages_freed_at_the_timeout_when_the_prefill_worker_hangs(ctx, model_path) -> None:
+    """No answer and the link stays up (a hung worker): fenced until the transfer timeout."""
+    server = Inbox(ctx, free_tcp_addr())
+    prefill = make_worker(model_path, "prefill", server.addr, "shm")
+    decode = make_worker(model_path, "decode", server.addr, "shm", transfer_timeout_s=1.5)
+    start_request(server, prefill, decode)
+    decode.dispatch(AbortTask("r1"), [])  # the prefill worker runs no more from here
+    t0 = time.monotonic()
+    run_alone(decode, 1.0)
+    assert decode.pool.allocator.num_used == 19  # still fenced within the timeout
+    run_until([decode], server, lambda _: decode.pool.allocator.num_used == 0, timeout_s=5)
+    assert 1.5 <= time.monotonic() - t0 < 4
+    assert not len(decode.fences)
+    decode.scheduler.check_pages()
+    decode.receiver.close()
+
+
+def test_pages_freed_at_once_when_the_prefill_worker_is_gone(ctx, model_path) -> None:
+    """The link to the prefill worker dropped (its process is gone): nobody can write any more."""
+    server = Inbox(ctx, free_tcp_addr())
+    prefill = make_worker(model_path, "prefill", server.addr, "shm")
+    decode = make_worker(model_path, "decode", server.addr, "shm", transfer_timeout_s=30)
+    start_request(server, prefill, decode)
+    prefill.inbox.close()  # what the kernel does to a dead process's sockets
+    prefill.outbox.close()
+    decode.dispatch(AbortTask("r1"), [])
+    t0 = time.monotonic()
+    run_until([decode], server, lambda _: decode.pool.allocator.num_used == 0, timeout_s=5)
+    assert time.monotonic() - t0 < 5  # not the 30 s timeout
+    assert not len(decode.fences)
+    decode.scheduler.check_pages()
+    decode.receiver.close()
+
+
+def test_prefill_worker_acks_a_request_it_does_not_know(ctx, model_path) -> None:
+    """Nothing in flight for an unknown (finished, aborted, never seen) request: answer at once."""
+    server, decode_inbox = Inbox(ctx, free_tcp_addr()), Inbox(ctx, free_tcp_addr())
+    prefill = make_worker(model_path, "prefill", server.addr, "shm")
+    prefill.dispatch(KVFailed("gone", "decode gave up", ack_addr=decode_inbox.addr), [])
+    got = run_until([prefill], decode_inbox, lambda g: KVReleased("gone") in g, timeout_s=5)
+    assert got == [KVReleased("gone")]
+
+
+class SlowEngine:
+    """A Mooncake engine stand-in whose first write blocks until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.writes: list[list[int]] = []
+
+    def batch_transfer_sync_write(self, session, srcs, dsts, lens) -> int:
+        self.writes.append(list(dsts))
+        self.started.set()
+        self.release.wait(10)
+        return 0
+
+
+def test_mooncake_cancel_skips_queued_writes_and_waits_for_the_running_one(ctx, monkeypatch) -> None:
+    engine = SlowEngine()
+    monkeypatch.setattr(mooncake_backend, "_start_engine", lambda host, pool: engine)
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype="float32")
+    decode_inbox = Inbox(ctx, free_tcp_addr())
+    sender = mooncake_backend.MooncakeKVSender(KVPool(layout, 16), Outbox(ctx))
+    boot = KVBootstrap(rid="r1", dst_addr=decode_inbox.addr, page_ids=[1, 2, 3],
+                       layout=layout_to_msg(layout), kv_transfer="mooncake",
+                       endpoint={"session": "peer:1", "base_ptr": "4096", "num_pages": "16"})
+    sender.send(boot, [1], [1], last=False)
+    sender.send(boot, [2], [2], last=False)
+    sender.send(boot, [3], [3], last=True, first_token=5)
+    assert engine.started.wait(5)
+    sender.cancel("r1")
+    time.sleep(0.1)
+    assert not sender.is_done("r1")  # the first write is still running: no ack yet
+    engine.release.set()
+    deadline = time.monotonic() + 5
+    while not sender.is_done("r1") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sender.is_done("r1")
+    assert len(engine.writes) == 1  # the two queued writes were skipped
+    assert not decode_inbox.poll(100)  # and no header announced pages for a cancelled request
+    sender.close()
