@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from splitserve.engine.cpu_kernels import CpuKernels, load_cpu_kernels
 from splitserve.engine.decode_attention import (
     GatherWorkspace,
     attend,
@@ -100,6 +101,9 @@ class TorchAttentionMetadata:
     # Head-major path (bfloat16): the step's mask, and the decode cache's plan when it serves.
     decode_bias: torch.Tensor | None = None  # [Bd * Hkv, 1, P * page_size] (gather path)
     decode_plan: DecodePlan | None = None
+    # The C decode kernel (gather path): each row's KV length, and the window.
+    decode_lens: torch.Tensor | None = None  # [Bd] int64
+    sliding_window: int | None = None
 
 
 # Decode rows attend head-major (decode_attention.attend) in bfloat16: three batched ops per
@@ -127,6 +131,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
         self.decode_cache: DecodeKVCache | None = None
         self.use_decode_cache = os.environ.get(DECODE_CACHE_ENV, "1") != "0"
         self.workspace = GatherWorkspace()
+        self.kernels: CpuKernels | None = None  # loaded on the first CPU bfloat16 decode step
+        self._kernels_checked = False
 
     def prepare(
         self, batch: ForwardBatch, pool: KVPool, sliding_window: int | None
@@ -166,12 +172,28 @@ class TorchAttentionBackend(BaseAttentionBackend):
         if cache is not None:
             ids = [batch.seq_ids[i] for i in dec_rows]  # type: ignore[index]
             meta.decode_plan = cache.plan(ids, lens, meta.decode_pages, sliding_window)
+        if self._kernels_for(pool) is not None:
+            meta.sliding_window = sliding_window
+            meta.decode_lens = torch.tensor(lens, dtype=torch.long, device=device)
         if meta.decode_plan is None:
             meta.decode_bias = decode_bias(
                 lens, num_pages * ps, pool.layout.num_kv_heads, sliding_window,
                 pool.buffer.dtype, device,
             )
         return meta
+
+    def _kernels_for(self, pool: KVPool, num_heads: int | None = None) -> CpuKernels | None:
+        """The C decode kernel when it serves ``pool`` (CPU, bfloat16, supported heads;
+        ``num_heads`` query heads, unchecked when None), else None. Built on the first call
+        (about half a second), then cached."""
+        if pool.buffer.device.type != "cpu" or pool.buffer.dtype != torch.bfloat16:
+            return None
+        hkv = pool.layout.num_kv_heads
+        if not CpuKernels.supports(num_heads or hkv, hkv, pool.layout.head_dim):
+            return None
+        if not self._kernels_checked:
+            self.kernels, self._kernels_checked = load_cpu_kernels(), True
+        return self.kernels
 
     def _decode_cache_for(self, pool: KVPool, batch: ForwardBatch) -> DecodeKVCache | None:
         """The decode cache of ``pool`` (made on first use), or None when off or when the batch
@@ -248,11 +270,29 @@ class TorchAttentionBackend(BaseAttentionBackend):
         dtype = pool.buffer.dtype
         qc = q.to(dtype)
         plan, cache = meta.decode_plan, self.decode_cache
+        kern = self._kernels_for(pool, q.shape[1])
+        if kern is not None and (qc.stride(2) != 1 or qc.stride(1) != qc.shape[2]):
+            qc = qc.contiguous()
         if plan is None or cache is None:
             assert meta.decode_pages is not None and meta.decode_bias is not None
             kt, vv = gather_head_major(pool, layer, meta.decode_pages, self.workspace, dtype)
+            if kern is not None:
+                assert meta.decode_lens is not None
+                r, hkv, d = qc.shape[0], pool.layout.num_kv_heads, qc.shape[2]
+                kt, vv = kt.view(r, hkv, d, -1), vv.view(r, hkv, -1, d)
+                slots = torch.arange(r, device=qc.device)
+                out = torch.empty(qc.shape, dtype=dtype, device=qc.device)
+                kern.decode_attention(
+                    qc, kt, vv, slots, meta.decode_lens, meta.sliding_window, scale, out
+                )
+                return out.to(q.dtype)
             return attend(qc, kt, vv, meta.decode_bias, scale).to(q.dtype)
         cache.append(layer, plan, k, v)
+        if kern is not None:
+            kt, vv = cache.slot_views(layer)
+            out = torch.empty(qc.shape, dtype=dtype, device=qc.device)
+            kern.decode_attention(qc, kt, vv, plan.slots, plan.lens, plan.window, scale, out)
+            return out.to(q.dtype)
         kt, vv = cache.views(layer, plan)
         if plan.is_identity:
             return attend(qc, kt, vv, plan.bias, scale).to(q.dtype)

@@ -54,6 +54,9 @@ class DecodePlan:
             ``kt`` (flattened), in ``k [Bd, Hkv, D]`` order.
         v_index: ``[Bd * Hkv]`` int64 row indices of the new tokens' values in one layer's ``v``
             viewed as ``[-1, D]``.
+        lens: ``[Bd]`` int64 KV length of each row after the step (for the C kernel, which
+            reads each row's slot directly and needs no mask).
+        window: sliding window, or None.
     """
 
     slots: torch.Tensor
@@ -63,6 +66,8 @@ class DecodePlan:
     bias: torch.Tensor
     kt_index: torch.Tensor
     v_index: torch.Tensor
+    lens: torch.Tensor
+    window: int | None
 
 
 class DecodeKVCache:
@@ -148,6 +153,12 @@ class DecodeKVCache:
         self.v[layer].view(-1, self.d).index_copy_(0, plan.v_index, v.reshape(-1, self.d))
         self._layers_left -= 1
 
+    def slot_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kt [slots, Hkv, D, cap]`` and ``v [slots, Hkv, cap, D]`` of ``layer``, every slot
+        (contiguous views; the C decode kernel indexes them by ``plan.slots``)."""
+        assert self.kt is not None and self.v is not None
+        return self.kt[layer], self.v[layer]
+
     def views(self, layer: int, plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """``kt [num_slots * Hkv, D, num_keys]`` and ``v [num_slots * Hkv, num_keys, D]`` of
         ``layer``: contiguous views of the cache, no copy."""
@@ -232,4 +243,6 @@ class DecodeKVCache:
             bias=decode_bias(slot_lens, cap, hkv, window, self.dtype, dev),
             kt_index=kt_index.flatten(),
             v_index=v_index.flatten(),
+            lens=pos + 1,
+            window=window,
         )

@@ -1,0 +1,234 @@
+/* Fused single-pass decode attention on CPU, bfloat16 K/V, one new token per row.
+ *
+ * For each (row r, KV head h) task: the G = Hq / Hkv query heads of that KV head score the row's
+ * keys 0..len-1 (only the last `window` of them with a sliding window), softmax, and weight the
+ * values, all in float32 while the head's K/V are in L1/L2; the output is rounded to bfloat16
+ * (round to nearest even, as torch rounds). Keys are stored transposed ([D, cap] per slot and
+ * head), values [cap, D]: the layout of splitserve.engine.decode_kv_cache.DecodeKVCache. Only
+ * positions < len are read, so no work goes into padding. Built with -O3 -march=native by
+ * splitserve.engine.cpu_kernels; the loops are written for the compiler's auto-vectorizer.
+ * Tasks are split over torch's OpenMP threads (same libgomp, loaded by soname) when the step
+ * is big enough to pay for a parallel region.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40); /* NaN */
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): Cody-Waite range reduction and a
+ * degree-6 polynomial, ~1 ulp in float32, branch-free so that it vectorizes. */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    /* round to nearest via the 1.5 * 2^23 trick (vectorizes without libm) */
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * c.f;
+}
+
+#define KB 32 /* keys per register block of the score loop: two vectors of 16 */
+#define GMAX 8 /* query heads per KV head that the register-blocked loops take */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* GCC/clang vector extensions: 16 floats (one AVX-512 register; split on narrower ISAs). */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+ALWAYS_INLINE v16f load_bf16x16(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    return (v16f)u;
+}
+
+/* Scores of KB keys (columns of kt, row stride `stride`) for G query heads: partial sums stay
+ * in registers over all of D (G and D are constants once inlined). Writes `count` <= KB of them
+ * per head to scores[g * n + j0 ...]. */
+ALWAYS_INLINE void score_block(const float *qs, const uint16_t *kt, int64_t stride, int64_t g_n,
+                               int64_t d_n, float *scores, int64_t n, int64_t j0,
+                               int64_t count) {
+    v16f acc[GMAX][2];
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < g_n; g++) acc[g][0] = acc[g][1] = (v16f){0};
+    for (int64_t d = 0; d < d_n; d++) {
+        const uint16_t *krow = kt + d * stride;
+        /* 64 strided rows are too many streams for the hardware prefetcher: ask ahead */
+        __builtin_prefetch(krow + 2 * KB);
+        v16f k0 = load_bf16x16(krow), k1 = load_bf16x16(krow + 16);
+#pragma GCC unroll 8
+        for (int64_t g = 0; g < g_n; g++) {
+            float qd = qs[g * d_n + d];
+            acc[g][0] += qd * k0;
+            acc[g][1] += qd * k1;
+        }
+    }
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < g_n; g++) {
+        float tmp[KB];
+        memcpy(tmp, &acc[g][0], sizeof(v16f));
+        memcpy(tmp + 16, &acc[g][1], sizeof(v16f));
+        memcpy(scores + g * n + j0, tmp, sizeof(float) * (size_t)count);
+    }
+}
+
+/* scores[g][j] = scale * q[g] . k[start + j] for j < n; the last partial block of keys is
+ * copied into a zero-padded tile first (reading past n could run off the buffer). */
+ALWAYS_INLINE void score_keys(const uint16_t *q, const uint16_t *kt, int64_t g_n, int64_t d_n,
+                              int64_t cap, int64_t start, int64_t n, float scale,
+                              float *scores) {
+    float qs[GMAX * 256];
+    for (int64_t i = 0; i < g_n * d_n; i++) qs[i] = bf16_to_f32(q[i]) * scale;
+    int64_t j = 0;
+    for (; j + KB <= n; j += KB) score_block(qs, kt + start + j, cap, g_n, d_n, scores, n, j, KB);
+    if (j < n) {
+        uint16_t tile[256 * KB];
+        int64_t rest = n - j;
+        for (int64_t d = 0; d < d_n; d++) {
+            memcpy(tile + d * KB, kt + d * cap + start + j, sizeof(uint16_t) * (size_t)rest);
+            memset(tile + d * KB + rest, 0, sizeof(uint16_t) * (size_t)(KB - rest));
+        }
+        score_block(qs, tile, KB, g_n, d_n, scores, n, j, rest);
+    }
+}
+
+/* scores[g] <- softmax(scores[g]) over n keys, in place. */
+ALWAYS_INLINE void softmax_rows(float *scores, int64_t g_n, int64_t n) {
+    for (int64_t g = 0; g < g_n; g++) {
+        float *s = scores + g * n;
+        /* 16 independent lanes, so that max and sum vectorize without reassociation flags */
+        float lane[16];
+        for (int e = 0; e < 16; e++) lane[e] = s[0];
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16)
+            for (int e = 0; e < 16; e++) lane[e] = s[j + e] > lane[e] ? s[j + e] : lane[e];
+        for (; j < n; j++) lane[0] = s[j] > lane[0] ? s[j] : lane[0];
+        float m = lane[0];
+        for (int e = 1; e < 16; e++) m = lane[e] > m ? lane[e] : m;
+        for (j = 0; j < n; j++) s[j] = exp_neg(s[j] - m);
+        for (int e = 0; e < 16; e++) lane[e] = 0.0f;
+        for (j = 0; j + 16 <= n; j += 16)
+            for (int e = 0; e < 16; e++) lane[e] += s[j + e];
+        for (; j < n; j++) lane[0] += s[j];
+        float sum = 0.0f;
+        for (int e = 0; e < 16; e++) sum += lane[e];
+        float inv = 1.0f / sum;
+        for (j = 0; j < n; j++) s[j] *= inv;
+    }
+}
+
+/* out[g] = sum_j probs[g][j] * v[start + j], rounded to bfloat16; G * D sums in registers
+ * (D a multiple of 16, at most 256). */
+ALWAYS_INLINE void weight_values(const float *probs, const uint16_t *v, int64_t g_n,
+                                 int64_t d_n, int64_t start, int64_t n, uint16_t *out) {
+    v16f acc[GMAX][16];
+    int64_t dv = d_n / 16;
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < g_n; g++)
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < dv; c++) acc[g][c] = (v16f){0};
+    for (int64_t j = 0; j < n; j++) {
+        const uint16_t *vrow = v + (start + j) * d_n;
+        __builtin_prefetch(vrow + 8 * d_n);
+        __builtin_prefetch(vrow + 8 * d_n + 32);
+        v16f vr[16];
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < dv; c++) vr[c] = load_bf16x16(vrow + 16 * c);
+#pragma GCC unroll 8
+        for (int64_t g = 0; g < g_n; g++) {
+            float p = probs[g * n + j];
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < dv; c++) acc[g][c] += p * vr[c];
+        }
+    }
+    for (int64_t g = 0; g < g_n; g++)
+        for (int64_t c = 0; c < dv; c++)
+            for (int e = 0; e < 16; e++) out[g * d_n + 16 * c + e] = f32_to_bf16(acc[g][c][e]);
+}
+
+ALWAYS_INLINE void attend_one(const uint16_t *q, const uint16_t *kt, const uint16_t *v,
+                              int64_t g_n, int64_t d_n, int64_t cap, int64_t start, int64_t end,
+                              float scale, float *scores, uint16_t *out) {
+    int64_t n = end - start;
+    score_keys(q, kt, g_n, d_n, cap, start, n, scale, scores);
+    softmax_rows(scores, g_n, n);
+    weight_values(scores, v, g_n, d_n, start, n, out);
+}
+
+/* Specializations for the common (G, D): constants let the compiler keep sums in registers. */
+#define ATTEND_CASE(G, D)                                                                      \
+    if (g_n == G && d_n == D) {                                                                \
+        attend_one(q, kt, v, G, D, cap, start, end, scale, scores, out);                       \
+        return;                                                                                \
+    }
+
+static void attend_dispatch(const uint16_t *q, const uint16_t *kt, const uint16_t *v,
+                            int64_t g_n, int64_t d_n, int64_t cap, int64_t start, int64_t end,
+                            float scale, float *scores, uint16_t *out) {
+    ATTEND_CASE(1, 64) ATTEND_CASE(2, 64) ATTEND_CASE(3, 64) ATTEND_CASE(4, 64)
+    ATTEND_CASE(5, 64) ATTEND_CASE(6, 64) ATTEND_CASE(7, 64) ATTEND_CASE(8, 64)
+    ATTEND_CASE(1, 128) ATTEND_CASE(2, 128) ATTEND_CASE(4, 128) ATTEND_CASE(6, 128)
+    ATTEND_CASE(7, 128) ATTEND_CASE(8, 128)
+    attend_one(q, kt, v, g_n, d_n, cap, start, end, scale, scores, out); /* other G <= 8 */
+}
+
+/* q [R, Hkv * G, D] (rows q_stride elements apart, heads contiguous); kt [slots, Hkv, D, cap];
+ * v [slots, Hkv, cap, D]; slots, lens [R] int64 (row r attends to keys 0..lens[r]-1 of slot
+ * slots[r]; window > 0 keeps the last `window`); out [R, Hkv * G, D] contiguous. G <= 8,
+ * D a multiple of 16 and at most 256. Returns 0, -1 if out of memory, -2 for an unsupported
+ * shape. */
+int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kt,
+                          const uint16_t *v, const int64_t *slots, const int64_t *lens,
+                          int64_t rows, int64_t hkv, int64_t g_n, int64_t d_n, int64_t cap,
+                          int64_t window, float scale, uint16_t *out) {
+    if (g_n < 1 || g_n > GMAX || d_n % 16 != 0 || d_n > 256) return -2;
+    int64_t max_len = 0, total = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        max_len = lens[r] > max_len ? lens[r] : max_len;
+        total += lens[r];
+    }
+    int failed = 0;
+    /* A parallel region costs a few microseconds: only worth it for enough K/V to read. */
+#pragma omp parallel if (total * hkv >= 2048)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(g_n * max_len + 1));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows * hkv; t++) {
+            int64_t r = t / hkv, h = t % hkv;
+            int64_t end = lens[r];
+            int64_t start = (window > 0 && end > window) ? end - window : 0;
+            if (!scores) {
+                failed = 1; /* every thread still reaches the loop's barrier */
+                continue;
+            }
+            if (end <= 0) continue;
+            int64_t base = slots[r] * hkv + h;
+            attend_dispatch(q + r * q_stride + h * g_n * d_n, kt + base * d_n * cap,
+                            v + base * cap * d_n, g_n, d_n, cap, start, end, scale, scores,
+                            out + (r * hkv + h) * g_n * d_n);
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
