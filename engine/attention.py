@@ -216,6 +216,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         batch = meta.batch
+        if meta.is_decode_only and self._append_with_kernel(k, v, layer, meta, pool):
+            return self._decode_head_major(q, k, v, layer, meta, pool, scale, appended=True)
         pool.write(layer, batch.out_page_ids, batch.out_offsets, k, v)
         if meta.is_decode_only:
             return self._decode(q, k, v, layer, meta, pool, scale)
@@ -229,6 +231,26 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 q[e.start : end], k[e.start : end], v[e.start : end], e, layer, pool, scale
             )
         return out
+
+    def _append_with_kernel(
+        self, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TorchAttentionMetadata,
+        pool: KVPool,
+    ) -> bool:
+        """Write a decode-only step's new K/V into the pool and the decode cache (when it
+        serves) with one C call; False (nothing written) where the C kernels do not apply."""
+        kern = self._kernels_for(pool)
+        if kern is None or k.dtype != pool.buffer.dtype or not pool.buffer.is_contiguous():
+            return False
+        d = k.shape[2]
+        if k.stride(2) != 1 or k.stride(1) != d:
+            k = k.contiguous()
+        if v.stride(2) != 1 or v.stride(1) != d:
+            v = v.contiguous()
+        plan, cache = meta.decode_plan, self.decode_cache
+        targets = None if plan is None or cache is None else cache.append_targets(layer, plan)
+        batch = meta.batch
+        kern.kv_append(k, v, pool.buffer, layer, batch.out_page_ids, batch.out_offsets, targets)
+        return True
 
     def _decode(
         self,
@@ -265,8 +287,10 @@ class TorchAttentionBackend(BaseAttentionBackend):
         meta: TorchAttentionMetadata,
         pool: KVPool,
         scale: float,
+        appended: bool = False,
     ) -> torch.Tensor:
-        """Decode rows over the decode cache (in place) or over a head-major gather."""
+        """Decode rows over the decode cache (in place) or over a head-major gather;
+        ``appended``: the new K/V are already in the cache (``_append_with_kernel``)."""
         dtype = pool.buffer.dtype
         qc = q.to(dtype)
         plan, cache = meta.decode_plan, self.decode_cache
@@ -287,7 +311,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 )
                 return out.to(q.dtype)
             return attend(qc, kt, vv, meta.decode_bias, scale).to(q.dtype)
-        cache.append(layer, plan, k, v)
+        if not appended:
+            cache.append(layer, plan, k, v)
         if kern is not None:
             kt, vv = cache.slot_views(layer)
             out = torch.empty(qc.shape, dtype=dtype, device=qc.device)

@@ -27,10 +27,15 @@ import torch
 log = logging.getLogger(__name__)
 
 CPU_KERNELS_ENV = "SPLITSERVE_CPU_KERNELS"  # "0": never build or use the C kernels
-SOURCES = ("decode_attention.c",)
+SOURCES = ("decode_attention.c", "gemv.c", "kv_append.c")
+HEADERS = ("bf16.h",)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+# Rows up to which linear_skinny beats oneDNN here (one core, SmolLM2's shapes, weights from
+# memory): 1.8x at 1 row, 2x at 2, ~1.1x at 3, slower at 4 (oneDNN's bf16 kernel wins as
+# soon as the product is compute- rather than memory-bound).
+SKINNY_MAX_ROWS = 3
 
 
 def _cache_dir() -> Path:
@@ -42,7 +47,7 @@ def _build(compiler: str) -> Path:
     """Compile the sources into the cache (atomically: concurrent workers may race)."""
     src_dir = Path(__file__).parent / "csrc"
     digest = hashlib.sha256(" ".join((compiler, *FLAGS)).encode())
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         digest.update((src_dir / name).read_bytes())
     out_dir = _cache_dir() / digest.hexdigest()[:16]
     lib = out_dir / "libsplitserve_cpu.so"
@@ -69,6 +74,95 @@ class CpuKernels:
         self._attn = lib.decode_attention_bf16
         self._attn.restype = ctypes.c_int
         self._attn.argtypes = [_ptr, _i64] + [_ptr] * 4 + [_i64] * 6 + [_f32, _ptr]
+        self._append = lib.kv_append_bf16
+        self._append.restype = None
+        self._append.argtypes = [_ptr, _i64, _ptr, _i64] + [_i64] * 3 + [_ptr, _ptr, _i64]
+        self._append.argtypes += [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
+        self._gemv = lib.gemv_packed_bf16
+        self._gemv.restype = ctypes.c_int
+        self._gemv.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr]
+
+    def kv_append(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pool_buffer: torch.Tensor,
+        layer: int,
+        page_ids: torch.Tensor,
+        offsets: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """Write new tokens' K/V of ``layer`` into the pool and, optionally, the decode cache.
+
+        Args:
+            k: ``[T, Hkv, D]`` bfloat16, each row's heads contiguous (rows may be strided).
+            v: the same for values.
+            pool_buffer: the pool, ``[num_pages, L, 2, page_size, Hkv, D]`` bfloat16,
+                contiguous.
+            layer: layer index.
+            page_ids: ``[T]`` int64 page of each token; offsets: ``[T]`` int64 slot in it.
+            cache: ``(kt [slots, Hkv, D, cap], v [slots, Hkv, cap, D], slots [T], pos [T])``
+                of this layer (contiguous; int64 indices), or None to write the pool only.
+        """
+        t, hkv, d = k.shape
+        base = pool_buffer[0, layer]
+        ckt, cv, slots, pos = cache if cache is not None else (None, None, None, None)
+        self._append(
+            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, hkv, d,
+            base[0].data_ptr(), base[1].data_ptr(), pool_buffer.stride(0),
+            page_ids.data_ptr(), offsets.data_ptr(),
+            None if ckt is None else ckt.data_ptr(), None if cv is None else cv.data_ptr(),
+            0 if ckt is None else ckt.shape[3],
+            None if slots is None else slots.data_ptr(), None if pos is None else pos.data_ptr(),
+        )
+
+    @staticmethod
+    def can_pack_skinny(weight: torch.Tensor) -> bool:
+        """Whether :meth:`pack_skinny` takes ``weight``: CPU bfloat16 ``[N, K]``, N a multiple
+        of 16."""
+        return (
+            weight.device.type == "cpu"
+            and weight.dtype == torch.bfloat16
+            and weight.dim() == 2
+            and weight.shape[0] % 16 == 0
+        )
+
+    @staticmethod
+    def pack_skinny(weight: torch.Tensor) -> torch.Tensor:
+        """``weight [N, K]`` -> ``[N / 16, K, 16]``: 16 output rows interleaved per K index, the
+        layout :meth:`linear_skinny` streams (a copy; the original stays)."""
+        n, k = weight.shape
+        return weight.detach().view(n // 16, 16, k).transpose(1, 2).contiguous()
+
+    def linear_skinny(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x @ W.T + bias`` for at most :data:`SKINNY_MAX_ROWS` rows, reading ``W`` once.
+
+        Args:
+            x: ``[M, K]`` bfloat16, ``1 <= M <= SKINNY_MAX_ROWS``, last dim contiguous.
+            packed: ``W`` from :meth:`pack_skinny`, ``[N / 16, K, 16]`` bfloat16.
+            bias: ``[N]`` bfloat16 or None.
+
+        Returns:
+            ``[M, N]`` bfloat16: float32 dot products (plus the bias) rounded to nearest even
+            once; equal to ``F.linear`` up to float32 summation order.
+
+        Raises:
+            MemoryError: no memory for the float32 copy of ``x``.
+        """
+        m, k = x.shape
+        n = packed.shape[0] * 16
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        rc = self._gemv(
+            x.data_ptr(), x.stride(0), m, packed.data_ptr(),
+            None if bias is None else bias.data_ptr(), n, k, y.data_ptr(),
+        )
+        if rc == -1:
+            raise MemoryError("skinny linear kernel: out of memory")
+        if rc != 0:
+            raise ValueError(f"skinny linear kernel: unsupported shape x {tuple(x.shape)}")
+        return y
 
     def decode_attention(
         self,

@@ -54,8 +54,9 @@ class DecodePlan:
             ``kt`` (flattened), in ``k [Bd, Hkv, D]`` order.
         v_index: ``[Bd * Hkv]`` int64 row indices of the new tokens' values in one layer's ``v``
             viewed as ``[-1, D]``.
-        lens: ``[Bd]`` int64 KV length of each row after the step (for the C kernel, which
-            reads each row's slot directly and needs no mask).
+        lens: ``[Bd]`` int64 KV length of each row after the step (for the C kernels, which
+            read and write each row's slot directly and need no mask).
+        positions: ``[Bd]`` int64 position of each row's new token (``lens - 1``).
         window: sliding window, or None.
     """
 
@@ -67,6 +68,7 @@ class DecodePlan:
     kt_index: torch.Tensor
     v_index: torch.Tensor
     lens: torch.Tensor
+    positions: torch.Tensor
     window: int | None
 
 
@@ -152,6 +154,16 @@ class DecodeKVCache:
         self.kt[layer].view(-1).index_copy_(0, plan.kt_index, k.reshape(-1))
         self.v[layer].view(-1, self.d).index_copy_(0, plan.v_index, v.reshape(-1, self.d))
         self._layers_left -= 1
+
+    def append_targets(
+        self, layer: int, plan: DecodePlan
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the C ``kv_append`` kernel writes ``layer``'s new tokens into, in place of
+        :meth:`append`: ``(kt [slots, Hkv, D, cap], v [slots, Hkv, cap, D], slots [Bd],
+        positions [Bd])``. Counts as the layer's append."""
+        assert self.kt is not None and self.v is not None
+        self._layers_left -= 1
+        return self.kt[layer], self.v[layer], plan.slots, plan.positions
 
     def slot_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``kt [slots, Hkv, D, cap]`` and ``v [slots, Hkv, cap, D]`` of ``layer``, every slot
@@ -244,5 +256,6 @@ class DecodeKVCache:
             kt_index=kt_index.flatten(),
             v_index=v_index.flatten(),
             lens=pos + 1,
+            positions=pos,
             window=window,
         )

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from splitserve.engine.attention import BaseAttentionBackend, create_attention_backend
+from splitserve.engine.cpu_kernels import SKINNY_MAX_ROWS, CpuKernels
 from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.layers import (
@@ -18,6 +19,7 @@ from splitserve.engine.layers import (
     Linear,
     RMSNorm,
     can_pack,
+    pack_skinny,
     pack_weight,
     packed_linear,
 )
@@ -121,6 +123,8 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.rope_theta, config.rope_scaling, config.context_len
         )
         self.packed_head: torch.Tensor | None = None
+        self.kernels: CpuKernels | None = None  # with skinny_head: the LM head of 1-3 rows
+        self.skinny_head: torch.Tensor | None = None
 
     def pack_weights(self) -> bool:
         """Pre-pack every projection for oneDNN (CPU bfloat16 only; see ``layers.pack_weight``).
@@ -133,6 +137,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
         self.packed_head = pack_weight(head.data)
+        self.kernels, self.skinny_head = pack_skinny(head)
         return True
 
     def to(self, device: torch.device | str) -> LlamaForCausalLM:  # type: ignore[override]
@@ -170,6 +175,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """``h [N, hidden]`` (final-normed) -> float32 logits ``[N, vocab]``."""
+        if self.skinny_head is not None and h.shape[0] <= SKINNY_MAX_ROWS:
+            assert self.kernels is not None
+            return self.kernels.linear_skinny(h.contiguous(), self.skinny_head, None).float()
         if self.packed_head is not None:
             return packed_linear(h, self.packed_head, None).float()
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -15,18 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40); /* NaN */
-    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
-}
+#include "bf16.h"
 
 /* exp(x) for x <= 0 (softmax after subtracting the max): Cody-Waite range reduction and a
  * degree-6 polynomial, ~1 ulp in float32, branch-free so that it vectorizes. */
@@ -50,18 +39,6 @@ static inline float exp_neg(float x) {
 #define KB 32 /* keys per register block of the score loop: two vectors of 16 */
 #define GMAX 8 /* query heads per KV head that the register-blocked loops take */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-/* GCC/clang vector extensions: 16 floats (one AVX-512 register; split on narrower ISAs). */
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
-ALWAYS_INLINE v16f load_bf16x16(const uint16_t *p) {
-    v16h h;
-    memcpy(&h, p, sizeof h);
-    v16u u = __builtin_convertvector(h, v16u) << 16;
-    return (v16f)u;
-}
 
 /* Scores of KB keys (columns of kt, row stride `stride`) for G query heads: partial sums stay
  * in registers over all of D (G and D are constants once inlined). Writes `count` <= KB of them

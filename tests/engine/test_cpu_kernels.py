@@ -1,13 +1,15 @@
-"""The C decode attention kernel against a float32 dense reference: GQA group sizes 1-8, head
-dims 16-256, lengths around its 32-key blocks, sliding windows, rows in permuted slots, strided
-queries, empty slots; and the cache-off/cache-on backend paths it serves."""
+"""The C kernels against float32 references. Decode attention: GQA group sizes 1-8, head dims
+16-256, lengths around its 32-key blocks, sliding windows, rows in permuted slots, strided
+queries, empty slots, 1 vs 2 threads. Skinny products: 1-3 rows, odd K, bias, strided rows, and
+``Linear``/LM head choosing them only for few-row steps."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from splitserve.engine.cpu_kernels import CpuKernels, load_cpu_kernels
+from splitserve.engine.cpu_kernels import SKINNY_MAX_ROWS, CpuKernels, load_cpu_kernels
+from splitserve.engine.layers import Linear, can_pack
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the kernel is off")
@@ -81,3 +83,72 @@ def test_unsupported_shapes_are_refused() -> None:
     assert not CpuKernels.supports(9 * 3, 3, 64)  # 9 query heads per KV head
     assert not CpuKernels.supports(4, 1, 72)  # head_dim not a multiple of 16
     assert not CpuKernels.supports(4, 1, 512)
+
+
+@pytest.mark.parametrize("n,k", [(16, 48), (80, 37), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_float32_reference(n, k, bias) -> None:
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    packed = CpuKernels.pack_skinny(w)
+    assert kernels is not None
+    for rows in range(1, SKINNY_MAX_ROWS + 1):
+        x = torch.randn(rows, k + 5).to(torch.bfloat16)[:, 3 : 3 + k]  # strided rows
+        out = kernels.linear_skinny(x, packed, b)
+        ref = x.float() @ w.float().T + (0 if b is None else b.float())
+        # One bfloat16 rounding of a float32 sum: within 2^-8 relative, plus summation order.
+        assert torch.allclose(out.float(), ref, rtol=2**-8, atol=1e-3 * k**0.5), rows
+
+
+@pytest.mark.skipif(
+    not can_pack(torch.empty(1, 1, dtype=torch.bfloat16)), reason="no oneDNN bf16 packing"
+)
+def test_linear_uses_the_skinny_kernel_only_for_few_rows() -> None:
+    torch.manual_seed(1)
+    lin = Linear(64, 96, True, torch.bfloat16)
+    lin.weight.data.copy_(torch.randn(96, 64))
+    lin.bias.data.copy_(torch.randn(96))
+    lin.pack()
+    assert lin.skinny is not None and lin.packed is not None
+    for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 32):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        onednn = torch.nn.functional.linear(x, lin.weight, lin.bias)
+        out = lin(x)
+        if rows > SKINNY_MAX_ROWS:
+            assert torch.equal(out, onednn)
+        else:
+            assert torch.allclose(out.float(), onednn.float(), rtol=2**-7, atol=1e-2)
+
+
+def test_kv_append_equals_pool_write_and_cache_append() -> None:
+    from splitserve.engine.decode_kv_cache import DecodeKVCache
+    from splitserve.engine.kv_pool import KVLayout, KVPool
+
+    torch.manual_seed(2)
+    layout = KVLayout(3, 2, 16, 4, "bfloat16")
+    pools = [KVPool(layout, 32), KVPool(layout, 32)]
+    caches = [DecodeKVCache(p, max_bytes=1 << 30) for p in pools]
+    # Three sequences of 5, 9 and 2 tokens already in the pool; the step appends one token each.
+    lens = [6, 10, 3]
+    pages = [torch.tensor([1, 2]), torch.tensor([3, 4, 5]), torch.tensor([6])]
+    table = torch.zeros(3, 3, dtype=torch.long)
+    for i, p in enumerate(pages):
+        table[i, : len(p)] = p
+    for pool in pools:
+        pool.buffer.copy_(torch.randn(pool.buffer.shape).to(torch.bfloat16))
+    pools[1].buffer.copy_(pools[0].buffer)
+    plans = [c.plan([7, 3, 9], lens, table, None) for c in caches]
+    page_ids = torch.tensor([int(pages[i][(n - 1) // 4]) for i, n in enumerate(lens)])
+    offsets = torch.tensor([(n - 1) % 4 for n in lens])
+    for layer in range(3):
+        qkv = torch.randn(3, 8, 16).to(torch.bfloat16)  # k and v as strided slices
+        k, v = qkv[:, 4:6], qkv[:, 6:8]
+        pools[0].write(layer, page_ids, offsets, k, v)
+        caches[0].append(layer, plans[0], k, v)
+        assert kernels is not None
+        targets = caches[1].append_targets(layer, plans[1])
+        kernels.kv_append(k, v, pools[1].buffer, layer, page_ids, offsets, targets)
+    assert torch.equal(pools[0].buffer, pools[1].buffer)
+    assert torch.equal(caches[0].kt, caches[1].kt) and torch.equal(caches[0].v, caches[1].v)
+    assert caches[0]._layers_left == caches[1]._layers_left == 0

@@ -1,0 +1,56 @@
+/* bfloat16 <-> float32 helpers shared by the CPU kernels (header-only).
+ *
+ * v16f is 16 floats as a GCC/clang vector (one AVX-512 register). On AVX-512 the bfloat16 load
+ * is two instructions (zero-extend, shift); GCC's generic __builtin_convertvector lowering of the
+ * same thing splits into halves and spills (measured ~2x slower in the gemv loop).
+ */
+#ifndef SPLITSERVE_BF16_H
+#define SPLITSERVE_BF16_H
+
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+static inline __attribute__((always_inline)) v16f load_bf16x16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16);
+    return (v16f)_mm512_castsi512_ps(u);
+#else
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    return (v16f)u;
+#endif
+}
+
+static inline __attribute__((always_inline)) v16f load_f32x16(const float *p) {
+#if defined(__AVX512F__)
+    return (v16f)_mm512_loadu_ps(p);
+#else
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+#endif
+}
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+/* Round to nearest even, as torch rounds float32 to bfloat16; NaN stays NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40);
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+#endif
