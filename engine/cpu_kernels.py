@@ -27,7 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CPU_KERNELS_ENV = "SPLITSERVE_CPU_KERNELS"  # "0": never build or use the C kernels
-SOURCES = ("decode_attention.c", "gemv.c", "kv_append.c")
+SOURCES = ("decode_attention.c", "gemv.c", "kv_append.c", "elementwise.c")
 HEADERS = ("bf16.h",)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -78,9 +78,70 @@ class CpuKernels:
         self._append.restype = None
         self._append.argtypes = [_ptr, _i64, _ptr, _i64] + [_i64] * 3 + [_ptr, _ptr, _i64]
         self._append.argtypes += [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
+        self._norm = lib.rms_norm_bf16
+        self._norm.restype = None
+        self._norm.argtypes = [_ptr, _i64, _ptr, _ptr, _f32, _i64, _i64, _ptr, _ptr]
+        self._rope = lib.rope_bf16
+        self._rope.restype = None
+        self._rope.argtypes = [_ptr] + [_i64] * 4 + [_ptr] * 3
+        self._silu_mul = lib.silu_mul_bf16
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
         self._gemv = lib.gemv_packed_bf16
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr]
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm as transformers' Llama computes it in bfloat16, optionally after adding the
+        residual stream: ``res = x + residual``; ``out = weight * bf16(res * rsqrt(mean(res^2)
+        + eps))``, rounded where the torch ops round.
+
+        Args:
+            x: ``[T, H]`` bfloat16, last dim contiguous (rows may be strided).
+            weight: ``[H]`` bfloat16.
+            eps: the epsilon.
+            residual: ``[T, H]`` bfloat16 contiguous, or None.
+
+        Returns:
+            ``(out, res)``, both ``[T, H]`` bfloat16; ``res`` is ``x`` itself without a
+            residual.
+        """
+        t, h = x.shape
+        out = torch.empty(t, h, dtype=torch.bfloat16)
+        res = x if residual is None else torch.empty(t, h, dtype=torch.bfloat16)
+        self._norm(
+            x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+            weight.data_ptr(), eps, t, h, None if residual is None else res.data_ptr(),
+            out.data_ptr(),
+        )
+        return out, res
+
+    def rope_(
+        self, qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """Rotate ``qk [T, heads, D]`` (bfloat16, each row's heads contiguous, rows may be
+        strided) in place by the float32 tables ``cos``/``sin [context, D / 2]`` at int64
+        ``positions [T]``, rounding as ``rope.apply_rope`` does in bfloat16. Positions are
+        not checked against the tables: the caller does."""
+        t, heads, d = qk.shape
+        self._rope(
+            qk.data_ptr(), qk.stride(0), t, heads, d, positions.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(),
+        )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gate_up [T, 2 * I]`` bfloat16 contiguous -> ``silu(gate) * up`` ``[T, I]``
+        bfloat16, rounded after the silu and after the product (as the torch ops round)."""
+        t, n2 = gate_up.shape
+        out = torch.empty(t, n2 // 2, dtype=torch.bfloat16)
+        self._silu_mul(gate_up.data_ptr(), t, n2 // 2, out.data_ptr())
+        return out
 
     def kv_append(
         self,

@@ -93,12 +93,30 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _empty(hidden_size, dtype=dtype)
         self.eps = eps
+        self.kernels: CpuKernels | None = None  # the C kernel for bfloat16 on CPU, when set
+
+    def _use_kernel(self, x: torch.Tensor) -> bool:
+        return self.kernels is not None and x.dtype == torch.bfloat16 and x.dim() == 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> same shape and dtype."""
+        if self._use_kernel(x) and x.stride(1) == 1:
+            assert self.kernels is not None
+            return self.kernels.rms_norm(x, self.weight, self.eps)[0]
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)`` for ``x``, ``residual [T, hidden]``: one C
+        call in bfloat16 on CPU (same rounding), else two steps."""
+        if self._use_kernel(x) and x.stride(1) == 1 and residual.is_contiguous():
+            assert self.kernels is not None
+            return self.kernels.rms_norm(x, self.weight, self.eps, residual)
+        res = residual + x
+        return self(res), res
 
 
 class GatedMLP(nn.Module):
@@ -109,10 +127,14 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype)
         self.down_proj = Linear(intermediate, hidden, bias, dtype)
+        self.kernels: CpuKernels | None = None  # the C silu-multiply for bfloat16 on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2:
+            return self.down_proj(self.kernels.silu_mul(gate_up.contiguous()))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -24,7 +24,7 @@ from splitserve.engine.layers import (
     packed_linear,
 )
 from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.rope import RotaryEmbedding, apply_rope
+from splitserve.engine.rope import RotaryEmbedding, StepRope
 
 
 class LlamaAttention(nn.Module):
@@ -48,8 +48,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: StepRope,
         backend: BaseAttentionBackend,
         meta: object,
         pool: KVPool,
@@ -57,8 +56,8 @@ class LlamaAttention(nn.Module):
         """``x [T, hidden]`` -> ``[T, hidden]``; writes this layer's new K/V into ``pool``."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        # Rotate q and k together: one RoPE op instead of two.
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
+        # Rotate q and k together: one RoPE op (or C call, in place) instead of two.
+        qk = rope.apply(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim))
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, self.layer, meta, pool, self.scale)
@@ -78,14 +77,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: StepRope,
         backend: BaseAttentionBackend,
         meta: object,
         pool: KVPool,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, meta, pool)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), rope, backend, meta, pool)
+        normed, x = self.post_attention_layernorm.add_forward(h, x)  # x + h, then its norm
+        return x + self.mlp(normed)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -123,13 +122,16 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.rope_theta, config.rope_scaling, config.context_len
         )
         self.packed_head: torch.Tensor | None = None
-        self.kernels: CpuKernels | None = None  # with skinny_head: the LM head of 1-3 rows
+        # C kernels (CPU bfloat16; set by pack_weights): RoPE here, norms and MLPs in their
+        # modules, and with skinny_head the LM head of 1-3 rows.
+        self.kernels: CpuKernels | None = None
         self.skinny_head: torch.Tensor | None = None
 
     def pack_weights(self) -> bool:
-        """Pre-pack every projection for oneDNN (CPU bfloat16 only; see ``layers.pack_weight``).
-        Call after the weights are loaded and the model is on its device. Returns whether it
-        packed."""
+        """Pre-pack every projection for oneDNN (CPU bfloat16 only; see ``layers.pack_weight``)
+        and for the C kernels, which then also serve the norms, RoPE and SiLU-multiply (see
+        ``cpu_kernels``; off with ``SPLITSERVE_CPU_KERNELS=0``). Call after the weights are
+        loaded and the model is on its device. Returns whether it packed."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if not can_pack(head):
             return False
@@ -138,6 +140,9 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         self.packed_head = pack_weight(head.data)
         self.kernels, self.skinny_head = pack_skinny(head)
+        for module in self.modules():
+            if isinstance(module, RMSNorm | GatedMLP):
+                module.kernels = self.kernels
         return True
 
     def to(self, device: torch.device | str) -> LlamaForCausalLM:  # type: ignore[override]
@@ -164,10 +169,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         # Positions end at seq_len - 1: the bound check needs no read of the positions tensor.
         max_position = max(batch.seq_lens) - 1 if batch.seq_lens else None
-        cos, sin = self.rope.cos_sin(batch.positions, self.dtype, max_position)
+        rope = self.rope.for_step(batch.positions, self.dtype, max_position, self.kernels)
         meta = self.attn_backend.prepare(batch, pool, self.config.sliding_window)
         for layer in self.layers:
-            x = layer(x, cos, sin, self.attn_backend, meta, pool)
+            x = layer(x, rope, self.attn_backend, meta, pool)
         # The norm is per row, so only the scored rows need it (and the vocab projection).
         h = self.norm(x[batch.logit_indices])
         logits = self.compute_logits(h)

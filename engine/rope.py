@@ -12,9 +12,12 @@ the context it equals the default (as in transformers).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from splitserve.engine.cpu_kernels import CpuKernels
 
 
 def inv_freq_and_scale(
@@ -128,6 +131,64 @@ class RotaryEmbedding:
     def to(self, device: torch.device | str) -> RotaryEmbedding:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
         return self
+
+    def for_step(
+        self,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        max_position: int | None,
+        kernels: CpuKernels | None,
+    ) -> StepRope:
+        """What every layer of one step needs to rotate its q/k (see :class:`StepRope`):
+        the C kernel reads the float32 tables directly in bfloat16 on CPU, else the step's
+        cos/sin rows are gathered once (:meth:`cos_sin`, which also checks the positions).
+
+        Raises:
+            ValueError: a position is past the context length.
+        """
+        use_kernel = kernels is not None and dtype == torch.bfloat16
+        use_kernel = use_kernel and positions.device.type == "cpu" and self.cos.device.type == "cpu"
+        if not use_kernel:
+            cos, sin = self.cos_sin(positions, dtype, max_position)
+            return StepRope(positions, cos, sin, self, None)
+        if max_position is None and positions.numel():
+            max_position = int(positions.max())
+        if max_position is not None and max_position >= self.context_len:
+            raise ValueError(
+                f"position {max_position} exceeds context length {self.context_len}"
+            )
+        return StepRope(positions, None, None, self, kernels)
+
+
+@dataclass(slots=True)
+class StepRope:
+    """One step's rotary inputs, shared by every layer.
+
+    Attributes:
+        positions: ``[T]`` int64 position of each token.
+        cos: ``[T, 1, D // 2]`` in the activation dtype (torch path), or None (kernel path).
+        sin: the same for sine.
+        table: the model's :class:`RotaryEmbedding` (float32 tables).
+        kernels: the C kernels (bfloat16 on CPU), or None.
+    """
+
+    positions: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    table: RotaryEmbedding
+    kernels: CpuKernels | None
+
+    def apply(self, qk: torch.Tensor) -> torch.Tensor:
+        """Rotate ``qk [T, H, D]``: in place with the C kernel (returns ``qk``), else into a
+        new tensor (:func:`apply_rope`). Both round as transformers does in bfloat16."""
+        if self.kernels is not None and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2]:
+            self.kernels.rope_(qk, self.positions, self.table.cos, self.table.sin)
+            return qk
+        if self.cos is None or self.sin is None:
+            self.cos, self.sin = self.table.cos_sin(
+                self.positions, torch.bfloat16, int(self.positions.max())
+            )
+        return apply_rope(qk, self.cos, self.sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

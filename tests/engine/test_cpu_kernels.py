@@ -152,3 +152,32 @@ def test_kv_append_equals_pool_write_and_cache_append() -> None:
     assert torch.equal(pools[0].buffer, pools[1].buffer)
     assert torch.equal(caches[0].kt, caches[1].kt) and torch.equal(caches[0].v, caches[1].v)
     assert caches[0]._layers_left == caches[1]._layers_left == 0
+
+
+def test_norm_rope_silu_round_like_the_torch_ops() -> None:
+    """The fused elementwise kernels against the torch code they replace (bfloat16): equal
+    except where float32 summation order moves an RMSNorm output across a rounding boundary."""
+    import torch.nn.functional as F
+
+    from splitserve.engine.layers import RMSNorm
+    from splitserve.engine.rope import RotaryEmbedding, apply_rope
+
+    assert kernels is not None
+    torch.manual_seed(3)
+    for t in (1, 5, 200):  # 200 rows: the OpenMP split
+        x, r = (torch.randn(2, t, 576) * 3).to(torch.bfloat16)
+        norm = RMSNorm(576, 1e-5, torch.bfloat16)
+        norm.weight.data.copy_(torch.randn(576))
+        out, res = kernels.rms_norm(x, norm.weight, 1e-5, r)
+        assert torch.equal(res, r + x)
+        assert (out != norm(r + x)).float().mean() < 1e-3
+        rope = RotaryEmbedding(64, 100000.0, None, 512)
+        pos = torch.randint(0, 512, (t,))
+        qkv = torch.randn(t, 15, 64).to(torch.bfloat16)
+        cos, sin = rope.cos_sin(pos, torch.bfloat16)
+        ref = apply_rope(qkv[:, :12], cos, sin)
+        kernels.rope_(qkv[:, :12], pos, rope.cos, rope.sin)
+        assert torch.equal(qkv[:, :12], ref)
+        gate_up = (torch.randn(t, 2 * 96) * 4).to(torch.bfloat16)
+        gate, up = gate_up.split(96, dim=-1)
+        assert torch.equal(kernels.silu_mul(gate_up), F.silu(gate) * up)
