@@ -153,10 +153,22 @@ ALWAYS_INLINE void attend_one(const uint16_t *q, const uint16_t *kt, const uint1
     weight_values(scores, v, g_n, d_n, start, n, out);
 }
 
-/* Specializations for the common (G, D): constants let the compiler keep sums in registers. */
+/* Specializations for the common (G, D): constants let the compiler keep sums in registers.
+ * Each is its own (not inlined) function: one giant dispatcher took ~5 s to compile. */
+#define ATTEND_FN(G, D)                                                                        \
+    static __attribute__((noinline)) void attend_##G##_##D(                                    \
+        const uint16_t *q, const uint16_t *kt, const uint16_t *v, int64_t cap, int64_t start, \
+        int64_t end, float scale, float *scores, uint16_t *out) {                              \
+        attend_one(q, kt, v, G, D, cap, start, end, scale, scores, out);                       \
+    }
+ATTEND_FN(1, 64) ATTEND_FN(2, 64) ATTEND_FN(3, 64) ATTEND_FN(4, 64)
+ATTEND_FN(5, 64) ATTEND_FN(6, 64) ATTEND_FN(7, 64) ATTEND_FN(8, 64)
+ATTEND_FN(1, 128) ATTEND_FN(2, 128) ATTEND_FN(4, 128) ATTEND_FN(6, 128)
+ATTEND_FN(7, 128) ATTEND_FN(8, 128)
+
 #define ATTEND_CASE(G, D)                                                                      \
     if (g_n == G && d_n == D) {                                                                \
-        attend_one(q, kt, v, G, D, cap, start, end, scale, scores, out);                       \
+        attend_##G##_##D(q, kt, v, cap, start, end, scale, scores, out);                       \
         return;                                                                                \
     }
 
