@@ -27,7 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CPU_KERNELS_ENV = "SPLITSERVE_CPU_KERNELS"  # "0": never build or use the C kernels
-SOURCES = ("decode_attention.c", "gemv.c", "kv_append.c", "elementwise.c")
+SOURCES = ("decode_attention.c", "gemv.c", "kv_append.c", "elementwise.c", "greedy.c")
 HEADERS = ("bf16.h",)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -87,6 +87,9 @@ class CpuKernels:
         self._silu_mul = lib.silu_mul_bf16
         self._silu_mul.restype = None
         self._silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
+        self._greedy = lib.greedy_logprob_f32
+        self._greedy.restype = ctypes.c_int
+        self._greedy.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr]
         self._gemv = lib.gemv_packed_bf16
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr]
@@ -142,6 +145,19 @@ class CpuKernels:
         out = torch.empty(t, n2 // 2, dtype=torch.bfloat16)
         self._silu_mul(gate_up.data_ptr(), t, n2 // 2, out.data_ptr())
         return out
+
+    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Greedy tokens and their logprobs for float32 ``logits [B, V]`` (last dim
+        contiguous): ``argmax`` (first of equal maxima) and ``log_softmax`` at it, in one pass
+        per row. Returns ``(ids [B] int64, logprobs [B] float32)``, or None when a row holds
+        a NaN or no finite value (the caller's torch path then decides)."""
+        b, v = logits.shape
+        ids = torch.empty(b, dtype=torch.long)
+        logprobs = torch.empty(b, dtype=torch.float32)
+        rc = self._greedy(
+            logits.data_ptr(), logits.stride(0), b, v, ids.data_ptr(), logprobs.data_ptr()
+        )
+        return (ids, logprobs) if rc == 0 else None
 
     def kv_append(
         self,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from splitserve.engine.cpu_kernels import load_cpu_kernels
 from splitserve.messages import SamplingParams
 
 
@@ -57,6 +58,9 @@ class Sampler:
         logits = logits.float()
         is_greedy = [p.is_greedy for p in params]
         if all(is_greedy):
+            fast = _greedy_with_kernel(logits)
+            if fast is not None:
+                return fast
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = self._sample_mixed(logits, params, generators, is_greedy)
@@ -79,6 +83,15 @@ class Sampler:
         noise = _exponential_noise(probs, [generators[i] for i in rows])
         token_ids[row_index] = (probs / noise).argmax(dim=-1)
         return token_ids
+
+
+def _greedy_with_kernel(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """All-greedy rows on CPU: the C one-pass argmax + logprob (same tokens as ``argmax``;
+    the logprob equal to ``log_softmax`` up to float32 summation order), or None."""
+    if logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(1) != 1:
+        return None
+    kernels = load_cpu_kernels()
+    return None if kernels is None else kernels.greedy(logits)
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

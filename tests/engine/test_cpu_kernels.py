@@ -181,3 +181,19 @@ def test_norm_rope_silu_round_like_the_torch_ops() -> None:
         gate_up = (torch.randn(t, 2 * 96) * 4).to(torch.bfloat16)
         gate, up = gate_up.split(96, dim=-1)
         assert torch.equal(kernels.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_greedy_kernel_equals_argmax_and_log_softmax() -> None:
+    assert kernels is not None
+    torch.manual_seed(4)
+    logits = torch.randn(5, 49152) * 6
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie: the first index wins
+    logits[1, :100] = float("-inf")  # a grammar-masked row
+    out = kernels.greedy(logits)
+    assert out is not None
+    ids, logprobs = out
+    assert torch.equal(ids, logits.argmax(-1)) and int(ids[0]) == 7
+    ref = torch.log_softmax(logits, -1).gather(1, ids[:, None]).squeeze(1)
+    assert torch.allclose(logprobs, ref, atol=1e-5, rtol=1e-5)
+    logits[2, 3] = float("nan")
+    assert kernels.greedy(logits) is None  # the sampler keeps torch's NaN semantics
