@@ -21,14 +21,17 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
 CPU_KERNELS_ENV = "SPLITSERVE_CPU_KERNELS"  # "0": never build or use the C kernels
-SOURCES = ("decode_attention.c", "gemv.c", "kv_append.c", "elementwise.c", "greedy.c")
-HEADERS = ("bf16.h",)
+SOURCES = (
+    "decode_attention.c", "gemv.c", "kv_append.c", "elementwise.c", "greedy.c", "decode_layers.c"
+)
+HEADERS = ("bf16.h", "kernels.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -90,6 +93,10 @@ class CpuKernels:
         self._greedy = lib.greedy_logprob_f32
         self._greedy.restype = ctypes.c_int
         self._greedy.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr]
+        self._layers = lib.decode_layers_bf16
+        self._layers.restype = ctypes.c_int
+        self._layers.argtypes = [_i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _f32, _i64]
+        self._layers.argtypes += [_ptr] * 4 + [_i64] * 3 + [_ptr] * 4 + [_i64] * 2 + [_ptr] * 3
         self._gemv = lib.gemv_packed_bf16
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr]
@@ -158,6 +165,53 @@ class CpuKernels:
             logits.data_ptr(), logits.stride(0), b, v, ids.data_ptr(), logprobs.data_ptr()
         )
         return (ids, logprobs) if rc == 0 else None
+
+    def decode_layers(
+        self,
+        ptrs: torch.Tensor,
+        x: torch.Tensor,
+        cfg: Any,
+        rope: Any,
+        positions: torch.Tensor,
+        pool_buffer: torch.Tensor,
+        page_ids: torch.Tensor,
+        offsets: torch.Tensor,
+        kt: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        cache_positions: torch.Tensor,
+        lens: torch.Tensor,
+        window: int | None,
+    ) -> int:
+        """Every decoder layer of a decode-only step in one call (``decode_layers.c``); the
+        caller (:mod:`splitserve.engine.decode_layers`) checks that it applies.
+
+        Args:
+            ptrs: ``[L * 10]`` int64 per-layer weight addresses (``decode_layers.layer_pointers``).
+            x: ``[M, hidden]`` bfloat16 contiguous hidden states, updated in place.
+            cfg: the ``ModelConfig`` (sizes, ``rms_norm_eps``).
+            rope: the model's ``RotaryEmbedding`` (float32 tables).
+            positions: ``[M]`` int64 token positions.
+            pool_buffer: the KV pool ``[pages, L, 2, page_size, Hkv, D]`` bfloat16 contiguous.
+            page_ids: ``[M]`` int64 page of each new token; offsets: ``[M]`` its slot there.
+            kt: ``[L, slots, Hkv, D, cap]`` decode-cache keys; v: ``[L, slots, Hkv, cap, D]``.
+            slots: ``[M]`` int64 cache slot of each row; cache_positions: ``[M]`` its position.
+            lens: ``[M]`` int64 KV length after the step.
+            window: sliding window, or None.
+
+        Returns:
+            0, or the failing kernel's error code (-1: out of memory).
+        """
+        m, hid = x.shape
+        return self._layers(
+            ptrs.numel() // 10, ptrs.data_ptr(), x.data_ptr(), m, hid, cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
+            cfg.head_dim**-0.5, window or 0, positions.data_ptr(), rope.cos.data_ptr(),
+            rope.sin.data_ptr(), pool_buffer.data_ptr(), pool_buffer.stride(1),
+            pool_buffer.stride(2), pool_buffer.stride(0), page_ids.data_ptr(),
+            offsets.data_ptr(), kt.data_ptr(), v.data_ptr(), kt.stride(0), kt.shape[4],
+            slots.data_ptr(), cache_positions.data_ptr(), lens.data_ptr(),
+        )
 
     def kv_append(
         self,

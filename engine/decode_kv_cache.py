@@ -165,6 +165,16 @@ class DecodeKVCache:
         self._layers_left -= 1
         return self.kt[layer], self.v[layer], plan.slots, plan.positions
 
+    def append_all_targets(
+        self, plan: DecodePlan
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`append_targets` for every layer at once (the fused decode layers write
+        them all): ``(kt [L, slots, Hkv, D, cap], v [L, slots, Hkv, cap, D], slots,
+        positions)``. Counts as every layer's append."""
+        assert self.kt is not None and self.v is not None
+        self._layers_left = 0
+        return self.kt, self.v, plan.slots, plan.positions
+
     def slot_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``kt [slots, Hkv, D, cap]`` and ``v [slots, Hkv, cap, D]`` of ``layer``, every slot
         (contiguous views; the C decode kernel indexes them by ``plan.slots``)."""

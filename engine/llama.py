@@ -6,11 +6,14 @@ tells the loader which row slice of a fused weight each Hugging Face tensor fill
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from splitserve.engine.attention import BaseAttentionBackend, create_attention_backend
 from splitserve.engine.cpu_kernels import SKINNY_MAX_ROWS, CpuKernels
+from splitserve.engine.decode_layers import FUSED_ENV, run_fused_decode_layers
 from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.layers import (
@@ -126,6 +129,8 @@ class LlamaForCausalLM(nn.Module):
         # modules, and with skinny_head the LM head of 1-3 rows.
         self.kernels: CpuKernels | None = None
         self.skinny_head: torch.Tensor | None = None
+        # Decode-only steps of 1-3 rows: every layer in one C call (engine/decode_layers.py).
+        self.fused_decode = os.environ.get(FUSED_ENV, "1") != "0"
 
     def pack_weights(self) -> bool:
         """Pre-pack every projection for oneDNN (CPU bfloat16 only; see ``layers.pack_weight``)
@@ -171,8 +176,9 @@ class LlamaForCausalLM(nn.Module):
         max_position = max(batch.seq_lens) - 1 if batch.seq_lens else None
         rope = self.rope.for_step(batch.positions, self.dtype, max_position, self.kernels)
         meta = self.attn_backend.prepare(batch, pool, self.config.sliding_window)
-        for layer in self.layers:
-            x = layer(x, rope, self.attn_backend, meta, pool)
+        if not (self.fused_decode and run_fused_decode_layers(self, x, meta, pool)):
+            for layer in self.layers:
+                x = layer(x, rope, self.attn_backend, meta, pool)
         # The norm is per row, so only the scored rows need it (and the vocab projection).
         h = self.norm(x[batch.logit_indices])
         logits = self.compute_logits(h)

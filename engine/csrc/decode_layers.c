@@ -1,0 +1,63 @@
+/* Every decoder layer of a decode-only step of 1-3 rows in one call: the same kernels, in the
+ * same order and with the same rounding, as the per-op path (llama.py with cpu_kernels), minus
+ * ~10 Python-level calls per layer (at batch 1 that overhead was ~1/4 of the step).
+ *
+ * Per layer l, from the hidden state x [m, H] (updated in place, the residual stream):
+ *   h = norm1(x); qkv = h W_qkv + b; RoPE on q, k; K/V into pool and decode cache;
+ *   a = attention(q); o = a W_o + b; x = x + o; n = norm2(x); x = x + down(silu(gate) * up).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+#include "kernels.h"
+
+/* Per-layer addresses, NPTR per layer in this order (0 for an absent bias). */
+enum { IN_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GU_W, GU_B, DOWN_W, DOWN_B, NPTR };
+
+#define P(l, i) ((const uint16_t *)(uintptr_t)ptrs[(l) * NPTR + (i)])
+
+/* dims: H, Hq, Hkv, D, I (intermediate); pool: this step's K of layer 0 page 0 at pool,
+ * layers layer_stride elements apart, V at + v_offset, pages page_stride apart; cache: kt / cv
+ * of layer 0, layers cache_stride apart (NULL kt: no cache, attention not supported then).
+ * Returns 0, -1 if out of memory, or a kernel's error code. */
+int decode_layers_bf16(int64_t n_layers, const int64_t *ptrs, uint16_t *x, int64_t m,
+                       int64_t hid, int64_t hq, int64_t hkv, int64_t d, int64_t inter,
+                       float eps, float scale, int64_t window, const int64_t *positions,
+                       const float *cos_table, const float *sin_table, uint16_t *pool,
+                       int64_t layer_stride, int64_t v_offset, int64_t page_stride,
+                       const int64_t *page_ids, const int64_t *offsets, uint16_t *ckt,
+                       uint16_t *cv, int64_t cache_stride, int64_t cap, const int64_t *slots,
+                       const int64_t *pos, const int64_t *lens) {
+    int64_t nqkv = (hq + 2 * hkv) * d;
+    size_t need = (size_t)m * (size_t)(hid + nqkv + hq * d + hid + 2 * inter + inter + hid);
+    uint16_t *buf = malloc(sizeof(uint16_t) * need);
+    if (!buf) return -1;
+    uint16_t *h = buf, *qkv = h + m * hid, *att = qkv + m * nqkv, *o = att + m * hq * d;
+    uint16_t *gu = o + m * hid, *act = gu + m * 2 * inter, *dn = act + m * inter;
+    int rc = 0;
+    for (int64_t l = 0; l < n_layers && rc == 0; l++) {
+        rms_norm_bf16(x, hid, NULL, P(l, IN_NORM), eps, m, hid, NULL, h);
+        rc = gemv_packed_bf16(h, hid, m, P(l, QKV_W), P(l, QKV_B), nqkv, hid, qkv);
+        if (rc) break;
+        rope_bf16(qkv, nqkv, m, hq + hkv, d, positions, cos_table, sin_table);
+        uint16_t *pk = pool + l * layer_stride;
+        kv_append_bf16(qkv + hq * d, nqkv, qkv + (hq + hkv) * d, nqkv, m, hkv, d, pk,
+                       pk + v_offset, page_stride, page_ids, offsets, ckt + l * cache_stride,
+                       cv + l * cache_stride, cap, slots, pos);
+        rc = decode_attention_bf16(qkv, nqkv, ckt + l * cache_stride, cv + l * cache_stride,
+                                   slots, lens, m, hkv, hq / hkv, d, cap, window, scale, att);
+        if (rc) break;
+        rc = gemv_packed_bf16(att, hq * d, m, P(l, O_W), P(l, O_B), hid, hq * d, o);
+        if (rc) break;
+        rms_norm_bf16(o, hid, x, P(l, POST_NORM), eps, m, hid, x, h); /* x += o; h = norm */
+        rc = gemv_packed_bf16(h, hid, m, P(l, GU_W), P(l, GU_B), 2 * inter, hid, gu);
+        if (rc) break;
+        silu_mul_bf16(gu, m, inter, act);
+        rc = gemv_packed_bf16(act, inter, m, P(l, DOWN_W), P(l, DOWN_B), hid, inter, dn);
+        for (int64_t i = 0; i < m * hid; i++)
+            x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(dn[i]));
+    }
+    free(buf);
+    return rc;
+}

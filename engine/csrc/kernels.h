@@ -1,0 +1,25 @@
+/* Prototypes of the CPU kernels, for the fused decode layers (decode_layers.c). */
+#ifndef SPLITSERVE_KERNELS_H
+#define SPLITSERVE_KERNELS_H
+
+#include <stdint.h>
+
+int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kt,
+                          const uint16_t *v, const int64_t *slots, const int64_t *lens,
+                          int64_t rows, int64_t hkv, int64_t g_n, int64_t d_n, int64_t cap,
+                          int64_t window, float scale, uint16_t *out);
+int gemv_packed_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *wp,
+                     const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y);
+void kv_append_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
+                    int64_t t, int64_t hkv, int64_t d, uint16_t *pool_k, uint16_t *pool_v,
+                    int64_t page_stride, const int64_t *page_ids, const int64_t *offsets,
+                    uint16_t *ckt, uint16_t *cv, int64_t cap, const int64_t *slots,
+                    const int64_t *pos);
+void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual,
+                   const uint16_t *w, float eps, int64_t t, int64_t h, uint16_t *res_out,
+                   uint16_t *out);
+void rope_bf16(uint16_t *qk, int64_t row_stride, int64_t t, int64_t heads, int64_t d,
+               const int64_t *positions, const float *cos_table, const float *sin_table);
+void silu_mul_bf16(const uint16_t *gate_up, int64_t t, int64_t n, uint16_t *out);
+
+#endif
