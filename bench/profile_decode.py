@@ -85,7 +85,8 @@ class CpuClock:
 
 def instrument(sched: Scheduler) -> CpuClock:
     """Time every projection (and the LM head) as "matmul", the attention backend as
-    "attention" (gather, K/V write and the attention products), and sampling."""
+    "attention" (gather, K/V write and the attention products), sampling, and the fused C
+    decode layers (which then hold the projections and attention of small steps)."""
     from splitserve.engine.layers import Linear
 
     clock = CpuClock()
@@ -100,6 +101,14 @@ def instrument(sched: Scheduler) -> CpuClock:
     backend.prepare = clock.wrap("attention prepare", backend.prepare)
     sampler = sched.runner.sampler
     sampler.sample = clock.wrap("sampling", sampler.sample)
+    import splitserve.engine.llama as llama_module
+
+    if hasattr(llama_module, "run_fused_decode_layers"):
+        # Decode-only steps of 1-3 rows run every layer in one C call (projections, attention,
+        # norms, RoPE together): timed as one kind.
+        llama_module.run_fused_decode_layers = clock.wrap(
+            "fused layers (C)", llama_module.run_fused_decode_layers
+        )
     return clock
 
 
