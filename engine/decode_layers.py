@@ -67,7 +67,7 @@ def run_fused_decode_layers(
         return False
     if backend._kernels_for(pool, cfg.num_heads) is None or not pool.buffer.is_contiguous():
         return False
-    ptrs = getattr(model, "_fused_layer_ptrs", None)
+    ptrs = model._fused_layer_ptrs  # type: ignore[attr-defined]
     if ptrs is None:
         ptrs = layer_pointers(model)
         if ptrs is None:

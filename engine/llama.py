@@ -129,8 +129,10 @@ class LlamaForCausalLM(nn.Module):
         # modules, and with skinny_head the LM head of 1-3 rows.
         self.kernels: CpuKernels | None = None
         self.skinny_head: torch.Tensor | None = None
-        # Decode-only steps of 1-3 rows: every layer in one C call (engine/decode_layers.py).
+        # Decode-only steps of 1-3 rows: every layer in one C call (engine/decode_layers.py),
+        # which reads the packed weights through this address table (made on first use).
         self.fused_decode = os.environ.get(FUSED_ENV, "1") != "0"
+        self._fused_layer_ptrs: torch.Tensor | None = None
 
     def pack_weights(self) -> bool:
         """Pre-pack every projection for oneDNN (CPU bfloat16 only; see ``layers.pack_weight``)
@@ -145,6 +147,7 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         self.packed_head = pack_weight(head.data)
         self.kernels, self.skinny_head = pack_skinny(head)
+        self._fused_layer_ptrs = None  # the old packed weights are gone
         for module in self.modules():
             if isinstance(module, RMSNorm | GatedMLP):
                 module.kernels = self.kernels
