@@ -419,6 +419,7 @@ def open_target(spec: tuple[str, str], args: argparse.Namespace) -> Iterator[Tar
         kw: dict[str, Any] = {
             "max_running": args.max_running,
             "threads_per_worker": args.threads_per_worker,
+            "cuda_graph": not args.disable_cuda_graph,
         }
         if args.cpu_affinity:
             kw["cpu_affinity"] = args.cpu_affinity
@@ -472,6 +473,42 @@ def run_target(
     return runs
 
 
+def run_hf_static(works: list[Workload], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The ``transformers`` static-batch baseline (bench/hf_static.py): one run per concurrency
+    level, the batch size being the level."""
+    from hf_static import generate_static, load_hf
+
+    device = args.hf_device or ("cuda" if _cuda_available() else "cpu")
+    name = f"transformers static ({device})"
+    model, tok = load_hf(args.model_path, args.dtype, device)
+    prompts = [w.prompt for w in works]
+    generate_static(model, tok, prompts[:2], min(8, args.output_len), 2)  # warm-up
+    runs = []
+    for c in args.concurrency:
+        records, wall = generate_static(model, tok, prompts, args.output_len, c)
+        outs = [RequestOutput(tag="", **r) for r in records]
+        s = summarize(outs, wall, {})
+        print_summary(name, f"c={c}", s)
+        runs.append(
+            {"target": name, "url": "", "load": f"c={c}", "load_kind": "concurrency",
+             "load_value": c, "summary": s,
+             "raw": {"ttft": [o.ttft for o in outs], "e2e": [o.latency for o in outs],
+                     "itl": [x for o in outs for x in o.itls], "tpot": [o.tpot for o in outs]}}
+        )  # fmt: skip
+    del model
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+    return runs
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -485,6 +522,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["disaggregated", "colocated"],
         help="start a local splitserve cluster",
     )
+    t.add_argument(
+        "--hf-static",
+        action="store_true",
+        help="first, transformers generate on static batches (batch = concurrency level) in "
+        "this process (bench/hf_static.py): the in-process baseline",
+    )
+    t.add_argument("--hf-device", default=None, help="--hf-static device (default: cuda if any)")
     t.add_argument(
         "--served-model",
         default=None,
@@ -511,6 +555,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pin workers, e.g. 'prefill=0 decode=1' or 'colocated=0,1'",
     )
     c.add_argument("--max-running", type=int, default=64)
+    c.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="launched CUDA workers decode eagerly (SPLITSERVE_DEVICE=cuda)",
+    )
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
     d.add_argument("--num-prompts", type=int, default=64)
@@ -545,8 +594,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--out", type=Path, default=None, help="folder for results.json and PNGs")
     o.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
-    if not args.base_url and not args.launch:
-        p.error("give at least one --base-url or --launch")
+    if not args.base_url and not args.launch and not args.hf_static:
+        p.error("give at least one --base-url, --launch or --hf-static")
+    if args.hf_static and (args.request_rate or args.prompt_format != "ids"):
+        p.error("--hf-static runs static batches: use --concurrency and --prompt-format ids")
     return args
 
 
@@ -569,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     specs = [("url", u) for u in args.base_url] + [("launch", m) for m in args.launch]
-    runs: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = run_hf_static(works, args) if args.hf_static else []
     for spec in specs:
         with open_target(spec, args) as target:
             runs += run_target(target, works, args, slos)

@@ -143,7 +143,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, pool: KVPool, return_hidden: bool = False
+        self,
+        batch: ForwardBatch,
+        pool: KVPool,
+        return_hidden: bool = False,
+        meta: object | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one step: extend every sequence's KV in ``pool`` and score ``batch.logit_indices``.
 
@@ -151,6 +155,8 @@ class LlamaForCausalLM(nn.Module):
             batch: the step's tokens, positions and page mapping.
             pool: KV pool whose layout matches ``config.kv_layout``.
             return_hidden: also return the final-normed hidden states of the scored tokens.
+            meta: attention metadata built ahead for ``batch`` (CUDA-graph capture builds it
+                from static buffers: ``engine.cuda_graph``); None builds it here.
 
         Returns:
             ``logits [N, vocab]`` float32 for the ``N`` tokens in ``batch.logit_indices``, or
@@ -160,7 +166,8 @@ class LlamaForCausalLM(nn.Module):
         # Positions end at seq_len - 1: the bound check needs no read of the positions tensor.
         max_position = max(batch.seq_lens) - 1 if batch.seq_lens else None
         cos, sin = self.rope.cos_sin(batch.positions, self.dtype, max_position)
-        meta = self.attn_backend.prepare(batch, pool, self.config.sliding_window)
+        if meta is None:
+            meta = self.attn_backend.prepare(batch, pool, self.config.sliding_window)
         for layer in self.layers:
             x = layer(x, cos, sin, self.attn_backend, meta, pool)
         # The norm is per row, so only the scored rows need it (and the vocab projection).

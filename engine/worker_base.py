@@ -15,6 +15,7 @@ import torch
 import zmq
 
 from splitserve.config import WorkerArgs
+from splitserve.engine.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphRunner
 from splitserve.engine.grammar.worker_grammars import CompileDone, create_worker_grammars
 from splitserve.engine.heartbeat import Heartbeat
 from splitserve.engine.loader import load_model
@@ -73,6 +74,7 @@ class BaseWorker:
             ModelRunner(
                 model, self.pool, device, vocab_size=self.model_config.vocab_size,
                 overlap_grammar_mask=args.overlap_grammar_mask,
+                decode_graphs=self._capture_decode_graphs(model, device),
             ),
             SchedulerConfig(
                 max_batch_tokens=args.max_batch_tokens,
@@ -108,6 +110,21 @@ class BaseWorker:
             self.role, args.worker_id, args.model_path, args.dtype, device,
             type(model.attn_backend).__name__, num_pages - 1, args.page_size, args.addr,
         )
+
+    def _capture_decode_graphs(
+        self, model: torch.nn.Module, device: str
+    ) -> DecodeGraphRunner | None:
+        """CUDA graphs for decode steps of up to ``max_running`` rows, on CUDA workers that
+        decode (colocated, decode) unless ``--disable-cuda-graph``; else None."""
+        if (
+            not self.args.cuda_graph
+            or self.role == "prefill"
+            or torch.device(device).type != "cuda"
+            or not hasattr(model.attn_backend, "decode_metadata")
+        ):
+            return None
+        sizes = tuple(n for n in DEFAULT_BATCH_SIZES if n < self.args.max_running)
+        return DecodeGraphRunner(model, self.pool, sizes + (self.args.max_running,))
 
     # ---- main loop ----------------------------------------------------------------------------
 

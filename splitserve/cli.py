@@ -36,6 +36,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="no prefix reuse on prefill/colocated workers (the cache-off baseline)")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run decode steps eagerly on CUDA (no CUDA-graph capture)")
     p.add_argument("--log-level", default="warning")
 
 
@@ -169,6 +171,7 @@ def _cluster_spec(args: argparse.Namespace, colocated: bool):
         overlap_grammar_mask=not args.disable_mask_overlap,
         log_level=args.log_level,
         disable_radix_cache=args.disable_radix_cache,
+        cuda_graph=not args.disable_cuda_graph,
         routing=args.routing,
         api_key=args.api_key,
         curve_keys=args.curve_keys,
@@ -287,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
                 jump_forward=not args.disable_jump_forward,
                 overlap_grammar_mask=not args.disable_mask_overlap,
                 disable_radix_cache=args.disable_radix_cache,
+                cuda_graph=not args.disable_cuda_graph,
             ),
             args.log_level,
         )

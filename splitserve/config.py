@@ -32,6 +32,7 @@ class WorkerArgs:
     jump_forward: bool = True  # append grammar-forced tokens without sampling them
     overlap_grammar_mask: bool = True  # fill grammar masks on a thread during the forward pass
     disable_radix_cache: bool = False  # prefill/colocated only; decode never caches
+    cuda_graph: bool = True  # on CUDA, replay captured graphs for decode steps (engine.cuda_graph)
 
 
 ROLES = ("prefill", "decode", "colocated")

@@ -48,6 +48,7 @@ class ClusterSpec:
     overlap_grammar_mask: bool = True  # grammar masks filled on a thread during the forward pass
     log_level: str = "warning"
     disable_radix_cache: bool = False
+    cuda_graph: bool = True  # decode steps replayed as CUDA graphs (CUDA workers only)
     routing: str = "cache_aware"  # prefill worker choice: "cache_aware" | "round_robin"
     api_key: str | None = None  # passed to children in the environment, not on the command line
     curve_keys: str | None = None  # CURVE key file: encrypted, authenticated worker links
@@ -169,6 +170,7 @@ class Cluster:
                 *([] if s.jump_forward else ["--disable-jump-forward"]),
                 *([] if s.overlap_grammar_mask else ["--disable-mask-overlap"]),
                 *cache_flag,
+                *([] if s.cuda_graph else ["--disable-cuda-graph"]),
             ], n)
         server_args = ["api-server", "--model", s.model_path, "--host", s.host, "--port",
                        str(s.port), "--inbox", server_inbox, "--routing", s.routing, "--max-body-bytes",
