@@ -14,8 +14,8 @@
 # Steps, each under its own timeout (cut to what is left of $GPU_CHECK_BUDGET_S, default 540 s),
 # carrying on after a failure; the order is by priority:
 #   1. the machine (nvidia-smi, python, torch, triton);
-#   2. import path: the wheels into /tmp/site, and a shim folder mapping splitserve.<component>
-#      onto the repo's top-level folders (what pyproject's package-dir does for `pip install -e`);
+#   2. import path: the wheels into /tmp/site, and links splitserve/<component> -> ../<component>
+#      (what pyproject's package-dir does for `pip install -e`);
 #   3. Triton kernel tests and CUDA-graph decode tests, compiled and captured on CUDA;
 #   4. the SmolLM2-shaped random model; its greedy tokens on CUDA (Triton backend, float32) equal
 #      transformers' (tests/engine/test_default_model_vs_hf.py pointed at it);
@@ -72,12 +72,15 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     --target /tmp/site .whl/*.whl 2>&1 | tail -n 3
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-SHIM=$(mktemp -d)
-cp -r splitserve "$SHIM/splitserve"
-for d in engine prefill decode kv_transfer radix_cache lang server; do
-  [ -d "$d" ] && ln -s "$PWD/$d" "$SHIM/splitserve/$d"
-done
-export PYTHONPATH=$SHIM:$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Links inside the tree's own splitserve/ (the device's throwaway copy; skipped where splitserve is
+# installed): pytest and `python -m splitserve` put the repo root first on sys.path, so a shim
+# folder elsewhere on PYTHONPATH would be shadowed by the repo's splitserve/.
+if ! "$PY" -c "import splitserve.engine" 2>/dev/null; then
+  for d in engine prefill decode kv_transfer radix_cache lang server; do
+    [ -d "$d" ] && [ ! -e "splitserve/$d" ] && ln -s "../$d" "splitserve/$d"
+  done
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 "$PY" -c "import splitserve.engine.triton_attention, splitserve.server.app; print('import ok')" \
   2>&1 | tee -a "$OUT/logs.txt"
 

@@ -558,7 +558,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_argument(
         "--disable-cuda-graph",
         action="store_true",
-        help="launched CUDA workers decode eagerly (SPLITSERVE_DEVICE=cuda)",
+        help="launched CUDA workers (--device cuda or $SPLITSERVE_DEVICE) decode eagerly",
     )
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")

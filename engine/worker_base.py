@@ -7,7 +7,6 @@ worker when a request comes without a prefill peer).
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 
@@ -43,9 +42,6 @@ from splitserve.radix_cache.prefix_cache import create_prefix_cache
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGES_PER_STEP = 256  # bound the time spent draining the inbox between forward passes
-# Where the model and KV pool live ("cpu" unless set, e.g. "cuda" for bench/gpu_check.sh). An
-# environment variable rather than a CLI flag for now: the GPU path is not yet a served setup.
-DEVICE_ENV = "SPLITSERVE_DEVICE"
 COMPILE_POLL_MS = 5  # inbox wait while only grammar compiles are pending (no busy loop)
 
 
@@ -59,7 +55,7 @@ class BaseWorker:
         if args.num_threads > 0:
             torch.set_num_threads(args.num_threads)
         dtype = getattr(torch, args.dtype)
-        device = os.environ.get(DEVICE_ENV, "cpu")
+        device = args.device
         model, self.model_config = load_model(args.model_path, dtype=dtype, device=device)
         layout = self.model_config.kv_layout(args.page_size, args.dtype)
         num_pages = max(2, args.kv_cache_mb * 2**20 // layout.page_bytes)

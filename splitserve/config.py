@@ -19,6 +19,7 @@ class WorkerArgs:
     server_addr: str
     model_path: str
     dtype: str = "float32"
+    device: str = "cpu"  # "cpu" | "cuda": where the model and the KV pool live
     page_size: int = 16
     kv_cache_mb: int = 512
     max_batch_tokens: int = 2048
