@@ -4,7 +4,10 @@
 # The device machine has no network and its own python3 (torch with CUDA, Triton, transformers,
 # pytest). What travels with the repo (64 MiB in all), prepared on the CPU machine:
 #   .whl/          wheels of the server's other dependencies for that python (pyzmq, msgspec,
-#                  fastapi, starlette, pydantic(-core), uvicorn, xgrammar, outlines-core, ...);
+#                  fastapi, starlette, pydantic(-core), uvicorn, xgrammar, apache-tvm-ffi,
+#                  outlines-core, opentelemetry-api, typing-extensions, annotated-doc; for step 9
+#                  openai, httpx2, httpcore2, jiter, truststore, sniffio, idna, jsonschema,
+#                  jsonschema-specifications, referencing, rpds-py: 14 MB in all);
 #                  see /work/.library/device/README.md for the `pip download` line;
 #   .gpu_carry/SmolLM2-135M-Instruct/  config.json, tokenizer and chat template of the default
 #                  model. Its weights cannot travel (517 MB float32; 94 MB even as Q4_1 GGUF), so
@@ -23,7 +26,11 @@
 #      a colocated splitserve cluster with CUDA graphs (bf16), concurrency 1 and 32;
 #   6. the same cluster without CUDA graphs (--disable-cuda-graph): what capture buys;
 #   7. tiny Llama-family models (5 variants) vs transformers at 1e-4 in float32, on CUDA;
-#   8. attention timing, Triton vs the torch SDPA backend (bench/attention_bench.py), bf16.
+#   8. attention timing, Triton vs the torch SDPA backend (bench/attention_bench.py), bf16;
+#   9. the served end-to-end tests on CUDA clusters (float32, CUDA graphs): greedy equals
+#      transformers colocated and disaggregated, the OpenAI API, grammar-constrained requests, no
+#      page leaks; minus the tests that need the real model's text (it counts, says "Paris",
+#      closes a JSON object) or ../shared's data. Needs openai and jsonschema in .whl too.
 #
 # Usage (repo root):  OUT=/some/dir bash bench/gpu_check.sh
 # Results (five files: the device tool brings back at most eight): $OUT/summary.txt (one
@@ -127,6 +134,11 @@ step tiny_models_vs_hf 120 "${PYTEST[@]}" tests/engine/test_model_vs_hf.py
 
 # 8. Attention timing, Triton vs torch SDPA backend.
 step attention_bench 90 "$PY" bench/attention_bench.py --out "$OUT/attention_bench.json"
+
+# 9. Served end-to-end tests on CUDA (the clusters inherit SPLITSERVE_DEVICE).
+step e2e_on_cuda 180 "${PYTEST[@]}" tests/e2e/test_greedy_vs_hf.py tests/e2e/test_openai_api.py \
+  tests/e2e/test_grammar.py \
+  -k "not jsonschemabench and not chat_non_streaming and not stop_string and not json_object"
 
 echo "--- summary"
 cat "$SUMMARY"
