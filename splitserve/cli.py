@@ -136,7 +136,16 @@ def _model_path(model: str | None) -> str:
 
 
 def _dtype(name: str, device: str, report: bool = False) -> str:
-    """Resolve ``--dtype auto`` (once, in the launcher, so that every worker agrees)."""
+    """Resolve ``--dtype auto`` (once, in the launcher, so that every worker agrees); exit with
+    a clear message when ``device`` is cuda and torch sees no GPU."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit(
+                f"error: --device cuda, but torch {torch.__version__} sees no CUDA GPU "
+                "(a CPU build of torch, or no driver): use --device cpu"
+            )
     dtype, why = resolve_dtype(name, device)
     if report:
         print(f"splitserve: dtype {dtype} ({why})", file=sys.stderr, flush=True)
