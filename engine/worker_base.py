@@ -16,7 +16,7 @@ import zmq
 from splitserve.config import WorkerArgs
 from splitserve.engine.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphRunner
 from splitserve.engine.grammar.worker_grammars import CompileDone, create_worker_grammars
-from splitserve.engine.heartbeat import Heartbeat
+from splitserve.engine.heartbeat import Heartbeat, rejoin_router
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Req
@@ -107,6 +107,19 @@ class BaseWorker:
             type(model.attn_backend).__name__, num_pages - 1, args.page_size, args.addr,
         )
 
+    def _rejoin(self) -> tuple[str, WorkerReady] | None:
+        """On the heartbeat thread: register with the router again; when it had forgotten us
+        (restarted), send replies to its inbox from now on and return that inbox and the ready
+        announcement for the heartbeat to send (engine.heartbeat)."""
+        a = self.args
+        assert a.router_url is not None
+        inbox = rejoin_router(a.router_url, self.role, a.worker_id, a.addr, a.api_key)
+        if inbox is None:
+            return None
+        logger.warning("router %s did not know this worker (restarted?): rejoined", a.router_url)
+        a.server_addr = inbox  # one attribute store: the main loop reads it on every send
+        return inbox, WorkerReady(a.worker_id, self.role, a.addr)
+
     def _capture_decode_graphs(
         self, model: torch.nn.Module, device: str
     ) -> DecodeGraphRunner | None:
@@ -127,7 +140,10 @@ class BaseWorker:
     def serve_forever(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopped", True))
         self.send(self.args.server_addr, WorkerReady(self.args.worker_id, self.role, self.args.addr))
-        beat = Heartbeat(self.ctx, self.args.server_addr, self.stats, configure=self._curve_client)
+        beat = Heartbeat(
+            self.ctx, self.args.server_addr, self.stats, configure=self._curve_client,
+            rejoin=self._rejoin if self.args.router_url else None,
+        )
         beat.start()
         try:
             while not self.stopped:
