@@ -40,7 +40,7 @@ from splitserve.messages import KVBootstrap, KVPages
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.001  # receiver progress interval with no write in flight
+IDLE_POLL_S = 0.005  # receiver progress interval with no write in flight (~1.5% of a core)
 BUSY_POLL_S = 20e-6  # progress interval while a write is in flight (both sides)
 BUSY_TIMEOUT_S = 5.0  # receiver: busy without any notification this long -> idle
 WRITE_TIMEOUT_S = 60.0  # sender: a write still in progress after this fails
