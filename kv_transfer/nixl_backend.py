@@ -54,7 +54,8 @@ def _start_agent(role: str, pool: KVPool):
         ``(agent, registration)``; ``registration`` is what ``deregister_memory`` takes.
 
     Raises:
-        ValueError: NIXL is not installed, or it has no UCX plugin.
+        ValueError: NIXL is not installed, its UCX backend is missing or fails to start, or the
+            pool is not in host memory.
     """
     try:
         from nixl._api import nixl_agent, nixl_agent_config
@@ -62,11 +63,16 @@ def _start_agent(role: str, pool: KVPool):
         raise ValueError(
             f"KV transfer backend 'nixl' needs NIXL: pip install 'splitserve[nixl]' ({exc})"
         ) from exc
+    buf = pool.buffer
+    if buf.device.type != "cpu":
+        raise ValueError(f"the nixl KV transfer backend registers host memory, not {buf.device}")
     name = f"splitserve-{role}-{os.getpid()}-{secrets.token_hex(4)}"
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    try:
+        agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    except Exception as exc:  # NIXL's own error types (e.g. a UCX_TLS naming no transport)
+        raise ValueError(f"NIXL agent with the UCX backend failed to start: {exc}") from exc
     if "UCX" not in agent.backends:
         raise ValueError(f"NIXL has no UCX backend here (plugins: {agent.get_plugin_list()})")
-    buf = pool.buffer
     reg = agent.register_memory([(buf.data_ptr(), buf.numel() * buf.element_size(), 0, "")], "DRAM")
     return agent, reg
 
@@ -83,7 +89,7 @@ class NixlKVSender(BaseOneSidedSender):
     """One-sided NIXL writes into the decode pool, on a background thread.
 
     Raises (constructor):
-        ValueError: NIXL or its UCX backend is missing.
+        ValueError: as :func:`_start_agent`.
     """
 
     name = "nixl"
@@ -139,7 +145,7 @@ class NixlKVReceiver(BaseKVReceiver):
     peer before the header arrives.
 
     Raises (constructor):
-        ValueError: NIXL or its UCX backend is missing.
+        ValueError: as :func:`_start_agent`.
     """
 
     name = "nixl"
