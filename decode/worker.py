@@ -302,6 +302,10 @@ class DecodeWorker(BaseWorker):
     def num_transferring(self) -> int:
         return len(self.awaiting_kv)
 
+    def close_kv_transfer(self) -> None:
+        """Close the KV receiver (nixl: stop its progress thread; shm: unlink the segment)."""
+        self.receiver.close()
+
     def stats(self, query_id: int = 0) -> WorkerStats:
         s = super().stats(query_id)
         s.num_waiting += len(self.admission) + len(self.compiling_local)

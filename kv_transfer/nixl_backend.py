@@ -10,7 +10,9 @@ requests fenced until this worker acknowledges that its writes ended).
 
 UCX picks the transport: on one host the put is a single ``process_vm_writev`` copy (UCX's
 ``cma``), between hosts TCP, RDMA (verbs) where present. ``UCX_TLS`` / ``UCX_NET_DEVICES`` in both
-workers' environment restrict it (``UCX_TLS=tcp UCX_NET_DEVICES=lo`` forces loopback TCP).
+workers' environment restrict it (``UCX_TLS=tcp UCX_NET_DEVICES=lo`` forces loopback TCP). On a
+machine without RDMA devices the backend sets ``UCX_MODULES=^ib`` unless it is set (see
+:func:`_start_agent`).
 
 Progress: a UCX target must progress its worker for TCP data (and for every transport's
 connection set-up), so the receiver runs a thread that polls NIXL's notifications: every
@@ -28,6 +30,7 @@ import os
 import secrets
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -66,6 +69,11 @@ def _start_agent(role: str, pool: KVPool):
     buf = pool.buffer
     if buf.device.type != "cpu":
         raise ValueError(f"the nixl KV transfer backend registers host memory, not {buf.device}")
+    if not any(Path("/sys/class/infiniband").glob("*")):
+        # No RDMA device: keep UCX from loading its ib modules. NIXL 1.5.1's wheel bundles a
+        # libnl-route that they link, and its destructor segfaulted every process that had
+        # started a UCX agent, at exit (measured here; exit status 139).
+        os.environ.setdefault("UCX_MODULES", "^ib")
     name = f"splitserve-{role}-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
