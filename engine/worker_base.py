@@ -155,9 +155,16 @@ class BaseWorker:
                 self.auth.stop()
             self.grammars.service.shutdown()
             self.scheduler.runner.close()
+            # Backend threads (mooncake/nixl writers, nixl's progress thread) stop before the
+            # interpreter exits: a nixl thread still inside UCX at exit crashed the process.
+            self.close_kv_transfer()
             self.inbox.close()
             self.outbox.close()
             self.ctx.term()
+
+    def close_kv_transfer(self) -> None:
+        """Release this worker's KV transfer backend (threads, registrations, mappings); called
+        once when :meth:`serve_forever` ends. Nothing by default."""
 
     def run_once(self, idle_wait_ms: int = 0) -> None:
         """Drain the inbox, expire timed-out requests, run one step if there is work."""
