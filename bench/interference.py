@@ -26,16 +26,8 @@ from typing import Any
 
 import httpx
 from common import launch_cluster, load_prompts, percentile, random_prompts, resolve_model
-from serving import (
-    RequestOutput,
-    Target,
-    Workload,
-    first_model,
-    meets_slos,
-    parse_slos,
-    poisson_starts,
-    send_request,
-)
+from serving import Target, Workload, first_model, poisson_starts, send_request
+from serving_metrics import RequestOutput, meets_slos, parse_slos
 
 MODES = {
     # name: (cluster mode, CPU affinity, threads per worker)

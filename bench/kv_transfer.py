@@ -11,7 +11,8 @@ acknowledgement. Baselines: ``memcpy`` (a large torch copy, one thread) and raw 
 (one stream: ``sendall`` to a process doing ``recv_into``). All links are set up first, then timed
 in alternating rounds (one transfer each per round) so that load from other processes hits them
 alike; best and median of ``--repeats`` rounds. Goals (issue 7): shm >= 50%
-of memcpy; zmq >= 80% of TCP; mooncake >= zmq. TTFT: a 1-token completion per prompt length,
+of memcpy; zmq >= 80% of TCP; the RDMA-capable engines (mooncake, nixl; nixl-tcp: nixl with UCX
+restricted to loopback TCP) >= zmq. TTFT: a 1-token completion per prompt length,
 and a 2-token one (the second token waits for the last chunk's pages), colocated and
 disaggregated clusters up at once and measured alternately; goal <= 10% overhead.
 """
@@ -37,6 +38,9 @@ from splitserve.messages import KVBootstrap
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, dtype="float32")
 MIB = 2**20
+# Bench-only variants: a backend run with extra environment in both processes.
+# nixl-tcp: NIXL with UCX restricted to loopback TCP (by default UCX picks cma on one host).
+VARIANTS = {"nixl-tcp": ("nixl", {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"})}
 
 
 def gbps(num_bytes: int, seconds: float) -> float:
@@ -122,7 +126,8 @@ class TcpLink:
         self.proc.join(30)
 
 
-def _receiver(backend: str, num_pages: int, conn) -> None:
+def _receiver(backend: str, num_pages: int, conn, env: dict[str, str]) -> None:
+    os.environ.update(env)
     pool = create_kv_pool(backend, "decode", LAYOUT, num_pages)
     receiver = create_kv_receiver(backend, pool)
     ctx = zmq.Context()
@@ -152,19 +157,30 @@ class BackendLink:
     default model's layout) to a receiver process that installs them and acknowledges the last
     message; time = send call to acknowledgement."""
 
-    def __init__(self, backend: str, size: int, pool: KVPool) -> None:
-        self.name = backend
+    def __init__(self, name: str, size: int, pool: KVPool) -> None:
+        self.name = name
+        backend, env = VARIANTS.get(name, (name, {}))
+        self.backend = backend
         n = size // LAYOUT.page_bytes
         self.pages = list(range(1, n + 1))
         self.num_bytes = n * LAYOUT.page_bytes
         self.parent, child = mp.Pipe()
-        self.proc = mp.get_context("spawn").Process(target=_receiver, args=(backend, n + 1, child))
+        self.proc = mp.get_context("spawn").Process(target=_receiver, args=(backend, n + 1, child, env))
         self.proc.start()
         self.dst_addr, self.endpoint = self.parent.recv()
         self.ctx = zmq.Context()
         self.acks = Inbox(self.ctx, free_tcp_addr())
         self.parent.send(self.acks.addr)
-        self.sender = create_kv_sender(backend, pool, Outbox(self.ctx))
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # read when the backend's engine starts
+        try:
+            self.sender = create_kv_sender(backend, pool, Outbox(self.ctx))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
         self.count = 0
         self._one(2)  # connect and warm up
 
@@ -173,7 +189,7 @@ class BackendLink:
         rid = f"r{self.count}"
         pages = self.pages[:num_pages]
         boot = KVBootstrap(rid=rid, dst_addr=self.dst_addr, page_ids=pages,
-                           layout=layout_to_msg(LAYOUT), kv_transfer=self.name,
+                           layout=layout_to_msg(LAYOUT), kv_transfer=self.backend,
                            endpoint=self.endpoint)
         t0 = time.perf_counter()
         self.sender.send(boot, pages, pages, last=True, first_token=0)
@@ -286,8 +302,10 @@ def _port() -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[64, 512])
-    avail = ["zmq", "shm"] + (["mooncake"] if importlib.util.find_spec("mooncake") else [])
-    p.add_argument("--backends", nargs="+", default=avail)
+    avail = ["zmq", "shm"] + [b for b in ("mooncake", "nixl") if importlib.util.find_spec(b)]
+    avail += ["nixl-tcp"] if "nixl" in avail else []
+    p.add_argument("--backends", nargs="+", default=avail,
+                   help="also nixl-tcp: nixl with UCX_TLS=tcp UCX_NET_DEVICES=lo")
     p.add_argument("--repeats", type=int, default=5, help="alternating rounds per size")
     p.add_argument("--no-ttft", action="store_true", help="bandwidth only")
     p.add_argument("--no-bandwidth", action="store_true", help="TTFT only")
@@ -300,7 +318,8 @@ def main() -> None:
     print(f"cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}, page {LAYOUT.page_bytes} B "
           f"({LAYOUT.num_layers} layers, {LAYOUT.dtype}); best and median of {args.repeats} "
           "alternating rounds")
-    goals = {"shm": ("memcpy", 0.5), "zmq": ("TCP", 0.8), "mooncake": ("zmq", 1.0)}
+    goals = {"shm": ("memcpy", 0.5), "zmq": ("TCP", 0.8), "mooncake": ("zmq", 1.0),
+             "nixl": ("zmq", 1.0), "nixl-tcp": ("zmq", 1.0)}
     for mib in [] if args.no_bandwidth else args.sizes_mib:
         got = measure(mib * MIB, args.backends, args.repeats)
         best = {name: max(v) for name, v in got.items()}

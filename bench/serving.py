@@ -32,18 +32,22 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-from common import SEED, launch_cluster, load_prompts, percentile, random_prompts, resolve_model
+from common import SEED, launch_cluster, load_prompts, random_prompts, resolve_model
+from serving_metrics import (
+    SLO_KINDS,
+    RequestOutput,
+    parse_slos,
+    print_summary,
+    print_table,
+    summarize,
+)
+from serving_plots import plot
 from tqdm import tqdm
-
-METRICS = ("ttft", "itl", "tpot", "e2e")
-STATS = ("mean", "p50", "p90", "p99")
-SLO_KINDS = ("ttft", "itl", "tpot", "e2e")  # itl: the request's largest gap
-
 
 # --------------------------------------------------------------------------------------------
 # one request
@@ -57,31 +61,6 @@ class Workload:
     prompt_len: int
     output_len: int
     tag: str = ""
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """A finished request. Times in seconds; ``start`` is relative to the run's start."""
-
-    tag: str
-    prompt_len: int
-    start: float = 0.0
-    ttft: float = float("nan")
-    latency: float = float("nan")
-    itls: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def tpot(self) -> float:
-        """Mean time per output token after the first (NaN for a one-token output)."""
-        if self.output_tokens < 2:
-            return float("nan")
-        return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
 @dataclass(slots=True)
@@ -203,74 +182,7 @@ async def run_requests(
 
 
 # --------------------------------------------------------------------------------------------
-# metrics
-
-
-def parse_slos(items: list[str]) -> dict[str, float]:
-    """``["ttft:2000", "itl:200"]`` -> ``{"ttft": 2.0, "itl": 0.2}`` (ms in, seconds out)."""
-    slos: dict[str, float] = {}
-    for item in items:
-        kind, _, value = item.partition(":")
-        if kind not in SLO_KINDS or not value:
-            raise SystemExit(f"bad --slo {item!r}: use KIND:MS with KIND in {SLO_KINDS}")
-        slos[kind] = float(value) / 1e3
-    return slos
-
-
-def meets_slos(out: RequestOutput, slos: dict[str, float]) -> bool:
-    """Whether a finished request met every SLO (``itl``: its largest gap)."""
-    if not out.ok:
-        return False
-    value = {
-        "ttft": out.ttft,
-        "e2e": out.latency,
-        "tpot": out.tpot if out.output_tokens > 1 else 0.0,
-        "itl": max(out.itls, default=0.0),
-    }
-    return all(value[k] <= limit for k, limit in slos.items())
-
-
-def stats_ms(values: list[float]) -> dict[str, float]:
-    vals = [v * 1e3 for v in values if not math.isnan(v)]
-    if not vals:
-        return {s: float("nan") for s in STATS}
-    return {
-        "mean": statistics.fmean(vals),
-        "p50": percentile(vals, 50),
-        "p90": percentile(vals, 90),
-        "p99": percentile(vals, 99),
-    }
-
-
-def summarize(outs: list[RequestOutput], wall: float, slos: dict[str, float]) -> dict[str, Any]:
-    """Aggregate one run: counts, throughputs, goodput and latency statistics (ms)."""
-    ok = [o for o in outs if o.ok]
-    out_tokens = sum(o.output_tokens for o in ok)
-    in_tokens = sum(o.prompt_len for o in ok)
-    good = sum(meets_slos(o, slos) for o in ok) if slos else len(ok)
-    s: dict[str, Any] = {
-        "completed": len(ok),
-        "failed": len(outs) - len(ok),
-        "duration_s": wall,
-        "input_tokens": in_tokens,
-        "output_tokens": out_tokens,
-        "request_throughput": len(ok) / wall if wall else 0.0,
-        "output_throughput": out_tokens / wall if wall else 0.0,
-        "total_token_throughput": (in_tokens + out_tokens) / wall if wall else 0.0,
-        "goodput": good / wall if wall else 0.0,
-        "good_fraction": good / len(outs) if outs else 0,
-        "slos_ms": {k: v * 1e3 for k, v in slos.items()},
-        "errors": sorted({o.error for o in outs if o.error})[:3],
-    }
-    s["ttft_ms"] = stats_ms([o.ttft for o in ok])
-    s["itl_ms"] = stats_ms([x for o in ok for x in o.itls])
-    s["tpot_ms"] = stats_ms([o.tpot for o in ok])
-    s["e2e_ms"] = stats_ms([o.latency for o in ok])
-    return s
-
-
-# --------------------------------------------------------------------------------------------
-# targets and reporting
+# targets
 
 
 def parse_base_url(item: str) -> tuple[str, str]:
@@ -301,96 +213,6 @@ def flush_cache(url: str) -> bool:
         return False
 
 
-def print_summary(name: str, label: str, s: dict[str, Any]) -> None:
-    def fmt(m: str) -> str:
-        d = s[f"{m}_ms"]
-        return f"{m.upper()} ms mean {d['mean']:.1f} p50 {d['p50']:.1f} p99 {d['p99']:.1f}"
-
-    print(
-        f"  {name} {label}: {s['output_throughput']:.1f} out tok/s, "
-        f"{s['request_throughput']:.2f} req/s, goodput {s['goodput']:.2f} req/s "
-        f"({s['good_fraction']:.0%}); {fmt('ttft')}; {fmt('itl')}; {fmt('tpot')}"
-        + (f"; {s['failed']} FAILED: {s['errors']}" if s["failed"] else ""),
-        flush=True,
-    )
-
-
-def print_table(runs: list[dict[str, Any]]) -> None:
-    """One row per (target, load); ratios against the first target at the same load."""
-    header = (
-        f"{'target':<26}{'load':>8}{'out tok/s':>11}{'req/s':>8}{'goodput':>9}"
-        f"{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'TPOT':>8}"
-        f"{'x tok/s':>9}{'x TTFT':>8}"
-    )
-    print("\n" + header + "\n" + "-" * len(header))
-    base: dict[str, dict[str, Any]] = {}
-    for r in runs:
-        s = r["summary"]
-        b = base.setdefault(r["load"], s)
-        tok_ratio = s["output_throughput"] / b["output_throughput"] if b["output_throughput"] else 0
-        ttft_ratio = s["ttft_ms"]["p50"] / b["ttft_ms"]["p50"] if b["ttft_ms"]["p50"] else 0
-        print(
-            f"{r['target']:<26}{r['load']:>8}{s['output_throughput']:>11.1f}"
-            f"{s['request_throughput']:>8.2f}{s['goodput']:>9.2f}{s['ttft_ms']['p50']:>10.0f}"
-            f"{s['ttft_ms']['p99']:>10.0f}{s['itl_ms']['p50']:>9.1f}{s['itl_ms']['p99']:>9.1f}"
-            f"{s['tpot_ms']['mean']:>8.1f}{tok_ratio:>8.2f}x{ttft_ratio:>7.2f}x"
-            + (f"  ({s['failed']} failed)" if s["failed"] else "")
-        )
-    print("ratios (x) are against the first target at the same load; goodput in req/s")
-
-
-def plot(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """Latency CDFs (TTFT, ITL, E2E) per run and output throughput against load."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install -e '.[bench]'): no plots", file=sys.stderr)
-        return []
-    paths = []
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, key, title in zip(axes, ("ttft", "itl", "e2e"), ("TTFT", "ITL", "E2E latency")):
-        for r in runs:
-            vals = sorted(v * 1e3 for v in r["raw"][key] if not math.isnan(v))
-            if vals:
-                ys = [(i + 1) / len(vals) for i in range(len(vals))]
-                ax.step(vals, ys, where="post", label=f"{r['target']} {r['load']}")
-        ax.set(
-            title=f"{title} CDF",
-            xlabel="ms",
-            ylabel="fraction of requests" if key != "itl" else "fraction of gaps",
-        )
-        ax.set_xscale("log")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out_dir / "latency_cdf.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for name in dict.fromkeys(r["target"] for r in runs):
-        rs = [r for r in runs if r["target"] == name]
-        ax.plot(
-            [r["load_value"] for r in rs],
-            [r["summary"]["output_throughput"] for r in rs],
-            marker="o",
-            label=name,
-        )
-    kind = runs[0]["load_kind"] if runs else "concurrency"
-    ax.set(xlabel=kind, ylabel="output tokens/s", title=f"output throughput vs {kind}")
-    ax.set_xscale("log", base=2)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out_dir / "throughput.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
-
-
 # --------------------------------------------------------------------------------------------
 # main
 
@@ -419,6 +241,7 @@ def open_target(spec: tuple[str, str], args: argparse.Namespace) -> Iterator[Tar
         kw: dict[str, Any] = {
             "max_running": args.max_running,
             "threads_per_worker": args.threads_per_worker,
+            "cuda_graph": not args.disable_cuda_graph,
         }
         if args.cpu_affinity:
             kw["cpu_affinity"] = args.cpu_affinity
@@ -472,6 +295,42 @@ def run_target(
     return runs
 
 
+def run_hf_static(works: list[Workload], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The ``transformers`` static-batch baseline (bench/hf_static.py): one run per concurrency
+    level, the batch size being the level."""
+    from hf_static import generate_static, load_hf
+
+    device = args.hf_device or ("cuda" if _cuda_available() else "cpu")
+    name = f"transformers static ({device})"
+    model, tok = load_hf(args.model_path, args.dtype, device)
+    prompts = [w.prompt for w in works]
+    generate_static(model, tok, prompts[:2], min(8, args.output_len), 2)  # warm-up
+    runs = []
+    for c in args.concurrency:
+        records, wall = generate_static(model, tok, prompts, args.output_len, c)
+        outs = [RequestOutput(tag="", **r) for r in records]
+        s = summarize(outs, wall, {})
+        print_summary(name, f"c={c}", s)
+        runs.append(
+            {"target": name, "url": "", "load": f"c={c}", "load_kind": "concurrency",
+             "load_value": c, "summary": s,
+             "raw": {"ttft": [o.ttft for o in outs], "e2e": [o.latency for o in outs],
+                     "itl": [x for o in outs for x in o.itls], "tpot": [o.tpot for o in outs]}}
+        )  # fmt: skip
+    del model
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+    return runs
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -485,6 +344,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["disaggregated", "colocated"],
         help="start a local splitserve cluster",
     )
+    t.add_argument(
+        "--hf-static",
+        action="store_true",
+        help="first, transformers generate on static batches (batch = concurrency level) in "
+        "this process (bench/hf_static.py): the in-process baseline",
+    )
+    t.add_argument("--hf-device", default=None, help="--hf-static device (default: cuda if any)")
     t.add_argument(
         "--served-model",
         default=None,
@@ -511,6 +377,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pin workers, e.g. 'prefill=0 decode=1' or 'colocated=0,1'",
     )
     c.add_argument("--max-running", type=int, default=64)
+    c.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="launched CUDA workers (--device cuda or $SPLITSERVE_DEVICE) decode eagerly",
+    )
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
     d.add_argument("--num-prompts", type=int, default=64)
@@ -545,8 +416,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--out", type=Path, default=None, help="folder for results.json and PNGs")
     o.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
-    if not args.base_url and not args.launch:
-        p.error("give at least one --base-url or --launch")
+    if not args.base_url and not args.launch and not args.hf_static:
+        p.error("give at least one --base-url, --launch or --hf-static")
+    if args.hf_static and (args.request_rate or args.prompt_format != "ids"):
+        p.error("--hf-static runs static batches: use --concurrency and --prompt-format ids")
     return args
 
 
@@ -569,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     specs = [("url", u) for u in args.base_url] + [("launch", m) for m in args.launch]
-    runs: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = run_hf_static(works, args) if args.hf_static else []
     for spec in specs:
         with open_target(spec, args) as target:
             runs += run_target(target, works, args, slos)

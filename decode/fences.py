@@ -1,6 +1,6 @@
 """Pages of failed requests that a prefill worker may still be writing (one-sided backends).
 
-With shm and mooncake the prefill worker writes straight into the decode worker's pool, so when
+With shm, mooncake and nixl the prefill worker writes straight into the decode worker's pool, so when
 a request fails on the decode side before its last ``KVPages`` arrived, its reserved pages cannot
 be reused at once: a write may still be on its way. The decode worker sends ``KVFailed`` with an
 ``ack_addr``; the prefill worker stops writing that request (skipping queued writes, waiting out

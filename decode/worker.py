@@ -6,7 +6,7 @@ A task without ``prefill_addr`` is prefilled here: that is the colocated worker 
 ``colocated``), the baseline disaggregation is measured against. Admission control: a request is
 bootstrapped only when its prompt's pages can be reserved; until then it waits in a bounded-time
 queue. Every state has a deadline; on expiry the request fails and its pages are freed. With a
-one-sided backend (shm, mooncake) the pages of a request that failed before its KV fully arrived
+one-sided backend (shm, mooncake, nixl) the pages of a request that failed before its KV fully arrived
 are freed only once the prefill worker acknowledges that it stopped writing them
 (``decode.fences``).
 """
@@ -301,6 +301,10 @@ class DecodeWorker(BaseWorker):
 
     def num_transferring(self) -> int:
         return len(self.awaiting_kv)
+
+    def close_kv_transfer(self) -> None:
+        """Close the KV receiver (nixl: stop its progress thread; shm: unlink the segment)."""
+        self.receiver.close()
 
     def stats(self, query_id: int = 0) -> WorkerStats:
         s = super().stats(query_id)

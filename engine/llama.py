@@ -161,7 +161,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, pool: KVPool, return_hidden: bool = False
+        self,
+        batch: ForwardBatch,
+        pool: KVPool,
+        return_hidden: bool = False,
+        meta: object | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one step: extend every sequence's KV in ``pool`` and score ``batch.logit_indices``.
 
@@ -169,6 +173,8 @@ class LlamaForCausalLM(nn.Module):
             batch: the step's tokens, positions and page mapping.
             pool: KV pool whose layout matches ``config.kv_layout``.
             return_hidden: also return the final-normed hidden states of the scored tokens.
+            meta: attention metadata built ahead for ``batch`` (CUDA-graph capture builds it
+                from static buffers: ``engine.cuda_graph``); None builds it here.
 
         Returns:
             ``logits [N, vocab]`` float32 for the ``N`` tokens in ``batch.logit_indices``, or
@@ -178,7 +184,8 @@ class LlamaForCausalLM(nn.Module):
         # Positions end at seq_len - 1: the bound check needs no read of the positions tensor.
         max_position = max(batch.seq_lens) - 1 if batch.seq_lens else None
         rope = self.rope.for_step(batch.positions, self.dtype, max_position, self.kernels)
-        meta = self.attn_backend.prepare(batch, pool, self.config.sliding_window)
+        if meta is None:
+            meta = self.attn_backend.prepare(batch, pool, self.config.sliding_window)
         if not (self.fused_decode and run_fused_decode_layers(self, x, meta, pool)):
             for layer in self.layers:
                 x = layer(x, rope, self.attn_backend, meta, pool)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from splitserve.engine.cuda_graph import DecodeGraphRunner
 from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.grammar.batch_mask import BatchMask
 from splitserve.engine.grammar.mask_thread import MaskFillThread
@@ -25,6 +26,8 @@ class ModelRunner:
             forward pass runs (see ``grammar.mask_thread`` for why that is safe); False fills
             them on the calling thread before the forward pass. Same tokens either way; may be
             switched between steps.
+        decode_graphs: replays decode-only steps it can run (``engine.cuda_graph``); None runs
+            every step eagerly.
     """
 
     def __init__(
@@ -34,6 +37,7 @@ class ModelRunner:
         device: str = "cpu",
         vocab_size: int = 0,
         overlap_grammar_mask: bool = True,
+        decode_graphs: DecodeGraphRunner | None = None,
     ) -> None:
         self.model = model
         self.vocab_size = vocab_size  # logits width, for grammar bitmasks (0: no grammars)
@@ -43,6 +47,7 @@ class ModelRunner:
         self.overlap_grammar_mask = overlap_grammar_mask
         self.grammar_mask: BatchMask | None = None  # made at the first constrained step
         self.mask_thread = MaskFillThread()
+        self.decode_graphs = decode_graphs
 
     def close(self) -> None:
         """Stop the grammar mask thread (if it was ever started)."""
@@ -73,7 +78,11 @@ class ModelRunner:
                 all_logit_seq_indices=scored,
                 seq_ids=[r.uid for r in reqs],
             )
-            logits = self.model(batch, self.pool)
+            graphs = self.decode_graphs
+            if graphs is not None and graphs.can_run(batch, sample_rows, scored):
+                logits = graphs.run(batch)
+            else:
+                logits = self.model(batch, self.pool)
             if scored:
                 # Rows after the sampled ones score every position of the scored chunks, in order.
                 _record_prompt_logprobs(

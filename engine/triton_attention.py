@@ -9,11 +9,10 @@ New K/V are stored with the pool's torch ``index_put`` before either kernel runs
 Under ``TRITON_INTERPRET=1`` (set before this module is first imported: Triton decides at
 decoration time) the kernels run on CPU tensors, in float32 arithmetic, for tests.
 
-CUDA graphs are not captured yet. What capture of a decode step needs: ``prepare`` moved out of
-``LlamaForCausalLM.forward`` (it builds index tensors from host lists), static device buffers for
-input ids, positions, page table, seq lens and output slots padded to a captured batch size (with
-padding rows pointing at the scratch page), and a fixed ``num_splits`` per captured size. The
-kernels themselves are capture-safe (no host syncs, no allocation besides the split partials).
+Decode steps are captured as CUDA graphs by :mod:`splitserve.engine.cuda_graph`, which builds its
+metadata once per captured batch size with :meth:`TritonAttentionBackend.decode_metadata` (static
+index tensors, a fixed split count): the kernels themselves make no host syncs and allocate
+nothing but the split partials, so they are capture-safe.
 """
 
 from __future__ import annotations
@@ -105,6 +104,36 @@ class TritonAttentionBackend(BaseAttentionBackend):
                 max(n for _, _, n in ext),
             )
         return meta
+
+    def decode_metadata(
+        self,
+        batch: ForwardBatch,
+        seq_lens: torch.Tensor,
+        pool: KVPool,
+        sliding_window: int | None,
+        max_seq_len: int,
+    ) -> TritonAttentionMetadata:
+        """Metadata for a decode-only ``batch`` of static tensors, reusable across steps whose
+        inputs are copied into those same tensors (CUDA-graph replay).
+
+        Args:
+            batch: ``B`` one-token rows; row ``i``'s token is ``q[i]``, its pages
+                ``page_table[i]``.
+            seq_lens: ``[B]`` int32 KV length per row (new token included), updated in place
+                before each step.
+            pool: the KV pool.
+            sliding_window: attend only to the last ``sliding_window`` positions, or None.
+            max_seq_len: the longest KV length a step may have (fixes the split count).
+        """
+        rows = torch.arange(batch.batch_size, device=seq_lens.device)
+        splits = choose_num_splits(batch.batch_size, pool.layout.num_kv_heads, max_seq_len)
+        return TritonAttentionMetadata(
+            batch,
+            _DecodeRows(rows, rows, seq_lens, splits),
+            None,
+            sliding_window,
+            os.environ.get("TRITON_INTERPRET") == "1",
+        )
 
     def forward(
         self,

@@ -7,7 +7,6 @@ worker when a request comes without a prefill peer).
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 
@@ -15,8 +14,9 @@ import torch
 import zmq
 
 from splitserve.config import WorkerArgs
+from splitserve.engine.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphRunner
 from splitserve.engine.grammar.worker_grammars import CompileDone, create_worker_grammars
-from splitserve.engine.heartbeat import Heartbeat
+from splitserve.engine.heartbeat import Heartbeat, rejoin_router
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Req
@@ -42,9 +42,6 @@ from splitserve.radix_cache.prefix_cache import create_prefix_cache
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGES_PER_STEP = 256  # bound the time spent draining the inbox between forward passes
-# Where the model and KV pool live ("cpu" unless set, e.g. "cuda" for bench/gpu_check.sh). An
-# environment variable rather than a CLI flag for now: the GPU path is not yet a served setup.
-DEVICE_ENV = "SPLITSERVE_DEVICE"
 COMPILE_POLL_MS = 5  # inbox wait while only grammar compiles are pending (no busy loop)
 
 
@@ -58,7 +55,7 @@ class BaseWorker:
         if args.num_threads > 0:
             torch.set_num_threads(args.num_threads)
         dtype = getattr(torch, args.dtype)
-        device = os.environ.get(DEVICE_ENV, "cpu")
+        device = args.device
         model, self.model_config = load_model(args.model_path, dtype=dtype, device=device)
         layout = self.model_config.kv_layout(args.page_size, args.dtype)
         num_pages = max(2, args.kv_cache_mb * 2**20 // layout.page_bytes)
@@ -73,6 +70,7 @@ class BaseWorker:
             ModelRunner(
                 model, self.pool, device, vocab_size=self.model_config.vocab_size,
                 overlap_grammar_mask=args.overlap_grammar_mask,
+                decode_graphs=self._capture_decode_graphs(model, device),
             ),
             SchedulerConfig(
                 max_batch_tokens=args.max_batch_tokens,
@@ -109,12 +107,43 @@ class BaseWorker:
             type(model.attn_backend).__name__, num_pages - 1, args.page_size, args.addr,
         )
 
+    def _rejoin(self) -> tuple[str, WorkerReady] | None:
+        """On the heartbeat thread: register with the router again; when it had forgotten us
+        (restarted), send replies to its inbox from now on and return that inbox and the ready
+        announcement for the heartbeat to send (engine.heartbeat)."""
+        a = self.args
+        assert a.router_url is not None
+        inbox = rejoin_router(a.router_url, self.role, a.worker_id, a.addr, a.api_key)
+        if inbox is None:
+            return None
+        logger.warning("router %s did not know this worker (restarted?): rejoined", a.router_url)
+        a.server_addr = inbox  # one attribute store: the main loop reads it on every send
+        return inbox, WorkerReady(a.worker_id, self.role, a.addr)
+
+    def _capture_decode_graphs(
+        self, model: torch.nn.Module, device: str
+    ) -> DecodeGraphRunner | None:
+        """CUDA graphs for decode steps of up to ``max_running`` rows, on CUDA workers that
+        decode (colocated, decode) unless ``--disable-cuda-graph``; else None."""
+        if (
+            not self.args.cuda_graph
+            or self.role == "prefill"
+            or torch.device(device).type != "cuda"
+            or not hasattr(model.attn_backend, "decode_metadata")
+        ):
+            return None
+        sizes = tuple(n for n in DEFAULT_BATCH_SIZES if n < self.args.max_running)
+        return DecodeGraphRunner(model, self.pool, sizes + (self.args.max_running,))
+
     # ---- main loop ----------------------------------------------------------------------------
 
     def serve_forever(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopped", True))
         self.send(self.args.server_addr, WorkerReady(self.args.worker_id, self.role, self.args.addr))
-        beat = Heartbeat(self.ctx, self.args.server_addr, self.stats, configure=self._curve_client)
+        beat = Heartbeat(
+            self.ctx, self.args.server_addr, self.stats, configure=self._curve_client,
+            rejoin=self._rejoin if self.args.router_url else None,
+        )
         beat.start()
         try:
             while not self.stopped:
@@ -126,9 +155,16 @@ class BaseWorker:
                 self.auth.stop()
             self.grammars.service.shutdown()
             self.scheduler.runner.close()
+            # Backend threads (mooncake/nixl writers, nixl's progress thread) stop before the
+            # interpreter exits: a nixl thread still inside UCX at exit crashed the process.
+            self.close_kv_transfer()
             self.inbox.close()
             self.outbox.close()
             self.ctx.term()
+
+    def close_kv_transfer(self) -> None:
+        """Release this worker's KV transfer backend (threads, registrations, mappings); called
+        once when :meth:`serve_forever` ends. Nothing by default."""
 
     def run_once(self, idle_wait_ms: int = 0) -> None:
         """Drain the inbox, expire timed-out requests, run one step if there is work."""

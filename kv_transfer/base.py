@@ -114,7 +114,7 @@ class BaseKVSender(abc.ABC):
 class BaseKVReceiver(abc.ABC):
     """Decode side. ``metrics`` counts what was installed.
 
-    ``one_sided``: the peer writes into this pool directly (shm, mooncake), so the pages of a
+    ``one_sided``: the peer writes into this pool directly (shm, mooncake, nixl), so the pages of a
     request that fails before its last message stay reserved until the prefill side
     acknowledges that it stopped writing them (``KVFailed.ack_addr`` -> ``KVReleased``;
     ``decode.fences``).

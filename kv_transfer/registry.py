@@ -5,7 +5,8 @@ zmq        default; pages as raw ZeroMQ frames (tcp:// or ipc://), zero-copy fro
 shm        same host; the decode pool is a shared-memory segment the prefill worker writes into
 mooncake   Mooncake Transfer Engine (TCP here, RDMA where present): one-sided writes into the
            decode worker's registered pool; optional extra ``splitserve[mooncake]``
-nixl       NIXL (UCX); not implemented yet (see kv_transfer/README.md)
+nixl       NIXL with its UCX backend (cma on one host, TCP or RDMA between hosts): one-sided
+           writes into the decode worker's registered pool; optional extra ``splitserve[nixl]``
 =========  ==================================================================================
 """
 
@@ -22,8 +23,6 @@ __all__ = ["KV_TRANSFER_BACKENDS", "create_kv_pool", "create_kv_receiver", "crea
 def _check(name: str) -> None:
     if name not in KV_TRANSFER_BACKENDS:
         raise ValueError(f"unknown KV transfer backend {name!r}: expected one of {KV_TRANSFER_BACKENDS}")
-    if name == "nixl":
-        raise ValueError("KV transfer backend 'nixl' is not implemented yet; use zmq, shm or mooncake")
 
 
 def create_kv_pool(
@@ -60,6 +59,10 @@ def create_kv_sender(name: str, pool: KVPool, outbox: Outbox) -> BaseKVSender:
         from splitserve.kv_transfer.mooncake_backend import MooncakeKVSender
 
         return MooncakeKVSender(pool, outbox)
+    if name == "nixl":
+        from splitserve.kv_transfer.nixl_backend import NixlKVSender
+
+        return NixlKVSender(pool, outbox)
     from splitserve.kv_transfer.zmq_backend import ZmqKVSender
 
     return ZmqKVSender(pool, outbox)
@@ -80,6 +83,10 @@ def create_kv_receiver(name: str, pool: KVPool) -> BaseKVReceiver:
         from splitserve.kv_transfer.mooncake_backend import MooncakeKVReceiver
 
         return MooncakeKVReceiver(pool)
+    if name == "nixl":
+        from splitserve.kv_transfer.nixl_backend import NixlKVReceiver
+
+        return NixlKVReceiver(pool)
     from splitserve.kv_transfer.zmq_backend import ZmqKVReceiver
 
     return ZmqKVReceiver(pool)

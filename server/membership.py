@@ -47,8 +47,11 @@ def install_membership(app: FastAPI, client: Any) -> None:
         if known is not None and known.addr != reg.addr and known.ready:
             raise APIError(f"worker_id: '{reg.worker_id}' is already registered at {known.addr}",
                            param="worker_id", status_code=409)
+        # "known": already registered here and ready. A worker told otherwise (this router
+        # restarted) announces itself again (engine.heartbeat).
+        known_ready = known is not None and known.addr == reg.addr and known.ready
         client.add_worker(reg.role, reg.addr, reg.worker_id)
-        return {"worker_id": reg.worker_id, "server_addr": client.inbox_addr}
+        return {"worker_id": reg.worker_id, "server_addr": client.inbox_addr, "known": known_ready}
 
     def _set_draining(worker_id: str, draining: bool) -> dict:
         w = client.drain(worker_id, draining)

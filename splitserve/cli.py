@@ -14,6 +14,7 @@ from splitserve.config import KV_TRANSFER_BACKENDS, ROLES, WorkerArgs
 from splitserve.engine.cpu_features import DTYPE_CHOICES, resolve_dtype
 
 API_KEY_ENV = "SPLITSERVE_API_KEY"
+DEVICE_ENV = "SPLITSERVE_DEVICE"
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -36,6 +37,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="no prefix reuse on prefill/colocated workers (the cache-off baseline)")
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   default=os.environ.get(DEVICE_ENV, "cpu"),
+                   help=f"where models and KV pools live (default ${DEVICE_ENV} or cpu); cuda uses "
+                   "the Triton attention kernels and CUDA graphs")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run decode steps eagerly on CUDA (no CUDA-graph capture)")
     p.add_argument("--log-level", default="warning")
 
 
@@ -128,9 +135,18 @@ def _model_path(model: str | None) -> str:
         sys.exit(f"error: {exc}")
 
 
-def _dtype(name: str, report: bool = False) -> str:
-    """Resolve ``--dtype auto`` (once, in the launcher, so that every worker agrees)."""
-    dtype, why = resolve_dtype(name, os.environ.get("SPLITSERVE_DEVICE", "cpu"))
+def _dtype(name: str, device: str, report: bool = False) -> str:
+    """Resolve ``--dtype auto`` (once, in the launcher, so that every worker agrees); exit with
+    a clear message when ``device`` is cuda and torch sees no GPU."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit(
+                f"error: --device cuda, but torch {torch.__version__} sees no CUDA GPU "
+                "(a CPU build of torch, or no driver): use --device cpu"
+            )
+    dtype, why = resolve_dtype(name, device)
     if report:
         print(f"splitserve: dtype {dtype} ({why})", file=sys.stderr, flush=True)
     return dtype
@@ -156,7 +172,8 @@ def _cluster_spec(args: argparse.Namespace, colocated: bool):
         colocated=colocated,
         host=args.host,
         port=args.port,
-        dtype=_dtype(args.dtype, report=True),
+        dtype=_dtype(args.dtype, args.device, report=True),
+        device=args.device,
         page_size=args.page_size,
         kv_cache_mb=args.kv_cache_mb,
         max_batch_tokens=args.max_batch_tokens,
@@ -169,6 +186,7 @@ def _cluster_spec(args: argparse.Namespace, colocated: bool):
         overlap_grammar_mask=not args.disable_mask_overlap,
         log_level=args.log_level,
         disable_radix_cache=args.disable_radix_cache,
+        cuda_graph=not args.disable_cuda_graph,
         routing=args.routing,
         api_key=args.api_key,
         curve_keys=args.curve_keys,
@@ -279,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
                 role=args.role, addr=addr, server_addr=args.server_addr or "",
                 worker_id=args.worker_id or f"{args.role}-{socket.gethostname()}-{os.getpid()}",
                 model_path=_model_path(args.model),
-                dtype=_dtype(args.dtype), page_size=args.page_size, kv_cache_mb=args.kv_cache_mb,
+                dtype=_dtype(args.dtype, args.device), device=args.device,
+                page_size=args.page_size, kv_cache_mb=args.kv_cache_mb,
                 max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                 transfer_timeout_s=args.transfer_timeout, num_threads=args.threads,
                 kv_transfer=args.kv_transfer,
@@ -287,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
                 jump_forward=not args.disable_jump_forward,
                 overlap_grammar_mask=not args.disable_mask_overlap,
                 disable_radix_cache=args.disable_radix_cache,
+                cuda_graph=not args.disable_cuda_graph,
             ),
             args.log_level,
         )

@@ -19,6 +19,7 @@ class WorkerArgs:
     server_addr: str
     model_path: str
     dtype: str = "float32"
+    device: str = "cpu"  # "cpu" | "cuda": where the model and the KV pool live
     page_size: int = 16
     kv_cache_mb: int = 512
     max_batch_tokens: int = 2048
@@ -32,6 +33,7 @@ class WorkerArgs:
     jump_forward: bool = True  # append grammar-forced tokens without sampling them
     overlap_grammar_mask: bool = True  # fill grammar masks on a thread during the forward pass
     disable_radix_cache: bool = False  # prefill/colocated only; decode never caches
+    cuda_graph: bool = True  # on CUDA, replay captured graphs for decode steps (engine.cuda_graph)
 
 
 ROLES = ("prefill", "decode", "colocated")

@@ -48,6 +48,9 @@ class ClusterSpec:
     overlap_grammar_mask: bool = True  # grammar masks filled on a thread during the forward pass
     log_level: str = "warning"
     disable_radix_cache: bool = False
+    # "cpu" | "cuda" for every worker; $SPLITSERVE_DEVICE as the CLI's --device default does.
+    device: str = field(default_factory=lambda: os.environ.get("SPLITSERVE_DEVICE", "cpu"))
+    cuda_graph: bool = True  # decode steps replayed as CUDA graphs (CUDA workers only)
     routing: str = "cache_aware"  # prefill worker choice: "cache_aware" | "round_robin"
     api_key: str | None = None  # passed to children in the environment, not on the command line
     curve_keys: str | None = None  # CURVE key file: encrypted, authenticated worker links
@@ -165,10 +168,11 @@ class Cluster:
                 "--page-size", str(s.page_size), "--kv-cache-mb", str(s.kv_cache_mb),
                 "--max-batch-tokens", str(s.max_batch_tokens), "--max-running", str(s.max_running),
                 "--transfer-timeout", str(s.transfer_timeout_s), "--threads", str(n),
-                "--kv-transfer", s.kv_transfer,
+                "--kv-transfer", s.kv_transfer, "--device", s.device,
                 *([] if s.jump_forward else ["--disable-jump-forward"]),
                 *([] if s.overlap_grammar_mask else ["--disable-mask-overlap"]),
                 *cache_flag,
+                *([] if s.cuda_graph else ["--disable-cuda-graph"]),
             ], n)
         server_args = ["api-server", "--model", s.model_path, "--host", s.host, "--port",
                        str(s.port), "--inbox", server_inbox, "--routing", s.routing, "--max-body-bytes",

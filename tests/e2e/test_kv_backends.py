@@ -1,7 +1,8 @@
 """Disaggregated clusters over each extra KV transfer backend (zmq is covered by
 test_greedy_vs_hf): greedy tokens equal ``transformers`` with prompts prefilled in several chunks,
-the transfer metrics show in ``/workers``, and shared-memory segments are gone after the cluster
-stops, also when its workers were killed."""
+the transfer metrics show in ``/workers``, a prefill worker killed mid-transfer (shm, nixl) fails
+its request and the decode worker frees the pages, and shared-memory segments are gone after the
+cluster stops, also when its workers were killed."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ BACKENDS = [
     pytest.param("mooncake", marks=pytest.mark.skipif(
         importlib.util.find_spec("mooncake") is None,
         reason="Mooncake Transfer Engine not installed (pip install 'splitserve[mooncake]')")),
+    pytest.param("nixl", marks=pytest.mark.skipif(
+        importlib.util.find_spec("nixl") is None,
+        reason="NIXL not installed (pip install 'splitserve[nixl]')")),
 ]
 
 
@@ -88,15 +92,16 @@ def test_greedy_equals_transformers(model_path, reference, backend) -> None:
     assert not {p.name for p in SHM_DIR.glob(PREFIX + "*")} & names
 
 
-def test_killed_workers_leave_no_shm_segments(model_path, tokenizer) -> None:
+@pytest.mark.parametrize("backend", ["shm", BACKENDS[-1]])
+def test_killed_workers_free_pages_and_leave_no_shm_segments(model_path, tokenizer, backend) -> None:
     """SIGKILL the prefill worker while a long prompt is in flight: the request ends with an
-    error and the decode worker frees its pages; SIGKILL the decode worker: its segment is
-    removed when the cluster stops."""
-    cluster = Cluster(spec(model_path, "shm", transfer_timeout_s=3.0)).start()
+    error and the decode worker frees its pages; SIGKILL the decode worker: its shm segment (if
+    any) is removed when the cluster stops."""
+    cluster = Cluster(spec(model_path, backend, transfer_timeout_s=3.0)).start()
     try:
         pids = {name: proc.pid for name, proc in cluster.procs}
         names = segments_of(cluster)
-        assert len(names) == 1
+        assert len(names) == (backend == "shm")
         ids = tokenizer.encode("Tell me about the history of science. " * 60)  # ~480 tokens
         body = {"model": "default", "prompt": ids, "max_tokens": 4, "temperature": 0}
         with cf.ThreadPoolExecutor(1) as pool:

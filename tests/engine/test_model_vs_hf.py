@@ -260,6 +260,6 @@ def test_sharded_checkpoint(tiny, tmp_path: Path) -> None:
     model, _cfg, hf = tiny
     hf.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
-    sharded, _ = load_model(tmp_path)
+    sharded, _ = load_model(tmp_path, device=DEVICE)
     for (name, a), (_, b) in zip(model.named_parameters(), sharded.named_parameters(), strict=True):
         assert torch.equal(a, b), name

@@ -5,6 +5,7 @@ segments are gone afterwards."""
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from pathlib import Path
 
@@ -148,3 +149,50 @@ def test_failed_sends_notify_decode(ctx, model_path) -> None:
     got = run_until([prefill], decode_inbox, lambda g: any(isinstance(m, KVFailed) for m in g))
     assert "cannot map shm segment" in next(m for m in got if isinstance(m, KVFailed)).message
     assert prefill.pool.allocator.num_used == 0 and not prefill.transfers
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layout_mismatch_refused_at_handshake(ctx, model_path, backend) -> None:
+    """Page size 16 on the prefill side, 32 on the decode side: the prefill worker refuses the
+    bootstrap naming both values, nothing is written, the request fails on both sides and every
+    page comes back (one-sided backends: after the prefill worker's acknowledgement)."""
+    server = Inbox(ctx, free_tcp_addr())
+    prefill = make_worker(model_path, "prefill", server.addr, backend, page_size=16)
+    decode = make_worker(model_path, "decode", server.addr, backend, page_size=32)
+    t = task(server, prefill.args.addr)
+    prefill.dispatch(GenerateTask(rid="r1", input_ids=PROMPT, reply_addr=server.addr,
+                                  sampling=t.sampling), [])
+    decode.dispatch(t, [])
+    got = run_until([prefill, decode], server,
+                    lambda g: sum(isinstance(m, RequestError) for m in g) >= 2)
+    msgs = [m.message for m in got if isinstance(m, RequestError)]
+    assert any("page_size: 16 here vs 32" in m for m in msgs), msgs
+    run_until([prefill, decode], server,
+              lambda _: decode.pool.allocator.num_used == 0 == prefill.pool.allocator.num_used,
+              timeout_s=5)
+    assert decode.receiver.metrics.messages_received == 0
+    assert prefill.sender.metrics.messages_sent == 0
+    decode.receiver.close()
+    prefill.sender.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="NIXL not installed")
+def test_nixl_over_tcp_equals_colocated(ctx, model_path, colocated_tokens, monkeypatch) -> None:
+    """UCX restricted to loopback TCP (by default it writes with cma on one host): the receiver's
+    progress thread moves the data; tokens equal the colocated worker's."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    server = Inbox(ctx, free_tcp_addr())
+    prefill = make_worker(model_path, "prefill", server.addr, "nixl")
+    decode = make_worker(model_path, "decode", server.addr, "nixl")
+    t = task(server, None)
+    prefill.dispatch(t, [])
+    decode.dispatch(msgspec.structs.replace(t, prefill_addr=prefill.args.addr), [])
+    got = run_until([prefill, decode], server, finished)
+    assert not any(isinstance(m, RequestError) for m in got), got
+    assert tokens(got) == colocated_tokens
+    assert decode.receiver.metrics.pages_received == -(-len(PROMPT) // 16)
+    run_until([prefill, decode], server, lambda _: not prefill.draining, timeout_s=10)
+    assert prefill.pool.allocator.num_used == 0 and decode.pool.allocator.num_used == 0
+    decode.receiver.close()
+    prefill.sender.close()

@@ -9,6 +9,7 @@ import importlib.util
 import threading
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -31,6 +32,9 @@ ONE_SIDED = [
     pytest.param("mooncake", marks=pytest.mark.skipif(
         importlib.util.find_spec("mooncake") is None,
         reason="Mooncake Transfer Engine not installed (pip install 'splitserve[mooncake]')")),
+    pytest.param("nixl", marks=pytest.mark.skipif(
+        importlib.util.find_spec("nixl") is None,
+        reason="NIXL not installed (pip install 'splitserve[nixl]')")),
 ]
 LONG_PROMPT = list(range(100, 400))  # 10 chunks of 32 tokens; 19 pages
 OLD_QUARANTINE_S = 3.0  # the fixed hold this handshake replaced: the tests wait longer than it
@@ -168,3 +172,31 @@ def test_mooncake_cancel_skips_queued_writes_and_waits_for_the_running_one(ctx, 
     assert len(engine.writes) == 1  # the two queued writes were skipped
     assert not decode_inbox.poll(100)  # and no header announced pages for a cancelled request
     sender.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="NIXL not installed")
+def test_nixl_failed_write_sends_kvfailed(ctx) -> None:
+    """A write to memory the decode agent never registered fails inside NIXL: the sender
+    reports ``KVFailed`` (naming the agent) instead of the header, and is done with the request."""
+    from splitserve.kv_transfer.nixl_backend import NixlKVReceiver, NixlKVSender
+
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype="float32")
+    receiver = NixlKVReceiver(KVPool(layout, 16))
+    decode_inbox = Inbox(ctx, free_tcp_addr())
+    sender = NixlKVSender(KVPool(layout, 16), Outbox(ctx))
+    endpoint = dict(receiver.endpoint(), base_ptr="4096")  # not the registered pool
+    boot = KVBootstrap(rid="r1", dst_addr=decode_inbox.addr, page_ids=[1, 2],
+                       layout=layout_to_msg(layout), kv_transfer="nixl", endpoint=endpoint)
+    sender.send(boot, [1, 2], [1, 2], last=True, first_token=5)
+    deadline = time.monotonic() + 10
+    while not sender.is_done("r1") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sender.is_done("r1")
+    assert decode_inbox.poll(2000)
+    msg = decode_inbox.recv()[0]
+    assert isinstance(msg, KVFailed) and "nixl write failed" in msg.message
+    assert receiver.agent.name in msg.message
+    with pytest.raises(ValueError, match="no usable nixl endpoint"):
+        sender.send(msgspec.structs.replace(boot, endpoint={"nixl_agent": "x"}), [1], [1], last=True)
+    sender.close()
+    receiver.close()

@@ -21,6 +21,9 @@ BACKENDS = [
     pytest.param("mooncake", marks=pytest.mark.skipif(
         importlib.util.find_spec("mooncake") is None,
         reason="Mooncake Transfer Engine not installed (pip install 'splitserve[mooncake]')")),
+    pytest.param("nixl", marks=pytest.mark.skipif(
+        importlib.util.find_spec("nixl") is None,
+        reason="NIXL not installed (pip install 'splitserve[nixl]')")),
 ]
 PROMPT = list(range(100, 190))  # 90 tokens: chunks of 32 -> pages complete before the end
 NEW_TOKENS = 6
