@@ -1,10 +1,10 @@
 """Small C kernels for the CPU decode step, compiled on first use and called through ctypes.
 
 The sources (``engine/csrc/*.c``) are plain C with no torch headers, so one ``cc -O3
--march=native -fopenmp -shared`` takes about half a second; the library is cached under
-``~/.cache/splitserve/cpu_kernels/<hash of source, flags, compiler>/`` and rebuilt when any of
-those change. OpenMP resolves to the ``libgomp.so.1`` torch has already loaded (same soname), so
-the kernels share torch's thread pool and its ``torch.set_num_threads``.
+-march=native -fopenmp -shared`` takes a few seconds; the library is cached under
+``$SPLITSERVE_CACHE/cpu_kernels/<hash of source, flags, compiler, CPU features>/`` and rebuilt
+when any of those change. OpenMP resolves to the ``libgomp.so.1`` torch has already loaded (same
+soname), so the kernels share torch's thread pool and its ``torch.set_num_threads``.
 
 Without a C compiler, on a build failure, or with ``SPLITSERVE_CPU_KERNELS=0``,
 :func:`load_cpu_kernels` returns None and callers keep their torch path.
@@ -42,14 +42,25 @@ SKINNY_MAX_ROWS = 3
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("SPLITSERVE_CACHE_DIR") or Path.home() / ".cache" / "splitserve"
+    """``$SPLITSERVE_CACHE/cpu_kernels`` (the default model's cache, ``~/.cache/splitserve``)."""
+    root = os.environ.get("SPLITSERVE_CACHE") or Path.home() / ".cache" / "splitserve"
     return Path(root) / "cpu_kernels"
+
+
+def _cpu_flags() -> bytes:
+    """This CPU's feature flags: ``-march=native`` code is only valid where they match (a
+    cache on a home directory shared by several machines)."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
 
 
 def _build(compiler: str) -> Path:
     """Compile the sources into the cache (atomically: concurrent workers may race)."""
     src_dir = Path(__file__).parent / "csrc"
-    digest = hashlib.sha256(" ".join((compiler, *FLAGS)).encode())
+    digest = hashlib.sha256(" ".join((compiler, *FLAGS)).encode() + _cpu_flags())
     for name in SOURCES + HEADERS:
         digest.update((src_dir / name).read_bytes())
     out_dir = _cache_dir() / digest.hexdigest()[:16]
