@@ -31,7 +31,7 @@ CPU_KERNELS_ENV = "SPLITSERVE_CPU_KERNELS"  # "0": never build or use the C kern
 SOURCES = (
     "decode_attention.c", "gemv.c", "kv_append.c", "elementwise.c", "greedy.c", "decode_layers.c"
 )
-HEADERS = ("bf16.h", "kernels.h")
+HEADERS = ("bf16.h", "fast_exp.h", "kernels.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float

@@ -16,25 +16,7 @@
 #include <string.h>
 
 #include "bf16.h"
-
-/* exp(x) for x <= 0 (softmax after subtracting the max): Cody-Waite range reduction and a
- * degree-6 polynomial, ~1 ulp in float32, branch-free so that it vectorizes. */
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    /* round to nearest via the 1.5 * 2^23 trick (vectorizes without libm) */
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * c.f;
-}
+#include "fast_exp.h"
 
 #define KB 32 /* keys per register block of the score loop: two vectors of 16 */
 #define GMAX 8 /* query heads per KV head that the register-blocked loops take */
@@ -103,7 +85,7 @@ ALWAYS_INLINE void softmax_rows(float *scores, int64_t g_n, int64_t n) {
         for (; j < n; j++) lane[0] = s[j] > lane[0] ? s[j] : lane[0];
         float m = lane[0];
         for (int e = 1; e < 16; e++) m = lane[e] > m ? lane[e] : m;
-        for (j = 0; j < n; j++) s[j] = exp_neg(s[j] - m);
+        for (j = 0; j < n; j++) s[j] = exp_approx(s[j] - m);
         for (int e = 0; e < 16; e++) lane[e] = 0.0f;
         for (j = 0; j + 16 <= n; j += 16)
             for (int e = 0; e < 16; e++) lane[e] += s[j + e];

@@ -6,23 +6,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
-
-/* exp(x) for x <= 0: as in decode_attention.c (~1 ulp, vectorizes). */
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } e;
-    e.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * e.f;
-}
+#include "fast_exp.h"
 
 /* logits [b, v] float32 rows `stride` apart -> ids [b] int64, logprobs [b] float32. Returns 0,
  * or -2 if a row holds a NaN or has no finite maximum (the caller falls back to torch). */
@@ -56,8 +40,8 @@ int greedy_logprob_f32(const float *logits, int64_t stride, int64_t b, int64_t v
         while (x[arg] != m) arg++;
         for (int l = 0; l < 16; l++) lane[l] = 0.0f;
         for (j = 0; j + 16 <= v; j += 16)
-            for (int l = 0; l < 16; l++) lane[l] += exp_nonpos(x[j + l] - m);
-        for (; j < v; j++) lane[0] += exp_nonpos(x[j] - m);
+            for (int l = 0; l < 16; l++) lane[l] += exp_approx(x[j + l] - m);
+        for (; j < v; j++) lane[0] += exp_approx(x[j] - m);
         float sum = 0.0f;
         for (int l = 0; l < 16; l++) sum += lane[l];
         ids[i] = arg;
