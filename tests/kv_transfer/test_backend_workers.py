@@ -75,23 +75,31 @@ def test_chunked_transfer_equals_colocated(ctx, model_path, backend, colocated_t
     prefill.sender.close()
 
 
-def test_backend_mismatch_refused_naming_both(ctx, model_path) -> None:
+def _refused_handshake(ctx, model_path, prefill_kw: dict, decode_kw: dict):
+    """One request between a prefill and a decode worker built with these ``make_worker``
+    keywords, whose handshake is refused. Returns ``(prefill, decode, error messages)`` once
+    both errors arrived and every page of both pools is back (one-sided backends: after the
+    prefill worker's acknowledgement, which it sends though it refused the transfer)."""
     server = Inbox(ctx, free_tcp_addr())
-    prefill = make_worker(model_path, "prefill", server.addr, "zmq")
-    decode = make_worker(model_path, "decode", server.addr, "shm")
+    prefill = make_worker(model_path, "prefill", server.addr, **prefill_kw)
+    decode = make_worker(model_path, "decode", server.addr, **decode_kw)
     t = task(server, prefill.args.addr)
     prefill.dispatch(GenerateTask(rid="r1", input_ids=PROMPT, reply_addr=server.addr,
                                   sampling=t.sampling), [])
     decode.dispatch(t, [])
     got = run_until([prefill, decode], server,
                     lambda g: sum(isinstance(m, RequestError) for m in g) >= 2)
-    msgs = [m.message for m in got if isinstance(m, RequestError)]
-    assert any("'zmq' here vs 'shm' on the decode worker" in m for m in msgs), msgs
-    # The decode side asked the prefill side to acknowledge (its backend is one-sided); the
-    # prefill worker, though it refused the transfer, answers and the pages come back.
     run_until([prefill, decode], server,
               lambda _: decode.pool.allocator.num_used == 0 == prefill.pool.allocator.num_used,
               timeout_s=5)
+    return prefill, decode, [m.message for m in got if isinstance(m, RequestError)]
+
+
+def test_backend_mismatch_refused_naming_both(ctx, model_path) -> None:
+    _, decode, msgs = _refused_handshake(
+        ctx, model_path, {"kv_transfer": "zmq"}, {"kv_transfer": "shm"}
+    )
+    assert any("'zmq' here vs 'shm' on the decode worker" in m for m in msgs), msgs
     decode.receiver.close()
 
 
@@ -156,20 +164,11 @@ def test_layout_mismatch_refused_at_handshake(ctx, model_path, backend) -> None:
     """Page size 16 on the prefill side, 32 on the decode side: the prefill worker refuses the
     bootstrap naming both values, nothing is written, the request fails on both sides and every
     page comes back (one-sided backends: after the prefill worker's acknowledgement)."""
-    server = Inbox(ctx, free_tcp_addr())
-    prefill = make_worker(model_path, "prefill", server.addr, backend, page_size=16)
-    decode = make_worker(model_path, "decode", server.addr, backend, page_size=32)
-    t = task(server, prefill.args.addr)
-    prefill.dispatch(GenerateTask(rid="r1", input_ids=PROMPT, reply_addr=server.addr,
-                                  sampling=t.sampling), [])
-    decode.dispatch(t, [])
-    got = run_until([prefill, decode], server,
-                    lambda g: sum(isinstance(m, RequestError) for m in g) >= 2)
-    msgs = [m.message for m in got if isinstance(m, RequestError)]
+    prefill, decode, msgs = _refused_handshake(
+        ctx, model_path, {"kv_transfer": backend, "page_size": 16},
+        {"kv_transfer": backend, "page_size": 32},
+    )
     assert any("page_size: 16 here vs 32" in m for m in msgs), msgs
-    run_until([prefill, decode], server,
-              lambda _: decode.pool.allocator.num_used == 0 == prefill.pool.allocator.num_used,
-              timeout_s=5)
     assert decode.receiver.metrics.messages_received == 0
     assert prefill.sender.metrics.messages_sent == 0
     decode.receiver.close()
