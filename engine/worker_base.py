@@ -42,6 +42,7 @@ from splitserve.radix_cache.prefix_cache import create_prefix_cache
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGES_PER_STEP = 256  # bound the time spent draining the inbox between forward passes
+MAX_GRAPH_BATCH = 160  # largest decode batch captured as a CUDA graph (engine.cuda_graph)
 COMPILE_POLL_MS = 5  # inbox wait while only grammar compiles are pending (no busy loop)
 
 
@@ -123,8 +124,10 @@ class BaseWorker:
     def _capture_decode_graphs(
         self, model: torch.nn.Module, device: str
     ) -> DecodeGraphRunner | None:
-        """CUDA graphs for decode steps of up to ``max_running`` rows, on CUDA workers that
-        decode (colocated, decode) unless ``--disable-cuda-graph``; else None."""
+        """CUDA graphs for decode steps of up to ``max_running`` rows (at most
+        ``MAX_GRAPH_BATCH``: larger steps run eagerly, where launches are a small share), on
+        CUDA workers that decode (colocated, decode) unless ``--disable-cuda-graph``; else
+        None."""
         if (
             not self.args.cuda_graph
             or self.role == "prefill"
@@ -132,8 +135,9 @@ class BaseWorker:
             or not hasattr(model.attn_backend, "decode_metadata")
         ):
             return None
-        sizes = tuple(n for n in DEFAULT_BATCH_SIZES if n < self.args.max_running)
-        return DecodeGraphRunner(model, self.pool, sizes + (self.args.max_running,))
+        largest = min(self.args.max_running, MAX_GRAPH_BATCH)
+        sizes = tuple(n for n in DEFAULT_BATCH_SIZES if n < largest)
+        return DecodeGraphRunner(model, self.pool, sizes + (largest,))
 
     # ---- main loop ----------------------------------------------------------------------------
 
