@@ -7,7 +7,6 @@ cluster stops, also when its workers were killed."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import importlib.util
 import os
 import signal
 import time
@@ -21,6 +20,7 @@ from splitserve.kv_transfer.shm_backend import PREFIX, SHM_DIR
 from splitserve.launcher import Cluster, ClusterSpec
 from tests.e2e.conftest import complete_ids, free_port, worker_pages_used
 from tests.e2e.test_greedy_vs_hf import assert_matches
+from tests.kv_transfer.workers import OPTIONAL_BACKENDS
 
 pytestmark = pytest.mark.slow
 
@@ -31,15 +31,7 @@ PROMPTS = [
      "atmosphere. Then give a one-sentence summary for a child."),
 ]
 NEW_TOKENS = 16
-BACKENDS = [
-    "shm",
-    pytest.param("mooncake", marks=pytest.mark.skipif(
-        importlib.util.find_spec("mooncake") is None,
-        reason="Mooncake Transfer Engine not installed (pip install 'splitserve[mooncake]')")),
-    pytest.param("nixl", marks=pytest.mark.skipif(
-        importlib.util.find_spec("nixl") is None,
-        reason="NIXL not installed (pip install 'splitserve[nixl]')")),
-]
+BACKENDS = ["shm", *OPTIONAL_BACKENDS]
 
 
 def spec(model_path: Path, backend: str, **kw) -> ClusterSpec:

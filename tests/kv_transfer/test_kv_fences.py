@@ -25,17 +25,9 @@ from splitserve.messages import (
     KVReleased,
     SamplingParams,
 )
-from tests.kv_transfer.workers import make_worker, run_until
+from tests.kv_transfer.workers import OPTIONAL_BACKENDS, make_worker, run_until
 
-ONE_SIDED = [
-    "shm",
-    pytest.param("mooncake", marks=pytest.mark.skipif(
-        importlib.util.find_spec("mooncake") is None,
-        reason="Mooncake Transfer Engine not installed (pip install 'splitserve[mooncake]')")),
-    pytest.param("nixl", marks=pytest.mark.skipif(
-        importlib.util.find_spec("nixl") is None,
-        reason="NIXL not installed (pip install 'splitserve[nixl]')")),
-]
+ONE_SIDED = ["shm", *OPTIONAL_BACKENDS]
 LONG_PROMPT = list(range(100, 400))  # 10 chunks of 32 tokens; 19 pages
 OLD_QUARANTINE_S = 3.0  # the fixed hold this handshake replaced: the tests wait longer than it
 

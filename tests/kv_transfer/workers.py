@@ -15,9 +15,8 @@ from splitserve.kv_transfer.shm_backend import PREFIX, SHM_DIR
 from splitserve.messages import GenerateTask, SamplingParams, TokenBatch
 from splitserve.worker_main import create_worker
 
-BACKENDS = [
-    "zmq",
-    "shm",
+# The optional one-sided backends, skipped when their package is not installed.
+OPTIONAL_BACKENDS = [
     pytest.param("mooncake", marks=pytest.mark.skipif(
         importlib.util.find_spec("mooncake") is None,
         reason="Mooncake Transfer Engine not installed (pip install 'splitserve[mooncake]')")),
@@ -25,6 +24,7 @@ BACKENDS = [
         importlib.util.find_spec("nixl") is None,
         reason="NIXL not installed (pip install 'splitserve[nixl]')")),
 ]
+BACKENDS = ["zmq", "shm", *OPTIONAL_BACKENDS]
 PROMPT = list(range(100, 190))  # 90 tokens: chunks of 32 -> pages complete before the end
 NEW_TOKENS = 6
 
