@@ -296,8 +296,8 @@ def run_target(
 
 
 def run_hf_static(works: list[Workload], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The ``transformers`` static-batch baseline (bench/hf_static.py): one run per concurrency
-    level, the batch size being the level."""
+    """The ``transformers`` static-batch baseline (bench/hf_static.py): one run per batch size
+    (``--hf-concurrency``, default the concurrency levels)."""
     from hf_static import generate_static, load_hf
 
     device = args.hf_device or ("cuda" if _cuda_available() else "cpu")
@@ -306,7 +306,7 @@ def run_hf_static(works: list[Workload], args: argparse.Namespace) -> list[dict[
     prompts = [w.prompt for w in works]
     generate_static(model, tok, prompts[:2], min(8, args.output_len), 2)  # warm-up
     runs = []
-    for c in args.concurrency:
+    for c in args.hf_concurrency or args.concurrency:
         records, wall = generate_static(model, tok, prompts, args.output_len, c)
         outs = [RequestOutput(tag="", **r) for r in records]
         s = summarize(outs, wall, {})
@@ -351,6 +351,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "this process (bench/hf_static.py): the in-process baseline",
     )
     t.add_argument("--hf-device", default=None, help="--hf-static device (default: cuda if any)")
+    t.add_argument(
+        "--hf-concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help="--hf-static batch sizes (default: the --concurrency levels); e.g. only 32, as "
+        "batch 1 of 64 prompts x 128 tokens takes minutes on CPU",
+    )
     t.add_argument(
         "--served-model",
         default=None,

@@ -37,6 +37,10 @@ class BaseAttentionBackend(ABC):
     """Paged attention for one worker. The pool is the only KV state between batches (a backend
     may keep a cache of it, as the torch backend does for decode rows)."""
 
+    def cache_bytes(self) -> int:
+        """Bytes this backend holds besides the pool (a copy of the decoding rows' K/V)."""
+        return 0
+
     @abstractmethod
     def prepare(self, batch: ForwardBatch, pool: KVPool, sliding_window: int | None) -> Any:
         """Build what every layer of one forward over ``batch`` needs (index tensors, masks).
@@ -181,6 +185,10 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 pool.buffer.dtype, device,
             )
         return meta
+
+    def cache_bytes(self) -> int:
+        cache = self.decode_cache
+        return 0 if cache is None else cache.nbytes
 
     def _kernels_for(self, pool: KVPool, num_heads: int | None = None) -> CpuKernels | None:
         """The C decode kernel when it serves ``pool`` (CPU, bfloat16, supported heads;

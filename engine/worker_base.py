@@ -305,6 +305,7 @@ class BaseWorker:
 
     def stats(self, query_id: int = 0) -> WorkerStats:
         alloc = self.pool.allocator
+        model = self.scheduler.runner.model
         cache = self.scheduler.cache.stats()
         return WorkerStats(
             query_id=query_id,
@@ -322,4 +323,7 @@ class BaseWorker:
             cache_evicted_pages=cache.evicted_pages,
             transfer_failures=self.num_transfer_failures,
             requests_failed=self.num_failed,
+            kv_pool_bytes=self.pool.buffer.numel() * self.pool.buffer.element_size(),
+            decode_cache_bytes=model.attn_backend.cache_bytes(),
+            weight_bytes=model.weight_bytes(),
         )

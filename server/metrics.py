@@ -93,6 +93,9 @@ _GAUGES = {
     "cache_pages": "KV pages owned by the prefix cache",
     "cache_evictable_pages": "Prefix-cache pages no request pins",
     "kv_gbps": "KV transfer throughput (GB/s) over the worker's lifetime",
+    "kv_pool_bytes": "Bytes of the KV pool",
+    "decode_cache_bytes": "Bytes of the decode rows' K/V copy (CPU bfloat16)",
+    "weight_bytes": "Bytes of the weights and their packed copies",
 }
 _COUNTERS = {
     "kv_bytes_sent": "KV bytes sent to decode workers",

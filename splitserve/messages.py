@@ -174,6 +174,11 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     kv_gbps: float = 0.0  # bytes over summed per-message latency (receiver) or send time (sender)
     transfer_failures: int = 0  # requests this worker failed because their KV transfer failed
     requests_failed: int = 0
+    # Memory (bytes): the KV pool, the attention backend's copy of the decoding rows' K/V (CPU
+    # bfloat16; freed when nothing decodes), and the weights with their packed copies.
+    kv_pool_bytes: int = 0
+    decode_cache_bytes: int = 0
+    weight_bytes: int = 0
 
 
 # ---- decode <-> prefill (KV transfer control) ----------------------------------------------

@@ -176,10 +176,16 @@ def test_scheduler_tokens_equal_with_and_without_cache(model_path) -> None:
             params = SamplingParams(temperature=0.0, max_new_tokens=24 - 4 * i, ignore_eos=True)
             reqs.append(Req(rid=str(i), input_ids=ids, sampling=params))
             sched.add(reqs[-1])
+        held = 0
         while sched.has_work:
             sched.step()
+            held = max(held, backend.cache_bytes())  # what /workers reports
         if use_cache:
             assert backend.decode_cache is not None
+            # at least every layer's K and V of the longest sequence, in bfloat16
+            assert held >= 2 * cfg.num_layers * cfg.kv_size * (10 + 29 * 4 + 8) * 2
+        else:
+            assert held == 0
         return [r.output_ids for r in reqs]
 
     before = torch.get_num_threads()

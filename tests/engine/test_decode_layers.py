@@ -62,3 +62,20 @@ def test_fused_decode_layers_equal_the_per_op_path(model_path, monkeypatch) -> N
         model.fused_decode = True
     assert calls["ran"] >= 15  # every decode-only step of the second run
     assert fused == per_op  # same tokens, bit-identical logprobs
+
+
+def test_weight_bytes_count_the_packed_copies(model_path, monkeypatch) -> None:
+    """``/workers``' weight_bytes: the parameters, plus oneDNN's and the C kernels' copies of
+    every projection and the LM head once packed (CPU bfloat16)."""
+    from splitserve.engine.layers import Linear
+    from splitserve.engine.loader import load_model
+
+    model, _ = load_model(model_path, dtype=torch.bfloat16)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    linear = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, Linear))
+    head = model.embed_tokens.weight.numel() * 2  # tied
+    assert model.packed_head is not None and model.skinny_head is not None
+    assert model.weight_bytes() == params + 2 * (linear + head)
+    monkeypatch.setenv("SPLITSERVE_PACK_WEIGHTS", "0")
+    plain, _ = load_model(model_path, dtype=torch.bfloat16)
+    assert plain.weight_bytes() == params

@@ -85,6 +85,7 @@ def test_overload_gets_503_with_retry_after(cluster) -> None:
     assert all(r.json()["choices"][0]["text"] == ref for r in ok)
     for row in workers(cluster, AUTH).values():
         assert row["pages_used"] <= row["pages_total"]
+        assert row["kv_pool_bytes"] > 0 and row["weight_bytes"] > 0
     assert_no_pages(cluster, headers=AUTH)
 
 
