@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 CPU_KERNELS_ENV = "SPLITSERVE_CPU_KERNELS"  # "0": never build or use the C kernels
 SOURCES = (
-    "decode_attention.c", "gemv.c", "kv_append.c", "elementwise.c", "greedy.c", "decode_layers.c"
+    "decode_attention.c", "gemv.c", "gemm_bf16.c", "kv_append.c", "elementwise.c", "greedy.c",
+    "decode_layers.c",
 )
 HEADERS = ("bf16.h", "fast_exp.h", "kernels.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -37,8 +38,11 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # Rows up to which linear_skinny beats oneDNN here (one core, SmolLM2's shapes, weights from
 # memory): 1.8x at 1 row, 2x at 2, ~1.1x at 3, slower at 4 (oneDNN's bf16 kernel wins as
-# soon as the product is compute- rather than memory-bound).
+# soon as the product is compute- rather than memory-bound). Also the fused decode path's rows.
 SKINNY_MAX_ROWS = 3
+# Rows up to which the AVX512_BF16 tiles (gemm_bf16.c) beat oneDNN here (bench/cpu_gemm.py, one
+# thread, weights from memory: 1.7-2x at 4-8 rows, 1.24x at 32, 1.05x at 128, even at 256).
+GEMM_MAX_ROWS = 128
 
 
 def _cache_dir() -> Path:
@@ -111,6 +115,15 @@ class CpuKernels:
         self._gemv = lib.gemv_packed_bf16
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr]
+        self._gemm = lib.gemm_packed_bf16_blocked
+        self._gemm.restype = ctypes.c_int
+        self._gemm.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, ctypes.c_int]
+        self._decode_linear = lib.decode_linear_bf16
+        self._decode_linear.restype = ctypes.c_int
+        self._decode_linear.argtypes = list(self._gemv.argtypes)
+        self.has_gemm = bool(lib.gemm_packed_bf16_available())
+        # Rows up to which linear_decode runs (beyond: oneDNN on its own packed copy).
+        self.decode_max_rows = GEMM_MAX_ROWS if self.has_gemm else SKINNY_MAX_ROWS
 
     def rms_norm(
         self,
@@ -259,8 +272,8 @@ class CpuKernels:
         )
 
     @staticmethod
-    def can_pack_skinny(weight: torch.Tensor) -> bool:
-        """Whether :meth:`pack_skinny` takes ``weight``: CPU bfloat16 ``[N, K]``, N a multiple
+    def can_pack_decode(weight: torch.Tensor) -> bool:
+        """Whether :meth:`pack_decode` takes ``weight``: CPU bfloat16 ``[N, K]``, N a multiple
         of 16."""
         return (
             weight.device.type == "cpu"
@@ -270,11 +283,48 @@ class CpuKernels:
         )
 
     @staticmethod
-    def pack_skinny(weight: torch.Tensor) -> torch.Tensor:
-        """``weight [N, K]`` -> ``[N / 16, K, 16]``: 16 output rows interleaved per K index, the
-        layout :meth:`linear_skinny` streams (a copy; the original stays)."""
+    def pack_decode(weight: torch.Tensor) -> torch.Tensor:
+        """``weight [N, K]`` -> ``[N / 16, ceil(K / 2), 16, 2]``: for 16 output rows, each pair
+        of adjacent K values side by side (an odd K gets a zero column). One copy serves both
+        decode products: ``vdpbf16ps`` takes the pairs as they are (:meth:`linear_gemm`), and the
+        skinny stream splits them into even and odd K (:meth:`linear_skinny`). A copy; the
+        original stays."""
         n, k = weight.shape
-        return weight.detach().view(n // 16, 16, k).transpose(1, 2).contiguous()
+        w = weight.detach()
+        if k % 2:
+            w = torch.cat([w, w.new_zeros(n, 1)], dim=1)
+        return w.reshape(n // 16, 16, (k + 1) // 2, 2).transpose(1, 2).contiguous()
+
+    def linear_decode(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x @ W.T + bias`` for a decode step of at most :attr:`decode_max_rows` rows: the
+        skinny stream at 1-2 rows, the AVX512_BF16 tiles from 3 (``decode_linear_bf16``, which
+        the fused decode path calls too, so both paths give the same bits).
+
+        Args:
+            x: ``[M, K]`` bfloat16, ``1 <= M <= decode_max_rows``, last dim contiguous.
+            packed: ``W`` from :meth:`pack_decode`.
+            bias: ``[N]`` bfloat16 or None.
+
+        Returns:
+            ``[M, N]`` bfloat16: float32 sums (plus the bias) rounded to nearest even once.
+
+        Raises:
+            MemoryError: no memory for the skinny kernel's float32 copy of ``x``.
+        """
+        m, k = x.shape
+        n = packed.shape[0] * 16
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        rc = self._decode_linear(
+            x.data_ptr(), x.stride(0), m, packed.data_ptr(),
+            None if bias is None else bias.data_ptr(), n, k, y.data_ptr(),
+        )
+        if rc == -1:
+            raise MemoryError("decode linear kernel: out of memory")
+        if rc != 0:
+            raise ValueError(f"decode linear kernel: unsupported shape x {tuple(x.shape)}")
+        return y
 
     def linear_skinny(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
@@ -283,7 +333,7 @@ class CpuKernels:
 
         Args:
             x: ``[M, K]`` bfloat16, ``1 <= M <= SKINNY_MAX_ROWS``, last dim contiguous.
-            packed: ``W`` from :meth:`pack_skinny`, ``[N / 16, K, 16]`` bfloat16.
+            packed: ``W`` from :meth:`pack_decode`.
             bias: ``[N]`` bfloat16 or None.
 
         Returns:
@@ -305,6 +355,34 @@ class CpuKernels:
         if rc != 0:
             raise ValueError(f"skinny linear kernel: unsupported shape x {tuple(x.shape)}")
         return y
+
+    def linear_gemm(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        blocking: int = 0,
+    ) -> torch.Tensor | None:
+        """``x @ W.T + bias`` with the AVX512_BF16 register-blocked product (``gemm_bf16.c``).
+
+        Args:
+            x: ``[M, K]`` bfloat16, ``M >= 1``, last dim contiguous (rows may be strided).
+            packed: ``W`` from :meth:`pack_decode`.
+            bias: ``[N]`` bfloat16 or None.
+            blocking: the tile shape (0: 8 rows x 48 columns; 1-3: the alternatives tried).
+
+        Returns:
+            ``[M, N]`` bfloat16: float32 sums (plus the bias) rounded to nearest even once;
+            None where the kernel does not run (no AVX512_BF16 in this build: keep oneDNN).
+        """
+        m, k = x.shape
+        n = packed.shape[0] * 16
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        rc = self._gemm(
+            x.data_ptr(), x.stride(0), m, packed.data_ptr(),
+            None if bias is None else bias.data_ptr(), n, k, y.data_ptr(), blocking,
+        )
+        return y if rc == 0 else None
 
     def decode_attention(
         self,

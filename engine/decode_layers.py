@@ -22,7 +22,7 @@ FUSED_ENV = "SPLITSERVE_FUSED_DECODE"  # "0": keep the per-op path
 def layer_pointers(model: torch.nn.Module) -> torch.Tensor | None:
     """``[L * 10]`` int64 addresses of every layer's norm weights, packed projections and
     biases (0 when absent), in ``decode_layers.c``'s order; None if a projection has no
-    skinny-packed weight. The tensors stay owned by the model (they never move after packing).
+    decode-packed weight. The tensors stay owned by the model (they never move after packing).
     """
     ptrs: list[int] = []
     for layer in model.layers:  # type: ignore[attr-defined]
@@ -32,9 +32,10 @@ def layer_pointers(model: torch.nn.Module) -> torch.Tensor | None:
             layer.post_attention_layernorm.weight, mlp.gate_up_proj, mlp.down_proj,
         ):
             if isinstance(item, Linear):
-                if item.skinny is None:
+                if item.decode_packed is None:
                     return None
-                ptrs += [item.skinny.data_ptr(), 0 if item.bias is None else item.bias.data_ptr()]
+                w = item.decode_packed
+                ptrs += [w.data_ptr(), 0 if item.bias is None else item.bias.data_ptr()]
             else:
                 ptrs.append(item.data_ptr())
     return torch.tensor(ptrs, dtype=torch.int64)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.cpu_kernels import SKINNY_MAX_ROWS, CpuKernels, load_cpu_kernels
+from splitserve.engine.cpu_kernels import CpuKernels, load_cpu_kernels
 
 PACK_ENV = "SPLITSERVE_PACK_WEIGHTS"  # "0" keeps plain F.linear on CPU bfloat16
 
@@ -43,15 +43,15 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def pack_skinny(weight: torch.Tensor) -> tuple[CpuKernels | None, torch.Tensor | None]:
-    """The C kernels and ``weight`` packed for their skinny product (CPU bfloat16 only, same
-    switch as :func:`can_pack` plus ``SPLITSERVE_CPU_KERNELS``), or ``(None, None)``."""
-    if not can_pack(weight) or not CpuKernels.can_pack_skinny(weight):
+def pack_decode(weight: torch.Tensor) -> tuple[CpuKernels | None, torch.Tensor | None]:
+    """The C kernels and ``weight`` packed for their decode-step products (CPU bfloat16 only,
+    same switch as :func:`can_pack` plus ``SPLITSERVE_CPU_KERNELS``), or ``(None, None)``."""
+    if not can_pack(weight) or not CpuKernels.can_pack_decode(weight):
         return None, None
     kernels = load_cpu_kernels()
     if kernels is None:
         return None, None
-    return kernels, CpuKernels.pack_skinny(weight.data)
+    return kernels, CpuKernels.pack_decode(weight.data)
 
 
 class Linear(nn.Module):
@@ -63,23 +63,24 @@ class Linear(nn.Module):
         self.weight = _empty(out_features, in_features, dtype=dtype)
         self.bias = _empty(out_features, dtype=dtype) if bias else None
         self.packed: torch.Tensor | None = None  # set by pack(); not a parameter
-        # Set by pack() too: the C kernel for few-row steps and the weight in its layout.
+        # Set by pack() too: the C kernels for decode steps and the weight in their layout.
         self.kernels: CpuKernels | None = None
-        self.skinny: torch.Tensor | None = None
+        self.decode_packed: torch.Tensor | None = None
 
     def pack(self) -> None:
         """Pre-pack the weight for oneDNN if :func:`can_pack` (call after loading; the plain
-        weight stays, for anything that reads parameters), and for the C skinny-product kernel
-        (steps of at most ``SKINNY_MAX_ROWS`` rows) when it builds."""
+        weight stays, for anything that reads parameters), and for the C decode products (steps
+        of at most ``kernels.decode_max_rows`` rows) when they build."""
         if can_pack(self.weight):
             self.packed = pack_weight(self.weight.data)
-        self.kernels, self.skinny = pack_skinny(self.weight)
+        self.kernels, self.decode_packed = pack_decode(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, in]`` -> ``[T, out]``."""
-        if self.skinny is not None and x.shape[0] <= SKINNY_MAX_ROWS and x.dim() == 2:
+        if self.decode_packed is not None and x.dim() == 2:
             assert self.kernels is not None
-            return self.kernels.linear_skinny(x.contiguous(), self.skinny, self.bias)
+            if x.shape[0] <= self.kernels.decode_max_rows:
+                return self.kernels.linear_decode(x.contiguous(), self.decode_packed, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from splitserve.engine.attention import BaseAttentionBackend, create_attention_backend
-from splitserve.engine.cpu_kernels import SKINNY_MAX_ROWS, CpuKernels
+from splitserve.engine.cpu_kernels import CpuKernels
 from splitserve.engine.decode_layers import FUSED_ENV, run_fused_decode_layers
 from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kv_pool import KVPool
@@ -22,7 +22,7 @@ from splitserve.engine.layers import (
     Linear,
     RMSNorm,
     can_pack,
-    pack_skinny,
+    pack_decode,
     pack_weight,
     packed_linear,
 )
@@ -126,9 +126,10 @@ class LlamaForCausalLM(nn.Module):
         )
         self.packed_head: torch.Tensor | None = None
         # C kernels (CPU bfloat16; set by pack_weights): RoPE here, norms and MLPs in their
-        # modules, and with skinny_head the LM head of 1-3 rows.
+        # modules, and with decode_head the LM head of decode steps (up to
+        # kernels.decode_max_rows rows).
         self.kernels: CpuKernels | None = None
-        self.skinny_head: torch.Tensor | None = None
+        self.decode_head: torch.Tensor | None = None
         # Decode-only steps of 1-3 rows: every layer in one C call (engine/decode_layers.py),
         # which reads the packed weights through this address table (made on first use).
         self.fused_decode = os.environ.get(FUSED_ENV, "1") != "0"
@@ -146,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
         self.packed_head = pack_weight(head.data)
-        self.kernels, self.skinny_head = pack_skinny(head)
+        self.kernels, self.decode_head = pack_decode(head)
         self._fused_layer_ptrs = None  # the old packed weights are gone
         for module in self.modules():
             if isinstance(module, RMSNorm | GatedMLP):
@@ -206,9 +207,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """``h [N, hidden]`` (final-normed) -> float32 logits ``[N, vocab]``."""
-        if self.skinny_head is not None and h.shape[0] <= SKINNY_MAX_ROWS:
-            assert self.kernels is not None
-            return self.kernels.linear_skinny(h.contiguous(), self.skinny_head, None).float()
+        kernels, head_w = self.kernels, self.decode_head
+        if kernels is not None and head_w is not None and h.shape[0] <= kernels.decode_max_rows:
+            return kernels.linear_decode(h.contiguous(), head_w, None).float()
         if self.packed_head is not None:
             return packed_linear(h, self.packed_head, None).float()
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -29,6 +29,22 @@ static inline __attribute__((always_inline)) v16f load_bf16x16(const uint16_t *p
 #endif
 }
 
+/* One K pair of the pair layout (gemm_bf16.c): 32 bfloat16, column c's two K values at 2c and
+ * 2c + 1 -> the even-K and the odd-K values of the 16 columns as float32. */
+static inline __attribute__((always_inline)) void load_bf16_pairs(const uint16_t *p, v16f *even,
+                                                                  v16f *odd) {
+#if defined(__AVX512F__)
+    __m512i u = _mm512_loadu_si512((const void *)p);
+    *even = (v16f)_mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+    *odd = (v16f)_mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
+#else
+    v16u u;
+    memcpy(&u, p, sizeof u);
+    *even = (v16f)(u << 16);
+    *odd = (v16f)(u & 0xffff0000u);
+#endif
+}
+
 static inline __attribute__((always_inline)) v16f load_f32x16(const float *p) {
 #if defined(__AVX512F__)
     return (v16f)_mm512_loadu_ps(p);

@@ -38,7 +38,7 @@ int decode_layers_bf16(int64_t n_layers, const int64_t *ptrs, uint16_t *x, int64
     int rc = 0;
     for (int64_t l = 0; l < n_layers && rc == 0; l++) {
         rms_norm_bf16(x, hid, NULL, P(l, IN_NORM), eps, m, hid, NULL, h);
-        rc = gemv_packed_bf16(h, hid, m, P(l, QKV_W), P(l, QKV_B), nqkv, hid, qkv);
+        rc = decode_linear_bf16(h, hid, m, P(l, QKV_W), P(l, QKV_B), nqkv, hid, qkv);
         if (rc) break;
         rope_bf16(qkv, nqkv, m, hq + hkv, d, positions, cos_table, sin_table);
         uint16_t *pk = pool + l * layer_stride;
@@ -48,13 +48,13 @@ int decode_layers_bf16(int64_t n_layers, const int64_t *ptrs, uint16_t *x, int64
         rc = decode_attention_bf16(qkv, nqkv, ckt + l * cache_stride, cv + l * cache_stride,
                                    slots, lens, m, hkv, hq / hkv, d, cap, window, scale, att);
         if (rc) break;
-        rc = gemv_packed_bf16(att, hq * d, m, P(l, O_W), P(l, O_B), hid, hq * d, o);
+        rc = decode_linear_bf16(att, hq * d, m, P(l, O_W), P(l, O_B), hid, hq * d, o);
         if (rc) break;
         rms_norm_bf16(o, hid, x, P(l, POST_NORM), eps, m, hid, x, h); /* x += o; h = norm */
-        rc = gemv_packed_bf16(h, hid, m, P(l, GU_W), P(l, GU_B), 2 * inter, hid, gu);
+        rc = decode_linear_bf16(h, hid, m, P(l, GU_W), P(l, GU_B), 2 * inter, hid, gu);
         if (rc) break;
         silu_mul_bf16(gu, m, inter, act);
-        rc = gemv_packed_bf16(act, inter, m, P(l, DOWN_W), P(l, DOWN_B), hid, inter, dn);
+        rc = decode_linear_bf16(act, inter, m, P(l, DOWN_W), P(l, DOWN_B), hid, inter, dn);
         for (int64_t i = 0; i < m * hid; i++)
             x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(dn[i]));
     }

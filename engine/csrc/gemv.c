@@ -1,9 +1,9 @@
 /* Skinny bfloat16 products y = x @ W.T (+ b) for the few-row decode steps, where the cost is
  * reading W once from memory: a batch-1 step of SmolLM2-135M reads ~270 MB of weights.
  *
- * W is packed as wp [N / 16, K, 16]: each block of 16 output rows is one contiguous run in which
- * every K index holds those 16 rows' weights side by side, so the whole product is one
- * sequential stream (measured here, one core: 24-30 GB/s against oneDNN's 13-15 GB/s on its own
+ * W is packed as wp [N / 16, ceil(K / 2), 16, 2] (gemm_bf16.c's layout, so one copy serves both
+ * kernels): each block of 16 output rows is one contiguous run in which every K pair holds those
+ * 16 rows' weights side by side, so the whole product is one sequential stream (measured here, one core: 24-30 GB/s against oneDNN's 13-15 GB/s on its own
  * packed layout at one row) and the 16 sums of a block fill one vector register with no
  * horizontal adds. x is converted to float32 once; sums are float32; outputs are rounded to
  * bfloat16 (nearest even) once. Blocks are split over torch's OpenMP threads for big weights.
@@ -24,14 +24,18 @@ static inline __attribute__((always_inline)) void block16(const float *xf, int64
     for (int64_t r = 0; r < m; r++)
         for (int j = 0; j < KU; j++) a[r][j] = (v16f){0};
     int64_t i = 0;
+    /* K index i sits in pair i / 2, which starts at wb + (i & ~1) * 16. */
     for (; i + KU <= k; i += KU) {
         v16f w[KU];
-        for (int j = 0; j < KU; j++) w[j] = load_bf16x16(wb + (i + j) * 16);
+        load_bf16_pairs(wb + i * 16, &w[0], &w[1]);
+        load_bf16_pairs(wb + i * 16 + 32, &w[2], &w[3]);
         for (int64_t r = 0; r < m; r++)
             for (int j = 0; j < KU; j++) a[r][j] += xf[r * k + i + j] * w[j];
     }
     for (; i < k; i++) {
-        v16f w = load_bf16x16(wb + i * 16);
+        v16f even, odd;
+        load_bf16_pairs(wb + (i & ~(int64_t)1) * 16, &even, &odd);
+        v16f w = (i & 1) ? odd : even;
         for (int64_t r = 0; r < m; r++) a[r][0] += xf[r * k + i] * w;
     }
     for (int64_t r = 0; r < m; r++) sums[r] = (a[r][0] + a[r][1]) + (a[r][2] + a[r][3]);
@@ -46,8 +50,8 @@ static void block_any(const float *xf, int64_t m, const uint16_t *wb, int64_t k,
     }
 }
 
-/* x [m, k] bfloat16 (rows x_stride elements apart), 1 <= m <= 4; wp [n_out / 16, k, 16]
- * bfloat16 (see above); bias [n_out] bfloat16 or NULL; y [m, n_out] bfloat16 contiguous.
+/* x [m, k] bfloat16 (rows x_stride elements apart), 1 <= m <= 4; wp [n_out / 16, ceil(k / 2),
+ * 16, 2] bfloat16 (see above); bias [n_out] bfloat16 or NULL; y [m, n_out] bfloat16 contiguous.
  * n_out a multiple of 16. Returns 0, -1 if out of memory, -2 for an unsupported shape. */
 int gemv_packed_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *wp,
                      const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y) {
@@ -61,7 +65,7 @@ int gemv_packed_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint1
 #pragma omp parallel for schedule(static) if (n_out * k >= (1 << 18))
     for (int64_t b = 0; b < blocks; b++) {
         v16f sums[4];
-        block_any(xf, m, wp + b * k * 16, k, sums);
+        block_any(xf, m, wp + b * ((k + 1) / 2) * 32, k, sums);
         for (int64_t r = 0; r < m; r++)
             for (int e = 0; e < 16; e++) {
                 float bb = bias ? bf16_to_f32(bias[b * 16 + e]) : 0.0f;

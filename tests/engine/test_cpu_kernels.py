@@ -1,7 +1,8 @@
 """The C kernels against float32 references. Decode attention: GQA group sizes 1-8, head dims
 16-256, lengths around its 32-key blocks, sliding windows, rows in permuted slots, strided
-queries, empty slots, 1 vs 2 threads. Skinny products: 1-3 rows, odd K, bias, strided rows, and
-``Linear``/LM head choosing them only for few-row steps."""
+queries, empty slots, 1 vs 2 threads. Skinny products: 1-3 rows, odd K, bias, strided rows.
+AVX512_BF16 tiles: 3-128 rows, every tile shape, N and row tails, odd K, bias, 1 vs 2 threads.
+``Linear`` choosing them only for decode-sized steps."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def test_skinny_linear_matches_float32_reference(n, k, bias) -> None:
     torch.manual_seed(n + k)
     w = torch.randn(n, k).to(torch.bfloat16)
     b = torch.randn(n).to(torch.bfloat16) if bias else None
-    packed = CpuKernels.pack_skinny(w)
+    packed = CpuKernels.pack_decode(w)
     assert kernels is not None
     for rows in range(1, SKINNY_MAX_ROWS + 1):
         x = torch.randn(rows, k + 5).to(torch.bfloat16)[:, 3 : 3 + k]  # strided rows
@@ -101,23 +102,69 @@ def test_skinny_linear_matches_float32_reference(n, k, bias) -> None:
         assert torch.allclose(out.float(), ref, rtol=2**-8, atol=1e-3 * k**0.5), rows
 
 
+def tile_tolerance(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Allowed ``|out - ref|`` for a float32 sum rounded once to bfloat16 against the float32
+    reference ``ref``: half a bfloat16 ulp (at most ``2^-8 |ref|``, slack for a rounding
+    boundary) plus a float32 reordering bound (``K * 2^-24`` of the sum of ``|x_k w_k|``)."""
+    k = x.shape[1]
+    return 2**-8 * ref.abs() + k * 2**-24 * (x.float().abs() @ w.float().abs().T) + 1e-30
+
+
+@pytest.mark.skipif(kernels is None or not kernels.has_gemm, reason="no AVX512_BF16 kernel")
+@pytest.mark.parametrize("n,k", [(16, 48), (80, 37), (960, 576), (576, 1536), (4112, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_tiles_match_float32_reference(n, k, bias) -> None:
+    torch.manual_seed(n * 7 + k)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    packed = CpuKernels.pack_decode(w)
+    assert kernels is not None
+    before = torch.get_num_threads()
+    try:
+        for rows in (3, 4, 5, 8, 13, 32, 64, 127):
+            x = torch.randn(rows, k + 5).to(torch.bfloat16)[:, 3 : 3 + k]  # strided rows
+            ref = x.float() @ w.float().T + (0 if b is None else b.float())
+            tol = tile_tolerance(x, w, ref)
+            outs = []
+            for blocking in range(4):  # 8x3, 4x6, 6x4, 12x2 tiles
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    out = kernels.linear_gemm(x, packed, b, blocking)
+                    assert out is not None
+                    assert bool(((out.float() - ref).abs() <= tol).all()), (rows, blocking)
+                    outs.append(out)
+            # Each output is one thread's one sum in K order: the same bits at any thread count.
+            assert all(torch.equal(o, outs[0]) for o in outs)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(kernels is None or kernels.has_gemm, reason="this CPU has AVX512_BF16")
+def test_gemm_refuses_without_avx512_bf16() -> None:
+    w = CpuKernels.pack_decode(torch.randn(16, 8).to(torch.bfloat16))
+    assert kernels is not None and kernels.linear_gemm(torch.ones(4, 8).bfloat16(), w, None) is None
+    assert kernels.decode_max_rows == SKINNY_MAX_ROWS
+
+
 @pytest.mark.skipif(
     not can_pack(torch.empty(1, 1, dtype=torch.bfloat16)), reason="no oneDNN bf16 packing"
 )
-def test_linear_uses_the_skinny_kernel_only_for_few_rows() -> None:
+def test_linear_uses_the_decode_kernels_only_for_decode_steps() -> None:
     torch.manual_seed(1)
     lin = Linear(64, 96, True, torch.bfloat16)
     lin.weight.data.copy_(torch.randn(96, 64))
     lin.bias.data.copy_(torch.randn(96))
     lin.pack()
-    assert lin.skinny is not None and lin.packed is not None
-    for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 32):
+    assert lin.decode_packed is not None and lin.packed is not None and kernels is not None
+    top = kernels.decode_max_rows
+    for rows in sorted({1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 32, top, top + 1}):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         onednn = torch.nn.functional.linear(x, lin.weight, lin.bias)
         out = lin(x)
-        if rows > SKINNY_MAX_ROWS:
+        if rows > top:
             assert torch.equal(out, onednn)
         else:
+            assert torch.equal(out, kernels.linear_decode(x, lin.decode_packed, lin.bias))
             assert torch.allclose(out.float(), onednn.float(), rtol=2**-7, atol=1e-2)
 
 

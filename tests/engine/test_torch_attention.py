@@ -79,7 +79,7 @@ def test_packed_linear_is_bit_identical(bias) -> None:
         plain = lin(x)
         lin.pack()
         assert lin.packed is not None
-        lin.skinny = None  # the C few-row kernel sums in another order: tests/engine/test_cpu_kernels.py
+        lin.decode_packed = None  # the C decode kernels sum in another order: test_cpu_kernels.py
         assert torch.equal(lin(x), plain)
         assert torch.equal(plain, F.linear(x, lin.weight, lin.bias))
         lin.packed = None

@@ -1,0 +1,201 @@
+/* bfloat16 products y = x @ W.T (+ b) for the batched decode step (4-64 rows), on AVX512_BF16.
+ *
+ * At these row counts the product is compute-bound but too short for oneDNN's blocking to reach
+ * the core's vdpbf16ps rate (it does at thousands of rows). vdpbf16ps multiplies pairs of
+ * adjacent-K bfloat16 values and adds both products into one float32 lane, so W is packed as
+ * wp [N / 16, P, 16, 2] with P = ceil(K / 2): for 16 output columns, each K pair is one 64-byte
+ * vector (an odd K is padded with a zero weight). A register tile of MR rows x NV vectors holds
+ * MR * NV float32 accumulators; each K pair loads NV weight vectors and broadcasts each row's
+ * x pair (one 32-bit load), so a weight vector serves MR rows and an x pair NV vectors.
+ *
+ * Threads split the N blocks (NV vectors each); a thread runs every row block against one N
+ * block before moving on, so that block's weight panel (NV * P * 64 bytes, 55 KB at K = 576)
+ * is read from memory once and from L2 for the other row blocks. Sums are float32 (the pair
+ * products are exact; the hardware flushes denormals); the result, plus the bias, is rounded to
+ * bfloat16 once, nearest even, as gemv.c rounds.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+/* Blockings tried (bench/cpu_gemm.py); index 0 is the default. */
+static const int BLOCK_MR[] = {8, 4, 6, 12};
+static const int BLOCK_NV[] = {3, 6, 4, 2};
+#define NUM_BLOCKINGS 4
+
+static inline __m512i load_pair(const uint16_t *p) {
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32((int)v);
+}
+
+/* float32 -> bfloat16 for 16 lanes, nearest even, NaN kept quiet (bf16.h's f32_to_bf16). */
+static inline __m256i round_bf16x16(__m512 f) {
+    __m512i u = _mm512_castps_si512(f);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* One MR x (NV * 16) tile over all of K (MR, NV constants once inlined).
+ * x: MR rows (xs elements apart); wb: the first of NV N blocks (ps elements apart). */
+static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t xs, int mr,
+                                                       const uint16_t *wb, int64_t ps, int nv,
+                                                       int64_t k, const uint16_t *bias,
+                                                       uint16_t *y, int64_t ys, const char *pf,
+                                                       int64_t pf_lines, int pf_step) {
+    __m512 acc[12][6];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < nv; j++) acc[r][j] = _mm512_setzero_ps();
+    int64_t pairs = k / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        /* Prefetch this tile's share of the next N block's panel into L2, so the memory
+         * stream is spread over every row block instead of stalling the first one. */
+        for (int q = 0; q < pf_step; q++) {
+            int64_t line = p * pf_step + q;
+            if (line < pf_lines) _mm_prefetch(pf + line * 64, _MM_HINT_T1);
+        }
+        __m512bh w[6];
+        for (int j = 0; j < nv; j++)
+            w[j] = (__m512bh)_mm512_loadu_si512((const void *)(wb + j * ps + p * 32));
+        for (int r = 0; r < mr; r++) {
+            __m512bh a = (__m512bh)load_pair(x + r * xs + 2 * p);
+            for (int j = 0; j < nv; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w[j]);
+        }
+    }
+    if (k & 1) { /* the last K alone: its pair's upper half is zero (so is the weight's) */
+        for (int j = 0; j < nv; j++) {
+            __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(wb + j * ps + pairs * 32));
+            for (int r = 0; r < mr; r++) {
+                __m512bh a = (__m512bh)_mm512_set1_epi32((int)x[r * xs + k - 1]);
+                acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w);
+            }
+        }
+    }
+    for (int j = 0; j < nv; j++) {
+        __m512 b = _mm512_setzero_ps();
+        if (bias)
+            b = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(bias + j * 16))), 16));
+        for (int r = 0; r < mr; r++)
+            _mm256_storeu_si256((void *)(y + r * ys + j * 16),
+                                round_bf16x16(_mm512_add_ps(acc[r][j], b)));
+    }
+}
+
+/* Every row of x against one N block of nv vectors: full MR-row tiles, then the rest. */
+#define PF_ARGS pf + (r0 / mr_full) * pf_chunk * 64, pf_lines - (r0 / mr_full) * pf_chunk, pf_step
+#define ROWS_CASE(MR, NV)                                                                      \
+    do {                                                                                       \
+        int64_t r0 = 0;                                                                        \
+        const int64_t mr_full = (MR), row_blocks = (m + mr_full - 1) / mr_full;                \
+        int64_t pf_chunk = (pf_lines + row_blocks - 1) / row_blocks;                           \
+        int pf_step = k / 2 > 0 ? (int)((pf_chunk + k / 2 - 1) / (k / 2)) : 0;                 \
+        for (; r0 + (MR) <= m; r0 += (MR))                                                     \
+            tile(x + r0 * xs, xs, (MR), wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS);               \
+        switch (m - r0) {                                                                      \
+        case 0: break;                                                                         \
+        case 1: if ((MR) > 1) tile(x + r0 * xs, xs, 1, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
+        case 2: if ((MR) > 2) tile(x + r0 * xs, xs, 2, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
+        case 3: if ((MR) > 3) tile(x + r0 * xs, xs, 3, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
+        case 4: if ((MR) > 4) tile(x + r0 * xs, xs, 4, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
+        case 5: if ((MR) > 5) tile(x + r0 * xs, xs, 5, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
+        case 6: if ((MR) > 6) tile(x + r0 * xs, xs, 6, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
+        case 7: if ((MR) > 7) tile(x + r0 * xs, xs, 7, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
+        case 8: if ((MR) > 8) tile(x + r0 * xs, xs, 8, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
+        case 9: if ((MR) > 9) tile(x + r0 * xs, xs, 9, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
+        case 10: if ((MR) > 10) tile(x + r0 * xs, xs, 10, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;     \
+        default: if ((MR) > 11) tile(x + r0 * xs, xs, 11, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break; \
+        }                                                                                      \
+    } while (0)
+
+/* Rows for NV vectors of one blocking (row tile MR_FULL); nv below NV is the N tail. */
+#define NV_SWITCH(MR, NV, nv)                                                                  \
+    do {                                                                                       \
+        switch (nv) {                                                                          \
+        case 1: if ((NV) >= 1) ROWS_CASE(MR, 1); break;                                                       \
+        case 2: if ((NV) >= 2) ROWS_CASE(MR, 2); break;                                                       \
+        case 3: if ((NV) >= 3) ROWS_CASE(MR, 3); break;                                                       \
+        case 4: if ((NV) >= 4) ROWS_CASE(MR, 4); break;                                                       \
+        case 5: if ((NV) >= 5) ROWS_CASE(MR, 5); break;                                                       \
+        default: if ((NV) >= 6) ROWS_CASE(MR, 6); break;                                                      \
+        }                                                                                      \
+    } while (0)
+
+static void rows_blocking(int blocking, int nv, const uint16_t *x, int64_t xs, int64_t m,
+                          const uint16_t *wb, int64_t ps, int64_t k, const uint16_t *bias,
+                          uint16_t *y, int64_t ys, const char *pf, int64_t pf_lines) {
+    switch (blocking) {
+    case 1: NV_SWITCH(4, 6, nv); break;
+    case 2: NV_SWITCH(6, 4, nv); break;
+    case 3: NV_SWITCH(12, 2, nv); break;
+    default: NV_SWITCH(8, 3, nv); break;
+    }
+}
+#endif
+
+/* x [m, k] bfloat16 (rows x_stride elements apart), m >= 1; wp [n_out / 16, ceil(k / 2), 16, 2]
+ * bfloat16 (see above); bias [n_out] bfloat16 or NULL; y [m, n_out] bfloat16 contiguous.
+ * blocking: index into the tile shapes (0: 8 rows x 3 vectors). Returns 0, or -2 for an
+ * unsupported shape or a CPU build without AVX512_BF16 (callers keep oneDNN). */
+int gemm_packed_bf16_blocked(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *wp,
+                             const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y,
+                             int blocking) {
+#if defined(__AVX512BF16__)
+    if (n_out % 16 != 0 || m < 1 || k < 1 || blocking < 0 || blocking >= NUM_BLOCKINGS)
+        return -2;
+    int nv_full = BLOCK_NV[blocking];
+    int64_t ps = (k + 1) / 2 * 32; /* elements per 16-column block */
+    int64_t vecs = n_out / 16, nblocks = (vecs + nv_full - 1) / nv_full;
+    (void)BLOCK_MR;
+    /* A parallel region costs a few microseconds: only for products of ~1 MFLOP up. */
+#pragma omp parallel for schedule(static) if (m * n_out * k >= (1 << 19))
+    for (int64_t b = 0; b < nblocks; b++) {
+        int64_t v0 = b * nv_full;
+        int nv = (int)(vecs - v0 < nv_full ? vecs - v0 : nv_full);
+        /* The next block's panel: 64-byte lines, none past the end of wp. */
+        int64_t next = v0 + nv_full < vecs ? v0 + nv_full : vecs;
+        int64_t next_vecs = vecs - next < nv_full ? vecs - next : nv_full;
+        rows_blocking(blocking, nv, x, x_stride, m, wp + v0 * ps, ps, k,
+                      bias ? bias + v0 * 16 : NULL, y + v0 * 16, n_out,
+                      (const char *)(wp + next * ps), next_vecs * ps * 2 / 64);
+    }
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)m, (void)wp, (void)bias, (void)n_out, (void)k, (void)y;
+    (void)blocking;
+    return -2;
+#endif
+}
+
+/* gemm_packed_bf16_blocked with the default blocking. */
+int gemm_packed_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *wp,
+                     const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y) {
+    return gemm_packed_bf16_blocked(x, x_stride, m, wp, bias, n_out, k, y, 0);
+}
+
+/* 1 when this build has the kernel (AVX512_BF16), else 0. */
+int gemm_packed_bf16_available(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The decode step's product on the pair layout, for both the per-op and the fused path (one
+ * choice, so both give the same bits): gemv.c's float32 FMA stream for 1-2 rows (memory-bound:
+ * ~5-15% faster than the tiles there), these tiles from 3 rows, or gemv.c up to 3 rows without
+ * AVX512_BF16. Same arguments as gemm_packed_bf16; -2 where neither applies. */
+int decode_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *wp,
+                       const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y) {
+    if (m <= 2 || (m == 3 && !gemm_packed_bf16_available()))
+        return gemv_packed_bf16(x, x_stride, m, wp, bias, n_out, k, y);
+    return gemm_packed_bf16(x, x_stride, m, wp, bias, n_out, k, y);
+}
