@@ -22,8 +22,8 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
-/* Blockings tried (bench/cpu_gemm.py); index 0 is the default. */
-static const int BLOCK_MR[] = {8, 4, 6, 12};
+/* Tile shapes tried (bench/cpu_gemm.py), rows x 16-column vectors: 8x3 (the default), 4x6,
+ * 6x4, 12x2, all 24 accumulators; this is the vector count of each. */
 static const int BLOCK_NV[] = {3, 6, 4, 2};
 #define NUM_BLOCKINGS 4
 
@@ -37,7 +37,8 @@ static inline __m512i load_pair(const uint16_t *p) {
 static inline __m256i round_bf16x16(__m512 f) {
     __m512i u = _mm512_castps_si512(f);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_srli_epi32(r, 16);
     __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
     r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     return _mm512_cvtepi32_epi16(r);
@@ -89,53 +90,48 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
     }
 }
 
-/* Every row of x against one N block of nv vectors: full MR-row tiles, then the rest. */
-#define PF_ARGS pf + (r0 / mr_full) * pf_chunk * 64, pf_lines - (r0 / mr_full) * pf_chunk, pf_step
-#define ROWS_CASE(MR, NV)                                                                      \
+/* Every row of x against one N block of NV vectors: full MR-row tiles, then one tile of the
+ * remaining rows. Row block i prefetches the i-th share of the next block's panel. */
+#define TILE(R, MR, NV)                                                                        \
+    tile(x + r0 * xs, xs, (R), wb, ps, (NV), k, bias, y + r0 * ys, ys,                         \
+         pf + (r0 / (MR)) * pf_chunk * 64, pf_lines - (r0 / (MR)) * pf_chunk, pf_step)
+#define TAIL(R, MR, NV)                                                                        \
+    case R:                                                                                    \
+        if ((MR) > (R)) TILE(R, MR, NV);                                                       \
+        break;
+#define ROWS(MR, NV)                                                                           \
     do {                                                                                       \
-        int64_t r0 = 0;                                                                        \
-        const int64_t mr_full = (MR), row_blocks = (m + mr_full - 1) / mr_full;                \
+        int64_t r0 = 0, row_blocks = (m + (MR) - 1) / (MR);                                    \
         int64_t pf_chunk = (pf_lines + row_blocks - 1) / row_blocks;                           \
         int pf_step = k / 2 > 0 ? (int)((pf_chunk + k / 2 - 1) / (k / 2)) : 0;                 \
-        for (; r0 + (MR) <= m; r0 += (MR))                                                     \
-            tile(x + r0 * xs, xs, (MR), wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS);               \
+        for (; r0 + (MR) <= m; r0 += (MR)) TILE(MR, MR, NV);                                   \
         switch (m - r0) {                                                                      \
-        case 0: break;                                                                         \
-        case 1: if ((MR) > 1) tile(x + r0 * xs, xs, 1, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
-        case 2: if ((MR) > 2) tile(x + r0 * xs, xs, 2, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
-        case 3: if ((MR) > 3) tile(x + r0 * xs, xs, 3, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
-        case 4: if ((MR) > 4) tile(x + r0 * xs, xs, 4, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
-        case 5: if ((MR) > 5) tile(x + r0 * xs, xs, 5, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
-        case 6: if ((MR) > 6) tile(x + r0 * xs, xs, 6, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
-        case 7: if ((MR) > 7) tile(x + r0 * xs, xs, 7, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
-        case 8: if ((MR) > 8) tile(x + r0 * xs, xs, 8, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
-        case 9: if ((MR) > 9) tile(x + r0 * xs, xs, 9, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;       \
-        case 10: if ((MR) > 10) tile(x + r0 * xs, xs, 10, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break;     \
-        default: if ((MR) > 11) tile(x + r0 * xs, xs, 11, wb, ps, (NV), k, bias, y + r0 * ys, ys, PF_ARGS); break; \
+            TAIL(1, MR, NV) TAIL(2, MR, NV) TAIL(3, MR, NV) TAIL(4, MR, NV) TAIL(5, MR, NV)    \
+            TAIL(6, MR, NV) TAIL(7, MR, NV) TAIL(8, MR, NV) TAIL(9, MR, NV) TAIL(10, MR, NV)   \
+            TAIL(11, MR, NV) default: break;                                                   \
         }                                                                                      \
     } while (0)
 
-/* Rows for NV vectors of one blocking (row tile MR_FULL); nv below NV is the N tail. */
-#define NV_SWITCH(MR, NV, nv)                                                                  \
-    do {                                                                                       \
-        switch (nv) {                                                                          \
-        case 1: if ((NV) >= 1) ROWS_CASE(MR, 1); break;                                                       \
-        case 2: if ((NV) >= 2) ROWS_CASE(MR, 2); break;                                                       \
-        case 3: if ((NV) >= 3) ROWS_CASE(MR, 3); break;                                                       \
-        case 4: if ((NV) >= 4) ROWS_CASE(MR, 4); break;                                                       \
-        case 5: if ((NV) >= 5) ROWS_CASE(MR, 5); break;                                                       \
-        default: if ((NV) >= 6) ROWS_CASE(MR, 6); break;                                                      \
-        }                                                                                      \
-    } while (0)
+/* One blocking (MR rows x NV_FULL vectors); nv < NV_FULL is the last, narrower N block. */
+#define NV_CASE(MR, NV_FULL, NV)                                                               \
+    case NV:                                                                                   \
+        if ((NV_FULL) >= (NV)) ROWS(MR, NV);                                                   \
+        break;
+#define BLOCKING(MR, NV_FULL)                                                                  \
+    switch (nv) {                                                                              \
+        NV_CASE(MR, NV_FULL, 1) NV_CASE(MR, NV_FULL, 2) NV_CASE(MR, NV_FULL, 3)                \
+        NV_CASE(MR, NV_FULL, 4) NV_CASE(MR, NV_FULL, 5) NV_CASE(MR, NV_FULL, 6)                \
+        default: break;                                                                        \
+    }
 
 static void rows_blocking(int blocking, int nv, const uint16_t *x, int64_t xs, int64_t m,
                           const uint16_t *wb, int64_t ps, int64_t k, const uint16_t *bias,
                           uint16_t *y, int64_t ys, const char *pf, int64_t pf_lines) {
-    switch (blocking) {
-    case 1: NV_SWITCH(4, 6, nv); break;
-    case 2: NV_SWITCH(6, 4, nv); break;
-    case 3: NV_SWITCH(12, 2, nv); break;
-    default: NV_SWITCH(8, 3, nv); break;
+    switch (blocking) { /* each case inlines every tile shape it needs (constants) */
+    case 1: BLOCKING(4, 6); break;
+    case 2: BLOCKING(6, 4); break;
+    case 3: BLOCKING(12, 2); break;
+    default: BLOCKING(8, 3); break;
     }
 }
 #endif
@@ -153,7 +149,6 @@ int gemm_packed_bf16_blocked(const uint16_t *x, int64_t x_stride, int64_t m, con
     int nv_full = BLOCK_NV[blocking];
     int64_t ps = (k + 1) / 2 * 32; /* elements per 16-column block */
     int64_t vecs = n_out / 16, nblocks = (vecs + nv_full - 1) / nv_full;
-    (void)BLOCK_MR;
     /* A parallel region costs a few microseconds: only for products of ~1 MFLOP up. */
 #pragma omp parallel for schedule(static) if (m * n_out * k >= (1 << 19))
     for (int64_t b = 0; b < nblocks; b++) {
