@@ -75,7 +75,8 @@ def wait_quiet(max_wait_s: float, min_idle: float = 0.9) -> float:
 
 def median_times(fns: dict[str, Callable[[], object]], rounds: int, budget_s: float) -> dict:
     """Median seconds per call of each function, measured round-robin so that a noisy neighbour
-    hits every contender alike; each round runs each function for about ``budget_s``."""
+    hits every contender alike (in reverse order every other round: the order itself biased
+    results by a few percent); each round runs each function for about ``budget_s``."""
     iters = {}
     for name, fn in fns.items():  # warm up and size the inner loop
         fn()
@@ -83,8 +84,8 @@ def median_times(fns: dict[str, Callable[[], object]], rounds: int, budget_s: fl
         fn()
         iters[name] = max(1, int(budget_s / max(time.perf_counter() - t0, 1e-7)))
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for i in range(rounds):
+        for name, fn in list(fns.items())[:: 1 if i % 2 == 0 else -1]:
             t0 = time.perf_counter()
             for _ in range(iters[name]):
                 fn()
