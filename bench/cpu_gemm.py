@@ -113,7 +113,10 @@ def main() -> None:
     for name, n, k, _ in SHAPES:
         if name in args.shapes:
             copies = 1 if args.warm else COLD_BYTES // (2 * n * k) + 2
-            ws = [(torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16) for _ in range(copies)]
+            ws = [
+                (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16)
+                for _ in range(copies)
+            ]
             weights[name] = (
                 ws, [pack_weight(w) for w in ws], [CpuKernels.pack_decode(w) for w in ws],
             )
