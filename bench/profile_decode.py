@@ -104,8 +104,8 @@ def instrument(sched: Scheduler) -> CpuClock:
     import splitserve.engine.llama as llama_module
 
     if hasattr(llama_module, "run_fused_decode_layers"):
-        # Decode-only steps of 1-3 rows run every layer in one C call (projections, attention,
-        # norms, RoPE together): timed as one kind.
+        # Decode-only steps (1-3 rows; up to 128 with the AVX512_BF16 tiles) run every layer
+        # in one C call (projections, attention, norms, RoPE together): timed as one kind.
         llama_module.run_fused_decode_layers = clock.wrap(
             "fused layers (C)", llama_module.run_fused_decode_layers
         )

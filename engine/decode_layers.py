@@ -1,7 +1,8 @@
 """All decoder layers of a small decode-only step in one C call (``csrc/decode_layers.c``).
 
 At 1-3 rows a CPU bfloat16 step is memory-bound matrix work plus ~10 Python-level calls per layer
-(modules, ctypes calls, tensor allocations), which were about a quarter of the step at batch 1.
+(modules, ctypes calls, tensor allocations), which were about a quarter of the step at batch 1;
+at batch 32 with the AVX512_BF16 tiles (2 threads) they were ~9% of it.
 This path runs the same kernels in the same order as the per-op path (``llama.py`` with
 ``cpu_kernels``), so its results are bit-identical to it; it applies only when every piece it
 replaces would have taken its kernel: see :func:`run_fused_decode_layers`.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.attention import TorchAttentionBackend, TorchAttentionMetadata
-from splitserve.engine.cpu_kernels import SKINNY_MAX_ROWS, CpuKernels
+from splitserve.engine.cpu_kernels import CpuKernels
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.layers import Linear
 
@@ -45,8 +46,9 @@ def run_fused_decode_layers(
     model: torch.nn.Module, x: torch.Tensor, meta: object, pool: KVPool
 ) -> bool:
     """Run every decoder layer on ``x [T, hidden]`` (bfloat16, updated in place) if the step
-    qualifies: the model's C kernels are on, ``T <= SKINNY_MAX_ROWS``, every row decodes, the
-    torch backend's decode cache serves the step and its C attention kernel takes the heads.
+    qualifies: the model's C kernels are on, ``T <= kernels.decode_max_rows`` (3, or 128 with
+    the AVX512_BF16 tiles), every row decodes, the torch backend's decode cache serves the step
+    and its C attention kernel takes the heads.
     Returns whether it ran (else nothing was touched and the caller runs the layers).
 
     Raises:
@@ -62,7 +64,7 @@ def run_fused_decode_layers(
     cfg = model.config  # type: ignore[attr-defined]
     if plan is None or cache is None or cache.kt is None or cache.v is None:
         return False
-    if x.dtype != torch.bfloat16 or x.shape[0] > SKINNY_MAX_ROWS or not x.is_contiguous():
+    if x.dtype != torch.bfloat16 or x.shape[0] > kernels.decode_max_rows or not x.is_contiguous():
         return False
     if not CpuKernels.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
         return False
