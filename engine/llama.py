@@ -160,9 +160,9 @@ class LlamaForCausalLM(nn.Module):
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         for module in self.modules():
             if isinstance(module, Linear):
-                total += _copy_bytes(module.weight, module.packed) + _bytes(module.skinny)
+                total += _copy_bytes(module.weight, module.packed) + _bytes(module.decode_packed)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return total + _copy_bytes(head, self.packed_head) + _bytes(self.skinny_head)
+        return total + _copy_bytes(head, self.packed_head) + _bytes(self.decode_head)
 
     def to(self, device: torch.device | str) -> LlamaForCausalLM:  # type: ignore[override]
         """Move parameters and the RoPE table (not a module buffer, to keep it float32)."""

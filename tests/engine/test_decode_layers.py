@@ -77,7 +77,7 @@ def test_weight_bytes_count_the_packed_copies(model_path, monkeypatch) -> None:
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     linear = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, Linear))
     head = model.embed_tokens.weight.numel() * 2  # tied
-    assert model.packed_head is not None and model.skinny_head is not None
+    assert model.packed_head is not None and model.decode_head is not None
     assert model.weight_bytes() == params + 2 * (linear + head)
     monkeypatch.setenv("SPLITSERVE_PACK_WEIGHTS", "0")
     plain, _ = load_model(model_path, dtype=torch.bfloat16)
