@@ -1,4 +1,4 @@
-/* bfloat16 products y = x @ W.T (+ b) for the batched decode step (4-64 rows), on AVX512_BF16.
+/* bfloat16 products y = x @ W.T (+ b) for batched decode steps (3-128 rows), on AVX512_BF16.
  *
  * At these row counts the product is compute-bound but too short for oneDNN's blocking to reach
  * the core's vdpbf16ps rate (it does at thousands of rows). vdpbf16ps multiplies pairs of
