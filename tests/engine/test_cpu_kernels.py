@@ -51,7 +51,29 @@ def test_kernel_matches_float32_reference(hkv, group, d, window) -> None:
     assert kernels is not None and CpuKernels.supports(hkv * group, hkv, d)
     kernels.decode_attention(q, kt, v, slots, lens, window, scale, out)
     ref = reference(q, kt, v, slots, lens, window, scale)
-    # Only the output's bfloat16 rounding differs (scores and softmax stay float32).
+    # Only the output's bfloat16 rounding differs (exact bfloat16 products, float32 sums).
+    assert torch.allclose(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_positions_past_a_rows_length_never_reach_its_output(window) -> None:
+    """The last partial block of 32 keys is read whole when the row has room: NaN there (stale
+    or never-written cache memory) must not leak into the output."""
+    torch.manual_seed(7)
+    hkv, group, d, cap = 3, 3, 64, 128
+    lens = torch.tensor([1, 5, 33, 70, 100], dtype=torch.long)
+    slots = torch.arange(len(lens))
+    kt = torch.randn(len(lens), hkv, d, cap).to(torch.bfloat16)
+    v = torch.randn(len(lens), hkv, cap, d).to(torch.bfloat16)
+    for i, n in enumerate(lens.tolist()):
+        kt[i, :, :, n:] = float("nan")
+        v[i, :, n:] = float("nan")
+    q = torch.randn(len(lens), hkv * group, d).to(torch.bfloat16)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    assert kernels is not None
+    kernels.decode_attention(q, kt, v, slots, lens, window, d**-0.5, out)
+    assert torch.isfinite(out.float()).all()
+    ref = reference(q, kt, v, slots, lens, window, d**-0.5)
     assert torch.allclose(out.float(), ref, atol=1e-2, rtol=1e-2)
 
 
