@@ -179,6 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     core = clock.spent["matmul"] + clock.spent["attention"]
     print(f"  matmul + attention: {core / total:.1%} (goal >= 70%)")
+    fused = clock.spent["fused layers (C)"]
+    if fused:
+        # One C call runs every layer's projections, attention, norms, RoPE and SiLU: the
+        # per-op path (same kernels, bit-identical) splits them.
+        print(
+            f"  matmul + attention + fused layers: {(core + fused) / total:.1%} (the fused "
+            "layers are mostly both; SPLITSERVE_FUSED_DECODE=0 times them op by op)"
+        )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(args.steps):
