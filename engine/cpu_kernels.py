@@ -313,18 +313,7 @@ class CpuKernels:
         Raises:
             MemoryError: no memory for the skinny kernel's float32 copy of ``x``.
         """
-        m, k = x.shape
-        n = packed.shape[0] * 16
-        y = torch.empty(m, n, dtype=torch.bfloat16)
-        rc = self._decode_linear(
-            x.data_ptr(), x.stride(0), m, packed.data_ptr(),
-            None if bias is None else bias.data_ptr(), n, k, y.data_ptr(),
-        )
-        if rc == -1:
-            raise MemoryError("decode linear kernel: out of memory")
-        if rc != 0:
-            raise ValueError(f"decode linear kernel: unsupported shape x {tuple(x.shape)}")
-        return y
+        return _run_linear(self._decode_linear, "decode linear", x, packed, bias)
 
     def linear_skinny(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
@@ -343,18 +332,7 @@ class CpuKernels:
         Raises:
             MemoryError: no memory for the float32 copy of ``x``.
         """
-        m, k = x.shape
-        n = packed.shape[0] * 16
-        y = torch.empty(m, n, dtype=torch.bfloat16)
-        rc = self._gemv(
-            x.data_ptr(), x.stride(0), m, packed.data_ptr(),
-            None if bias is None else bias.data_ptr(), n, k, y.data_ptr(),
-        )
-        if rc == -1:
-            raise MemoryError("skinny linear kernel: out of memory")
-        if rc != 0:
-            raise ValueError(f"skinny linear kernel: unsupported shape x {tuple(x.shape)}")
-        return y
+        return _run_linear(self._gemv, "skinny linear", x, packed, bias)
 
     def linear_gemm(
         self,
@@ -433,6 +411,25 @@ class CpuKernels:
         head and ``head_dim`` a multiple of 16 up to 256."""
         g = num_heads // num_kv_heads
         return 1 <= g <= 8 and head_dim % 16 == 0 and head_dim <= 256
+
+
+def _run_linear(
+    fn: Any, name: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Call a C product ``fn(x, x_stride, m, wp, bias, n, k, y)`` on a weight from
+    :meth:`CpuKernels.pack_decode`; its return code -1 becomes MemoryError, others ValueError."""
+    m, k = x.shape
+    n = packed.shape[0] * 16
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    rc = fn(
+        x.data_ptr(), x.stride(0), m, packed.data_ptr(),
+        None if bias is None else bias.data_ptr(), n, k, y.data_ptr(),
+    )
+    if rc == -1:
+        raise MemoryError(f"{name} kernel: out of memory")
+    if rc != 0:
+        raise ValueError(f"{name} kernel: unsupported shape x {tuple(x.shape)}")
+    return y
 
 
 @cache

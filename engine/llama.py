@@ -130,8 +130,9 @@ class LlamaForCausalLM(nn.Module):
         # kernels.decode_max_rows rows).
         self.kernels: CpuKernels | None = None
         self.decode_head: torch.Tensor | None = None
-        # Decode-only steps (up to kernels.decode_max_rows rows): every layer in one C call (engine/decode_layers.py),
-        # which reads the packed weights through this address table (made on first use).
+        # Decode-only steps (up to kernels.decode_max_rows rows): every layer in one C call
+        # (engine/decode_layers.py), which reads the packed weights through this address table
+        # (made on first use).
         self.fused_decode = os.environ.get(FUSED_ENV, "1") != "0"
         self._fused_layer_ptrs: torch.Tensor | None = None
 
