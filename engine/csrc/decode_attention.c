@@ -7,8 +7,8 @@
  * head), values [cap, D]: the layout of splitserve.engine.decode_kv_cache.DecodeKVCache. Only
  * positions < len count, so no work goes into padding (a last partial block of 32 keys reads up
  * to 31 positions past len when the row has room, and drops their scores). With AVX512-BF16 the
- * scores come from vdpbf16ps (exact bfloat16 products, float32 sums): ~1.8x faster than
- * converting K to float32 first. Built with -O3 -march=native by splitserve.engine.cpu_kernels;
+ * scores come from vdpbf16ps (exact bfloat16 products, float32 sums): the score loop took
+ * 25-29 us per layer against 46 us converting K to float32 first (batch 32, ~100 keys, in cache). Built with -O3 -march=native by splitserve.engine.cpu_kernels;
  * the other loops are written for the compiler's auto-vectorizer.
  * Tasks are split over torch's OpenMP threads (same libgomp, loaded by soname) when the step
  * is big enough to pay for a parallel region.

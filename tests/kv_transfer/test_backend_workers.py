@@ -52,15 +52,29 @@ def colocated_tokens(model_path: Path) -> list[int]:
     return tokens(got)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_chunked_transfer_equals_colocated(ctx, model_path, backend, colocated_tokens) -> None:
+def _one_request(ctx, model_path: Path, backend: str):
+    """A prefill and a decode worker over ``backend`` serving one request to its end: ``(server
+    inbox, prefill, decode, the messages the server got)``."""
     server = Inbox(ctx, free_tcp_addr())
     prefill = make_worker(model_path, "prefill", server.addr, backend)
     decode = make_worker(model_path, "decode", server.addr, backend)
     t = task(server, None)
     prefill.dispatch(t, [])
     decode.dispatch(msgspec.structs.replace(t, prefill_addr=prefill.args.addr), [])
-    got = run_until([prefill, decode], server, finished)
+    return server, prefill, decode, run_until([prefill, decode], server, finished)
+
+
+def _drain_and_close(server, prefill, decode) -> None:
+    """Let the prefill worker finish sending, check both pools are empty, close the backends."""
+    run_until([prefill, decode], server, lambda _: not prefill.draining, timeout_s=10)
+    assert prefill.pool.allocator.num_used == 0 and decode.pool.allocator.num_used == 0
+    decode.receiver.close()
+    prefill.sender.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_transfer_equals_colocated(ctx, model_path, backend, colocated_tokens) -> None:
+    server, prefill, decode, got = _one_request(ctx, model_path, backend)
     assert not any(isinstance(m, RequestError) for m in got), got
     assert tokens(got) == colocated_tokens
     # Overlap: pages went out in several messages (chunks of 32 tokens over 16-token pages).
@@ -69,10 +83,7 @@ def test_chunked_transfer_equals_colocated(ctx, model_path, backend, colocated_t
     stats = decode.stats()
     assert stats.kv_transfer == backend and stats.kv_bytes_received > 0 and stats.kv_gbps > 0
     assert sum(stats.kv_latency_counts) == stats.kv_messages_received
-    run_until([prefill, decode], server, lambda _: not prefill.draining, timeout_s=10)
-    assert prefill.pool.allocator.num_used == 0 and decode.pool.allocator.num_used == 0
-    decode.receiver.close()
-    prefill.sender.close()
+    _drain_and_close(server, prefill, decode)
 
 
 def _refused_handshake(ctx, model_path, prefill_kw: dict, decode_kw: dict):
@@ -181,17 +192,8 @@ def test_nixl_over_tcp_equals_colocated(ctx, model_path, colocated_tokens, monke
     progress thread moves the data; tokens equal the colocated worker's."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    server = Inbox(ctx, free_tcp_addr())
-    prefill = make_worker(model_path, "prefill", server.addr, "nixl")
-    decode = make_worker(model_path, "decode", server.addr, "nixl")
-    t = task(server, None)
-    prefill.dispatch(t, [])
-    decode.dispatch(msgspec.structs.replace(t, prefill_addr=prefill.args.addr), [])
-    got = run_until([prefill, decode], server, finished)
+    server, prefill, decode, got = _one_request(ctx, model_path, "nixl")
     assert not any(isinstance(m, RequestError) for m in got), got
     assert tokens(got) == colocated_tokens
     assert decode.receiver.metrics.pages_received == -(-len(PROMPT) // 16)
-    run_until([prefill, decode], server, lambda _: not prefill.draining, timeout_s=10)
-    assert prefill.pool.allocator.num_used == 0 and decode.pool.allocator.num_used == 0
-    decode.receiver.close()
-    prefill.sender.close()
+    _drain_and_close(server, prefill, decode)
