@@ -90,6 +90,7 @@ class _Extend:
     seq_len: int
     pages: torch.Tensor  # [pages_for(seq_len)] int64
     mask: torch.Tensor | None  # [extend_len, seq_len] bool (True = attend), None = plain causal
+    window: int | None  # sliding window (the C kernel's form of the same mask)
 
 
 @dataclass(slots=True)
@@ -124,7 +125,8 @@ DECODE_CACHE_ENV = "SPLITSERVE_DECODE_KV_CACHE"  # "0": gather decode K/V from t
 class TorchAttentionBackend(BaseAttentionBackend):
     """Paged attention with torch ops on any device; the fast path is CPU bfloat16 decode.
 
-    Extends (prefill chunks) gather their sequence's pages and call
+    Extends (prefill chunks) on CPU in bfloat16 run the C flash kernel over the pool's pages
+    (``csrc/extend_attention.c``); elsewhere they gather their sequence's pages and call
     ``scaled_dot_product_attention``. Decode rows in bfloat16 read a
     :class:`~splitserve.engine.decode_kv_cache.DecodeKVCache` when the batch carries sequence
     ids (a worker's batches do), else gather; the cache is this backend's only state between
@@ -152,7 +154,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
             elif n > 1:
                 pages = batch.page_table[i, : pages_for(seq_len, ps)]
                 mask = _extend_mask(n, seq_len, sliding_window, device)
-                extends.append(_Extend(start, n, seq_len, pages, mask))
+                extends.append(_Extend(start, n, seq_len, pages, mask, sliding_window))
             start += n
         meta = TorchAttentionMetadata(
             batch, None, None, None, extends, len(dec_rows) == len(batch.extend_lens)
@@ -344,7 +346,16 @@ class TorchAttentionBackend(BaseAttentionBackend):
         pool: KVPool,
         scale: float,
     ) -> torch.Tensor:
-        """One sequence's ``q [n, Hq, D]`` against its whole KV -> ``[n, Hq, D]``."""
+        """One sequence's ``q [n, Hq, D]`` against its whole KV -> ``[n, Hq, D]``: the C flash
+        kernel on CPU bfloat16 (it reads the pool, where ``k``/``v`` already are), else SDPA."""
+        kern = self._kernels_for(pool, q.shape[1])
+        if kern is not None and q.dtype == torch.bfloat16 and pool.buffer.is_contiguous():
+            if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+                q = q.contiguous()
+            pages = e.pages.contiguous()
+            out = kern.extend_attention(q, pool.buffer, layer, pages, e.seq_len, e.window, scale)
+            if out is not None:
+                return out
         if e.seq_len == e.extend_len:
             # No cached prefix: the new K/V are the whole sequence (rounded through the pool
             # dtype so that this path and the gather path see the same values).

@@ -1,4 +1,5 @@
-"""Small C kernels for the CPU decode step, compiled on first use and called through ctypes.
+"""Small C kernels for the CPU decode step and bfloat16 prefill attention, compiled on first use
+and called through ctypes.
 
 The sources (``engine/csrc/*.c``) are plain C with no torch headers, so one ``cc -O3
 -march=native -fopenmp -shared`` takes a few seconds; the library is cached under
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 CPU_KERNELS_ENV = "SPLITSERVE_CPU_KERNELS"  # "0": never build or use the C kernels
 SOURCES = (
-    "decode_attention.c", "gemv.c", "gemm_bf16.c", "kv_append.c", "elementwise.c", "greedy.c",
+    "decode_attention.c", "extend_attention.c", "gemv.c", "gemm_bf16.c", "kv_append.c", "elementwise.c", "greedy.c",
     "decode_layers.c",
 )
 HEADERS = ("bf16.h", "fast_exp.h", "kernels.h")
@@ -92,6 +93,10 @@ class CpuKernels:
         self._attn = lib.decode_attention_bf16
         self._attn.restype = ctypes.c_int
         self._attn.argtypes = [_ptr, _i64] + [_ptr] * 4 + [_i64] * 6 + [_f32, _ptr]
+        self._extend = lib.extend_attention_bf16
+        self._extend.restype = ctypes.c_int
+        self._extend.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr] + [_i64] * 5
+        self._extend.argtypes += [_f32, _ptr]
         self._append = lib.kv_append_bf16
         self._append.restype = None
         self._append.argtypes = [_ptr, _i64, _ptr, _i64] + [_i64] * 3 + [_ptr, _ptr, _i64]
@@ -404,6 +409,51 @@ class CpuKernels:
         if rc != 0:
             raise ValueError(f"decode attention kernel: unsupported shape q {tuple(q.shape)}")
         return out
+
+    def extend_attention(
+        self,
+        q: torch.Tensor,
+        pool_buffer: torch.Tensor,
+        layer: int,
+        pages: torch.Tensor,
+        seq_len: int,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """One sequence's new tokens against its whole paged K/V (prefix and new tokens, already
+        in the pool), causal, in one flash-attention pass (``extend_attention.c``).
+
+        Args:
+            q: ``[n, Hq, D]`` bfloat16, the sequence's last ``n`` tokens (positions
+                ``seq_len - n ..``); each token's heads contiguous (tokens may be strided).
+            pool_buffer: the pool, ``[num_pages, L, 2, page_size, Hkv, D]`` bfloat16,
+                contiguous.
+            layer: layer index.
+            pages: ``[>= ceil(seq_len / page_size)]`` int64 page ids of the sequence, contiguous.
+            seq_len: tokens in the sequence, new ones included.
+            window: sliding window (each query sees its last ``window`` keys), or None.
+            scale: softmax scale.
+
+        Returns:
+            ``[n, Hq, D]`` bfloat16, or None where the kernel does not apply (no AVX512-BF16,
+            ``D`` not a multiple of 16 up to 256): the caller keeps torch's SDPA then.
+
+        Raises:
+            MemoryError: the kernel could not allocate its packed K/V (~``seq_len * Hkv * D * 4``
+                bytes).
+        """
+        n, hq, d = q.shape
+        hkv, ps = pool_buffer.shape[4], pool_buffer.shape[3]
+        base = pool_buffer[0, layer]
+        out = torch.empty(n, hq, d, dtype=torch.bfloat16)
+        rc = self._extend(
+            q.data_ptr(), q.stride(0), n, base[0].data_ptr(), base[1].data_ptr(),
+            pool_buffer.stride(0), ps, pages.data_ptr(), seq_len, hkv, hq // hkv, d,
+            window or 0, scale, out.data_ptr(),
+        )
+        if rc == -1:
+            raise MemoryError("extend attention kernel: out of memory")
+        return out if rc == 0 else None
 
     @staticmethod
     def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
