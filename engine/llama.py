@@ -209,6 +209,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """``h [N, hidden]`` (final-normed) -> float32 logits ``[N, vocab]``."""
         kernels, head_w = self.kernels, self.decode_head
+        if h.shape[0] == 0:  # a step of prompt chunks that finish no prompt samples nothing
+            return h.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         if kernels is not None and head_w is not None and h.shape[0] <= kernels.decode_max_rows:
             return kernels.linear_decode(h.contiguous(), head_w, None).float()
         if self.packed_head is not None:

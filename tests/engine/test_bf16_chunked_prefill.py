@@ -1,0 +1,48 @@
+"""A prompt longer than the step's token budget, alone, in bfloat16 with the C kernels: its first
+chunks finish no prompt, so those steps score no row (a worker crashed on the empty LM-head
+product). The chunked run's first token and its logprob match the unchunked run's (later tokens
+may part: in bfloat16 a row's sums depend on the step's row count, README "Determinism")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine.cpu_kernels import load_cpu_kernels
+from splitserve.engine.kv_pool import KVPool
+
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="no C compiler")
+
+
+def test_prompt_over_the_token_budget_prefills_in_chunks(model_path) -> None:
+    from splitserve.engine.loader import load_model
+    from splitserve.engine.model_runner import ModelRunner
+    from splitserve.engine.request import Req
+    from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+    from splitserve.messages import SamplingParams
+
+    model, cfg = load_model(model_path, dtype=torch.bfloat16)
+    prompt = torch.randint(100, 40000, (150,), generator=torch.Generator().manual_seed(1))
+
+    def run(budget: int) -> tuple[Req, int]:
+        model.attn_backend.decode_cache = None
+        pool = KVPool(cfg.kv_layout(16, "bfloat16"), 64)
+        sched = Scheduler(
+            ModelRunner(model, pool), SchedulerConfig(max_batch_tokens=budget), cfg.eos_token_ids
+        )
+        params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        req = Req(rid="long", input_ids=prompt.tolist(), sampling=params)
+        sched.add(req)
+        silent = 0
+        while sched.has_work:
+            silent += not sched.step()
+        assert pool.allocator.num_used == 0  # every page back
+        return req, silent
+
+    chunked, silent_steps = run(64)  # 64 + 64 + 22 tokens: two steps sample nothing
+    whole, _ = run(2048)
+    assert silent_steps == 2
+    assert len(chunked.output_ids) == 8
+    assert chunked.output_ids[0] == whole.output_ids[0]
+    # The LM head's output is bfloat16: logits of 8-32 are 0.0625-0.125 apart.
+    assert abs(chunked.output_logprobs[0] - whole.output_logprobs[0]) < 0.25
