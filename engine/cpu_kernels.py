@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 CPU_KERNELS_ENV = "SPLITSERVE_CPU_KERNELS"  # "0": never build or use the C kernels
 SOURCES = (
-    "decode_attention.c", "extend_attention.c", "gemv.c", "gemm_bf16.c", "kv_append.c", "elementwise.c", "greedy.c",
-    "decode_layers.c",
+    "decode_attention.c", "extend_attention.c", "gemv.c", "gemm_bf16.c", "kv_append.c",
+    "elementwise.c", "greedy.c", "decode_layers.c",
 )
 HEADERS = ("bf16.h", "fast_exp.h", "kernels.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
