@@ -3,7 +3,7 @@
 
 One request's path: parse the body (``server.protocol``; bad input -> 400 via ``server.errors``),
 build its prompt ids and ``SamplingParams`` (checked against the context length), then pull
-``TokenEvent`` s from the client through ``_stream_text``, which owns the request's life in the
+``TokenEvent`` s from the client through ``stream_text``, which owns the request's life in the
 engine: whenever the stream stops early (stop string, client gone) it aborts the request there.
 """
 
@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,6 +258,43 @@ async def _sse_events(
     yield "data: [DONE]\n\n"
 
 
+def _client_gone() -> Response:
+    """Nobody reads it: the status access logs show for a request whose client left (nginx's
+    499)."""
+    return Response(status_code=499)
+
+
+async def _unless_disconnected(
+    request: Request, work: Callable[[], Awaitable[Any]]
+) -> Any | None:
+    """``work()``'s result, or None when the client disconnects first.
+
+    Until a response starts, Starlette does not watch the connection: a non-streaming request,
+    or a streaming one still waiting for its first token (a long prefill, a queue), would run to
+    the end for nobody. Here the disconnect cancels ``work``, and its generator's ``finally``
+    (``stream_text``) aborts the request on the workers, freeing its KV pages. The body has
+    been read by now, so the next ASGI message is ``http.disconnect``. Errors of ``work``
+    propagate as raised (not wrapped in an exception group).
+    """
+    outcome: dict[str, Any] = {}
+
+    async def run(scope: anyio.CancelScope) -> None:
+        try:
+            outcome["result"] = await work()
+        except Exception as exc:  # re-raised below, outside the task group
+            outcome["error"] = exc
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, tg.cancel_scope)
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        tg.cancel_scope.cancel()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")
+
+
 def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -341,10 +378,12 @@ def create_app(
     app = FastAPI(title="splitserve", version="0.1.0")
     install_error_handlers(app)
 
-    async def respond(job: _Job, stream: bool | None) -> Response:
+    async def respond(request: Request, job: _Job, stream: bool | None) -> Response:
         if stream:
-            return await served.streaming_response(job)
-        return JSONResponse(await served.full_response(job))
+            sse = await _unless_disconnected(request, lambda: served.streaming_response(job))
+            return _client_gone() if sse is None else sse
+        body = await _unless_disconnected(request, lambda: served.full_response(job))
+        return _client_gone() if body is None else JSONResponse(body)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -357,14 +396,14 @@ def create_app(
             job.echo_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
         job.want_logprobs = req.logprobs is not None
         job.discard_output = req.max_tokens == 0
-        return await respond(job, req.stream)
+        return await respond(request, job, req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
         served.check_model(req)
         job = served.make_job(req, served.chat_ids(req), is_chat=True)
-        return await respond(job, req.stream)
+        return await respond(request, job, req.stream)
 
     def model_card() -> dict[str, Any]:
         return {

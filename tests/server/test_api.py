@@ -412,6 +412,28 @@ def test_client_disconnect_aborts_request(live_server, fake) -> None:
     assert rid not in fake.finished
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_leaving_before_the_first_token_aborts_request(live_server, fake, stream) -> None:
+    """A client that gives up while the request is still queued or prefilling (no token yet;
+    non-streaming: no byte of the response at all) must not leave it running on the workers."""
+    fake.delay_s = 1.0  # the first event comes after 1 s
+    req = {"model": MODEL, "prompt": "hi", "ignore_eos": True, "max_tokens": 200, "stream": stream}
+    with httpx.Client(base_url=live_server, timeout=0.3) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json=req)
+    left = time.monotonic()
+    rid = fake.requests[-1][0]
+    while rid not in fake.aborted:
+        assert time.monotonic() - left < 0.6, "request was not aborted when the client left"
+        time.sleep(0.01)
+    assert rid not in fake.finished
+    # The server still answers.
+    fake.delay_s = 0.0
+    with httpx.Client(base_url=live_server, timeout=10) as http:
+        r = http.post("/v1/completions", json={**req, "max_tokens": 4})
+    assert r.status_code == 200
+
+
 def test_fastapi_validation_errors_are_400(fake, tokenizer) -> None:
     # Routes added later with typed parameters get the OpenAI shape too, not FastAPI's 422.
     app = create_app(fake, tokenizer, MODEL, CONTEXT_LEN, [tokenizer.eos_token_id])
