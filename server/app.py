@@ -281,7 +281,7 @@ async def _unless_disconnected(
     async def run(scope: anyio.CancelScope) -> None:
         try:
             outcome["result"] = await work()
-        except Exception as exc:  # re-raised below, outside the task group
+        except Exception as exc:  # noqa: BLE001 - re-raised below, outside the task group
             outcome["error"] = exc
         scope.cancel()
 

@@ -418,9 +418,8 @@ def test_client_leaving_before_the_first_token_aborts_request(live_server, fake,
     non-streaming: no byte of the response at all) must not leave it running on the workers."""
     fake.delay_s = 1.0  # the first event comes after 1 s
     req = {"model": MODEL, "prompt": "hi", "ignore_eos": True, "max_tokens": 200, "stream": stream}
-    with httpx.Client(base_url=live_server, timeout=0.3) as http:
-        with pytest.raises(httpx.ReadTimeout):
-            http.post("/v1/completions", json=req)
+    with httpx.Client(base_url=live_server, timeout=0.3) as http, pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json=req)
     left = time.monotonic()
     rid = fake.requests[-1][0]
     while rid not in fake.aborted:
