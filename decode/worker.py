@@ -4,8 +4,10 @@
 
 A task without ``prefill_addr`` is prefilled here: that is the colocated worker (role
 ``colocated``), the baseline disaggregation is measured against. Admission control: a request is
-bootstrapped only when its prompt's pages can be reserved; until then it waits in a bounded-time
-queue. Every state has a deadline; on expiry the request fails and its pages are freed. With a
+bootstrapped only when its prompt's pages can be reserved; until then it waits in a queue, and
+tells the prefill worker so (``KVQueued``) every third of ``transfer_timeout``: each message
+that goes out restarts the request's deadline there and here, so only an unreachable prefill
+worker times a queued request out. Every state has a deadline; on expiry the request fails and its pages are freed. With a
 one-sided backend (shm, mooncake, nixl) the pages of a request that failed before its KV fully arrived
 are freed only once the prefill worker acknowledges that it stopped writing them
 (``decode.fences``).
@@ -33,6 +35,7 @@ from splitserve.messages import (
     KVBootstrap,
     KVFailed,
     KVPages,
+    KVQueued,
     KVReleased,
     Message,
     WorkerStats,
@@ -51,6 +54,7 @@ class PendingKV:
     bootstrapped: bool = False
     reserved: frozenset[int] = frozenset()  # req.page_ids once bootstrapped (checks each message)
     link_drops: int = 0  # drops of the link to the prefill worker before the bootstrap
+    last_keepalive: float = 0.0  # when the last KVQueued went out (time.monotonic())
 
 
 class DecodeWorker(BaseWorker):
@@ -87,8 +91,10 @@ class DecodeWorker(BaseWorker):
             else:
                 self.scheduler.add(req)
             return
-        deadline = time.monotonic() + self.args.transfer_timeout_s
-        self.admission.append(PendingKV(req, task.prefill_addr, deadline))
+        now = time.monotonic()
+        pending = PendingKV(req, task.prefill_addr, now + self.args.transfer_timeout_s)
+        pending.last_keepalive = now
+        self.admission.append(pending)
         self._admit()
 
     def _admit(self) -> None:
@@ -284,6 +290,8 @@ class DecodeWorker(BaseWorker):
     def check_timeouts(self, now: float) -> None:
         if len(self.fences):
             self._check_fences(now)
+        if self.admission:
+            self._keep_queued_alive(now)
         expired = [p for p in self.awaiting_kv.values() if p.deadline < now]
         expired += [p for p in self.admission if p.deadline < now]
         for pending in expired:
@@ -295,6 +303,20 @@ class DecodeWorker(BaseWorker):
                 rid, pending.req.reply_addr,
                 f"KV transfer timed out {stage} after {self.args.transfer_timeout_s:g} s", 504,
             )
+
+    def _keep_queued_alive(self, now: float) -> None:
+        """Tell each queued request's prefill worker it still waits here (``KVQueued``)."""
+        interval = self.args.transfer_timeout_s / 3
+        for pending in self.admission:
+            if now - pending.last_keepalive < interval:
+                continue
+            pending.last_keepalive = now
+            try:
+                self.send(pending.prefill_addr, KVQueued(pending.req.rid))
+            except PeerUnreachable as exc:  # its deadline runs on
+                logger.warning("queued keepalive for %s not delivered: %s", pending.req.rid, exc)
+                continue
+            pending.deadline = now + self.args.transfer_timeout_s
 
     def has_work(self) -> bool:
         return self.scheduler.has_work

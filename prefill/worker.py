@@ -3,7 +3,8 @@ pages to the decode worker that reserved room for them (DESIGN.md, steps 2-3).
 
 Prefill starts as soon as the task arrives; the decode worker's ``KVBootstrap`` (where the pages
 go) may come before or after. A request whose bootstrap does not come within
-``transfer_timeout_s`` fails and its pages are freed.
+``transfer_timeout_s`` fails and its pages are freed; each ``KVQueued`` (the decode worker has
+no room yet and is still waiting for it) restarts that timer.
 
 Overlap: after every scheduler step, each bootstrapped request's newly completed pages are sent
 at once (``KVPages`` with ``last=False``), so when the first token is sampled only the last
@@ -35,6 +36,7 @@ from splitserve.messages import (
     KVBootstrap,
     KVFailed,
     KVPages,
+    KVQueued,
     KVReleased,
     Message,
     WorkerStats,
@@ -119,6 +121,11 @@ class PrefillWorker(BaseWorker):
                 deadline = time.monotonic() + self.args.transfer_timeout_s
                 self.acks_owed[msg.rid] = (msg.ack_addr, deadline)
                 self._send_acks(time.monotonic())
+            return
+        if isinstance(msg, KVQueued):  # still queued at decode: not a stall, keep waiting
+            t = self.transfers.get(msg.rid)
+            if t is not None and t.bootstrap is None:
+                t.deadline = time.monotonic() + self.args.transfer_timeout_s
             return
         if not isinstance(msg, KVBootstrap):
             return super().on_peer_message(msg, frames)

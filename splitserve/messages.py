@@ -228,6 +228,15 @@ class KVFailed(msgspec.Struct, tag="kv_failed"):
     ack_addr: str = ""
 
 
+class KVQueued(msgspec.Struct, tag="kv_queued"):
+    """Decode -> prefill: ``rid`` still waits in the decode worker's admission queue for pages
+    to reserve (running requests hold them), so the prefill worker keeps the prompt's KV and
+    goes on waiting for the :class:`KVBootstrap`. Sent every ``transfer_timeout / 3`` while the
+    request is queued: a long queue is not a stall, silence is."""
+
+    rid: str
+
+
 class KVReleased(msgspec.Struct, tag="kv_released"):
     """Prefill -> decode: the acknowledgement of a ``KVFailed`` with ``ack_addr``. The prefill
     worker will not write ``rid``'s pages again; the decode worker may reuse them."""
@@ -248,6 +257,7 @@ Message = (
     | KVBootstrap
     | KVPages
     | KVFailed
+    | KVQueued
     | KVReleased
 )
 

@@ -17,6 +17,7 @@ from splitserve.messages import (
     KVFailed,
     KVLayoutMsg,
     KVPages,
+    KVQueued,
     RequestError,
     SamplingParams,
     TokenBatch,
@@ -156,3 +157,46 @@ def test_prefill_acks_the_bootstrap(ctx, model_path) -> None:
                                 layout=layout, kv_transfer=worker.args.kv_transfer), [])
     got = pump(worker, decode, lambda g: any(isinstance(m, KVPages) and m.last for m in g))
     assert not got[0].page_ids and not got[0].last  # the ack comes before any page
+
+
+def test_a_request_queued_for_decode_pages_is_kept_alive(ctx, model_path) -> None:
+    """Waiting for pages that running requests hold is not a stall: the decode worker keeps the
+    request queued past the timeout, telling the prefill worker (KVQueued), and bootstraps it
+    as soon as pages free up."""
+    server, prefill = Inbox(ctx, free_tcp_addr()), Inbox(ctx, free_tcp_addr())
+    worker = make_worker(model_path, "decode", server.addr)
+    held = worker.pool.allocator.alloc(worker.pool.allocator.num_free - 2)  # "running requests"
+    worker.dispatch(task(server, prefill_addr=prefill.addr), [])
+    got, to_client = [], []
+    t_end = time.monotonic() + 4 * TIMEOUT_S
+    while time.monotonic() < t_end:
+        worker.run_once(idle_wait_ms=10)
+        while (item := prefill.recv()) is not None:
+            got.append(item[0])
+        while (item := server.recv()) is not None:
+            to_client.append(item[0])
+    assert not errors(to_client)
+    assert [m.rid for m in got if isinstance(m, KVQueued)].count("r1") >= 3
+    assert len(worker.admission) == 1 and not worker.awaiting_kv
+    worker.pool.allocator.free(held)  # the running requests finish ...
+    worker._admit()  # ... and their last step admits from the queue (on_step_outputs)
+    boot = pump(worker, prefill, lambda g: any(isinstance(m, KVBootstrap) for m in g))
+    assert any(isinstance(m, KVBootstrap) and m.rid == "r1" for m in boot)
+
+
+def test_prefill_waits_for_a_bootstrap_while_decode_says_queued(ctx, model_path) -> None:
+    server = Inbox(ctx, free_tcp_addr())
+    worker = make_worker(model_path, "prefill", server.addr)
+    worker.dispatch(task(server), [])
+    t_end = time.monotonic() + 3 * TIMEOUT_S
+    got: list = []
+    while time.monotonic() < t_end:  # the decode worker keeps saying "queued"
+        worker.dispatch(KVQueued("r1"), [])
+        worker.run_once(idle_wait_ms=10)
+        while (item := server.recv()) is not None:
+            got.append(item[0])
+        time.sleep(TIMEOUT_S / 5)
+    assert not errors(got) and "r1" in worker.transfers
+    got = pump(worker, server, lambda g: errors(g))  # then silence
+    assert "no decode worker bootstrap" in errors(got)[0].message
+    assert_pages_back(worker)
