@@ -10,6 +10,7 @@ import logging
 import signal
 import time
 
+import msgspec
 import torch
 import zmq
 
@@ -235,10 +236,18 @@ class BaseWorker:
     # ---- helpers ------------------------------------------------------------------------------
 
     def new_req(self, task: GenerateTask) -> Req:
+        """The scheduler's request for ``task``. Its output is capped at what this worker's KV
+        pool holds after the prompt: a sequence that outgrew the pool could never be re-admitted
+        once retracted and would wedge the queue behind it. It then ends with ``length``, as at
+        the model's context (only a pool smaller than the context can hit this)."""
+        sampling = task.sampling
+        room = (self.pool.allocator.num_pages - 1) * self.pool.page_size - len(task.input_ids)
+        if sampling.max_new_tokens > room:
+            sampling = msgspec.structs.replace(sampling, max_new_tokens=max(room, 1))
         return Req(
             rid=task.rid,
             input_ids=list(task.input_ids),
-            sampling=task.sampling,
+            sampling=sampling,
             reply_addr=task.reply_addr,
         )
 

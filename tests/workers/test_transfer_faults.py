@@ -130,6 +130,30 @@ def test_prompt_larger_than_pool_is_refused(ctx, model_path) -> None:
     assert_pages_back(worker)
 
 
+def test_output_is_capped_at_the_pool_when_the_pool_is_smaller_than_the_context(
+    ctx, model_path
+) -> None:
+    """A prompt that fits the pool with room for only a few tokens, asking for many: it ends
+    with ``length`` where the pool is full (before, retracted and never re-admittable, it
+    wedged the worker), every page comes back and the next request is served."""
+    server = Inbox(ctx, free_tcp_addr())
+    worker = make_worker(model_path, "colocated", server.addr)
+    capacity = (worker.pool.allocator.num_pages - 1) * worker.pool.page_size
+    assert capacity < worker.model_config.context_len
+    big = GenerateTask(rid="big", input_ids=[5] * (capacity - 6), reply_addr=server.addr,
+                       sampling=SamplingParams(max_new_tokens=50, ignore_eos=True))
+    worker.dispatch(big, [])
+    got = pump(worker, server, lambda g: any(
+        isinstance(m, TokenBatch) and m.outputs[-1].finish_reason for m in g), timeout_s=60)
+    outs = [o for m in got if isinstance(m, TokenBatch) for o in m.outputs]
+    assert outs[-1].finish_reason == "length"
+    assert sum(len(o.token_ids) for o in outs) == 6
+    worker.dispatch(task(server), [])
+    pump(worker, server, lambda g: any(
+        isinstance(m, TokenBatch) and m.outputs[-1].finish_reason for m in g))
+    assert_pages_back(worker)
+
+
 def test_keepalives_hold_the_decode_timer_and_silence_trips_it(ctx, model_path) -> None:
     """A request queued at a live prefill worker is not a stall; a silent one is."""
     server, prefill = Inbox(ctx, free_tcp_addr()), Inbox(ctx, free_tcp_addr())
