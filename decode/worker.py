@@ -6,8 +6,9 @@ A task without ``prefill_addr`` is prefilled here: that is the colocated worker 
 ``colocated``), the baseline disaggregation is measured against. Admission control: a request is
 bootstrapped only when its prompt's pages can be reserved; until then it waits in a queue, and
 tells the prefill worker so (``KVQueued``) every third of ``transfer_timeout``: each message
-that goes out restarts the request's deadline there and here, so only an unreachable prefill
-worker times a queued request out. Every state has a deadline; on expiry the request fails and its pages are freed. With a
+that goes out restarts the request's deadline there and here, so only a prefill worker that is
+unreachable or whose link dropped (it lost the prompt's KV) times a queued request out. Every
+state has a deadline; on expiry the request fails and its pages are freed. With a
 one-sided backend (shm, mooncake, nixl) the pages of a request that failed before its KV fully arrived
 are freed only once the prefill worker acknowledges that it stopped writing them
 (``decode.fences``).
@@ -53,7 +54,7 @@ class PendingKV:
     deadline: float
     bootstrapped: bool = False
     reserved: frozenset[int] = frozenset()  # req.page_ids once bootstrapped (checks each message)
-    link_drops: int = 0  # drops of the link to the prefill worker before the bootstrap
+    link_drops: int = 0  # drops of the link to the prefill worker when queued, then when bootstrapped
     last_keepalive: float = 0.0  # when the last KVQueued went out (time.monotonic())
 
 
@@ -94,6 +95,7 @@ class DecodeWorker(BaseWorker):
         now = time.monotonic()
         pending = PendingKV(req, task.prefill_addr, now + self.args.transfer_timeout_s)
         pending.last_keepalive = now
+        pending.link_drops = self.outbox.link_drops(task.prefill_addr)
         self.admission.append(pending)
         self._admit()
 
@@ -310,6 +312,8 @@ class DecodeWorker(BaseWorker):
         for pending in self.admission:
             if now - pending.last_keepalive < interval:
                 continue
+            if self.outbox.link_drops(pending.prefill_addr) > pending.link_drops:
+                continue  # the prefill worker restarted or left: the deadline runs out
             pending.last_keepalive = now
             try:
                 self.send(pending.prefill_addr, KVQueued(pending.req.rid))

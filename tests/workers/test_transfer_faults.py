@@ -224,3 +224,19 @@ def test_prefill_waits_for_a_bootstrap_while_decode_says_queued(ctx, model_path)
     got = pump(worker, server, lambda g: errors(g))  # then silence
     assert "no decode worker bootstrap" in errors(got)[0].message
     assert_pages_back(worker)
+
+
+def test_a_queued_request_times_out_once_the_prefill_link_drops(ctx, model_path) -> None:
+    """The prefill worker went away (its process, and the prompt's KV with it): keepalives stop
+    holding the queued request, which fails with 504."""
+    server, prefill = Inbox(ctx, free_tcp_addr()), Inbox(ctx, free_tcp_addr())
+    worker = make_worker(model_path, "decode", server.addr)
+    worker.pool.allocator.alloc(worker.pool.allocator.num_free - 2)  # no room: it queues
+    worker.dispatch(task(server, prefill_addr=prefill.addr), [])
+    pump(worker, prefill, lambda g: any(isinstance(m, KVQueued) for m in g))  # link is up
+    prefill.sock.close(linger=0)
+    t0 = time.monotonic()
+    got = pump(worker, server, lambda g: errors(g))
+    assert time.monotonic() - t0 < 2 * TIMEOUT_S + 1
+    assert errors(got)[0].code == 504 and "reserving KV pages" in errors(got)[0].message
+    assert not worker.admission
