@@ -259,8 +259,8 @@ async def _sse_events(
 
 
 def _client_gone() -> Response:
-    """Nobody reads it: the status access logs show for a request whose client left (nginx's
-    499)."""
+    """The answer to a client that already left. Nobody reads it; its status, 499 as nginx
+    logs it, marks the request in access logs."""
     return Response(status_code=499)
 
 
