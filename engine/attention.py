@@ -89,8 +89,19 @@ class _Extend:
     extend_len: int
     seq_len: int
     pages: torch.Tensor  # [pages_for(seq_len)] int64
-    mask: torch.Tensor | None  # [extend_len, seq_len] bool (True = attend), None = plain causal
-    window: int | None  # sliding window (the C kernel's form of the same mask)
+    window: int | None  # sliding window, None = none
+    # SDPA's [extend_len, seq_len] bool mask (True = attend; None = plain causal), built on the
+    # first layer that needs it: the C kernel takes ``window`` instead.
+    sdpa_mask: torch.Tensor | None = None
+    sdpa_mask_built: bool = False
+
+    def mask(self) -> torch.Tensor | None:
+        if not self.sdpa_mask_built:
+            self.sdpa_mask = _extend_mask(
+                self.extend_len, self.seq_len, self.window, self.pages.device
+            )
+            self.sdpa_mask_built = True
+        return self.sdpa_mask
 
 
 @dataclass(slots=True)
@@ -153,8 +164,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 dec_tok.append(start)
             elif n > 1:
                 pages = batch.page_table[i, : pages_for(seq_len, ps)]
-                mask = _extend_mask(n, seq_len, sliding_window, device)
-                extends.append(_Extend(start, n, seq_len, pages, mask, sliding_window))
+                extends.append(_Extend(start, n, seq_len, pages, sliding_window))
             start += n
         meta = TorchAttentionMetadata(
             batch, None, None, None, extends, len(dec_rows) == len(batch.extend_lens)
@@ -349,10 +359,13 @@ class TorchAttentionBackend(BaseAttentionBackend):
         """One sequence's ``q [n, Hq, D]`` against its whole KV -> ``[n, Hq, D]``: the C flash
         kernel on CPU bfloat16 (it reads the pool, where ``k``/``v`` already are), else SDPA."""
         kern = self._kernels_for(pool, q.shape[1])
-        if kern is not None and q.dtype == torch.bfloat16 and pool.buffer.is_contiguous():
+        if (
+            kern is not None and kern.has_gemm  # the kernel needs AVX512-BF16, as the tiles do
+            and q.dtype == torch.bfloat16 and pool.buffer.is_contiguous()
+        ):
             if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
                 q = q.contiguous()
-            pages = e.pages.contiguous()
+            pages = e.pages.contiguous()  # a row of the page table: already, in practice
             out = kern.extend_attention(q, pool.buffer, layer, pages, e.seq_len, e.window, scale)
             if out is not None:
                 return out
@@ -364,12 +377,13 @@ class TorchAttentionBackend(BaseAttentionBackend):
             shape = (-1, k.shape[1], k.shape[2])
             kc = _gather(pool.k_pages(layer), e.pages).view(shape)[: e.seq_len].to(q.dtype)
             vc = _gather(pool.v_pages(layer), e.pages).view(shape)[: e.seq_len].to(q.dtype)
+        mask = e.mask()
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             kc.transpose(0, 1).unsqueeze(0),
             vc.transpose(0, 1).unsqueeze(0),
-            attn_mask=e.mask,
-            is_causal=e.mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )
