@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from splitserve.engine.attention import create_attention_backend
+from splitserve.engine.attention.base import create_attention_backend
 from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.kv_pool import KVLayout, KVPool, pages_for
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from splitserve.ipc import free_tcp_addr
+from splitserve.ipc.sockets import free_tcp_addr
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 SHAREGPT_DIR = SHARED / "data" / "prompts" / "sharegpt"
@@ -24,7 +24,7 @@ SEED = 0
 
 def default_dtype() -> tuple[str, str]:
     """The default serving dtype on this machine and why (AMX/avx512_bf16 -> bfloat16)."""
-    from splitserve.engine.cpu_features import resolve_dtype
+    from splitserve.engine.kernels.cpu.features import resolve_dtype
 
     return resolve_dtype("auto")
 
@@ -98,23 +98,25 @@ def percentile(values: list[float], q: float) -> float:
 
 
 @contextmanager
-def launch_cluster(mode: str, model_path: str, dtype: str, **spec_kw: Any) -> Iterator[str]:
+def launch_cluster(mode: str, model_path: str, dtype: str, **fields: Any) -> Iterator[str]:
     """Start a local cluster (``disaggregated`` or ``colocated``) and yield its base URL.
 
-    ``spec_kw`` goes to :class:`splitserve.launcher.ClusterSpec` (``threads_per_worker``,
-    ``cpu_affinity``, ``max_running``, ...).
+    ``fields`` are config fields of any section (``ServeConfig.from_fields``:
+    ``threads_per_worker``, ``cpu_affinity``, ``max_running``, ...).
     """
-    from splitserve.launcher import Cluster, ClusterSpec, parse_cpu_affinity
+    from splitserve.config import ServeConfig
+    from splitserve.config.flags import parse_cpu_affinity
+    from splitserve.launch.local import Cluster
 
-    if isinstance(spec_kw.get("cpu_affinity"), str | list):
-        spec_kw["cpu_affinity"] = parse_cpu_affinity(spec_kw["cpu_affinity"])
+    if isinstance(fields.get("cpu_affinity"), str | list):
+        fields["cpu_affinity"] = parse_cpu_affinity(fields["cpu_affinity"])
     if mode not in ("disaggregated", "colocated"):
         raise ValueError(f"unknown cluster mode {mode!r}")
     port = int(free_tcp_addr().rsplit(":", 1)[1])
-    spec = ClusterSpec(
-        model_path=model_path, colocated=(mode == "colocated"), port=port, dtype=dtype, **spec_kw
+    config = ServeConfig.from_fields(
+        model=model_path, colocated=(mode == "colocated"), port=port, dtype=dtype, **fields
     )
-    print(f"starting splitserve {mode} cluster on {spec.url} ({dtype}) ...", flush=True)
-    with Cluster(spec) as cluster:
-        yield spec.url
+    print(f"starting splitserve {mode} cluster on {config.url} ({dtype}) ...", flush=True)
+    with Cluster(config) as cluster:
+        yield config.url
         cluster.check_alive()

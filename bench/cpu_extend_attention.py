@@ -1,4 +1,4 @@
-"""The C extend (prefill) attention kernel (``engine/csrc/extend_attention.c``) against torch's
+"""The C extend (prefill) attention kernel (``engine/kernels/cpu/csrc/extend_attention.c``) against torch's
 ``scaled_dot_product_attention`` (what the torch backend ran before), one layer, same process,
 interleaved, best of rounds.
 
@@ -22,7 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.cpu_kernels import CpuKernels, load_cpu_kernels
+from splitserve.engine.kernels.cpu.bindings import CpuKernels
+from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 
 PAGE_SIZE = 16
 # (new tokens, cached prefix): a short prompt, a ShareGPT-length one, the interference run's

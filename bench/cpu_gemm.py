@@ -25,8 +25,9 @@ from itertools import cycle
 
 import torch
 
-from splitserve.engine.cpu_kernels import CpuKernels, load_cpu_kernels
-from splitserve.engine.layers import pack_weight, packed_linear
+from splitserve.engine.kernels.cpu.bindings import CpuKernels
+from splitserve.engine.kernels.cpu.build import load_cpu_kernels
+from splitserve.engine.model.layers import pack_weight, packed_linear
 
 # (name, N, K, times per decode step): SmolLM2-135M's fused projections and its tied LM head.
 SHAPES = (

@@ -17,7 +17,8 @@ import torch
 from common import default_dtype, resolve_model
 from profile_decode import build
 
-from splitserve.engine.cpu_kernels import SKINNY_MAX_ROWS, load_cpu_kernels
+from splitserve.engine.kernels.cpu.bindings import SKINNY_MAX_ROWS
+from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 
 
 def main() -> None:

@@ -88,7 +88,7 @@ if ! "$PY" -c "import splitserve.engine" 2>/dev/null; then
   done
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-"$PY" -c "import splitserve.engine.triton_attention, splitserve.server.app; print('import ok')" \
+"$PY" -c "import splitserve.engine.attention.triton.backend, splitserve.server.app; print('import ok')" \
   2>&1 | tee -a "$OUT/logs.txt"
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="" --durations=5)

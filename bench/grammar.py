@@ -28,13 +28,13 @@ from splitserve.default_model import ensure_default_model
 from splitserve.engine.grammar import GrammarService
 from splitserve.engine.grammar.batch_mask import BatchMask
 from splitserve.engine.grammar.mask_thread import MaskFillThread
-from splitserve.engine.grammar.worker_grammars import WorkerGrammars, create_worker_grammars
 from splitserve.engine.kv_pool import KVPool
-from splitserve.engine.loader import load_model
-from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.request import Req
-from splitserve.engine.scheduler import Scheduler, SchedulerConfig
-from splitserve.messages import Constraint, SamplingParams
+from splitserve.engine.model.loader import load_model
+from splitserve.engine.runner.model_runner import ModelRunner
+from splitserve.engine.sched.request import Req
+from splitserve.engine.sched.scheduler import Scheduler, SchedulerConfig
+from splitserve.ipc.messages import Constraint, SamplingParams
+from splitserve.worker.grammars import WorkerGrammars, create_worker_grammars
 
 SCHEMA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench" / "schemas"
 PERSON = json.dumps({

@@ -31,10 +31,10 @@ import torch
 import zmq
 
 from splitserve.engine.kv_pool import KVLayout, KVPool
-from splitserve.ipc import Inbox, Outbox, free_tcp_addr
+from splitserve.ipc.messages import KVBootstrap
+from splitserve.ipc.sockets import Inbox, Outbox, free_tcp_addr
 from splitserve.kv_transfer.base import layout_to_msg
 from splitserve.kv_transfer.registry import create_kv_pool, create_kv_receiver, create_kv_sender
-from splitserve.messages import KVBootstrap
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, dtype="float32")
 MIB = 2**20
@@ -243,15 +243,16 @@ def ttft(args) -> None:
     """
     import httpx
 
+    from splitserve.config import ServeConfig
     from splitserve.default_model import ensure_default_model
-    from splitserve.launcher import Cluster, ClusterSpec
+    from splitserve.launch.local import Cluster
 
     path = str(ensure_default_model())
-    common = {"model_path": path, "kv_cache_mb": args.kv_cache_mb, "threads_per_worker": 1,
+    common = {"model": path, "kv_cache_mb": args.kv_cache_mb, "threads_per_worker": 1,
               "max_batch_tokens": args.max_batch_tokens, "transfer_timeout_s": 120.0}
-    specs = {"colocated": ClusterSpec(colocated=True, port=_port(), **common)}
+    specs = {"colocated": ServeConfig.from_fields(colocated=True, port=_port(), **common)}
     for b in args.ttft_backends:
-        specs[f"disagg-{b}"] = ClusterSpec(kv_transfer=b, port=_port(), **common)
+        specs[f"disagg-{b}"] = ServeConfig.from_fields(kv_transfer=b, port=_port(), **common)
     clusters = {k: Cluster(s).start() for k, s in specs.items()}
     try:
         results: dict[tuple[str, int, int], list[float]] = {}
@@ -268,7 +269,7 @@ def ttft(args) -> None:
                         body = {"model": "default", "prompt": ids, "max_tokens": max_tokens,
                                 "temperature": 0, "ignore_eos": True}
                         t0 = time.perf_counter()
-                        r = httpx.post(clusters[name].spec.url + "/v1/completions", json=body,
+                        r = httpx.post(clusters[name].config.url + "/v1/completions", json=body,
                                        timeout=600)
                         dt = time.perf_counter() - t0
                         assert r.status_code == 200, r.text

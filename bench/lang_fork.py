@@ -101,18 +101,20 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def _cluster(args: argparse.Namespace, disable_radix_cache: bool) -> Iterator[str]:
+    from splitserve.config import ServeConfig
     from splitserve.default_model import ensure_default_model
-    from splitserve.launcher import Cluster, ClusterSpec
+    from splitserve.launch.local import Cluster
 
-    spec = ClusterSpec(model_path=str(ensure_default_model()), colocated=True,
-                       port=_free_port(), dtype=args.dtype,
-                       disable_radix_cache=disable_radix_cache)
-    with Cluster(spec):
-        yield spec.url
+    config = ServeConfig.from_fields(
+        model=str(ensure_default_model()), colocated=True, port=_free_port(), dtype=args.dtype,
+        prefix_cache="none" if disable_radix_cache else "radix",
+    )
+    with Cluster(config):
+        yield config.url
 
 
 def main() -> None:
-    from splitserve.engine.cpu_features import resolve_dtype
+    from splitserve.engine.kernels.cpu.features import resolve_dtype
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", help="a running splitserve server with the radix cache, for lang")

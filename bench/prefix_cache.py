@@ -27,8 +27,9 @@ from pathlib import Path
 
 import httpx
 
+from splitserve.config import ServeConfig
 from splitserve.default_model import resolve_model_path
-from splitserve.launcher import Cluster, ClusterSpec
+from splitserve.launch.local import Cluster
 
 GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts" / "gsm8k"
 NUM_SHOTS = 5
@@ -149,14 +150,14 @@ async def serve_workload(
 
 def run_cluster(
     name: str,
-    spec: ClusterSpec,
+    spec: ServeConfig,
     prompts: list[list[int]],
     warmup: list[int],
     args: argparse.Namespace,
 ) -> RunResult:
     print(f"[{name}] launching ...", flush=True)
     with Cluster(spec) as cluster:
-        url = cluster.spec.url
+        url = cluster.config.url
         asyncio.run(serve_workload(url, [warmup], 4, 1))  # first-call costs (allocations, JIT)
         httpx.post(url + "/flush_cache", timeout=60).raise_for_status()
         hit0, prompt0 = cache_counters(url)
@@ -191,7 +192,7 @@ def main() -> None:
     model = str(resolve_model_path(None))
     tokenizer = AutoTokenizer.from_pretrained(model)
     base: dict = {
-        "model_path": model,
+        "model": model,
         "page_size": args.page_size,
         "port": args.port,
         "threads_per_worker": args.threads_per_worker,
@@ -219,9 +220,10 @@ def compare_cache_on_off(tokenizer, base: dict, warmup: list[int], args) -> list
         f"concurrency {args.concurrency}",
         flush=True,
     )
-    on = run_cluster("1P1D cache on", ClusterSpec(**base), prompts, warmup, args)
+    on = run_cluster("1P1D cache on", ServeConfig.from_fields(**base), prompts, warmup, args)
     off = run_cluster(
-        "1P1D cache off", ClusterSpec(**base, disable_radix_cache=True), prompts, warmup, args
+        "1P1D cache off", ServeConfig.from_fields(**base, prefix_cache="none"), prompts, warmup,
+        args,
     )
     speedup = off.wall_s / on.wall_s
     ttft_ratio = statistics.mean(off.ttft_s) / statistics.mean(on.ttft_s)
@@ -241,7 +243,7 @@ def compare_routing(tokenizer, base: dict, warmup: list[int], args) -> list[str]
     head = f"routing workload: {len(prompts)} prompts over {args.routing_prefixes} prefixes"
     lines = [f"{head}, best hit rate {rate:.1%} (one worker, unbounded cache)"]
     for routing in ("cache_aware", "round_robin"):
-        spec = ClusterSpec(**base, num_prefill=2, routing=routing)
+        spec = ServeConfig.from_fields(**base, num_prefill=2, routing=routing)
         lines.append(run_cluster(f"2P1D {routing}", spec, prompts, warmup, args).row(best))
     return lines
 

@@ -20,11 +20,11 @@ import torch
 from common import default_dtype, resolve_model
 
 from splitserve.engine.kv_pool import KVPool
-from splitserve.engine.loader import load_model
-from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.request import Req
-from splitserve.engine.scheduler import Scheduler, SchedulerConfig
-from splitserve.messages import SamplingParams
+from splitserve.engine.model.loader import load_model
+from splitserve.engine.runner.model_runner import ModelRunner
+from splitserve.engine.sched.request import Req
+from splitserve.engine.sched.scheduler import Scheduler, SchedulerConfig
+from splitserve.ipc.messages import SamplingParams
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "linear_pointwise")
 # The torch backend's decode attention: K/V gather (or decode-cache append) and pool write, the
@@ -87,7 +87,7 @@ def instrument(sched: Scheduler) -> CpuClock:
     """Time every projection (and the LM head) as "matmul", the attention backend as
     "attention" (gather, K/V write and the attention products), sampling, and the fused C
     decode layers (which then hold the projections and attention of small steps)."""
-    from splitserve.engine.layers import Linear
+    from splitserve.engine.model.layers import Linear
 
     clock = CpuClock()
     model = sched.runner.model
@@ -101,7 +101,7 @@ def instrument(sched: Scheduler) -> CpuClock:
     backend.prepare = clock.wrap("attention prepare", backend.prepare)
     sampler = sched.runner.sampler
     sampler.sample = clock.wrap("sampling", sampler.sample)
-    import splitserve.engine.llama as llama_module
+    import splitserve.engine.model.llama as llama_module
 
     if hasattr(llama_module, "run_fused_decode_layers"):
         # Decode-only steps (1-3 rows; up to 128 with the AVX512_BF16 tiles) run every layer

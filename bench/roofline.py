@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from common import load_prompts, resolve_model
 
-from splitserve.engine.layers import Linear, can_pack, pack_weight, packed_linear
-from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.layers import Linear, can_pack, pack_weight, packed_linear
 
 
 @dataclass

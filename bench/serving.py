@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from splitserve.engine.cpu_features import resolve_dtype
+    from splitserve.engine.kernels.cpu.features import resolve_dtype
 
     args.model_path = resolve_model(args.model)
     args.dtype, why = resolve_dtype(args.dtype)

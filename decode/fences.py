@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from splitserve.engine.request import Req
+from splitserve.engine.sched.request import Req
 
 
 @dataclass(slots=True)

@@ -2,8 +2,7 @@
 (``KVBootstrap``), installs the pages when they arrive and decodes with continuous batching
 (DESIGN.md, steps 2 and 4).
 
-A task without ``prefill_addr`` is prefilled here: that is the colocated worker (role
-``colocated``), the baseline disaggregation is measured against. Admission control: a request is
+Admission control: a request is
 bootstrapped only when its prompt's pages can be reserved; until then it waits in a queue, and
 tells the prefill worker so (``KVQueued``) every third of ``transfer_timeout``: each message
 that goes out restarts the request's deadline there and here, so only a prefill worker that is
@@ -22,16 +21,11 @@ from collections import deque
 from dataclasses import dataclass
 
 from splitserve.decode.fences import Fence, KVFences
-from splitserve.engine.grammar.worker_grammars import CompileDone
 from splitserve.engine.kv_pool import pages_for
-from splitserve.engine.request import Req
-from splitserve.engine.scheduler import StepOutput
-from splitserve.engine.worker_base import BaseWorker
-from splitserve.frames import Frames
-from splitserve.ipc import PeerUnreachable
-from splitserve.kv_transfer.base import layout_to_msg
-from splitserve.kv_transfer.registry import create_kv_receiver
-from splitserve.messages import (
+from splitserve.engine.sched.batch import StepOutput
+from splitserve.engine.sched.request import Req
+from splitserve.ipc.frames import Frames
+from splitserve.ipc.messages import (
     GenerateTask,
     KVBootstrap,
     KVFailed,
@@ -41,6 +35,11 @@ from splitserve.messages import (
     Message,
     WorkerStats,
 )
+from splitserve.ipc.sockets import PeerUnreachable
+from splitserve.kv_transfer.base import layout_to_msg
+from splitserve.kv_transfer.registry import create_kv_receiver
+from splitserve.worker.base import BaseWorker
+from splitserve.worker.grammars import CompileDone
 
 logger = logging.getLogger(__name__)
 
@@ -60,20 +59,18 @@ class PendingKV:
 
 class DecodeWorker(BaseWorker):
     role = "decode"
+    computes_prompts = False  # its prompts' KV arrives; it only recomputes retracted requests
+    decodes = True
+    receives_kv = True
 
-    def __init__(self, args) -> None:
-        self.role = args.role  # "decode" or "colocated"
-        super().__init__(args)
-        # The colocated worker receives nothing; its pool is a plain one (kv_transfer.registry).
-        self.receiver = create_kv_receiver(
-            args.kv_transfer if self.role == "decode" else "zmq", self.pool
-        )
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.receiver = create_kv_receiver(config.engine.kv_transfer, self.pool)
         self.admission: deque[PendingKV] = deque()  # waiting for pages to reserve
         self.awaiting_kv: dict[str, PendingKV] = {}  # bootstrapped, waiting for KVPages
         self.fences = KVFences()  # failed requests whose pages the prefill side may still write
-        # Constrained requests whose grammar is still compiling: prefilled here (colocated),
-        # or whose KV already arrived (they start decoding once the compile is done).
-        self.compiling_local: dict[str, Req] = {}
+        # Constrained requests whose KV already arrived while their grammar still compiles
+        # (they start decoding once the compile is done).
         self.kv_ready: dict[str, Req] = {}
 
     def on_generate(self, task: GenerateTask) -> None:
@@ -81,19 +78,16 @@ class DecodeWorker(BaseWorker):
         if error:
             self.fail(task.rid, task.reply_addr, error, 400)
             return
-        req = self.new_req(task)
-        constrained = task.sampling.constraint is not None
-        if constrained:
-            # Disaggregated: compiles while the pages are reserved and the KV travels.
-            self.grammars.submit(req)
         if task.prefill_addr is None:
-            if constrained:
-                self.compiling_local[req.rid] = req
-            else:
-                self.scheduler.add(req)
+            self.fail(task.rid, task.reply_addr, "a decode worker needs the task's prefill "
+                      "worker (prefill_addr); colocated serving is role colocated", 400)
             return
+        req = self.new_req(task)
+        if task.sampling.constraint is not None:
+            # Compiles while the pages are reserved and the KV travels.
+            self.grammars.submit(req)
         now = time.monotonic()
-        pending = PendingKV(req, task.prefill_addr, now + self.args.transfer_timeout_s)
+        pending = PendingKV(req, task.prefill_addr, now + self.config.engine.transfer_timeout_s)
         pending.last_keepalive = now
         pending.link_drops = self.outbox.link_drops(task.prefill_addr)
         self.admission.append(pending)
@@ -105,8 +99,7 @@ class DecodeWorker(BaseWorker):
         while self.admission:
             pending = self.admission[0]
             n = pages_for(pending.req.prompt_len, self.pool.page_size)
-            # Headroom of one page per running request, so admitting never forces retraction.
-            if not alloc.can_alloc(n + len(self.scheduler.running)):
+            if not self.scheduler.can_admit(n):
                 return
             self.admission.popleft()
             req = pending.req
@@ -117,7 +110,7 @@ class DecodeWorker(BaseWorker):
             self.awaiting_kv[req.rid] = pending
             boot = KVBootstrap(
                 rid=req.rid,
-                dst_addr=self.args.addr,
+                dst_addr=self.config.addr,
                 page_ids=list(req.page_ids),
                 layout=layout_to_msg(self.pool.layout),
                 kv_transfer=self.receiver.name,
@@ -150,7 +143,7 @@ class DecodeWorker(BaseWorker):
             return  # aborted or timed out: its pages are already free
         # A stall is silence from the prefill worker, not a long queue there: every message
         # (pages or the keepalive it sends while the request waits) restarts the timer.
-        pending.deadline = time.monotonic() + self.args.transfer_timeout_s
+        pending.deadline = time.monotonic() + self.config.engine.transfer_timeout_s
         if not header.page_ids and not header.last:
             return  # keepalive
         req = pending.req
@@ -205,8 +198,6 @@ class DecodeWorker(BaseWorker):
         req = done.req
         if done.error is not None:
             self._fail_compile(req, done.error, done.code)
-        elif self.compiling_local.pop(req.rid, None) is not None:
-            self.scheduler.add(req)
         elif self.kv_ready.pop(req.rid, None) is not None:
             self._start_decoding(req)
         # Otherwise its KV is still on the way; _on_kv_pages starts it.
@@ -217,12 +208,7 @@ class DecodeWorker(BaseWorker):
         self.fail(req.rid, req.reply_addr, message, code)
 
     def on_step_outputs(self, outputs: list[StepOutput]) -> None:
-        emitted = []
-        for out in outputs:
-            req = out.req
-            emitted.append((req.reply_addr, self.token_output(req, req.emitted_len)))
-            req.emitted_len = len(req.output_ids)
-        self.emit(emitted)
+        self.emit_decoded(outputs)
         if any(out.finished for out in outputs):
             self._admit()
 
@@ -233,7 +219,6 @@ class DecodeWorker(BaseWorker):
     def _abort(self, rid: str, message: str, notify: bool) -> None:
         """End ``rid`` wherever it is here (``message``, ``notify``: see :meth:`_end_transfer`)."""
         self.grammars.discard(rid)
-        self.compiling_local.pop(rid, None)
         ready = self.kv_ready.pop(rid, None)
         if ready is not None:  # its pages are installed
             self.scheduler.free(ready)
@@ -261,13 +246,13 @@ class DecodeWorker(BaseWorker):
         """
         req, one_sided = pending.req, self.receiver.one_sided
         if notify or one_sided:
-            ack_addr = self.args.addr if one_sided else ""
+            ack_addr = self.config.addr if one_sided else ""
             try:
                 self.send(pending.prefill_addr, KVFailed(req.rid, message, ack_addr))
             except PeerUnreachable as exc:  # then only the fence's deadline frees the pages
                 logger.warning("could not tell the prefill worker about %s: %s", req.rid, exc)
         if one_sided:
-            deadline = time.monotonic() + self.args.transfer_timeout_s
+            deadline = time.monotonic() + self.config.engine.transfer_timeout_s
             self.fences.add(Fence(req, pending.prefill_addr, deadline, pending.link_drops))
         else:
             self.scheduler.free(req)
@@ -283,7 +268,7 @@ class DecodeWorker(BaseWorker):
         for fence in expired:
             logger.warning("no KVReleased from prefill worker %s for %s within %g s: freeing "
                            "its %d pages", fence.prefill_addr, fence.req.rid,
-                           self.args.transfer_timeout_s, len(fence.req.page_ids))
+                           self.config.engine.transfer_timeout_s, len(fence.req.page_ids))
         for fence in gone + expired:
             self.scheduler.free(fence.req)
         if gone or expired:
@@ -303,12 +288,12 @@ class DecodeWorker(BaseWorker):
             self._abort(rid, "decode worker timed out", notify=True)
             self.fail(
                 rid, pending.req.reply_addr,
-                f"KV transfer timed out {stage} after {self.args.transfer_timeout_s:g} s", 504,
+                f"KV transfer timed out {stage} after {self.config.engine.transfer_timeout_s:g} s", 504,
             )
 
     def _keep_queued_alive(self, now: float) -> None:
         """Tell each queued request's prefill worker it still waits here (``KVQueued``)."""
-        interval = self.args.transfer_timeout_s / 3
+        interval = self.config.engine.transfer_timeout_s / 3
         for pending in self.admission:
             if now - pending.last_keepalive < interval:
                 continue
@@ -320,7 +305,7 @@ class DecodeWorker(BaseWorker):
             except PeerUnreachable as exc:  # its deadline runs on
                 logger.warning("queued keepalive for %s not delivered: %s", pending.req.rid, exc)
                 continue
-            pending.deadline = now + self.args.transfer_timeout_s
+            pending.deadline = now + self.config.engine.transfer_timeout_s
 
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -334,5 +319,5 @@ class DecodeWorker(BaseWorker):
 
     def stats(self, query_id: int = 0) -> WorkerStats:
         s = super().stats(query_id)
-        s.num_waiting += len(self.admission) + len(self.compiling_local)
-        return self.receiver.metrics.fill(s) if self.role == "decode" else s
+        s.num_waiting += len(self.admission)
+        return self.receiver.metrics.fill(s)

@@ -9,17 +9,22 @@ once more with the first token (``last=True``); the decode worker calls
 bytes move: as ZeroMQ frames after the header, or written straight into the decode pool before
 the header is sent.
 
-Backends are chosen by name (``--kv-transfer``) through ``kv_transfer.registry``.
+Backends are chosen by name (``--kv-transfer``): each backend module defines a
+:class:`KVTransferBackend` named ``BACKEND``, registered in ``splitserve.config.registry``;
+``kv_transfer.registry`` builds its parts.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from splitserve.engine.kv_pool import KVLayout, KVPool
-from splitserve.frames import Frames
+from splitserve.ipc.frames import Frames
+from splitserve.ipc.messages import KVBootstrap, KVLayoutMsg, KVPages
+from splitserve.ipc.sockets import Outbox
 from splitserve.kv_transfer.metrics import TransferMetrics
-from splitserve.messages import KVBootstrap, KVLayoutMsg, KVPages
 
 
 def layout_to_msg(layout: KVLayout) -> KVLayoutMsg:
@@ -84,7 +89,7 @@ class BaseKVSender(abc.ABC):
         The source pages must not be freed or overwritten until :meth:`is_done` says so.
 
         Raises:
-            splitserve.ipc.PeerUnreachable: the peer does not accept data.
+            splitserve.ipc.sockets.PeerUnreachable: the peer does not accept data.
             ValueError: page counts differ, or the peer's endpoint is unusable.
         """
 
@@ -135,7 +140,7 @@ class BaseKVReceiver(abc.ABC):
     def install(self, header: KVPages, frames: Frames | list) -> None:
         """Complete one ``KVPages`` message: receive the pages its frames carry into the local
         pool (or check that a one-sided write already put them there), and record metrics.
-        ``frames``: the message's raw frames, unread (``splitserve.frames``) or as a list.
+        ``frames``: the message's raw frames, unread (``splitserve.ipc.frames``) or as a list.
         The caller has checked that ``header.page_ids`` belong to request ``header.rid``.
 
         Raises:
@@ -144,3 +149,15 @@ class BaseKVReceiver(abc.ABC):
 
     def close(self) -> None:
         """Release backend resources (shared-memory segments, registrations)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferBackend:
+    """What a backend name gives: the sender (prefill side), the receiver (decode side) and,
+    where the prefill side must reach the decode pool's memory itself, how to make that pool
+    (shm: a shared-memory segment). ``None``: an ordinary :class:`KVPool`."""
+
+    name: str
+    sender: Callable[[KVPool, Outbox], BaseKVSender]
+    receiver: Callable[[KVPool], BaseKVReceiver]
+    receiving_pool: Callable[[KVLayout, int, str], KVPool] | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from splitserve.messages import WorkerStats
+from splitserve.ipc.messages import WorkerStats
 
 # Upper bounds (ms) of the latency histogram; a last bucket holds everything slower.
 LATENCY_BUCKETS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)

@@ -21,11 +21,11 @@ from __future__ import annotations
 import time
 
 from splitserve.engine.kv_pool import KVPool
-from splitserve.frames import Frames, as_frames
-from splitserve.ipc import Outbox
-from splitserve.kv_transfer.base import BaseKVReceiver
+from splitserve.ipc.frames import Frames, as_frames
+from splitserve.ipc.messages import KVBootstrap, KVPages
+from splitserve.ipc.sockets import Outbox
+from splitserve.kv_transfer.base import BaseKVReceiver, KVTransferBackend
 from splitserve.kv_transfer.one_sided import BaseOneSidedSender
-from splitserve.messages import KVBootstrap, KVPages
 
 PROTOCOL = "tcp"
 
@@ -94,3 +94,6 @@ class MooncakeKVReceiver(BaseKVReceiver):
         latency = time.time() - header.sent_at if header.sent_at else None
         num_bytes = len(header.page_ids) * self.pool.layout.page_bytes
         self.metrics.record_install(num_bytes, len(header.page_ids), latency)
+
+
+BACKEND = KVTransferBackend("mooncake", MooncakeKVSender, MooncakeKVReceiver)

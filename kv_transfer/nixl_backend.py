@@ -35,11 +35,11 @@ from pathlib import Path
 import numpy as np
 
 from splitserve.engine.kv_pool import KVPool
-from splitserve.frames import Frames, as_frames
-from splitserve.ipc import Outbox
-from splitserve.kv_transfer.base import BaseKVReceiver
+from splitserve.ipc.frames import Frames, as_frames
+from splitserve.ipc.messages import KVBootstrap, KVPages
+from splitserve.ipc.sockets import Outbox
+from splitserve.kv_transfer.base import BaseKVReceiver, KVTransferBackend
 from splitserve.kv_transfer.one_sided import BaseOneSidedSender
-from splitserve.messages import KVBootstrap, KVPages
 
 logger = logging.getLogger(__name__)
 
@@ -203,3 +203,6 @@ class NixlKVReceiver(BaseKVReceiver):
         self._thread.join(5)
         if not self._thread.is_alive():
             self.agent.deregister_memory(self._reg)
+
+
+BACKEND = KVTransferBackend("nixl", NixlKVSender, NixlKVReceiver)

@@ -26,9 +26,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from splitserve.engine.kv_pool import KVPool
-from splitserve.ipc import Outbox, PeerUnreachable
+from splitserve.ipc.messages import KVBootstrap, KVFailed, KVPages
+from splitserve.ipc.sockets import Outbox, PeerUnreachable
 from splitserve.kv_transfer.base import BaseKVSender, joint_runs
-from splitserve.messages import KVBootstrap, KVFailed, KVPages
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""KV transfer backends by name: the choices of ``--kv-transfer`` and the factories workers call.
+"""KV transfer backends by name: the factories workers call. The names (``--kv-transfer``)
+are ``splitserve.config.registry.KV_TRANSFER``:
 
 =========  ==================================================================================
 zmq        default; pages as raw ZeroMQ frames (tcp:// or ipc://), zero-copy from the pool
@@ -12,35 +13,35 @@ nixl       NIXL with its UCX backend (cma on one host, TCP or RDMA between hosts
 
 from __future__ import annotations
 
-from splitserve.config import KV_TRANSFER_BACKENDS
+from splitserve.config.registry import KV_TRANSFER
 from splitserve.engine.kv_pool import KVLayout, KVPool
-from splitserve.ipc import Outbox
-from splitserve.kv_transfer.base import BaseKVReceiver, BaseKVSender
+from splitserve.ipc.sockets import Outbox
+from splitserve.kv_transfer.base import BaseKVReceiver, BaseKVSender, KVTransferBackend
 
-__all__ = ["KV_TRANSFER_BACKENDS", "create_kv_pool", "create_kv_receiver", "create_kv_sender"]
+__all__ = ["create_kv_pool", "create_kv_receiver", "create_kv_sender", "load_backend"]
 
 
-def _check(name: str) -> None:
-    if name not in KV_TRANSFER_BACKENDS:
-        raise ValueError(f"unknown KV transfer backend {name!r}: expected one of {KV_TRANSFER_BACKENDS}")
+def load_backend(name: str) -> KVTransferBackend:
+    """The backend registered as ``name``.
+
+    Raises:
+        ValueError: unknown backend.
+    """
+    return KV_TRANSFER.load(name)
 
 
 def create_kv_pool(
-    name: str, role: str, layout: KVLayout, num_pages: int, device: str = "cpu"
+    name: str, layout: KVLayout, num_pages: int, device: str = "cpu", receives_kv: bool = False
 ) -> KVPool:
-    """The worker's KV pool, in memory the backend can reach (shm: a shared segment on the
-    decode side).
+    """A worker's KV pool, in memory the backend can reach: on a worker that ``receives_kv``
+    (decode), the backend's receiving pool where it has one (shm: a shared segment).
 
     Raises:
         ValueError: unknown backend, or one that cannot use ``device``.
     """
-    _check(name)
-    if role == "decode" and name == "shm":
-        if device != "cpu":
-            raise ValueError(f"the shm KV transfer backend needs a CPU pool, not {device}")
-        from splitserve.kv_transfer.shm_backend import create_shm_pool
-
-        return create_shm_pool(layout, num_pages)
+    backend = load_backend(name)
+    if receives_kv and backend.receiving_pool is not None:
+        return backend.receiving_pool(layout, num_pages, device)
     return KVPool(layout, num_pages, device)
 
 
@@ -50,22 +51,7 @@ def create_kv_sender(name: str, pool: KVPool, outbox: Outbox) -> BaseKVSender:
     Raises:
         ValueError: unknown backend, or its optional package is missing.
     """
-    _check(name)
-    if name == "shm":
-        from splitserve.kv_transfer.shm_backend import ShmKVSender
-
-        return ShmKVSender(pool, outbox)
-    if name == "mooncake":
-        from splitserve.kv_transfer.mooncake_backend import MooncakeKVSender
-
-        return MooncakeKVSender(pool, outbox)
-    if name == "nixl":
-        from splitserve.kv_transfer.nixl_backend import NixlKVSender
-
-        return NixlKVSender(pool, outbox)
-    from splitserve.kv_transfer.zmq_backend import ZmqKVSender
-
-    return ZmqKVSender(pool, outbox)
+    return load_backend(name).sender(pool, outbox)
 
 
 def create_kv_receiver(name: str, pool: KVPool) -> BaseKVReceiver:
@@ -74,19 +60,4 @@ def create_kv_receiver(name: str, pool: KVPool) -> BaseKVReceiver:
     Raises:
         ValueError: unknown backend, or its optional package is missing.
     """
-    _check(name)
-    if name == "shm":
-        from splitserve.kv_transfer.shm_backend import ShmKVReceiver
-
-        return ShmKVReceiver(pool)
-    if name == "mooncake":
-        from splitserve.kv_transfer.mooncake_backend import MooncakeKVReceiver
-
-        return MooncakeKVReceiver(pool)
-    if name == "nixl":
-        from splitserve.kv_transfer.nixl_backend import NixlKVReceiver
-
-        return NixlKVReceiver(pool)
-    from splitserve.kv_transfer.zmq_backend import ZmqKVReceiver
-
-    return ZmqKVReceiver(pool)
+    return load_backend(name).receiver(pool)

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from splitserve.engine.kv_pool import KVLayout, KVPool
-from splitserve.frames import Frames, as_frames
-from splitserve.ipc import Outbox
-from splitserve.kv_transfer.base import BaseKVReceiver, BaseKVSender, joint_runs
-from splitserve.messages import KVBootstrap, KVPages
+from splitserve.ipc.frames import Frames, as_frames
+from splitserve.ipc.messages import KVBootstrap, KVPages
+from splitserve.ipc.sockets import Outbox
+from splitserve.kv_transfer.base import BaseKVReceiver, BaseKVSender, KVTransferBackend, joint_runs
 
 logger = logging.getLogger(__name__)
 
@@ -206,3 +206,12 @@ class ShmKVReceiver(BaseKVReceiver):
 
     def close(self) -> None:
         self.segment.unlink()
+
+
+def _receiving_pool(layout: KVLayout, num_pages: int, device: str) -> KVPool:
+    if device != "cpu":
+        raise ValueError(f"the shm KV transfer backend needs a CPU pool, not {device}")
+    return create_shm_pool(layout, num_pages)
+
+
+BACKEND = KVTransferBackend("shm", ShmKVSender, ShmKVReceiver, _receiving_pool)

@@ -20,7 +20,7 @@ worst it has written into the pages of its own request, never into other pages.
 Why messages of a few MiB rather than one per send: ZeroMQ hands a multipart message over only
 once all of it has arrived, in one freshly allocated buffer per frame. A 512 MiB message is
 512 MiB of new memory to fault in, copied into the pool after the last byte arrived; 2 MiB
-messages reuse warm buffers (with ``splitserve.malloc.keep_freed_buffers``) and are copied
+messages reuse warm buffers (with ``splitserve.kv_transfer.malloc.keep_freed_buffers``) and are copied
 while the next one is on the wire (bench/README.md, ``kv_transfer.py``). A GPU pool is staged to host memory per message.
 No pickling and no per-element Python objects anywhere.
 """
@@ -33,11 +33,17 @@ import torch
 import zmq
 
 from splitserve.engine.kv_pool import KVPool
-from splitserve.frames import Frames, as_frames
-from splitserve.ipc import Outbox
-from splitserve.kv_transfer.base import BaseKVReceiver, BaseKVSender, contiguous_runs, joint_runs
-from splitserve.malloc import keep_freed_buffers
-from splitserve.messages import KVBootstrap, KVPages
+from splitserve.ipc.frames import Frames, as_frames
+from splitserve.ipc.messages import KVBootstrap, KVPages
+from splitserve.ipc.sockets import Outbox
+from splitserve.kv_transfer.base import (
+    BaseKVReceiver,
+    BaseKVSender,
+    KVTransferBackend,
+    contiguous_runs,
+    joint_runs,
+)
+from splitserve.kv_transfer.malloc import keep_freed_buffers
 
 # Bytes of pages per message (at least one page). One page is 0.7 MiB for the default model in
 # float32; see the module docstring for why messages are kept this small.
@@ -252,3 +258,6 @@ def write_pages(pool: KVPool, page_ids: list[int], data: torch.Tensor) -> None:
     for start, n in contiguous_runs(page_ids):
         first = page_ids[start]
         pool.buffer[first : first + n].copy_(data[start : start + n])
+
+
+BACKEND = KVTransferBackend("zmq", ZmqKVSender, ZmqKVReceiver)

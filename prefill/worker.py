@@ -22,16 +22,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-from splitserve.engine.grammar.worker_grammars import CompileDone
 from splitserve.engine.kv_pool import pages_for
-from splitserve.engine.request import Req
-from splitserve.engine.scheduler import StepOutput
-from splitserve.engine.worker_base import BaseWorker
-from splitserve.frames import Frames
-from splitserve.ipc import PeerUnreachable
-from splitserve.kv_transfer.base import layout_from_msg
-from splitserve.kv_transfer.registry import create_kv_sender
-from splitserve.messages import (
+from splitserve.engine.sched.batch import StepOutput
+from splitserve.engine.sched.request import Req
+from splitserve.ipc.frames import Frames
+from splitserve.ipc.messages import (
     GenerateTask,
     KVBootstrap,
     KVFailed,
@@ -41,6 +36,11 @@ from splitserve.messages import (
     Message,
     WorkerStats,
 )
+from splitserve.ipc.sockets import PeerUnreachable
+from splitserve.kv_transfer.base import layout_from_msg
+from splitserve.kv_transfer.registry import create_kv_sender
+from splitserve.worker.base import BaseWorker
+from splitserve.worker.grammars import CompileDone
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +70,13 @@ class Draining:
 
 class PrefillWorker(BaseWorker):
     role = "prefill"
+    computes_prompts = True
+    decodes = False  # a request leaves with its first token, for the decode worker
+    receives_kv = False
 
-    def __init__(self, args) -> None:
-        super().__init__(args)
-        self.sender = create_kv_sender(args.kv_transfer, self.pool, self.outbox)
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.sender = create_kv_sender(config.engine.kv_transfer, self.pool, self.outbox)
         self.transfers: dict[str, Transfer] = {}
         self.draining: dict[str, Draining] = {}
         # rid -> (ack_addr, deadline): KVReleased owed once no write of rid is in flight.
@@ -82,7 +85,7 @@ class PrefillWorker(BaseWorker):
     def _transfer(self, rid: str, reply_addr: str = "") -> Transfer:
         t = self.transfers.get(rid)
         if t is None:
-            t = Transfer(rid, reply_addr, time.monotonic() + self.args.transfer_timeout_s)
+            t = Transfer(rid, reply_addr, time.monotonic() + self.config.engine.transfer_timeout_s)
             self.transfers[rid] = t
         return t
 
@@ -118,21 +121,21 @@ class PrefillWorker(BaseWorker):
         if isinstance(msg, KVFailed):  # the decode side gave up; it has told the server
             self.on_abort(msg.rid)
             if msg.ack_addr:
-                deadline = time.monotonic() + self.args.transfer_timeout_s
+                deadline = time.monotonic() + self.config.engine.transfer_timeout_s
                 self.acks_owed[msg.rid] = (msg.ack_addr, deadline)
                 self._send_acks(time.monotonic())
             return
         if isinstance(msg, KVQueued):  # still queued at decode: not a stall, keep waiting
             t = self.transfers.get(msg.rid)
             if t is not None and t.bootstrap is None:
-                t.deadline = time.monotonic() + self.args.transfer_timeout_s
+                t.deadline = time.monotonic() + self.config.engine.transfer_timeout_s
             return
         if not isinstance(msg, KVBootstrap):
             return super().on_peer_message(msg, frames)
         t = self._transfer(msg.rid)
         mismatch = self.pool.layout.mismatch(layout_from_msg(msg.layout))
-        if msg.kv_transfer != self.args.kv_transfer:
-            mismatch = (f"KV transfer backend mismatch: {self.args.kv_transfer!r} here vs "
+        if msg.kv_transfer != self.config.engine.kv_transfer:
+            mismatch = (f"KV transfer backend mismatch: {self.config.engine.kv_transfer!r} here vs "
                         f"{msg.kv_transfer!r} on the decode worker")
         if mismatch:
             self.send(msg.dst_addr, KVFailed(msg.rid, f"refused by prefill worker: {mismatch}"))
@@ -223,14 +226,14 @@ class PrefillWorker(BaseWorker):
         if self.sender.is_done(req.rid):
             self.scheduler.free(req)
         else:
-            deadline = time.monotonic() + self.args.transfer_timeout_s
+            deadline = time.monotonic() + self.config.engine.transfer_timeout_s
             self.draining[req.rid] = Draining(req, dst_addr, deadline)
 
     def _check_draining(self, now: float) -> None:
         for rid, d in list(self.draining.items()):
             if d.deadline < now:
                 logger.warning("KV send of %s to %s not done after %g s: dropping what is queued",
-                               rid, d.dst_addr, self.args.transfer_timeout_s)
+                               rid, d.dst_addr, self.config.engine.transfer_timeout_s)
                 self.sender.cancel_peer(d.dst_addr)
             elif not self.sender.is_done(rid):
                 continue
@@ -248,7 +251,7 @@ class PrefillWorker(BaseWorker):
                     logger.warning("KVReleased for %s not delivered: %s", rid, exc)
             elif deadline < now:  # a write that never ends: the decode side's deadline rules
                 logger.warning("KV writes of %s still in flight after %g s; not acknowledging",
-                               rid, self.args.transfer_timeout_s)
+                               rid, self.config.engine.transfer_timeout_s)
                 del self.acks_owed[rid]
 
     def on_abort(self, rid: str) -> None:
@@ -280,8 +283,8 @@ class PrefillWorker(BaseWorker):
                 self.transfers.pop(t.rid, None)
             elif t.bootstrap is None:
                 self._drop(t, f"KV transfer timed out: no decode worker bootstrap within "
-                              f"{self.args.transfer_timeout_s:g} s")
-        interval = self.args.transfer_timeout_s / 3
+                              f"{self.config.engine.transfer_timeout_s:g} s")
+        interval = self.config.engine.transfer_timeout_s / 3
         for t in list(self.transfers.values()):
             if t.bootstrap is not None and not t.prefilled and now - t.last_progress > interval:
                 self._keepalive(t, now)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from splitserve.engine.grammar.schema_limits import unenforced_keywords
-from splitserve.messages import Constraint
+from splitserve.ipc.messages import Constraint
 from splitserve.server.errors import APIError
 from splitserve.server.protocol import BaseGenerateRequest
 

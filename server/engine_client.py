@@ -10,7 +10,7 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from splitserve.messages import SamplingParams
+from splitserve.ipc.messages import SamplingParams
 
 
 @dataclass(slots=True)

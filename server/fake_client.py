@@ -10,7 +10,7 @@ import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
-from splitserve.messages import SamplingParams
+from splitserve.ipc.messages import SamplingParams
 from splitserve.server.engine_client import BaseEngineClient, TokenEvent
 
 DEFAULT_REPLY = "Hello from the fake engine! héllo 世界 🚀 The end."

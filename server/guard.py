@@ -14,7 +14,6 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 OPEN_PATHS = frozenset({"/health"})
-DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
 
 async def _error(send: Send, status: int, message: str, code: str, headers=()) -> None:
@@ -29,8 +28,7 @@ async def _error(send: Send, status: int, message: str, code: str, headers=()) -
 class GuardMiddleware:
     """Args: ``api_key`` (None: no key needed); ``max_body_bytes`` (0: no limit)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
@@ -77,5 +75,5 @@ class GuardMiddleware:
         await self.app(scope, replay, send)
 
 
-def install_guard(app, api_key: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+def install_guard(app, api_key: str | None, max_body_bytes: int) -> None:
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)

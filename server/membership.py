@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError, field_validator
 
-from splitserve.config import ROLES
+from splitserve.config.registry import WORKER_ROLE
 from splitserve.server.errors import APIError, from_validation_errors
 
 
@@ -22,8 +22,8 @@ class Registration(BaseModel):
     @field_validator("role")
     @classmethod
     def _role(cls, v: str) -> str:
-        if v not in ROLES:
-            raise ValueError(f"must be one of {', '.join(ROLES)}")
+        if v not in WORKER_ROLE.names:
+            raise ValueError(f"must be one of {', '.join(WORKER_ROLE.names)}")
         return v
 
     @field_validator("addr")

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from splitserve.config.registry import ROUTING
 from splitserve.radix_cache.radix_tree import RadixCache
 
 
@@ -99,18 +100,10 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         self._trees.clear()
 
 
-ROUTING_POLICIES: dict[str, type[BaseRoutingPolicy]] = {
-    "cache_aware": CacheAwarePolicy,
-    "round_robin": RoundRobinPolicy,
-}
-
-
 def create_routing_policy(name: str) -> BaseRoutingPolicy:
-    """The policy called ``name`` (a key of :data:`ROUTING_POLICIES`).
+    """The policy called ``name`` (``splitserve.config.registry.ROUTING``).
 
     Raises:
         ValueError: unknown name.
     """
-    if name not in ROUTING_POLICIES:
-        raise ValueError(f"unknown routing {name!r}: expected one of {sorted(ROUTING_POLICIES)}")
-    return ROUTING_POLICIES[name]()
+    return ROUTING.load(name)()

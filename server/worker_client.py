@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from splitserve.messages import (
+from splitserve.ipc.messages import (
     AbortTask,
     FlushCache,
     GenerateTask,
@@ -105,7 +105,7 @@ class ZmqEngineClient(BaseEngineClient):
     run time). ``dead_after_s``: a worker silent that long is declared dead and its requests end.
     ``routing``: how a prefill (or colocated) worker is picked (``server.routing``); decode
     workers go to the least loaded. ``max_inflight_per_worker``: past it, new requests get 503.
-    ``curve``: optional :class:`splitserve.security.CurveKeys` for authenticated, encrypted
+    ``curve``: optional :class:`splitserve.ipc.security.CurveKeys` for authenticated, encrypted
     worker links."""
 
     def __init__(
@@ -127,7 +127,7 @@ class ZmqEngineClient(BaseEngineClient):
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
         if curve is not None:
-            from splitserve.security import apply_curve_server, start_authenticator
+            from splitserve.ipc.security import apply_curve_server, start_authenticator
 
             self.auth = start_authenticator(self.ctx, curve)
             apply_curve_server(self.inbox, curve)
@@ -153,7 +153,7 @@ class ZmqEngineClient(BaseEngineClient):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         if self.curve is not None:
-            from splitserve.security import apply_curve_client
+            from splitserve.ipc.security import apply_curve_client
 
             apply_curve_client(sock, self.curve)
         w = WorkerHandle(addr, role, sock, worker_id=worker_id)

@@ -1,4 +1,9 @@
-"""``splitserve`` command line: launch | serve | worker | api-server | demo."""
+"""``splitserve`` command line: launch | serve | demo | worker | api-server | keygen.
+
+Every flag sets one field of the typed config (``splitserve.config``); defaults live there. The
+launcher hands each child its whole config as ``--config-json``, so a worker started by
+``launch`` and one started by hand with the same flags run the same configuration.
+"""
 
 from __future__ import annotations
 
@@ -10,72 +15,30 @@ import socket
 import sys
 import time
 
-from splitserve.config import KV_TRANSFER_BACKENDS, ROLES, WorkerArgs
-from splitserve.engine.cpu_features import DTYPE_CHOICES, resolve_dtype
+from splitserve.config import ServeConfig, WorkerConfig, env
+from splitserve.config.flags import (
+    CLUSTER_FLAGS,
+    DISAGGREGATED_FLAGS,
+    ENGINE_FLAGS,
+    LOG_FLAGS,
+    SECURITY_FLAGS,
+    SERVER_FLAGS,
+    Flag,
+    add_flags,
+    apply_flags,
+)
+from splitserve.config.registry import WORKER_ROLE
+from splitserve.config.schema import from_json
 
-API_KEY_ENV = "SPLITSERVE_API_KEY"
-DEVICE_ENV = "SPLITSERVE_DEVICE"
-
-
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF-format model folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="auto: bfloat16 on CPUs with AMX/avx512_bf16 (and CUDA), else float32")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size per worker (MiB)")
-    p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget of one step")
-    p.add_argument("--max-running", type=int, default=64, help="sequences in one step")
-    p.add_argument("--kv-transfer", choices=KV_TRANSFER_BACKENDS, default="zmq",
-                   help="how KV pages move from prefill to decode workers (same on both roles)")
-    p.add_argument(
-        "--disable-jump-forward", action="store_true",
-        help="sample every token of constrained outputs, even those the grammar forces",
-    )
-    p.add_argument(
-        "--disable-mask-overlap", action="store_true",
-        help="fill grammar token masks before each forward pass, not on a thread during it",
-    )
-    p.add_argument("--disable-radix-cache", action="store_true",
-                   help="no prefix reuse on prefill/colocated workers (the cache-off baseline)")
-    p.add_argument("--device", choices=["cpu", "cuda"],
-                   default=os.environ.get(DEVICE_ENV, "cpu"),
-                   help=f"where models and KV pools live (default ${DEVICE_ENV} or cpu); cuda uses "
-                   "the Triton attention kernels and CUDA graphs")
-    p.add_argument("--disable-cuda-graph", action="store_true",
-                   help="run decode steps eagerly on CUDA (no CUDA-graph capture)")
-    p.add_argument("--log-level", default="warning")
+CLUSTER_COMMAND_FLAGS = (*ENGINE_FLAGS, *LOG_FLAGS, *SECURITY_FLAGS, *SERVER_FLAGS, *CLUSTER_FLAGS)
+WORKER_FLAGS = (*ENGINE_FLAGS, *LOG_FLAGS, *SECURITY_FLAGS)
+API_SERVER_FLAGS = (ENGINE_FLAGS[0], *LOG_FLAGS, *SECURITY_FLAGS, *SERVER_FLAGS)
 
 
-def _add_routing_flag(p: argparse.ArgumentParser) -> None:
-    from splitserve.server.routing import ROUTING_POLICIES
-
-    p.add_argument("--routing", choices=sorted(ROUTING_POLICIES), default="cache_aware",
-                   help="how the API server picks a prefill (or colocated) worker")
-def _add_security_flags(p: argparse.ArgumentParser, server: bool) -> None:
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; "
-                        "prefer the variable: flags show in ps)")
-    p.add_argument("--curve-keys", default=None,
-                   help="CURVE key file (splitserve keygen): encrypt and authenticate worker links")
-    if server:
-        p.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
-                       help="larger request bodies get 413 (0: no limit)")
-        p.add_argument("--max-inflight-per-worker", type=int, default=256,
-                       help="past this many requests on a worker, new ones get 503 + Retry-After")
-        p.add_argument("--dead-after", type=float, default=5.0,
-                       help="seconds without a worker heartbeat before its requests fail")
-
-
-def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
-    _add_engine_flags(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--threads-per-worker", type=int, default=0, help="0: split the cores")
-    p.add_argument("--cpu-affinity", nargs="+", default=[], metavar="NAME=CPUS",
-                   help="pin processes to CPUs, e.g. prefill=0 decode=1 (or colocated=0-1)")
-    p.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds")
-    _add_routing_flag(p)
-    _add_security_flags(p, server=True)
+def _config_json_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config-json", default=None, metavar="JSON",
+                   help="the whole config as JSON (what launch passes its children); flags given "
+                        "as well override its fields")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,62 +46,58 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("launch", help="disaggregated cluster: API server + prefill + decode workers")
-    _add_cluster_flags(p)
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    add_flags(p, (*CLUSTER_COMMAND_FLAGS, *DISAGGREGATED_FLAGS))
     p.add_argument("--ray", default=None, metavar="ADDRESS",
                    help="launch on this Ray cluster (needs --config; pip install ray)")
-    p.add_argument("--config", default=None, help="cluster spec YAML (see splitserve.ray_launch)")
+    p.add_argument("--config", default=None, help="cluster spec YAML (see splitserve.launch.ray)")
 
     p = sub.add_parser("serve", help="one colocated worker (prefill and decode in one process)")
-    _add_cluster_flags(p)
+    add_flags(p, CLUSTER_COMMAND_FLAGS)
 
     p = sub.add_parser("demo", help="launch the default cluster, send real requests, stop")
-    _add_cluster_flags(p)
+    add_flags(p, CLUSTER_COMMAND_FLAGS)
 
     p = sub.add_parser("worker", help="one worker: joins --router, or is started by launch/serve")
-    _add_engine_flags(p)
-    p.add_argument("--role", choices=ROLES, required=True)
+    add_flags(p, WORKER_FLAGS, WorkerConfig(role="decode", worker_id="", addr=""))
+    _config_json_flag(p)
+    p.add_argument("--role", choices=WORKER_ROLE.names, default=None, help="required unless "
+                   "--config-json gives it")
     p.add_argument("--worker-id", default=None, help="default: ROLE-HOSTNAME-PID")
     p.add_argument("--router", default=None, help="join the router at http://HOST:PORT")
     p.add_argument("--host", default="127.0.0.1", help="address of this worker's inbox")
     p.add_argument("--port", type=int, default=0, help="port of this worker's inbox (0: any)")
     p.add_argument("--addr", default=None, help="this worker's inbox (overrides --host/--port)")
     p.add_argument("--server-addr", default=None, help="the API server's inbox (without --router)")
-    p.add_argument("--transfer-timeout", type=float, default=30.0)
-    p.add_argument("--threads", type=int, default=0)
-    _add_security_flags(p, server=False)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (0: torch's default)")
 
     p = sub.add_parser("keygen", help="write a CURVE key file for --curve-keys")
     p.add_argument("path")
 
     p = sub.add_parser("api-server", help="the HTTP API process (started by launch/serve)")
-    p.add_argument("--model", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    add_flags(p, API_SERVER_FLAGS)
+    _config_json_flag(p)
     p.add_argument("--inbox", default=None,
                    help="ZeroMQ inbox workers reply to (default: a free port on --host)")
-    for role in ROLES:
+    for role in WORKER_ROLE.names:
         p.add_argument(f"--{role}-addr", action="append", default=[])
-    _add_routing_flag(p)
-    p.add_argument("--log-level", default="warning")
-    _add_security_flags(p, server=True)
     return parser
 
 
-def _model_path(model: str | None) -> str:
+def _resolve_engine(config: ServeConfig | WorkerConfig, report: bool = False) -> None:
+    """Fill what the engine needs resolved once, where the command starts, so that every worker
+    agrees: the model folder (the default model when none is given) and ``dtype auto``. Exits
+    with a clear message on an unusable model or device."""
     from splitserve.default_model import resolve_model_path
+    from splitserve.engine.kernels.cpu.features import resolve_dtype
+    from splitserve.engine.model.config import ModelConfig
 
+    e = config.engine
     try:
-        return str(resolve_model_path(model))
-    except FileNotFoundError as exc:
+        e.model = str(resolve_model_path(e.model or None))
+        ModelConfig.from_dir(e.model)  # unsupported architecture: fail here, not in a child
+    except (ValueError, FileNotFoundError) as exc:
         sys.exit(f"error: {exc}")
-
-
-def _dtype(name: str, device: str, report: bool = False) -> str:
-    """Resolve ``--dtype auto`` (once, in the launcher, so that every worker agrees); exit with
-    a clear message when ``device`` is cuda and torch sees no GPU."""
-    if device == "cuda":
+    if e.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
@@ -146,60 +105,62 @@ def _dtype(name: str, device: str, report: bool = False) -> str:
                 f"error: --device cuda, but torch {torch.__version__} sees no CUDA GPU "
                 "(a CPU build of torch, or no driver): use --device cpu"
             )
-    dtype, why = resolve_dtype(name, device)
+    e.dtype, why = resolve_dtype(e.dtype, e.device)
     if report:
-        print(f"splitserve: dtype {dtype} ({why})", file=sys.stderr, flush=True)
-    return dtype
+        print(f"splitserve: dtype {e.dtype} ({why})", file=sys.stderr, flush=True)
 
 
-def _cluster_spec(args: argparse.Namespace, colocated: bool):
-    from splitserve.engine.model_config import ModelConfig
-    from splitserve.launcher import ClusterSpec, parse_cpu_affinity
-
-    path = _model_path(args.model)
+def serve_config(args: argparse.Namespace, colocated: bool) -> ServeConfig:
+    """The cluster's config from the command line (flags over the defaults), resolved."""
+    config = ServeConfig()
+    flags = (*CLUSTER_COMMAND_FLAGS, *DISAGGREGATED_FLAGS)
+    apply_flags(args, config, flags)
+    config.cluster.colocated = colocated
+    _resolve_engine(config, report=True)
     try:
-        affinity = parse_cpu_affinity(args.cpu_affinity)
+        config.check()
     except ValueError as exc:
         sys.exit(f"error: {exc}")
-    try:
-        ModelConfig.from_dir(path)  # unsupported architecture: fail here, not in a child
-    except (ValueError, FileNotFoundError) as exc:
-        sys.exit(f"error: {exc}")
-    return ClusterSpec(
-        model_path=path,
-        num_prefill=getattr(args, "prefill", 1),
-        num_decode=getattr(args, "decode", 1),
-        colocated=colocated,
-        host=args.host,
-        port=args.port,
-        dtype=_dtype(args.dtype, args.device, report=True),
-        device=args.device,
-        page_size=args.page_size,
-        kv_cache_mb=args.kv_cache_mb,
-        max_batch_tokens=args.max_batch_tokens,
-        max_running=args.max_running,
-        threads_per_worker=args.threads_per_worker,
-        cpu_affinity=affinity,
-        transfer_timeout_s=args.transfer_timeout,
-        kv_transfer=args.kv_transfer,
-        jump_forward=not args.disable_jump_forward,
-        overlap_grammar_mask=not args.disable_mask_overlap,
-        log_level=args.log_level,
-        disable_radix_cache=args.disable_radix_cache,
-        cuda_graph=not args.disable_cuda_graph,
-        routing=args.routing,
-        api_key=args.api_key,
-        curve_keys=args.curve_keys,
-        max_body_bytes=args.max_body_bytes,
-        max_inflight_per_worker=args.max_inflight_per_worker,
-        dead_after_s=args.dead_after,
+    return config
+
+
+def _worker_config(args: argparse.Namespace) -> WorkerConfig:
+    from splitserve.ipc.sockets import free_tcp_addr
+
+    if args.config_json:
+        config = from_json(args.config_json, WorkerConfig)
+    else:
+        if not args.role:
+            sys.exit("error: worker needs --role (or --config-json)")
+        config = WorkerConfig(role=args.role, worker_id="", addr="")
+    apply_flags(args, config, WORKER_FLAGS)
+    identity: tuple[tuple[str, object], ...] = (
+        ("role", args.role), ("worker_id", args.worker_id), ("router_url", args.router),
+        ("server_addr", args.server_addr), ("num_threads", args.threads),
     )
+    for field, value in identity:
+        if value is not None:
+            setattr(config, field, value)
+    if args.addr or not config.addr:
+        config.addr = args.addr or (
+            f"tcp://{args.host}:{args.port}" if args.port else free_tcp_addr(args.host)
+        )
+    if not config.worker_id:
+        config.worker_id = f"{config.role}-{socket.gethostname()}-{os.getpid()}"
+    if not config.router_url and not config.server_addr:
+        sys.exit("error: worker needs --router URL (to join) or --server-addr")
+    _resolve_engine(config)
+    try:
+        config.check()
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")
+    return config
 
 
 def _run_on_ray(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from splitserve.ray_launch import RayClusterSpec, launch_on_ray, wait_healthy
+    from splitserve.launch.ray import RayClusterSpec, launch_on_ray, wait_healthy
 
     if not args.config:
         sys.exit("error: --ray needs --config cluster.yaml")
@@ -207,9 +168,14 @@ def _run_on_ray(args: argparse.Namespace) -> None:
         import ray
     except ImportError:
         sys.exit("error: --ray needs Ray: pip install 'ray>=2.9'")
-    spec = RayClusterSpec.from_yaml(Path(args.config).read_text())
-    url, handles = launch_on_ray(args.ray, spec, args.api_key, args.log_level)
-    wait_healthy(url, spec.prefill.count + spec.decode.count, api_key=args.api_key)
+    config = ServeConfig()
+    apply_flags(args, config, (*LOG_FLAGS, *SECURITY_FLAGS))
+    try:
+        spec = RayClusterSpec.from_yaml(Path(args.config).read_text())
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")
+    url, handles = launch_on_ray(args.ray, spec, config.security, config.log_level)
+    wait_healthy(url, spec.prefill.count + spec.decode.count, api_key=config.security.api_key)
     print(f"splitserve ready on Ray: {url}/v1  (Ctrl-C to stop)", flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
@@ -225,9 +191,10 @@ def _run_on_ray(args: argparse.Namespace) -> None:
 def _run_cluster(args: argparse.Namespace, colocated: bool) -> None:
     if getattr(args, "ray", None):
         return _run_on_ray(args)
-    from splitserve.launcher import Cluster, ClusterError
+    from splitserve.launch.local import Cluster, ClusterError
 
-    cluster = Cluster(_cluster_spec(args, colocated))
+    config = serve_config(args, colocated)
+    cluster = Cluster(config)
     stop = {"now": False}
 
     def on_signal(*_):
@@ -237,8 +204,9 @@ def _run_cluster(args: argparse.Namespace, colocated: bool) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         cluster.start()
-        kind = "colocated worker" if colocated else f"{args.prefill} prefill + {args.decode} decode"
-        print(f"splitserve ready ({kind}): {cluster.spec.url}/v1  (Ctrl-C to stop)", flush=True)
+        c = config.cluster
+        kind = "colocated worker" if colocated else f"{c.num_prefill} prefill + {c.num_decode} decode"
+        print(f"splitserve ready ({kind}): {config.url}/v1  (Ctrl-C to stop)", flush=True)
         while not stop["now"]:
             cluster.supervise()  # a worker that dies is restarted; the router takes it back
             time.sleep(0.5)
@@ -249,19 +217,32 @@ def _run_cluster(args: argparse.Namespace, colocated: bool) -> None:
         cluster.stop()
 
 
+def _run_api_server(args: argparse.Namespace) -> None:
+    from splitserve.ipc.sockets import free_tcp_addr
+    from splitserve.server.main import run_api_server
+
+    config = from_json(args.config_json, ServeConfig) if args.config_json else ServeConfig()
+    apply_flags(args, config, API_SERVER_FLAGS)
+    if not config.engine.model:
+        sys.exit("error: api-server needs --model (or --config-json)")
+    host = config.server.host
+    inbox_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    config.server.inbox = args.inbox or config.server.inbox or free_tcp_addr(inbox_host)
+    run_api_server(config, args.prefill_addr, args.decode_addr, args.colocated_addr)
+
+
 def _pin_from_env() -> None:
     """Pin this process to ``$SPLITSERVE_CPU_AFFINITY`` (set by the launcher per worker), before
     torch starts its thread pool, so every thread inherits it."""
-    from splitserve.launcher import AFFINITY_ENV
-
-    cpus = os.environ.get(AFFINITY_ENV)
+    cpus = env.cpu_affinity()
     if cpus and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
+        os.sched_setaffinity(0, cpus)
+
 
 def _die_with_parent() -> None:
     """Children of a launcher exit when it dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``);
     without this a killed launcher would leave workers holding ports and memory."""
-    if os.environ.get("SPLITSERVE_DIE_WITH_PARENT") != "1" or not sys.platform.startswith("linux"):
+    if not env.die_with_parent() or not sys.platform.startswith("linux"):
         return
     import ctypes
 
@@ -270,10 +251,21 @@ def _die_with_parent() -> None:
     if os.getppid() == 1:  # the parent died before prctl took effect
         sys.exit(1)
 
+
+def _log_level(args: argparse.Namespace) -> str:
+    given = getattr(args, "log_level", None)
+    if given:
+        return given
+    text = getattr(args, "config_json", None)
+    return from_json(text, WorkerConfig if args.command == "worker" else ServeConfig).log_level \
+        if text else ServeConfig().log_level
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     _pin_from_env()
-    logging.basicConfig(level=args.log_level.upper())
+    if args.command != "keygen":
+        logging.basicConfig(level=_log_level(args).upper())
     if args.command in ("worker", "api-server"):
         _die_with_parent()
     if args.command == "launch":
@@ -283,48 +275,18 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "demo":
         from splitserve.demo import run_demo
 
-        run_demo(_cluster_spec(args, colocated=False))
+        run_demo(serve_config(args, colocated=False))
     elif args.command == "worker":
-        from splitserve.ipc import free_tcp_addr
-        from splitserve.worker_main import run_worker
+        from splitserve.worker.main import run_worker
 
-        if not args.router and not args.server_addr:
-            sys.exit("error: worker needs --router URL (to join) or --server-addr")
-        addr = args.addr or (f"tcp://{args.host}:{args.port}" if args.port
-                             else free_tcp_addr(args.host))
-        run_worker(
-            WorkerArgs(
-                role=args.role, addr=addr, server_addr=args.server_addr or "",
-                worker_id=args.worker_id or f"{args.role}-{socket.gethostname()}-{os.getpid()}",
-                model_path=_model_path(args.model),
-                dtype=_dtype(args.dtype, args.device), device=args.device,
-                page_size=args.page_size, kv_cache_mb=args.kv_cache_mb,
-                max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
-                transfer_timeout_s=args.transfer_timeout, num_threads=args.threads,
-                kv_transfer=args.kv_transfer,
-                router_url=args.router, api_key=args.api_key, curve_keys=args.curve_keys,
-                jump_forward=not args.disable_jump_forward,
-                overlap_grammar_mask=not args.disable_mask_overlap,
-                disable_radix_cache=args.disable_radix_cache,
-                cuda_graph=not args.disable_cuda_graph,
-            ),
-            args.log_level,
-        )
+        run_worker(_worker_config(args))
     elif args.command == "keygen":
-        from splitserve.security import CurveKeys
+        from splitserve.ipc.security import CurveKeys
 
         CurveKeys.generate().save(args.path)
         print(f"wrote {args.path} (mode 0600); pass --curve-keys {args.path} to every process")
     elif args.command == "api-server":
-        from splitserve.ipc import free_tcp_addr
-        from splitserve.server.main import run_api_server
+        _run_api_server(args)
 
-        inbox_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-        run_api_server(
-            args.model, args.host, args.port, args.inbox or free_tcp_addr(inbox_host),
-            args.prefill_addr, args.decode_addr, args.colocated_addr, args.log_level,
-            routing=args.routing,
-            api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-            dead_after_s=args.dead_after, max_inflight_per_worker=args.max_inflight_per_worker,
-            curve_keys=args.curve_keys,
-        )
+
+__all__ = ["Flag", "build_parser", "main", "serve_config"]

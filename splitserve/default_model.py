@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from splitserve.config import env
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
 
 def cache_dir() -> Path:
     """``$SPLITSERVE_CACHE``, default ``~/.cache/splitserve``."""
-    return Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
+    return env.cache_dir()
 
 
 def gguf_path() -> Path:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from splitserve.launcher import Cluster, ClusterSpec
+from splitserve.config import ServeConfig
+from splitserve.launch.local import Cluster
 
 CHATS = [
     "What is the capital of France?",
@@ -37,14 +38,15 @@ def _stream(client, model: str, **kwargs) -> tuple[str, float, float, int]:
     return "".join(text), (ttft or 0.0), time.perf_counter() - t0, n
 
 
-def run_demo(spec: ClusterSpec) -> None:
+def run_demo(config: ServeConfig) -> None:
     from openai import OpenAI
 
-    print(f"starting {spec.num_prefill} prefill + {spec.num_decode} decode workers on {spec.url} ...")
+    c = config.cluster
+    print(f"starting {c.num_prefill} prefill + {c.num_decode} decode workers on {config.url} ...")
     t0 = time.perf_counter()
-    with Cluster(spec):
+    with Cluster(config):
         print(f"cluster ready in {time.perf_counter() - t0:.1f} s\n")
-        client = OpenAI(base_url=spec.url + "/v1", api_key="none")
+        client = OpenAI(base_url=config.url + "/v1", api_key="none")
         model = client.models.list().data[0].id
         for q in CHATS:
             text, ttft, total, _ = _stream(

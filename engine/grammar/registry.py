@@ -1,15 +1,17 @@
-"""Backend names -> classes, and the factory the engine (and its CLI choices) use."""
+"""The grammar backend factory and the compile service over the registered backends (names:
+``splitserve.config.registry.GRAMMAR_BACKEND``, imported only when built, so that a missing
+optional package disables only its backend)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from splitserve.config.registry import GRAMMAR_BACKEND
 from splitserve.engine.grammar.base import BaseGrammarBackend
 from splitserve.engine.grammar.service import GrammarService
 
-# Import lazily so that a missing optional package disables only its backend.
-BACKEND_NAMES: tuple[str, ...] = ("xgrammar", "outlines")
-DEFAULT_BACKEND = "xgrammar"
+BACKEND_NAMES: tuple[str, ...] = GRAMMAR_BACKEND.names
+DEFAULT_BACKEND = GRAMMAR_BACKEND.default
 
 
 def create_backend(
@@ -32,15 +34,7 @@ def create_backend(
     Raises:
         ValueError: for an unknown name. ImportError: if its package is not installed.
     """
-    if name == "xgrammar":
-        from splitserve.engine.grammar.xgrammar_backend import XGrammarBackend
-
-        return XGrammarBackend(tokenizer, vocab_size, stop_token_ids)
-    if name == "outlines":
-        from splitserve.engine.grammar.outlines_backend import OutlinesBackend
-
-        return OutlinesBackend(tokenizer, vocab_size, stop_token_ids)
-    raise ValueError(f"unknown grammar backend {name!r}; expected one of {BACKEND_NAMES}")
+    return GRAMMAR_BACKEND.load(name)(tokenizer, vocab_size, stop_token_ids)
 
 
 def create_grammar_service(

@@ -2,27 +2,22 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from splitserve.launcher import Cluster, ClusterSpec
+from splitserve.launch.local import Cluster
+from tests.cluster_config import free_port, serve_config
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port"]
 
 
 def _launch(model_path: Path, **kw) -> Iterator[Cluster]:
     # One thread per worker: CI machines have 2 cores shared with pytest and the API server.
     options = {"kv_cache_mb": 128, "threads_per_worker": 1, **kw}
-    spec = ClusterSpec(model_path=str(model_path), port=free_port(), **options)
-    with Cluster(spec) as cluster:
+    with Cluster(serve_config(model_path, **options)) as cluster:
         yield cluster
 
 
@@ -46,13 +41,13 @@ def cluster(request) -> Cluster:
 def worker_pages_used(cluster: Cluster) -> dict[str, int]:
     """Pages each worker holds for requests: used pages minus the prefix cache's evictable ones
     (those are a cache, given back on demand, not a leak)."""
-    rows = httpx.get(cluster.spec.url + "/workers", timeout=10).json()
+    rows = httpx.get(cluster.config.url + "/workers", timeout=10).json()
     return {r["worker_id"]: r["pages_used"] - r["cache_evictable_pages"] for r in rows}
 
 
 def flush_cache(cluster: Cluster) -> list[dict]:
     """``POST /flush_cache``; the workers' stats after the flush."""
-    r = httpx.post(cluster.spec.url + "/flush_cache", timeout=60)
+    r = httpx.post(cluster.config.url + "/flush_cache", timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -61,7 +56,7 @@ def complete_ids(cluster: Cluster, prompt_ids: list[int], max_tokens: int, **kw)
     """Non-streaming ``/v1/completions`` on token ids; the choice carries ``token_ids``."""
     body = {"model": "default", "prompt": prompt_ids, "max_tokens": max_tokens,
             "temperature": 0, "return_token_ids": True, **kw}
-    r = httpx.post(cluster.spec.url + "/v1/completions", json=body, timeout=120)
+    r = httpx.post(cluster.config.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 

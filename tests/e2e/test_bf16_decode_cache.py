@@ -4,10 +4,8 @@ greedy tokens as the gather path it replaces (``SPLITSERVE_DECODE_KV_CACHE=0``).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from splitserve.engine.attention import DECODE_CACHE_ENV
 from tests.e2e.conftest import _launch, complete_ids, worker_pages_used
 
 PROMPTS = [
@@ -18,9 +16,8 @@ PROMPTS = [
 
 
 def _tokens(model_path: Path, tokenizer, use_cache: bool) -> list[list[int]]:
-    before = os.environ.get(DECODE_CACHE_ENV)
-    os.environ[DECODE_CACHE_ENV] = "1" if use_cache else "0"  # inherited by the workers
-    launched = _launch(model_path, num_prefill=1, num_decode=1, dtype="bfloat16")
+    launched = _launch(model_path, num_prefill=1, num_decode=1, dtype="bfloat16",
+                       decode_kv_cache=use_cache)
     try:
         cluster = next(launched)
         out = [
@@ -33,10 +30,6 @@ def _tokens(model_path: Path, tokenizer, use_cache: bool) -> list[list[int]]:
         return out
     finally:
         launched.close()  # stops the cluster
-        if before is None:
-            os.environ.pop(DECODE_CACHE_ENV, None)
-        else:
-            os.environ[DECODE_CACHE_ENV] = before
 
 
 def test_decode_cache_tokens_equal_gather_path(model_path, tokenizer) -> None:

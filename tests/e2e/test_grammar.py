@@ -46,7 +46,7 @@ DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
 def _chat(cluster, content: str, max_tokens: int, **kw: Any) -> httpx.Response:
     body = {"model": "default", "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True, **kw}
-    return httpx.post(cluster.spec.url + "/v1/chat/completions", json=body, timeout=300)
+    return httpx.post(cluster.config.url + "/v1/chat/completions", json=body, timeout=300)
 
 
 def _ok(r: httpx.Response) -> dict[str, Any]:
@@ -101,7 +101,7 @@ def test_kinds_regex_ebnf_choice_json_object(grammar_cluster, tokenizer) -> None
         lambda: _chat(c, "What colour is the sky?", 8, choice=choices),
         lambda: _chat(c, "Return a JSON object describing a cat: name, age, colour.", 64,
                       response_format={"type": "json_object"}),
-        lambda: httpx.post(c.spec.url + "/v1/completions", timeout=300, json={
+        lambda: httpx.post(c.config.url + "/v1/completions", timeout=300, json={
             "model": "default", "prompt": "The capital of France is", "max_tokens": 8,
             "temperature": 0, "choice": ["Paris", "London"]}),
     ])
@@ -134,7 +134,7 @@ def test_kinds_regex_ebnf_choice_json_object(grammar_cluster, tokenizer) -> None
 ])
 def test_bad_constraint_is_400_and_server_keeps_serving(grammar_cluster, body, expected) -> None:
     for stream in (False, True):
-        r = httpx.post(grammar_cluster.spec.url + "/v1/completions", timeout=120, json={
+        r = httpx.post(grammar_cluster.config.url + "/v1/completions", timeout=120, json={
             "model": "default", "prompt": "Hi", "max_tokens": 4, "stream": stream, **body})
         assert r.status_code == 400, r.text
         error = r.json()["error"]

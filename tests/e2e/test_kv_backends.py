@@ -16,9 +16,11 @@ import httpx
 import pytest
 import torch
 
+from splitserve.config import ServeConfig
 from splitserve.kv_transfer.shm_backend import PREFIX, SHM_DIR
-from splitserve.launcher import Cluster, ClusterSpec
-from tests.e2e.conftest import complete_ids, free_port, worker_pages_used
+from splitserve.launch.local import Cluster
+from tests.cluster_config import serve_config
+from tests.e2e.conftest import complete_ids, worker_pages_used
 from tests.e2e.test_greedy_vs_hf import assert_matches
 from tests.kv_transfer.workers import OPTIONAL_BACKENDS
 
@@ -34,10 +36,10 @@ NEW_TOKENS = 16
 BACKENDS = ["shm", *OPTIONAL_BACKENDS]
 
 
-def spec(model_path: Path, backend: str, **kw) -> ClusterSpec:
+def spec(model_path: Path, backend: str, **kw) -> ServeConfig:
     # max_batch_tokens=16 (one page): the longer prompt is prefilled, and sent, in 4 chunks.
-    return ClusterSpec(model_path=str(model_path), port=free_port(), kv_cache_mb=64,
-                       threads_per_worker=1, max_batch_tokens=16, kv_transfer=backend, **kw)
+    return serve_config(model_path, kv_cache_mb=64, threads_per_worker=1, max_batch_tokens=16,
+                        kv_transfer=backend, **kw)
 
 
 def segments_of(cluster: Cluster) -> set[str]:
@@ -46,7 +48,7 @@ def segments_of(cluster: Cluster) -> set[str]:
 
 
 def decode_pages_used(cluster: Cluster) -> int:
-    rows = httpx.get(cluster.spec.url + "/workers", timeout=10).json()
+    rows = httpx.get(cluster.config.url + "/workers", timeout=10).json()
     return next(r["pages_used"] for r in rows if r["role"] == "decode")
 
 
@@ -74,7 +76,7 @@ def test_greedy_equals_transformers(model_path, reference, backend) -> None:
         for ids, ref_new, gaps in reference:
             body = complete_ids(cluster, ids, NEW_TOKENS)
             assert_matches(ref_new, gaps, body["choices"][0]["token_ids"])
-        rows = httpx.get(cluster.spec.url + "/workers", timeout=10).json()
+        rows = httpx.get(cluster.config.url + "/workers", timeout=10).json()
         by_role = {r["role"]: r for r in rows}
         assert by_role["prefill"]["kv_transfer"] == by_role["decode"]["kv_transfer"] == backend
         assert by_role["prefill"]["kv_messages_sent"] > len(PROMPTS)  # several chunks each
@@ -97,7 +99,7 @@ def test_killed_workers_free_pages_and_leave_no_shm_segments(model_path, tokeniz
         ids = tokenizer.encode("Tell me about the history of science. " * 60)  # ~480 tokens
         body = {"model": "default", "prompt": ids, "max_tokens": 4, "temperature": 0}
         with cf.ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(httpx.post, cluster.spec.url + "/v1/completions", json=body,
+            fut = pool.submit(httpx.post, cluster.config.url + "/v1/completions", json=body,
                               timeout=60)
             time.sleep(1.0)  # prefill is under way, chunk by chunk
             os.kill(pids["prefill-0"], signal.SIGKILL)

@@ -14,7 +14,7 @@ from tests.e2e.conftest import flush_cache, worker_pages_used
 
 @pytest.fixture
 def client(cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.spec.url + "/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=cluster.config.url + "/v1", api_key="none", max_retries=0)
 
 
 def test_models(client) -> None:
@@ -90,18 +90,18 @@ def test_seeded_sampling_is_reproducible(client) -> None:
     ],
 )
 def test_bad_input_is_400_and_server_keeps_serving(cluster, body, param) -> None:
-    r = httpx.post(cluster.spec.url + "/v1/completions", json=body, timeout=60)
+    r = httpx.post(cluster.config.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error"
     assert param in err["message"] or err.get("param") == param
-    ok = httpx.post(cluster.spec.url + "/v1/completions",
+    ok = httpx.post(cluster.config.url + "/v1/completions",
                     json={"model": "default", "prompt": "hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
 
 
 def test_abandoned_stream_frees_pages(cluster) -> None:
-    with httpx.stream("POST", cluster.spec.url + "/v1/completions", timeout=60, json={
+    with httpx.stream("POST", cluster.config.url + "/v1/completions", timeout=60, json={
         "model": "default", "prompt": "Tell me a long story.", "max_tokens": 400,
         "ignore_eos": True, "stream": True,
     }) as r:

@@ -18,7 +18,7 @@ SYSTEM = (
 
 
 def _rows(cluster) -> list[dict]:
-    return httpx.get(cluster.spec.url + "/workers", timeout=10).json()
+    return httpx.get(cluster.config.url + "/workers", timeout=10).json()
 
 
 def _wait_idle(cluster, timeout_s: float = 10.0) -> list[dict]:
@@ -43,7 +43,7 @@ def test_shared_prefix_is_cached_and_pages_return(cluster, tokenizer) -> None:
     warm = complete_ids(cluster, second, 8)
     cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
     shared = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
-    page = cluster.spec.page_size
+    page = cluster.config.engine.page_size
     assert cached == shared // page * page > 0
 
     rows = _wait_idle(cluster)
@@ -51,7 +51,7 @@ def test_shared_prefix_is_cached_and_pages_return(cluster, tokenizer) -> None:
         assert r["pages_used"] == r["cache_pages"] == r["cache_evictable_pages"], r
     hits = sum(r["cache_hit_tokens"] for r in rows) - sum(r["cache_hit_tokens"] for r in before)
     assert hits == cached  # counters are since start: other tests of the session add to them
-    metrics = httpx.get(cluster.spec.url + "/metrics", timeout=10).text
+    metrics = httpx.get(cluster.config.url + "/metrics", timeout=10).text
     assert "splitserve_worker_cache_hit_tokens_total{" in metrics
 
     assert all(r["pages_used"] == 0 for r in flush_cache(cluster))

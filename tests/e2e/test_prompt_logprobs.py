@@ -28,7 +28,7 @@ def test_echo_prompt_logprobs_match_transformers(cluster, hf_logprobs, max_token
     ids, want = hf_logprobs
     body = {"model": "default", "prompt": PROMPT, "echo": True, "logprobs": 0,
             "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
-    r = httpx.post(cluster.spec.url + "/v1/completions", json=body, timeout=120)
+    r = httpx.post(cluster.config.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["prompt_token_ids"] == ids and choice["text"].startswith(PROMPT)
@@ -42,7 +42,7 @@ def test_logprob_start_len_scores_only_the_tail(cluster, hf_logprobs) -> None:
     _, want = hf_logprobs
     body = {"model": "default", "prompt": PROMPT, "echo": True, "logprobs": 0, "max_tokens": 0,
             "logprob_start_len": 6}
-    lps = httpx.post(cluster.spec.url + "/v1/completions", json=body, timeout=120).json()[
+    lps = httpx.post(cluster.config.url + "/v1/completions", json=body, timeout=120).json()[
         "choices"][0]["logprobs"]["token_logprobs"]
     assert lps[:6] == [None] * 6
     assert max(abs(a - b) for a, b in zip(lps[6:], want[5:])) < 1e-3

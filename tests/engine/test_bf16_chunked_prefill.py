@@ -8,18 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.cpu_kernels import load_cpu_kernels
+from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.kv_pool import KVPool
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="no C compiler")
 
 
 def test_prompt_over_the_token_budget_prefills_in_chunks(model_path) -> None:
-    from splitserve.engine.loader import load_model
-    from splitserve.engine.model_runner import ModelRunner
-    from splitserve.engine.request import Req
-    from splitserve.engine.scheduler import Scheduler, SchedulerConfig
-    from splitserve.messages import SamplingParams
+    from splitserve.engine.model.loader import load_model
+    from splitserve.engine.sched.request import Req
+    from splitserve.ipc.messages import SamplingParams
+    from tests.engine_core import make_core
 
     model, cfg = load_model(model_path, dtype=torch.bfloat16)
     prompt = torch.randint(100, 40000, (150,), generator=torch.Generator().manual_seed(1))
@@ -27,15 +26,14 @@ def test_prompt_over_the_token_budget_prefills_in_chunks(model_path) -> None:
     def run(budget: int) -> tuple[Req, int]:
         model.attn_backend.decode_cache = None
         pool = KVPool(cfg.kv_layout(16, "bfloat16"), 64)
-        sched = Scheduler(
-            ModelRunner(model, pool), SchedulerConfig(max_batch_tokens=budget), cfg.eos_token_ids
-        )
+        core = make_core(model, pool, cfg.eos_token_ids, max_batch_tokens=budget)
+        sched = core.scheduler
         params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
         req = Req(rid="long", input_ids=prompt.tolist(), sampling=params)
         sched.add(req)
         silent = 0
         while sched.has_work:
-            silent += not sched.step()
+            silent += not core.step()
         assert pool.allocator.num_used == 0  # every page back
         return req, silent
 

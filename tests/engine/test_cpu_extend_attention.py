@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.attention import TorchAttentionBackend
-from splitserve.engine.cpu_kernels import load_cpu_kernels
+from splitserve.engine.attention.torch_backend import TorchAttentionBackend
 from splitserve.engine.forward_batch import build_forward_batch
+from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.kv_pool import KVLayout, KVPool, pages_for
 
 kernels = load_cpu_kernels()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine import cpu_features
-from splitserve.launcher import Cluster, ClusterSpec, parse_cpu_affinity
+from splitserve.config.flags import parse_cpu_affinity
+from splitserve.engine.kernels.cpu import features as cpu_features
+from splitserve.launch.local import Cluster
+from tests.cluster_config import serve_config
 
 
 def test_resolve_dtype(monkeypatch) -> None:
@@ -28,7 +30,7 @@ def test_parse_cpu_affinity() -> None:
 
 
 def test_affinity_lookup_by_worker_id_then_role() -> None:
-    spec = ClusterSpec(model_path="m", cpu_affinity={"decode": [1], "decode-2": [3], "api-server": [0]})
+    spec = serve_config("m", cpu_affinity={"decode": [1], "decode-2": [3], "api-server": [0]})
     cluster = Cluster(spec)
     assert cluster._cpus("decode-1") == [1]
     assert cluster._cpus("decode-2") == [3]

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.cpu_kernels import SKINNY_MAX_ROWS, CpuKernels, load_cpu_kernels
-from splitserve.engine.layers import Linear, can_pack
+from splitserve.engine.kernels.cpu.bindings import SKINNY_MAX_ROWS, CpuKernels
+from splitserve.engine.kernels.cpu.build import load_cpu_kernels
+from splitserve.engine.model.layers import Linear, can_pack
 
 kernels = load_cpu_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the kernel is off")
@@ -191,7 +192,7 @@ def test_linear_uses_the_decode_kernels_only_for_decode_steps() -> None:
 
 
 def test_kv_append_equals_pool_write_and_cache_append() -> None:
-    from splitserve.engine.decode_kv_cache import DecodeKVCache
+    from splitserve.engine.attention.decode_kv_cache import DecodeKVCache
     from splitserve.engine.kv_pool import KVLayout, KVPool
 
     torch.manual_seed(2)
@@ -228,8 +229,8 @@ def test_norm_rope_silu_round_like_the_torch_ops() -> None:
     except where float32 summation order moves an RMSNorm output across a rounding boundary."""
     import torch.nn.functional as F
 
-    from splitserve.engine.layers import RMSNorm
-    from splitserve.engine.rope import RotaryEmbedding, apply_rope
+    from splitserve.engine.model.layers import RMSNorm
+    from splitserve.engine.model.rope import RotaryEmbedding, apply_rope
 
     assert kernels is not None
     torch.manual_seed(3)

@@ -21,11 +21,11 @@ if DEVICE == "cpu":
         pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
 pytest.importorskip("triton", reason="Triton is not installed")
 
-from splitserve.engine.attention import create_attention_backend
-from splitserve.engine.cuda_graph import DecodeGraphRunner
+from splitserve.engine.attention.base import create_attention_backend
 from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.kv_pool import KVPool, pages_for
-from splitserve.engine.loader import load_model
+from splitserve.engine.model.loader import load_model
+from splitserve.engine.runner.cuda_graph import DecodeGraphRunner
 
 PAGE_SIZE = 4
 SIZES = (1, 2, 4, 8)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.attention import TorchAttentionBackend
-from splitserve.engine.decode_kv_cache import DecodeKVCache
+from splitserve.engine.attention.decode_kv_cache import DecodeKVCache
+from splitserve.engine.attention.torch_backend import TorchAttentionBackend
 from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.kv_pool import KVLayout, KVPool, pages_for
 
@@ -153,11 +153,10 @@ def test_interrupted_step_drops_the_cache() -> None:
 def test_scheduler_tokens_equal_with_and_without_cache(model_path) -> None:
     """The default model in bfloat16 through the scheduler (chunked prefill interleaved with
     decodes, requests finishing at different steps): same greedy tokens either way."""
-    from splitserve.engine.loader import load_model
-    from splitserve.engine.model_runner import ModelRunner
-    from splitserve.engine.request import Req
-    from splitserve.engine.scheduler import Scheduler, SchedulerConfig
-    from splitserve.messages import SamplingParams
+    from splitserve.engine.model.loader import load_model
+    from splitserve.engine.sched.request import Req
+    from splitserve.ipc.messages import SamplingParams
+    from tests.engine_core import make_core
 
     model, cfg = load_model(model_path, dtype=torch.bfloat16)
 
@@ -165,10 +164,8 @@ def test_scheduler_tokens_equal_with_and_without_cache(model_path) -> None:
         backend = model.attn_backend
         backend.use_decode_cache, backend.decode_cache = use_cache, None
         pool = KVPool(cfg.kv_layout(16, "bfloat16"), 200)
-        sched = Scheduler(
-            ModelRunner(model, pool), SchedulerConfig(max_batch_tokens=48, max_running=8),
-            cfg.eos_token_ids,
-        )
+        core = make_core(model, pool, cfg.eos_token_ids, max_batch_tokens=48, max_running=8)
+        sched = core.scheduler
         g = torch.Generator().manual_seed(0)
         reqs = []
         for i in range(5):
@@ -178,7 +175,7 @@ def test_scheduler_tokens_equal_with_and_without_cache(model_path) -> None:
             sched.add(reqs[-1])
         held = 0
         while sched.has_work:
-            sched.step()
+            core.step()
             held = max(held, backend.cache_bytes())  # what /workers reports
         if use_cache:
             assert backend.decode_cache is not None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.cpu_kernels import load_cpu_kernels
+from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.kv_pool import KVPool
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="no C compiler")
@@ -16,12 +16,11 @@ pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="no C compile
 
 @pytest.mark.parametrize("num_reqs", [3, 9])
 def test_fused_decode_layers_equal_the_per_op_path(model_path, monkeypatch, num_reqs) -> None:
-    from splitserve.engine import decode_layers
-    from splitserve.engine.loader import load_model
-    from splitserve.engine.model_runner import ModelRunner
-    from splitserve.engine.request import Req
-    from splitserve.engine.scheduler import Scheduler, SchedulerConfig
-    from splitserve.messages import SamplingParams
+    from splitserve.engine.model import fused_decode as decode_layers
+    from splitserve.engine.model.loader import load_model
+    from splitserve.engine.sched.request import Req
+    from splitserve.ipc.messages import SamplingParams
+    from tests.engine_core import make_core
 
     model, cfg = load_model(model_path, dtype=torch.bfloat16)
     calls = {"ran": 0}
@@ -32,17 +31,15 @@ def test_fused_decode_layers_equal_the_per_op_path(model_path, monkeypatch, num_
         calls["ran"] += ran
         return ran
 
-    monkeypatch.setattr("splitserve.engine.llama.run_fused_decode_layers", counting)
+    monkeypatch.setattr("splitserve.engine.model.llama.run_fused_decode_layers", counting)
 
     def run(fused: bool) -> list[tuple[list[int], list[float]]]:
         model.fused_decode = fused
         model.attn_backend.decode_cache = None
         pool = KVPool(cfg.kv_layout(16, "bfloat16"), 128)
-        sched = Scheduler(
-            ModelRunner(model, pool),
-            SchedulerConfig(max_batch_tokens=64, max_running=num_reqs),
-            cfg.eos_token_ids,
-        )
+        core = make_core(model, pool, cfg.eos_token_ids, max_batch_tokens=64,
+                         max_running=num_reqs)
+        sched = core.scheduler
         g = torch.Generator().manual_seed(0)
         reqs = []
         for i in range(num_reqs):  # all rows, then one fewer each time one finishes
@@ -51,7 +48,7 @@ def test_fused_decode_layers_equal_the_per_op_path(model_path, monkeypatch, num_
             reqs.append(Req(rid=str(i), input_ids=ids, sampling=params))
             sched.add(reqs[-1])
         while sched.has_work:
-            sched.step()
+            core.step()
         return [(r.output_ids, r.output_logprobs) for r in reqs]
 
     before = torch.get_num_threads()
@@ -70,14 +67,14 @@ def test_fused_decode_layers_equal_the_per_op_path(model_path, monkeypatch, num_
 def test_weight_bytes_count_the_packed_copies(model_path, monkeypatch) -> None:
     """``/workers``' weight_bytes: the parameters, plus oneDNN's and the C kernels' copies of
     every projection and the LM head once packed (CPU bfloat16)."""
-    from splitserve.engine.layers import Linear
-    from splitserve.engine.loader import load_model
+    from splitserve.engine.model.layers import Linear
+    from splitserve.engine.model.loader import load_model
 
     model, _ = load_model(model_path, dtype=torch.bfloat16)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     linear = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, Linear))
     head = model.embed_tokens.weight.numel() * 2  # tied
-    assert model.packed_head is not None and model.decode_head is not None
+    assert model.head.packed is not None and model.head.decode_packed is not None
     assert model.weight_bytes() == params + 2 * (linear + head)
     monkeypatch.setenv("SPLITSERVE_PACK_WEIGHTS", "0")
     plain, _ = load_model(model_path, dtype=torch.bfloat16)

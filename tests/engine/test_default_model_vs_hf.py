@@ -13,7 +13,7 @@ import torch
 
 from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.kv_pool import KVPool, pages_for
-from splitserve.engine.loader import load_model
+from splitserve.engine.model.loader import load_model
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from splitserve.engine.forward_batch import ForwardBatch, build_forward_batch
 from splitserve.engine.kv_pool import KVPool, pages_for
-from splitserve.engine.loader import load_model
-from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.loader import load_model
 
 DEVICE = os.environ.get("SPLITSERVE_DEVICE", "cpu")
 PAGE_SIZE = 4

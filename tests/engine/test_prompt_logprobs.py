@@ -8,11 +8,10 @@ import torch
 
 from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.kv_pool import KVPool
-from splitserve.engine.loader import load_model
-from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.request import Req
-from splitserve.engine.scheduler import Scheduler, SchedulerConfig
-from splitserve.messages import SamplingParams
+from splitserve.engine.model.loader import load_model
+from splitserve.engine.sched.request import Req
+from splitserve.ipc.messages import SamplingParams
+from tests.engine_core import make_core
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +49,8 @@ def test_prompt_logprobs_match_transformers(model_path, tokenizer, hf_model, max
     torch.set_num_threads(1)
     model, cfg = load_model(model_path, torch.float32)
     pool = KVPool(cfg.kv_layout(16, "float32"), 64)
-    sched = Scheduler(ModelRunner(model, pool), SchedulerConfig(max_batch_tokens=max_batch_tokens),
-                      cfg.eos_token_ids)
+    core = make_core(model, pool, cfg.eos_token_ids, max_batch_tokens=max_batch_tokens)
+    sched = core.scheduler
     prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
     starts = [0, 5, 0]
     reqs = [
@@ -62,7 +61,7 @@ def test_prompt_logprobs_match_transformers(model_path, tokenizer, hf_model, max
     for r in [*reqs, plain]:
         sched.add(r)
     while sched.has_work:
-        sched.step()
+        core.step()
     assert plain.prompt_logprobs == []
     for req, ids, start in zip(reqs, prompts, starts):
         want = hf_prompt_logprobs(hf_model, ids)[max(1, start) - 1 :]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.sampling import Sampler, filtered_probs, make_generator
-from splitserve.messages import SamplingParams
+from splitserve.engine.runner.sampling import Sampler, filtered_probs, make_generator
+from splitserve.ipc.messages import SamplingParams
 
 V = 8
 NUM_DRAWS = 4000

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.attention import TorchAttentionBackend
+from splitserve.engine.attention.torch_backend import TorchAttentionBackend
 from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.kv_pool import KVLayout, KVPool, pages_for
-from splitserve.engine.layers import Linear, can_pack
+from splitserve.engine.model.layers import Linear, can_pack
 
 PAGE = 4
 

@@ -21,14 +21,12 @@ if DEVICE == "cpu":
         pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
 pytest.importorskip("triton", reason="Triton is not installed")
 
-from splitserve.engine.attention import (
-    TorchAttentionBackend,
-    create_attention_backend,
-    default_attention_backend,
-)
+from splitserve.config import EngineConfig
+from splitserve.engine.attention.base import create_attention_backend, default_attention_backend
+from splitserve.engine.attention.torch_backend import TorchAttentionBackend
+from splitserve.engine.attention.triton.backend import TritonAttentionBackend
 from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.kv_pool import KVLayout, KVPool, pages_for
-from splitserve.engine.triton_attention import TritonAttentionBackend
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 
@@ -136,7 +134,7 @@ def test_backend_choice(monkeypatch) -> None:
     assert default_attention_backend("cpu") == "torch"
     assert default_attention_backend(torch.device("cuda", 0)) == "triton"
     monkeypatch.setenv("SPLITSERVE_ATTENTION", "torch")
-    assert default_attention_backend("cuda") == "torch"
+    assert default_attention_backend("cuda", EngineConfig().attention) == "torch"
     assert isinstance(create_attention_backend("triton"), TritonAttentionBackend)
     with pytest.raises(ValueError, match="triton"):
         create_attention_backend("nope")
@@ -147,7 +145,7 @@ def test_tiny_model_logits_match_torch_backend(tmp_path) -> None:
     prefix mixed with decode, and decode: the same logits through both backends."""
     import transformers
 
-    from splitserve.engine.loader import load_model
+    from splitserve.engine.model.loader import load_model
 
     torch.manual_seed(0)
     cfg = transformers.MistralConfig(

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from splitserve.launcher import Cluster
+from splitserve.launch.local import Cluster
 
 
 @dataclass
@@ -59,7 +59,7 @@ def complete(url: str, body: dict, timeout_s: float = 120, headers: dict | None 
 
 
 def workers(cluster: Cluster, headers: dict | None = None) -> dict[str, dict]:
-    rows = httpx.get(cluster.spec.url + "/workers", timeout=10, headers=headers).json()
+    rows = httpx.get(cluster.config.url + "/workers", timeout=10, headers=headers).json()
     return {r["worker_id"]: r for r in rows}
 
 
@@ -104,7 +104,7 @@ def assert_no_pages(cluster: Cluster, timeout_s: float = 10, headers=None) -> No
 
 def metric(cluster: Cluster, name: str, headers=None) -> float:
     """Sum of every sample of ``name`` on ``/metrics``."""
-    text = httpx.get(cluster.spec.url + "/metrics", timeout=10, headers=headers).text
+    text = httpx.get(cluster.config.url + "/metrics", timeout=10, headers=headers).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith((name + " ", name + "{")):

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from splitserve.launcher import Cluster, ClusterSpec
-from tests.e2e.conftest import free_port
+from splitserve.launch.local import Cluster
+from tests.cluster_config import serve_config
 from tests.faults.helpers import (
     assert_no_pages,
     complete,
@@ -34,9 +34,8 @@ DEAD_AFTER_S = 5.0  # heartbeat silence before a hung worker is declared dead
 
 @pytest.fixture(scope="module")
 def cluster(model_path: Path):
-    spec = ClusterSpec(model_path=str(model_path), port=free_port(), num_prefill=2, num_decode=2,
-                       kv_cache_mb=48, threads_per_worker=1, dead_after_s=DEAD_AFTER_S,
-                       transfer_timeout_s=60)
+    spec = serve_config(model_path, num_prefill=2, num_decode=2, kv_cache_mb=48,
+                        threads_per_worker=1, dead_after_s=DEAD_AFTER_S, transfer_timeout_s=60)
     with Cluster(spec) as c:
         wait_all_healthy(c, 4)
         yield c
@@ -48,7 +47,7 @@ def _body(prompt: str, max_tokens: int, **kw) -> dict:
 
 
 def test_client_disconnect_frees_pages_at_once(cluster) -> None:
-    url = cluster.spec.url
+    url = cluster.config.url
     with httpx.stream("POST", url + "/v1/completions", timeout=60,
                       json=_body("Tell me a long story.", 400, stream=True)) as r:
         for i, _ in enumerate(r.iter_lines()):
@@ -60,7 +59,7 @@ def test_client_disconnect_frees_pages_at_once(cluster) -> None:
 
 
 def test_decode_killed_while_streaming(cluster) -> None:
-    url = cluster.spec.url
+    url = cluster.config.url
     prompts = [f"Story number {i}: once upon a time" for i in range(4)]
     started = [threading.Event() for _ in prompts]
 
@@ -97,7 +96,7 @@ def test_decode_killed_while_streaming(cluster) -> None:
 
 
 def test_prefill_killed(cluster) -> None:
-    url = cluster.spec.url
+    url = cluster.config.url
     prompts = [f"Request {i}. " + "The quick brown fox jumps over the lazy dog. " * 25
                for i in range(8)]
     with ThreadPoolExecutor(8) as pool:
@@ -133,7 +132,7 @@ def test_prefill_killed(cluster) -> None:
 def test_hung_worker_fails_its_requests_and_is_taken_back(cluster) -> None:
     """SIGSTOP keeps the TCP link up: only the heartbeat notices. Stalled transfers to and from
     the hung worker end on both sides."""
-    url = cluster.spec.url
+    url = cluster.config.url
     started = [threading.Event() for _ in range(4)]
 
     def run(i):
@@ -172,7 +171,7 @@ def test_hung_worker_fails_its_requests_and_is_taken_back(cluster) -> None:
 def test_soak_decode_killed_and_restarted(cluster) -> None:
     """200 requests at concurrency 32; decode-1 is killed after 50 answers and restarted:
     every request ends with a correct answer or a clear error, and no page leaks."""
-    url = cluster.spec.url
+    url = cluster.config.url
     prompts = [f"Fact {i} about cats:" for i in range(8)]
     with ThreadPoolExecutor(8) as pool:
         refs = list(pool.map(lambda p: complete(url, _body(p, 12)).json()["choices"][0]["text"],
@@ -231,7 +230,7 @@ def test_metrics_after_faults(cluster) -> None:
                  "splitserve_worker_kv_bytes_sent_total", "splitserve_worker_kv_bytes_received_total",
                  "splitserve_worker_failures_total", "splitserve_worker_pages_total"):
         assert metric(cluster, name) > 0, name
-    text = httpx.get(cluster.spec.url + "/metrics", timeout=10).text
+    text = httpx.get(cluster.config.url + "/metrics", timeout=10).text
     for wid in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
         assert f'splitserve_worker_pages_used{{role="{wid.split("-")[0]}",worker_id="{wid}"}}' in text \
             or f'worker_id="{wid}"' in text

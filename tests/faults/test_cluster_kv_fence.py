@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.launcher import Cluster, ClusterSpec
-from tests.e2e.conftest import free_port
+from splitserve.launch.local import Cluster
+from tests.cluster_config import serve_config
 from tests.faults.helpers import assert_no_pages, complete, wait_all_healthy, wait_until, workers
 
 pytestmark = pytest.mark.slow
@@ -29,9 +29,8 @@ PROMPT_LEN = 1600
 def cluster(model_path: Path):
     # Chunks of 32 tokens: the prompt is sent in many early chunks. The transfer timeout (the
     # fence's fallback) is far longer than the test.
-    spec = ClusterSpec(model_path=str(model_path), port=free_port(), kv_cache_mb=160,
-                       threads_per_worker=1, max_batch_tokens=32, kv_transfer="shm",
-                       dead_after_s=DEAD_AFTER_S, transfer_timeout_s=60)
+    spec = serve_config(model_path, kv_cache_mb=160, threads_per_worker=1, max_batch_tokens=32,
+                        kv_transfer="shm", dead_after_s=DEAD_AFTER_S, transfer_timeout_s=60)
     with Cluster(spec) as c:
         wait_all_healthy(c, 2)
         yield c
@@ -47,7 +46,7 @@ def test_hung_prefill_keeps_pages_fenced_until_it_acknowledges(cluster) -> None:
     pid = cluster.proc("prefill-0").pid
     received_before = decode_row(cluster)["kv_pages_received"]
     result = {}
-    client = threading.Thread(target=lambda: result.update(r=complete(cluster.spec.url, body)))
+    client = threading.Thread(target=lambda: result.update(r=complete(cluster.config.url, body)))
     client.start()
     stopped = False
     try:

@@ -17,16 +17,16 @@ import httpx
 import pytest
 import zmq
 
-from splitserve.ipc import free_tcp_addr
-from splitserve.launcher import Cluster, ClusterSpec
-from splitserve.messages import StatsQuery, WorkerStats, decode, encode
-from splitserve.security import (
+from splitserve.ipc.messages import StatsQuery, WorkerStats, decode, encode
+from splitserve.ipc.security import (
     CurveKeys,
     apply_curve_client,
     apply_curve_server,
     start_authenticator,
 )
-from tests.e2e.conftest import free_port
+from splitserve.ipc.sockets import free_tcp_addr
+from splitserve.launch.local import Cluster
+from tests.cluster_config import serve_config
 from tests.faults.helpers import assert_no_pages, complete, wait_all_healthy, wait_until, workers
 
 pytestmark = [
@@ -48,9 +48,9 @@ def keyfile(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(model_path: Path, keyfile: Path):
-    spec = ClusterSpec(model_path=str(model_path), port=free_port(), kv_cache_mb=32,
-                       threads_per_worker=1, api_key=KEY, curve_keys=str(keyfile),
-                       max_inflight_per_worker=MAX_INFLIGHT, max_body_bytes=64 * 1024)
+    spec = serve_config(model_path, kv_cache_mb=32, threads_per_worker=1, api_key=KEY,
+                        curve_keys=str(keyfile), max_inflight_per_worker=MAX_INFLIGHT,
+                        max_body_bytes=64 * 1024)
     with Cluster(spec) as c:
         yield c
 
@@ -61,7 +61,7 @@ def _body(prompt: str, max_tokens: int) -> dict:
 
 
 def test_api_key_and_body_limit(cluster) -> None:
-    url = cluster.spec.url
+    url = cluster.config.url
     r = complete(url, _body("hi", 2))
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert complete(url, _body("hi", 2), headers=AUTH).status_code == 200
@@ -71,7 +71,7 @@ def test_api_key_and_body_limit(cluster) -> None:
 
 
 def test_overload_gets_503_with_retry_after(cluster) -> None:
-    url = cluster.spec.url
+    url = cluster.config.url
     ref = complete(url, _body("Count to ten:", 40), headers=AUTH).json()["choices"][0]["text"]
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(
@@ -137,7 +137,7 @@ def test_worker_rejects_pickle_and_garbage_and_stays_up(cluster, keyfile, tmp_pa
     for addr in cluster.addrs["prefill"] + cluster.addrs["decode"]:
         assert _stats_roundtrip(addr, keys, keys, junk), addr
     assert not marker.exists()
-    assert complete(cluster.spec.url, _body("Still alive?", 4), headers=AUTH).status_code == 200
+    assert complete(cluster.config.url, _body("Still alive?", 4), headers=AUTH).status_code == 200
 
 
 def test_curve_refuses_peers_without_the_cluster_key(cluster, keyfile) -> None:
@@ -150,7 +150,7 @@ def test_curve_refuses_peers_without_the_cluster_key(cluster, keyfile) -> None:
 
 
 def test_worker_joins_router_and_drain(cluster, keyfile, model_path) -> None:
-    url = cluster.spec.url
+    url = cluster.config.url
     r = httpx.post(url + "/workers/register", json={"role": "decode", "worker_id": "x",
                                                     "addr": "tcp://127.0.0.1:1"})
     assert r.status_code == 401  # joining needs the API key: a rogue worker would get prompts
@@ -162,7 +162,7 @@ def test_worker_joins_router_and_drain(cluster, keyfile, model_path) -> None:
            "--worker-id", "decode-joined", "--model", str(model_path), "--kv-cache-mb", "32",
            "--threads", "1", "--curve-keys", str(keyfile),
            # The cluster's dtype: a worker on another one is refused at the KV handshake.
-           "--dtype", cluster.spec.dtype]
+           "--dtype", cluster.config.engine.dtype]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         wait_all_healthy(cluster, 3, headers=AUTH)

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from splitserve.ray_launch import RayClusterSpec, launch_on_ray, wait_healthy
+from splitserve.launch.ray import RayClusterSpec, launch_on_ray, wait_healthy
 from tests.e2e.conftest import free_port
 
 SPEC = """
@@ -23,7 +23,7 @@ engine: {{dtype: float32, page_size: 16}}
 def test_spec_parses_and_rejects_unknown_keys() -> None:
     spec = RayClusterSpec.from_yaml(SPEC.format(model="/m", port=8123))
     assert spec.router_port == 8123 and spec.decode.kv_cache_mb == 32
-    assert spec.engine == {"dtype": "float32", "page_size": 16}
+    assert (spec.engine.dtype, spec.engine.page_size) == ("float32", 16)
     with pytest.raises(ValueError, match="unknown keys"):
         RayClusterSpec.from_yaml("model: /m\nprefill: {cout: 2}\n")
     with pytest.raises(ValueError, match="model"):

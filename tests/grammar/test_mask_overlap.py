@@ -16,11 +16,10 @@ import torch
 from splitserve.engine.grammar.batch_mask import BatchMask
 from splitserve.engine.grammar.request_grammar import RequestGrammar
 from splitserve.engine.kv_pool import KVPool
-from splitserve.engine.loader import load_model
-from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.request import Req
-from splitserve.engine.scheduler import Scheduler, SchedulerConfig
-from splitserve.messages import SamplingParams
+from splitserve.engine.model.loader import load_model
+from splitserve.engine.sched.request import Req
+from splitserve.ipc.messages import SamplingParams
+from tests.engine_core import make_core
 
 pytestmark = pytest.mark.slow
 
@@ -62,9 +61,10 @@ def _generate(model, tokenizer: Any, backends: dict, overlap: bool,
               only_unconstrained: bool = False) -> list[list[int]]:
     """Greedy outputs of ``REQUESTS`` (all in one batch), in order."""
     net, cfg = model
-    runner = ModelRunner(net, KVPool(cfg.kv_layout(16, "float32"), 128),
-                         vocab_size=cfg.vocab_size, overlap_grammar_mask=overlap)
-    scheduler = Scheduler(runner, SchedulerConfig(jump_forward=True), cfg.eos_token_ids)
+    core = make_core(net, KVPool(cfg.kv_layout(16, "float32"), 128), cfg.eos_token_ids,
+                     runner={"vocab_size": cfg.vocab_size, "overlap_grammar_mask": overlap},
+                     jump_forward=True)
+    scheduler = core.scheduler
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
     reqs = []
     for i, (backend, kind, text, prompt) in enumerate(REQUESTS):
@@ -82,9 +82,9 @@ def _generate(model, tokenizer: Any, backends: dict, overlap: bool,
         scheduler.add(req)
     try:
         while scheduler.has_work:
-            scheduler.step()
+            core.step()
     finally:
-        runner.close()
+        core.close()
     return [r.output_ids for r in reqs]
 
 

@@ -13,14 +13,14 @@ import msgspec
 import pytest
 import zmq
 
-from splitserve.ipc import Inbox, free_tcp_addr
-from splitserve.kv_transfer.shm_backend import PREFIX
-from splitserve.messages import (
+from splitserve.ipc.messages import (
     GenerateTask,
     KVFailed,
     RequestError,
     SamplingParams,
 )
+from splitserve.ipc.sockets import Inbox, free_tcp_addr
+from splitserve.kv_transfer.shm_backend import PREFIX
 from tests.kv_transfer.workers import (
     BACKENDS,
     PROMPT,
@@ -60,7 +60,7 @@ def _one_request(ctx, model_path: Path, backend: str):
     decode = make_worker(model_path, "decode", server.addr, backend)
     t = task(server, None)
     prefill.dispatch(t, [])
-    decode.dispatch(msgspec.structs.replace(t, prefill_addr=prefill.args.addr), [])
+    decode.dispatch(msgspec.structs.replace(t, prefill_addr=prefill.config.addr), [])
     return server, prefill, decode, run_until([prefill, decode], server, finished)
 
 
@@ -94,7 +94,7 @@ def _refused_handshake(ctx, model_path, prefill_kw: dict, decode_kw: dict):
     server = Inbox(ctx, free_tcp_addr())
     prefill = make_worker(model_path, "prefill", server.addr, **prefill_kw)
     decode = make_worker(model_path, "decode", server.addr, **decode_kw)
-    t = task(server, prefill.args.addr)
+    t = task(server, prefill.config.addr)
     prefill.dispatch(GenerateTask(rid="r1", input_ids=PROMPT, reply_addr=server.addr,
                                   sampling=t.sampling), [])
     decode.dispatch(t, [])
@@ -129,7 +129,7 @@ def test_sender_dies_mid_transfer(ctx, model_path, backend) -> None:
     prefill.dispatch(GenerateTask(rid="r1", input_ids=long_prompt, reply_addr=server.addr,
                                   sampling=sampling), [])
     decode.dispatch(GenerateTask(rid="r1", input_ids=long_prompt, reply_addr=server.addr,
-                                 sampling=sampling, prefill_addr=prefill.args.addr), [])
+                                 sampling=sampling, prefill_addr=prefill.config.addr), [])
     # Run the prefill worker until it has shipped an early chunk, then it "dies".
     deadline = time.monotonic() + 60
     while prefill.sender.metrics.messages_sent == 0 and time.monotonic() < deadline:
@@ -157,8 +157,8 @@ def test_failed_sends_notify_decode(ctx, model_path) -> None:
     the decode worker, which frees its reservation."""
     server, decode_inbox = Inbox(ctx, free_tcp_addr()), Inbox(ctx, free_tcp_addr())
     prefill = make_worker(model_path, "prefill", server.addr, "shm")
+    from splitserve.ipc.messages import KVBootstrap
     from splitserve.kv_transfer.base import layout_to_msg
-    from splitserve.messages import KVBootstrap
 
     prefill.dispatch(GenerateTask(rid="r1", input_ids=PROMPT, reply_addr=server.addr,
                                   sampling=SamplingParams(max_new_tokens=4, temperature=0)), [])

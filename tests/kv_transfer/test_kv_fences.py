@@ -14,10 +14,7 @@ import pytest
 import zmq
 
 from splitserve.engine.kv_pool import KVLayout, KVPool
-from splitserve.ipc import Inbox, Outbox, free_tcp_addr
-from splitserve.kv_transfer import mooncake_backend
-from splitserve.kv_transfer.base import layout_to_msg
-from splitserve.messages import (
+from splitserve.ipc.messages import (
     AbortTask,
     GenerateTask,
     KVBootstrap,
@@ -25,6 +22,9 @@ from splitserve.messages import (
     KVReleased,
     SamplingParams,
 )
+from splitserve.ipc.sockets import Inbox, Outbox, free_tcp_addr
+from splitserve.kv_transfer import mooncake_backend
+from splitserve.kv_transfer.base import layout_to_msg
 from tests.kv_transfer.workers import OPTIONAL_BACKENDS, make_worker, run_until
 
 ONE_SIDED = ["shm", *OPTIONAL_BACKENDS]
@@ -45,7 +45,7 @@ def start_request(server: Inbox, prefill, decode) -> None:
     prefill.dispatch(GenerateTask(rid="r1", input_ids=LONG_PROMPT, reply_addr=server.addr,
                                   sampling=sampling), [])
     decode.dispatch(GenerateTask(rid="r1", input_ids=LONG_PROMPT, reply_addr=server.addr,
-                                 sampling=sampling, prefill_addr=prefill.args.addr), [])
+                                 sampling=sampling, prefill_addr=prefill.config.addr), [])
     run_until([prefill, decode], server, lambda _: decode.receiver.metrics.pages_received > 0)
     assert "r1" in decode.awaiting_kv  # mid-transfer
 

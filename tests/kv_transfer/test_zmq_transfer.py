@@ -10,11 +10,11 @@ import torch
 import zmq
 
 from splitserve.engine.kv_pool import KVLayout, KVPool
-from splitserve.ipc import Inbox, Outbox, free_tcp_addr
+from splitserve.ipc.messages import AbortTask, KVBootstrap, KVPages, encode
+from splitserve.ipc.sockets import Inbox, Outbox, free_tcp_addr
 from splitserve.kv_transfer import zmq_backend
 from splitserve.kv_transfer.base import layout_to_msg
 from splitserve.kv_transfer.zmq_backend import ZmqKVReceiver, ZmqKVSender
-from splitserve.messages import AbortTask, KVBootstrap, KVPages, encode
 
 
 def boot_for(addr: str, layout: KVLayout, rid: str = "r1") -> KVBootstrap:

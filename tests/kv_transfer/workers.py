@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.config import WorkerArgs
-from splitserve.ipc import Inbox, free_tcp_addr
+from splitserve.ipc.messages import GenerateTask, SamplingParams, TokenBatch
+from splitserve.ipc.sockets import Inbox
 from splitserve.kv_transfer.shm_backend import PREFIX, SHM_DIR
-from splitserve.messages import GenerateTask, SamplingParams, TokenBatch
-from splitserve.worker_main import create_worker
+from splitserve.worker.main import create_worker
+from tests.cluster_config import worker_config
 
 # The optional one-sided backends, skipped when their package is not installed.
 OPTIONAL_BACKENDS = [
@@ -30,13 +30,12 @@ NEW_TOKENS = 6
 
 
 def make_worker(model_path: Path, role: str, server_addr: str, kv_transfer: str, **kw):
-    args = WorkerArgs(role=role, worker_id=f"{role}-t", addr=free_tcp_addr(),
-                      server_addr=server_addr, model_path=str(model_path), kv_cache_mb=16,
-                      max_batch_tokens=32, num_threads=1, kv_transfer=kv_transfer,
-                      # Transfer tests count pages; the prefix cache (tested elsewhere) would
-                      # keep the prompt's pages after the request.
-                      disable_radix_cache=True, **kw)
-    return create_worker(args)
+    return create_worker(worker_config(
+        model_path, role, server_addr, kv_cache_mb=16, max_batch_tokens=32,
+        kv_transfer=kv_transfer,
+        # Transfer tests count pages; the prefix cache (tested elsewhere) would keep the
+        # prompt's pages after the request.
+        prefix_cache="none", **kw))
 
 
 def task(server: Inbox, prefill_addr: str | None) -> GenerateTask:

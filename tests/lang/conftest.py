@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from splitserve import lang
-from splitserve.launcher import Cluster
+from splitserve.launch.local import Cluster
 from tests.e2e.conftest import _launch
 
 
@@ -23,7 +23,7 @@ def lang_cluster(model_path) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="session")
 def endpoint(lang_cluster) -> lang.Endpoint:
-    return lang.Endpoint(lang_cluster.spec.url)
+    return lang.Endpoint(lang_cluster.config.url)
 
 
 @pytest.fixture

@@ -7,13 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from splitserve.engine.core import EngineCore
 from splitserve.engine.kv_pool import KVPool
-from splitserve.engine.loader import load_model
-from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.request import Req
-from splitserve.engine.scheduler import Scheduler, SchedulerConfig
-from splitserve.messages import SamplingParams
-from splitserve.radix_cache.prefix_cache import create_prefix_cache
+from splitserve.engine.model.loader import load_model
+from splitserve.engine.sched.request import Req
+from splitserve.ipc.messages import SamplingParams
+from tests.engine_core import make_core
 
 pytestmark = pytest.mark.slow
 
@@ -35,18 +34,18 @@ def model(model_path):
     return load_model(model_path, torch.float32)
 
 
-def make_scheduler(model, cache: str, num_pages: int = 256, prefill_only: bool = False):
+def make_core_for(model, cache: str, num_pages: int = 256, prefill_only: bool = False):
     net, cfg = model
     pool = KVPool(cfg.kv_layout(PAGE_SIZE, "float32"), num_pages)
-    prefix_cache = create_prefix_cache(cache, pool.allocator, PAGE_SIZE)
-    config = SchedulerConfig(max_batch_tokens=64, max_running=8, prefill_only=prefill_only)
-    return Scheduler(ModelRunner(net, pool), config, cfg.eos_token_ids, prefix_cache)
+    return make_core(net, pool, cfg.eos_token_ids, cache, max_batch_tokens=64, max_running=8,
+                     prefill_only=prefill_only)
 
 
-def run(sched: Scheduler, prompts: list[list[int]], together: bool = False) -> list[Req]:
+def run(core: EngineCore, prompts: list[list[int]], together: bool = False) -> list[Req]:
     """Generate for each prompt, one after another (or all queued at once); returns the requests.
     A prefill-only scheduler's requests are freed right after their first token, as the prefill
     worker does after the KV send."""
+    sched = core.scheduler
     reqs = [Req(f"r{i}", list(p), GREEDY) for i, p in enumerate(prompts)]
     batches = [reqs] if together else [[r] for r in reqs]
     for batch in batches:
@@ -55,7 +54,7 @@ def run(sched: Scheduler, prompts: list[list[int]], together: bool = False) -> l
         for _ in range(500):
             if not sched.has_work:
                 break
-            for out in sched.step():
+            for out in core.step():
                 if out.prefilled:
                     sched.free(out.req)
             sched.check_pages()  # every used page is the cache's or a queued request's
@@ -89,16 +88,17 @@ CASES = _prompts()
 @pytest.fixture(scope="module")
 def reference(model) -> dict[str, list[list[int]]]:
     """Outputs with the cache off."""
-    sched = make_scheduler(model, "none")
-    return {name: [r.output_ids for r in run(sched, [a, b])] for name, a, b in CASES}
+    core = make_core_for(model, "none")
+    return {name: [r.output_ids for r in run(core, [a, b])] for name, a, b in CASES}
 
 
 @pytest.mark.parametrize("prefill_only", [False, True], ids=["colocated", "prefill"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_same_greedy_tokens_with_cache(model, reference, case, prefill_only) -> None:
     name, a, b = case
-    sched = make_scheduler(model, "radix", prefill_only=prefill_only)
-    first, second = run(sched, [a, b])
+    core = make_core_for(model, "radix", prefill_only=prefill_only)
+    sched = core.scheduler
+    first, second = run(core, [a, b])
     want = reference[name]
     n = 1 if prefill_only else NEW_TOKENS
     assert [first.output_ids[:n], second.output_ids[:n]] == [w[:n] for w in want]
@@ -107,16 +107,17 @@ def test_same_greedy_tokens_with_cache(model, reference, case, prefill_only) -> 
     assert second.cached_len == min(shared, len(b) - 1) // PAGE_SIZE * PAGE_SIZE
     assert first.cached_len == 0
     stats = sched.cache.stats()
-    assert sched.pool.allocator.num_used == stats.cached_pages == stats.evictable_pages
+    assert sched.allocator.num_used == stats.cached_pages == stats.evictable_pages
     sched.cache.flush()
-    assert sched.pool.allocator.num_used == 0
+    assert sched.allocator.num_used == 0
 
 
 def test_batched_and_repeated_prompts_match(model, reference) -> None:
     prompts = [p for _, a, b in CASES for p in (a, b)]
-    sched = make_scheduler(model, "radix")
-    together = run(sched, prompts, together=True)
-    again = run(sched, prompts)  # now everything is cached
+    core = make_core_for(model, "radix")
+    sched = core.scheduler
+    together = run(core, prompts, together=True)
+    again = run(core, prompts)  # now everything is cached
     want = [out for name, _, _ in CASES for out in reference[name]]
     assert [r.output_ids for r in together] == want
     assert [r.output_ids for r in again] == want
@@ -129,29 +130,31 @@ def test_small_pool_evicts_and_waits(model, reference, cache) -> None:
     """A pool that holds only a few sequences: the cache evicts, requests wait or are retracted,
     none fails (with the cache off too: retraction alone must cope)."""
     prompts = [p for _, a, b in CASES for p in (a, b)]
-    sched = make_scheduler(model, cache, num_pages=12)  # 11 usable pages of 4 tokens
-    reqs = run(sched, prompts, together=True)
+    core = make_core_for(model, cache, num_pages=12)  # 11 usable pages of 4 tokens
+    sched = core.scheduler
+    reqs = run(core, prompts, together=True)
     assert [r.output_ids for r in reqs] == [o for n, _, _ in CASES for o in reference[n]]
     assert sched.num_retracted > 0
     if cache == "radix":
         assert sched.cache.stats().evicted_pages > 0
-    assert sched.pool.allocator.num_used == sched.cache.stats().evictable_pages
+    assert sched.allocator.num_used == sched.cache.stats().evictable_pages
     sched.cache.flush()
-    assert sched.pool.allocator.num_used == 0
+    assert sched.allocator.num_used == 0
 
 
 @pytest.mark.parametrize("prefill_only", [False, True], ids=["colocated", "prefill"])
 def test_running_request_shares_its_prefix(model, reference, prefill_only) -> None:
     """A prompt's KV is reusable as soon as it is computed, before its request is released."""
     name, a, b = CASES[3]  # three shared pages
-    sched = make_scheduler(model, "radix", prefill_only=prefill_only)
+    core = make_core_for(model, "radix", prefill_only=prefill_only)
+    sched = core.scheduler
     first, second = Req("a", list(a), GREEDY), Req("b", list(b), GREEDY)
     sched.add(first)
-    outs = sched.step()  # prefills ``first``; it keeps running (or awaits its KV send)
+    outs = core.step()  # prefills ``first``; it keeps running (or awaits its KV send)
     assert first.page_ids and first.kv_len == len(a)
     sched.add(second)
     while sched.has_work:
-        outs += sched.step()
+        outs += core.step()
     assert second.cached_len == 12
     assert second.output_ids[:1] == reference[name][1][:1]
     for out in outs:
@@ -159,7 +162,7 @@ def test_running_request_shares_its_prefix(model, reference, prefill_only) -> No
             sched.free(out.req)
     if not prefill_only:
         assert [first.output_ids, second.output_ids] == reference[name]
-    assert sched.pool.allocator.num_used == sched.cache.stats().evictable_pages
+    assert sched.allocator.num_used == sched.cache.stats().evictable_pages
 
 
 def test_prompt_logprobs_are_computed_not_cached(model) -> None:
@@ -168,12 +171,13 @@ def test_prompt_logprobs_are_computed_not_cached(model) -> None:
     scored = SamplingParams(max_new_tokens=2, temperature=0.0, logprob_start_len=6)
     results = {}
     for cache in ("none", "radix"):
-        sched = make_scheduler(model, cache)
-        run(sched, [prompt])  # warms the cache (3 pages)
+        core = make_core_for(model, cache)
+        sched = core.scheduler
+        run(core, [prompt])  # warms the cache (3 pages)
         req = Req("scored", list(prompt), scored)
         sched.add(req)
         while sched.has_work:
-            sched.step()
+            core.step()
         results[cache] = req
     warm, cold = results["radix"], results["none"]
     assert warm.cached_len == 4  # position 5 predicts token 6: pages past it are recomputed

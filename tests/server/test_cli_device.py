@@ -8,15 +8,15 @@ import sys
 import pytest
 import torch
 
-from splitserve.launcher import ClusterSpec
+from splitserve.config import EngineConfig, ServeConfig
 
 
 def test_cluster_spec_device_follows_the_environment(monkeypatch) -> None:
     monkeypatch.delenv("SPLITSERVE_DEVICE", raising=False)
-    assert ClusterSpec(model_path="m").device == "cpu"
+    assert ServeConfig().engine.device == "cpu"
     monkeypatch.setenv("SPLITSERVE_DEVICE", "cuda")
-    assert ClusterSpec(model_path="m").device == "cuda"
-    assert ClusterSpec(model_path="m", device="cpu").device == "cpu"
+    assert ServeConfig().engine.device == "cuda"
+    assert EngineConfig(device="cpu").device == "cpu"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -9,9 +9,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from splitserve.config import WorkerArgs
-from splitserve.ipc import Inbox, free_tcp_addr
-from splitserve.messages import (
+from splitserve.ipc.messages import (
     GenerateTask,
     KVBootstrap,
     KVFailed,
@@ -22,7 +20,9 @@ from splitserve.messages import (
     SamplingParams,
     TokenBatch,
 )
-from splitserve.worker_main import create_worker
+from splitserve.ipc.sockets import Inbox, free_tcp_addr
+from splitserve.worker.main import create_worker
+from tests.cluster_config import worker_config
 
 TIMEOUT_S = 0.5
 
@@ -35,10 +35,8 @@ def ctx():
 
 
 def make_worker(model_path: Path, role: str, server_addr: str):
-    args = WorkerArgs(role=role, worker_id=f"{role}-t", addr=free_tcp_addr(),
-                      server_addr=server_addr, model_path=str(model_path), kv_cache_mb=16,
-                      transfer_timeout_s=TIMEOUT_S, num_threads=1)
-    return create_worker(args)
+    return create_worker(worker_config(model_path, role, server_addr, kv_cache_mb=16,
+                                       transfer_timeout_s=TIMEOUT_S))
 
 
 def pump(worker, inbox: Inbox, until, timeout_s: float = 10.0) -> list:
@@ -178,7 +176,7 @@ def test_prefill_acks_the_bootstrap(ctx, model_path) -> None:
     lay = worker.pool.layout
     layout = KVLayoutMsg(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype)
     worker.dispatch(KVBootstrap(rid="r1", dst_addr=decode.addr, page_ids=[1, 2, 3, 4],
-                                layout=layout, kv_transfer=worker.args.kv_transfer), [])
+                                layout=layout, kv_transfer=worker.config.engine.kv_transfer), [])
     got = pump(worker, decode, lambda g: any(isinstance(m, KVPages) and m.last for m in g))
     assert not got[0].page_ids and not got[0].last  # the ack comes before any page
 

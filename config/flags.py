@@ -1,0 +1,196 @@
+"""Command-line flags as a table over the config's fields: each flag names the field it sets, and
+its default and choices come from :mod:`splitserve.config.schema` and the registry, so neither is
+written twice. A flag left out leaves the field as it is (its default, or what
+``--config-json`` gave).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from splitserve.config.registry import (
+    GRAMMAR_BACKEND,
+    KV_TRANSFER,
+    PREFIX_CACHE,
+    ROUTING,
+)
+from splitserve.config.schema import ATTENTION_CHOICES, DEVICES, DTYPES, ServeConfig
+
+_UNSET = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """``--name`` sets the config field at dotted ``path`` (``engine.page_size``).
+
+    ``const``: the flag takes no value and stores this (``--disable-*`` flags); ``parse``: turns
+    the text into the field's value (default: the type of the field's default)."""
+
+    name: str
+    path: str
+    help: str
+    const: Any = _UNSET
+    choices: Sequence[str] | None = None
+    parse: Callable[[str], Any] | None = None
+    nargs: str | None = None
+
+
+def parse_cpu_affinity(text: str | Sequence[str]) -> dict[str, list[int]]:
+    """``"prefill=0 decode=1"`` or ``["colocated=0-1"]`` -> ``{"prefill": [0], "decode": [1]}``.
+
+    Keys are roles (``prefill``, ``decode``, ``colocated``), worker ids (``decode-1``) or
+    ``api-server``; values are CPU lists such as ``0``, ``0,2`` or ``0-3``.
+
+    Raises:
+        ValueError: a malformed item.
+    """
+    items = text.split() if isinstance(text, str) else [x for t in text for x in t.split()]
+    out: dict[str, list[int]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"bad CPU affinity {item!r}: use NAME=CPUS, e.g. prefill=0 decode=1")
+        cpus: list[int] = []
+        for part in value.split(","):
+            lo, _, hi = part.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise ValueError(f"bad CPU list {value!r} in {item!r}")
+            cpus += range(int(lo), int(hi or lo) + 1)
+        out[key] = cpus
+    return out
+
+
+def _cpu_affinity(items: list[str]) -> dict[str, list[int]]:
+    try:
+        return parse_cpu_affinity(items)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+ENGINE_FLAGS = (
+    Flag("--model", "engine.model", "Hugging Face model folder (default: SmolLM2-135M-Instruct)"),
+    Flag("--dtype", "engine.dtype", "auto: bfloat16 on CPUs with AMX/avx512_bf16 (and CUDA), "
+         "else float32", choices=DTYPES),
+    Flag("--device", "engine.device", "where models and KV pools live; cuda uses the Triton "
+         "attention kernels and CUDA graphs ($SPLITSERVE_DEVICE sets the default)", choices=DEVICES),
+    Flag("--page-size", "engine.page_size", "tokens per KV page"),
+    Flag("--kv-cache-mb", "engine.kv_cache_mb", "KV pool size per worker (MiB)"),
+    Flag("--max-batch-tokens", "engine.max_batch_tokens", "token budget of one step"),
+    Flag("--max-running", "engine.max_running", "sequences in one step"),
+    Flag("--transfer-timeout", "engine.transfer_timeout_s", "seconds each KV transfer state "
+         "may last without progress"),
+    Flag("--kv-transfer", "engine.kv_transfer", "how KV pages move from prefill to decode "
+         "workers (same on both roles)", choices=KV_TRANSFER.names),
+    Flag("--prefix-cache", "engine.prefix_cache", "prefix reuse on prefill/colocated workers",
+         choices=PREFIX_CACHE.names),
+    Flag("--disable-radix-cache", "engine.prefix_cache", "same as --prefix-cache none (the "
+         "cache-off baseline)", const="none"),
+    Flag("--grammar-backend", "engine.grammar_backend", "grammar backend tried first (the "
+         "others are the fallback)", choices=GRAMMAR_BACKEND.names),
+    Flag("--attention", "engine.attention", "attention backend (auto: torch on CPU, triton on "
+         "CUDA; $SPLITSERVE_ATTENTION sets the default)", choices=ATTENTION_CHOICES),
+    Flag("--disable-jump-forward", "engine.jump_forward", "sample every token of constrained "
+         "outputs, even those the grammar forces", const=False),
+    Flag("--disable-mask-overlap", "engine.overlap_grammar_mask", "fill grammar token masks "
+         "before each forward pass, not on a thread during it", const=False),
+    Flag("--disable-cuda-graph", "engine.cuda_graph", "run decode steps eagerly on CUDA",
+         const=False),
+    Flag("--disable-cpu-kernels", "engine.cpu_kernels", "no C kernels on CPU bfloat16: torch "
+         "ops only ($SPLITSERVE_CPU_KERNELS=0)", const=False),
+    Flag("--disable-weight-packing", "engine.pack_weights", "keep only the parameters on CPU "
+         "bfloat16: no oneDNN or C-kernel copies ($SPLITSERVE_PACK_WEIGHTS=0)", const=False),
+    Flag("--disable-fused-decode", "engine.fused_decode", "run decode layers op by op "
+         "($SPLITSERVE_FUSED_DECODE=0)", const=False),
+    Flag("--disable-decode-kv-cache", "engine.decode_kv_cache", "gather decode K/V from the "
+         "paged pool each step ($SPLITSERVE_DECODE_KV_CACHE=0)", const=False),
+)
+LOG_FLAGS = (Flag("--log-level", "log_level", "debug | info | warning | error"),)
+SECURITY_FLAGS = (
+    Flag("--api-key", "security.api_key", "require 'Authorization: Bearer KEY' (default: "
+         "$SPLITSERVE_API_KEY; prefer the variable: flags show in ps)", parse=str),
+    Flag("--curve-keys", "security.curve_keys", "CURVE key file (splitserve keygen): encrypt "
+         "and authenticate worker links", parse=str),
+)
+SERVER_FLAGS = (
+    Flag("--host", "server.host", "address the HTTP API listens on"),
+    Flag("--port", "server.port", "port of the HTTP API"),
+    Flag("--routing", "server.routing", "how the API server picks a prefill (or colocated) "
+         "worker", choices=ROUTING.names),
+    Flag("--max-body-bytes", "server.max_body_bytes", "larger request bodies get 413 (0: no "
+         "limit)"),
+    Flag("--max-inflight-per-worker", "server.max_inflight_per_worker", "past this many "
+         "requests on a worker, new ones get 503 + Retry-After"),
+    Flag("--dead-after", "server.dead_after_s", "seconds without a worker heartbeat before its "
+         "requests fail"),
+)
+CLUSTER_FLAGS = (
+    Flag("--threads-per-worker", "cluster.threads_per_worker", "0: split the cores"),
+    Flag("--cpu-affinity", "cluster.cpu_affinity", "pin processes to CPUs, e.g. prefill=0 "
+         "decode=1 (or colocated=0-1)", parse=_cpu_affinity, nargs="+"),
+)
+DISAGGREGATED_FLAGS = (
+    Flag("--prefill", "cluster.num_prefill", "prefill workers"),
+    Flag("--decode", "cluster.num_decode", "decode workers"),
+)
+
+
+def _get(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set(obj: Any, path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    for part in parents:
+        obj = getattr(obj, part)
+    setattr(obj, last, value)
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag], root: Any = None) -> None:
+    """Add ``flags`` to ``parser``; their help shows the defaults of ``root`` (a default
+    :class:`ServeConfig`; pass another struct whose paths the flags name, e.g. a
+    ``WorkerConfig``)."""
+    root = ServeConfig() if root is None else root
+    for flag in flags:
+        default = _get(root, flag.path)
+        kw: dict[str, Any] = {"dest": flag.path, "default": argparse.SUPPRESS}
+        metavar = flag.name.lstrip("-").upper().replace("-", "_")
+        if flag.const is not _UNSET:
+            parser.add_argument(flag.name, action="store_const", const=flag.const,
+                                help=flag.help, **kw)
+            continue
+        if flag.nargs:
+            kw["nargs"] = flag.nargs
+        if flag.choices is not None:
+            kw["choices"] = list(flag.choices)
+        else:
+            kw["metavar"] = metavar
+        parse = flag.parse or (type(default) if default is not None else str)
+        if flag.nargs:
+            # The whole list at once (argparse would call a type per item).
+            kw["action"] = _ParseAll
+            kw["const"] = parse
+        else:
+            kw["type"] = parse
+        secret = flag.path == "security.api_key"  # never print a key that came from the env
+        shown = "" if secret or default in (None, "", {}, []) else f" (default: {default})"
+        parser.add_argument(flag.name, help=flag.help + shown, **kw)
+
+
+class _ParseAll(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, self.const(values))
+
+
+def apply_flags(args: argparse.Namespace, config: msgspec.Struct, flags: Sequence[Flag]) -> None:
+    """Set the fields of ``config`` that the command line gave (in place)."""
+    given = vars(args)
+    for flag in flags:
+        if flag.path in given:
+            _set(config, flag.path, given[flag.path])

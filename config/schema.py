@@ -1,0 +1,213 @@
+"""The one configuration, as typed ``msgspec`` structs: built once by the CLI (or a test, or the
+Ray launcher's YAML), handed whole to the launcher, the API server and every worker (as JSON on
+the child's command line), and read there field by field. Each default is written once, here.
+
+``ServeConfig`` is a cluster: ``engine`` (what every worker runs, identical across the cluster),
+``server`` (the HTTP API and router), ``cluster`` (how many processes of which role, on which
+CPUs) and ``security``. ``WorkerConfig`` is one worker process: its identity plus the same
+``engine`` and ``security``. Units: tokens, pages, MiB, seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from splitserve.config import env
+from splitserve.config.registry import (
+    ATTENTION,
+    GRAMMAR_BACKEND,
+    KV_TRANSFER,
+    PREFIX_CACHE,
+    ROUTING,
+    WORKER_ROLE,
+)
+
+DTYPES = ("auto", "float32", "bfloat16")  # "auto" is resolved once, by the CLI (kernels.cpu.features)
+DEVICES = ("cpu", "cuda")
+ATTENTION_CHOICES = ("auto", *ATTENTION.names)  # auto: torch on CPU, triton on CUDA
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a worker runs: model, dtype, memory, step budget and the engine's switches.
+
+    Prefill and decode workers of one cluster must agree on ``model``, ``dtype``, ``page_size``
+    and ``kv_transfer`` (the KV handshake refuses a mismatch).
+    """
+
+    model: str = ""  # a Hugging Face model folder ("": the default model, resolved by the CLI)
+    dtype: str = "auto"
+    device: str = msgspec.field(default_factory=lambda: env.text(env.DEVICE, "cpu"))
+    page_size: int = 16  # tokens per KV page
+    kv_cache_mb: int = 512  # KV pool per worker
+    max_batch_tokens: int = 2048  # new tokens per forward pass (prefill chunks + decodes)
+    max_running: int = 64  # sequences in one forward pass
+    transfer_timeout_s: float = 30.0  # every KV transfer state's bound
+    kv_transfer: str = KV_TRANSFER.default
+    prefix_cache: str = PREFIX_CACHE.default  # "none": the cache-off baseline
+    grammar_backend: str = GRAMMAR_BACKEND.default  # tried first; the others as fallback
+    jump_forward: bool = True  # append grammar-forced tokens without sampling them
+    overlap_grammar_mask: bool = True  # fill grammar masks on a thread during the forward pass
+    cuda_graph: bool = True  # on CUDA, replay captured graphs for decode steps
+    attention: str = msgspec.field(default_factory=lambda: env.text(env.ATTENTION, "auto"))
+    # CPU bfloat16 switches (each on by default; off trades speed for a simpler path).
+    cpu_kernels: bool = msgspec.field(default_factory=lambda: env.switch(env.CPU_KERNELS))
+    pack_weights: bool = msgspec.field(default_factory=lambda: env.switch(env.PACK_WEIGHTS))
+    fused_decode: bool = msgspec.field(default_factory=lambda: env.switch(env.FUSED_DECODE))
+    decode_kv_cache: bool = msgspec.field(default_factory=lambda: env.switch(env.DECODE_KV_CACHE))
+
+    def check(self) -> None:
+        """Raises: ValueError naming the first field out of range or not a registered name."""
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("device", self.device, DEVICES)
+        _choice("attention", self.attention, ATTENTION_CHOICES)
+        for field, registry in (("kv_transfer", KV_TRANSFER), ("prefix_cache", PREFIX_CACHE),
+                                ("grammar_backend", GRAMMAR_BACKEND)):
+            _choice(field, getattr(self, field), registry.names)
+        for field in ("page_size", "kv_cache_mb", "max_batch_tokens", "max_running"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be at least 1, not {getattr(self, field)}")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s must be positive, not {self.transfer_timeout_s}")
+
+
+class SecurityConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``api_key``: ``Authorization: Bearer KEY`` on the HTTP API and for workers joining it.
+    Never written on a command line (the launcher hands it to children in the environment).
+    ``curve_keys``: a CURVE key file (``splitserve keygen``): encrypted, authenticated links."""
+
+    api_key: str | None = msgspec.field(default_factory=lambda: env.optional_text(env.API_KEY))
+    curve_keys: str | None = None
+
+
+class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The API server (router): where it listens and how it picks and guards workers."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    inbox: str | None = None  # ZeroMQ inbox workers reply to (None: a free port on host)
+    routing: str = ROUTING.default  # how a prefill (or colocated) worker is picked
+    max_body_bytes: int = 4 * 2**20  # larger request bodies get 413 (0: no limit)
+    max_inflight_per_worker: int = 256  # past this, new requests get 503 + Retry-After
+    dead_after_s: float = 5.0  # without a heartbeat for this long, a worker's requests fail
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def check(self) -> None:
+        _choice("routing", self.routing, ROUTING.names)
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} is not a TCP port")
+
+
+class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Which processes a local launch starts."""
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    colocated: bool = False  # one worker that prefills and decodes, instead of the two pools
+    threads_per_worker: int = 0  # 0: split the machine's cores (or a worker's pinned CPUs)
+    # Role, worker id or "api-server" -> CPU ids, e.g. {"prefill": [0], "decode": [1]}
+    # (config.flags.parse_cpu_affinity reads the CLI's "prefill=0 decode=1").
+    cpu_affinity: dict[str, list[int]] = {}
+    extra_env: dict[str, str] = {}  # added to every child's environment
+
+    @property
+    def roles(self) -> list[str]:
+        """One role per worker process, in start order."""
+        if self.colocated:
+            return ["colocated"]
+        return ["prefill"] * self.num_prefill + ["decode"] * self.num_decode
+
+
+class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A whole cluster (``splitserve launch`` / ``serve``; ``api-server`` reads ``server``)."""
+
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    log_level: str = "warning"
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def check(self) -> None:
+        self.engine.check()
+        self.server.check()
+
+    @classmethod
+    def from_fields(cls, log_level: str = "warning", **fields: Any) -> ServeConfig:
+        """A config from field names of any section (``kv_cache_mb=64, num_decode=2,
+        port=8001``): each goes to the one section that has it. For scripts and tests that
+        name a few fields; the CLI fills sections by path.
+
+        Raises:
+            TypeError: a name no section (or more than one) has.
+        """
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        for key, value in fields.items():
+            owners = [n for n, kind in _SECTIONS.items() if key in kind.__struct_fields__]
+            if len(owners) != 1:
+                raise TypeError(f"config field {key!r} is in {owners or 'no section'}")
+            sections[owners[0]][key] = value
+        return cls(**{n: _SECTIONS[n](**kw) for n, kw in sections.items()}, log_level=log_level)
+
+
+_SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "engine": EngineConfig, "server": ServerConfig, "cluster": ClusterConfig,
+    "security": SecurityConfig,
+}
+
+
+class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One worker process.
+
+    ``addr`` is the worker's own inbox (``tcp://host:port`` or ``ipc://path``); ``server_addr``
+    the inbox of the API server it reports to, or ``router_url`` to join one over HTTP
+    (``POST /workers/register``), which then gives the inbox.
+    """
+
+    role: str
+    worker_id: str
+    addr: str
+    server_addr: str = ""
+    router_url: str | None = None
+    num_threads: int = 0  # 0: torch's default
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    log_level: str = "warning"
+
+    def check(self) -> None:
+        _choice("role", self.role, WORKER_ROLE.names)
+        self.engine.check()
+
+
+def _choice(field: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{field}: {value!r} is not one of {choices}")
+
+
+def to_json(config: msgspec.Struct) -> str:
+    """``config`` as JSON for a child's ``--config-json``, without the API key (children get it
+    in the environment: a command line is visible to every user of the machine)."""
+    data = msgspec.to_builtins(config)
+    if "security" in data:
+        data["security"].pop("api_key", None)
+    return msgspec.json.encode(data).decode()
+
+
+def from_json(text: str | bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
+    """Decode ``--config-json``; missing fields take their defaults (the API key from the
+    environment).
+
+    Raises:
+        ValueError: not valid JSON of ``kind`` (names the offending field).
+    """
+    try:
+        return msgspec.json.decode(text, type=kind)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad {kind.__name__}: {exc}") from exc

@@ -1,0 +1,1 @@
+"""Paged attention backends: the interface, the torch backend (CPU), Triton kernels (GPU)."""

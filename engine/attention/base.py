@@ -1,0 +1,120 @@
+"""The attention backend interface: how a model attends over the paged KV pool.
+
+A model forward calls :meth:`BaseAttentionBackend.prepare` once per batch (index tensors and masks
+shared by every layer), then :meth:`BaseAttentionBackend.forward` once per layer. ``forward``
+first stores the new tokens' K/V in the pool, then lets every new token at position ``p`` attend to
+its own sequence's keys ``0..p`` (cached prefix plus the new tokens, causal), optionally limited to
+a sliding window of the last ``sliding_window`` positions.
+
+Backends are chosen by name (``splitserve.config.registry.ATTENTION``): ``torch``
+(:mod:`~splitserve.engine.attention.torch_backend`) and ``triton``
+(:mod:`~splitserve.engine.attention.triton.backend`, imported only when chosen, so CPU-only runs
+never import Triton). A backend that can be captured in a CUDA graph says so with
+:attr:`BaseAttentionBackend.supports_cuda_graphs` and implements :meth:`decode_metadata`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from splitserve.config.registry import ATTENTION
+from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.engine.kv_pool import KVPool
+
+
+class BaseAttentionBackend(ABC):
+    """Paged attention for one worker. The pool is the only KV state between batches (a backend
+    may keep a cache of it, as the torch backend does for decode rows)."""
+
+    def cache_bytes(self) -> int:
+        """Bytes this backend holds besides the pool (a copy of the decoding rows' K/V)."""
+        return 0
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch, pool: KVPool, sliding_window: int | None) -> Any:
+        """Build what every layer of one forward over ``batch`` needs (index tensors, masks).
+
+        Args:
+            batch: the step's inputs.
+            pool: the KV pool the batch's page ids index.
+            sliding_window: attend only to the last ``sliding_window`` positions, or None.
+
+        Returns:
+            Backend-specific metadata, passed unchanged to :meth:`forward`.
+        """
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        meta: Any,
+        pool: KVPool,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write ``k``/``v`` into the pool at ``layer``, then attend.
+
+        Args:
+            q: ``[T, Hq, D]`` queries of the new tokens (RoPE applied).
+            k: ``[T, Hkv, D]`` keys of the new tokens (RoPE applied); ``Hq % Hkv == 0``.
+            v: ``[T, Hkv, D]`` values of the new tokens.
+            layer: layer index into the pool.
+            meta: what :meth:`prepare` returned for this batch.
+            pool: the KV pool.
+            scale: softmax scale, usually ``D ** -0.5``.
+
+        Returns:
+            ``[T, Hq, D]`` attention output in ``q``'s dtype.
+        """
+
+    # ---- CUDA graphs (engine.runner.cuda_graph) -------------------------------------------
+
+    supports_cuda_graphs: bool = False  # implements decode_metadata over static buffers
+
+    def decode_metadata(
+        self,
+        batch: ForwardBatch,
+        seq_lens: torch.Tensor,
+        pool: KVPool,
+        sliding_window: int | None,
+        max_seq_len: int,
+    ) -> Any:
+        """Metadata for a decode-only ``batch`` of caller-owned static tensors, reusable across
+        steps whose inputs are copied into those same tensors (CUDA-graph replay).
+
+        Args:
+            batch: ``B`` one-token rows; row ``i``'s token is ``q[i]``, its pages
+                ``batch.page_table[i]``.
+            seq_lens: ``[B]`` int32 KV length per row (new token included), updated in place
+                before each step.
+            pool: the KV pool.
+            sliding_window: attend only to the last ``sliding_window`` positions, or None.
+            max_seq_len: the longest KV length a step may have (fixes the kernel's work split).
+
+        Raises:
+            NotImplementedError: the backend cannot be captured (``supports_cuda_graphs`` False).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+
+def create_attention_backend(name: str = "torch", **options: Any) -> BaseAttentionBackend:
+    """Instantiate a registered backend by name; ``options`` go to its constructor (the torch
+    backend's ``use_decode_cache`` and ``use_cpu_kernels``).
+
+    Raises:
+        ValueError: unknown name (the message lists the registered ones).
+    """
+    return ATTENTION.load(name)(**options)
+
+
+def default_attention_backend(device: str | torch.device, choice: str = "auto") -> str:
+    """The backend name for tensors on ``device``: ``choice`` unless ``auto``, else ``triton``
+    on CUDA and ``torch`` elsewhere (Triton's CPU path is only an interpreter)."""
+    if choice != "auto":
+        return choice
+    return "triton" if torch.device(device).type == "cuda" else "torch"

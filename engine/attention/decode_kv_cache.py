@@ -1,0 +1,271 @@
+"""A contiguous, head-major copy of the decode rows' K/V, appended to in place every step.
+
+The pool is page-major (one page = all layers, so KV transfer moves pages as raw frames), which
+makes one layer's K/V of a batch scattered over the whole pool: gathering them every layer of
+every step copies the batch's entire KV once per step (at batch 32, ~200 tokens, SmolLM2: ~150 MB
+per step). This cache keeps, per decoding sequence, its K (transposed) and V for every layer in
+the layout :func:`~splitserve.engine.attention.decode_attention.attend` reads, so a decode step only
+appends the new token and the products read the cache in place.
+
+It is a cache of the pool, never the source of truth: the pool is still written every step, and
+a sequence is copied in from the pool whenever its cached length is not exactly one token short
+(new to decoding, back from an extend, retracted, its KV received by transfer). A sequence absent
+from a step's decode rows loses its slot. Memory: ``2 * num_layers * slots * Hkv * D * cap``
+elements (slots = highest live slot + headroom, cap = longest decode sequence + headroom), never
+more than ``max_bytes`` (the backend passes the pool's own size): above that, :meth:`plan`
+returns None and the caller gathers from the pool instead. With no decode rows it frees it all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.attention.decode_attention import decode_bias
+from splitserve.engine.kv_pool import KVPool, pages_for
+
+# The products run over all ``cap`` positions: a slice of the position dim would make oneDNN
+# copy K and V first (measured ~2x slower). Growing means a fresh buffer and a copy, and the fresh
+# memory's page faults cost most (at batch 32, ~200 tokens: ~100 ms, about one step), so the
+# capacity grows by a quarter at a time (rounded to CAP_ALIGN): rare growth, at the price of
+# products over up to ~25% masked positions.
+CAP_ALIGN = 32
+CAP_GROWTH = 1.25
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    """Where one step's decode rows live in the cache.
+
+    Attributes:
+        slots: ``[Bd]`` int64 slot of each decode row, in batch order.
+        num_slots: slots the products run over (``max(slots) + 1``; free slots in between
+            compute discarded rows).
+        is_identity: ``slots == arange(Bd)`` and ``num_slots == Bd``: no scatter/gather of q/out.
+        num_keys: key positions the products read: the cache's whole capacity, so that each
+            layer's ``kt``/``v`` of the first ``num_slots`` slots is one contiguous block.
+        bias: ``[num_slots * Hkv, 1, num_keys]`` additive mask (see ``decode_bias``).
+        kt_index: ``[Bd * Hkv * D]`` int64 flat indices of the new tokens' keys in one layer's
+            ``kt`` (flattened), in ``k [Bd, Hkv, D]`` order.
+        v_index: ``[Bd * Hkv]`` int64 row indices of the new tokens' values in one layer's ``v``
+            viewed as ``[-1, D]``.
+        lens: ``[Bd]`` int64 KV length of each row after the step (for the C kernels, which
+            read and write each row's slot directly and need no mask).
+        positions: ``[Bd]`` int64 position of each row's new token (``lens - 1``).
+        window: sliding window, or None.
+    """
+
+    slots: torch.Tensor
+    num_slots: int
+    is_identity: bool
+    num_keys: int
+    bias: torch.Tensor
+    kt_index: torch.Tensor
+    v_index: torch.Tensor
+    lens: torch.Tensor
+    positions: torch.Tensor
+    window: int | None
+
+
+class DecodeKVCache:
+    """Per-worker decode K/V copy for one pool; see the module docstring.
+
+    Args:
+        pool: the KV pool it mirrors (its dtype is the cache's dtype).
+        max_bytes: upper bound on the cache's memory.
+    """
+
+    def __init__(self, pool: KVPool, max_bytes: int) -> None:
+        self.pool = pool
+        self.max_bytes = max_bytes
+        layout = pool.layout
+        self.num_layers, self.hkv, self.d = layout.num_layers, layout.num_kv_heads, layout.head_dim
+        self.dtype, self.device = pool.buffer.dtype, pool.buffer.device
+        self.kt: torch.Tensor | None = None  # [L, slots, Hkv, D, cap]
+        self.v: torch.Tensor | None = None  # [L, slots, Hkv, cap, D]
+        self.slot_of: dict[int, int] = {}  # sequence id -> slot
+        self.len_of: list[int] = []  # tokens cached per slot (0: free)
+        self._layers_left = 0  # appends still due for the planned step
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held now."""
+        return sum(t.numel() * t.element_size() for t in (self.kt, self.v) if t is not None)
+
+    def clear(self) -> None:
+        """Drop every sequence and free the memory."""
+        self.kt = self.v = None
+        self.slot_of, self.len_of = {}, []
+        self._layers_left = 0
+
+    def plan(
+        self, seq_ids: list[int], lens: list[int], pages: torch.Tensor, window: int | None
+    ) -> DecodePlan | None:
+        """Assign slots for one step's decode rows, copy stale rows in from the pool (all layers
+        at once) and build the step's indices and mask. Call before the step's first layer.
+
+        Args:
+            seq_ids: ``Bd`` sequence ids, unique and stable while a sequence lives.
+            lens: ``Bd`` KV lengths after the step (the new token sits at ``lens[i] - 1``).
+            pages: ``[Bd, P]`` int64 page ids of each row (``P`` pages cover the longest row).
+            window: sliding window, or None.
+
+        Returns:
+            The plan, or None when the cache would exceed ``max_bytes`` or ``seq_ids`` repeat
+            (the cache is then empty and the caller gathers from the pool).
+        """
+        if self._layers_left:  # the last planned step did not finish: its appends are partial
+            self.clear()
+        if len(set(seq_ids)) != len(seq_ids):
+            self.clear()
+            return None
+        live = dict.fromkeys(seq_ids)
+        for sid in [s for s in self.slot_of if s not in live]:
+            self.len_of[self.slot_of.pop(sid)] = 0
+        slots, stale = [], []
+        for i, (sid, n) in enumerate(zip(seq_ids, lens, strict=True)):
+            slot = self.slot_of.get(sid)
+            if slot is None:
+                slot = self._free_slot()
+                self.slot_of[sid] = slot
+            if self.len_of[slot] != n - 1:
+                stale.append(i)
+            self.len_of[slot] = n
+            slots.append(slot)
+        num_slots = max(slots) + 1
+        num_keys = max(pages.shape[1] * self.pool.page_size, max(lens))
+        if not self._fit(num_slots, num_keys):
+            self.clear()
+            return None
+        for i in stale:
+            self._fill(slots[i], lens[i] - 1, pages[i])
+        self._layers_left = self.num_layers
+        return self._build_plan(slots, num_slots, window)
+
+    def append(self, layer: int, plan: DecodePlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' ``k``/``v [Bd, Hkv, D]`` of ``layer``."""
+        assert self.kt is not None and self.v is not None
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        self.kt[layer].view(-1).index_copy_(0, plan.kt_index, k.reshape(-1))
+        self.v[layer].view(-1, self.d).index_copy_(0, plan.v_index, v.reshape(-1, self.d))
+        self._layers_left -= 1
+
+    def append_targets(
+        self, layer: int, plan: DecodePlan
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the C ``kv_append`` kernel writes ``layer``'s new tokens into, in place of
+        :meth:`append`: ``(kt [slots, Hkv, D, cap], v [slots, Hkv, cap, D], slots [Bd],
+        positions [Bd])``. Counts as the layer's append."""
+        assert self.kt is not None and self.v is not None
+        self._layers_left -= 1
+        return self.kt[layer], self.v[layer], plan.slots, plan.positions
+
+    def append_all_targets(
+        self, plan: DecodePlan
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`append_targets` for every layer at once (the fused decode layers write
+        them all): ``(kt [L, slots, Hkv, D, cap], v [L, slots, Hkv, cap, D], slots,
+        positions)``. Counts as every layer's append."""
+        assert self.kt is not None and self.v is not None
+        self._layers_left = 0
+        return self.kt, self.v, plan.slots, plan.positions
+
+    def slot_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kt [slots, Hkv, D, cap]`` and ``v [slots, Hkv, cap, D]`` of ``layer``, every slot
+        (contiguous views; the C decode kernel indexes them by ``plan.slots``)."""
+        assert self.kt is not None and self.v is not None
+        return self.kt[layer], self.v[layer]
+
+    def views(self, layer: int, plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kt [num_slots * Hkv, D, num_keys]`` and ``v [num_slots * Hkv, num_keys, D]`` of
+        ``layer``: contiguous views of the cache, no copy."""
+        assert self.kt is not None and self.v is not None
+        n, s = plan.num_slots, plan.num_keys
+        kt = self.kt[layer, :n].view(n * self.hkv, self.d, s)
+        return kt, self.v[layer, :n].view(n * self.hkv, s, self.d)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _free_slot(self) -> int:
+        # A taken slot has a length >= 1 from the moment it is assigned.
+        for slot, n in enumerate(self.len_of):
+            if n == 0:
+                return slot
+        self.len_of.append(0)
+        return len(self.len_of) - 1
+
+    def _bytes(self, slots: int, cap: int) -> int:
+        return 2 * self.num_layers * slots * self.hkv * self.d * cap * self.dtype.itemsize
+
+    def _fit(self, num_slots: int, num_keys: int) -> bool:
+        """Grow the buffers to hold ``num_slots`` slots of ``num_keys`` positions, within
+        ``max_bytes``. Returns False if that cannot fit."""
+        old_slots, old_cap = (0, 0) if self.kt is None else (self.kt.shape[1], self.kt.shape[4])
+        if num_slots <= old_slots and num_keys <= old_cap:
+            return True
+        slots = max(num_slots, old_slots)
+        if num_slots > old_slots:
+            slots = _round_up(max(num_slots, old_slots * 3 // 2), 8)
+        cap = old_cap
+        if num_keys > old_cap:
+            cap = _round_up(int(max(num_keys, old_cap) * CAP_GROWTH), CAP_ALIGN)
+        if self._bytes(slots, cap) > self.max_bytes:  # try again without headroom
+            slots, cap = max(num_slots, old_slots), max(_round_up(num_keys, CAP_ALIGN), old_cap)
+            if self._bytes(slots, cap) > self.max_bytes:
+                return False
+        shape = (self.num_layers, slots, self.hkv)
+        # Zeros, not empty: masked positions still enter the products (as -inf scores and
+        # probability-0 values), so they must hold finite numbers.
+        kt = torch.zeros(*shape, self.d, cap, dtype=self.dtype, device=self.device)
+        v = torch.zeros(*shape, cap, self.d, dtype=self.dtype, device=self.device)
+        if self.kt is not None and self.v is not None:
+            kt[:, :old_slots, :, :, :old_cap] = self.kt
+            v[:, :old_slots, :, :old_cap] = self.v
+        self.kt, self.v = kt, v
+        return True
+
+    def _fill(self, slot: int, num_tokens: int, pages: torch.Tensor) -> None:
+        """Copy a sequence's first ``num_tokens`` tokens, every layer, from the pool."""
+        if num_tokens == 0:
+            return
+        assert self.kt is not None and self.v is not None
+        ps = self.pool.page_size
+        np_ = pages_for(num_tokens, ps)
+        # [np, L, 2, ps, Hkv, D]: whole pages (all layers) are contiguous rows of the pool.
+        g = self.pool.buffer.flatten(1).index_select(0, pages[:np_]).view(
+            np_, self.num_layers, 2, ps, self.hkv, self.d
+        )
+        n = np_ * ps  # whole pages; positions past num_tokens are masked until written
+        self.kt[:, slot, :, :, :n].view(self.num_layers, self.hkv, self.d, np_, ps).copy_(
+            g[:, :, 0].permute(1, 3, 4, 0, 2)
+        )
+        self.v[:, slot, :, :n].view(self.num_layers, self.hkv, np_, ps, self.d).copy_(
+            g[:, :, 1].permute(1, 3, 0, 2, 4)
+        )
+
+    def _build_plan(self, slots: list[int], num_slots: int, window: int | None) -> DecodePlan:
+        assert self.kt is not None
+        dev, hkv, d, cap = self.device, self.hkv, self.d, self.kt.shape[4]
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        pos = torch.tensor([self.len_of[s] - 1 for s in slots], dtype=torch.long, device=dev)
+        head = slot_t[:, None] * hkv + torch.arange(hkv, device=dev)[None, :]  # [Bd, Hkv]
+        kt_index = (head[:, :, None] * d + torch.arange(d, device=dev)) * cap + pos[:, None, None]
+        v_index = head * cap + pos[:, None]
+        slot_lens = self.len_of[:num_slots]
+        return DecodePlan(
+            slots=slot_t,
+            num_slots=num_slots,
+            is_identity=num_slots == len(slots) and slots == list(range(num_slots)),
+            num_keys=cap,
+            bias=decode_bias(slot_lens, cap, hkv, window, self.dtype, dev),
+            kt_index=kt_index.flatten(),
+            v_index=v_index.flatten(),
+            lens=pos + 1,
+            positions=pos,
+            window=window,
+        )

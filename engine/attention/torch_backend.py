@@ -1,0 +1,397 @@
+"""The torch attention backend: paged attention with torch ops on any device, with C kernels
+for CPU bfloat16 (decode rows and prefill extends) and a contiguous decode KV cache
+(:mod:`~splitserve.engine.attention.decode_kv_cache`). The interface is
+:class:`~splitserve.engine.attention.base.BaseAttentionBackend`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.engine.attention.base import BaseAttentionBackend
+from splitserve.engine.attention.decode_attention import (
+    GatherWorkspace,
+    attend,
+    decode_bias,
+    gather_head_major,
+)
+from splitserve.engine.attention.decode_kv_cache import DecodeKVCache, DecodePlan
+from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.engine.kernels.cpu.bindings import CpuKernels
+from splitserve.engine.kernels.cpu.build import load_cpu_kernels
+from splitserve.engine.kv_pool import KVPool, pages_for
+
+
+@dataclass(slots=True)
+class _Extend:
+    """One sequence with more than one new token (looped over; prefill is compute-bound)."""
+
+    start: int  # first new token's index into T
+    extend_len: int
+    seq_len: int
+    pages: torch.Tensor  # [pages_for(seq_len)] int64
+    window: int | None  # sliding window, None = none
+    # SDPA's [extend_len, seq_len] bool mask (True = attend; None = plain causal), built on the
+    # first layer that needs it: the C kernel takes ``window`` instead.
+    sdpa_mask: torch.Tensor | None = None
+    sdpa_mask_built: bool = False
+
+    def mask(self) -> torch.Tensor | None:
+        if not self.sdpa_mask_built:
+            self.sdpa_mask = _extend_mask(
+                self.extend_len, self.seq_len, self.window, self.pages.device
+            )
+            self.sdpa_mask_built = True
+        return self.sdpa_mask
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata:
+    """Decode rows (one new token) go through one batched call; the rest are looped."""
+
+    batch: ForwardBatch
+    decode_tokens: torch.Tensor | None  # [Bd] token indices into T; None when no decode rows
+    decode_pages: torch.Tensor | None  # [Bd, P] int64 page ids
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, P * page_size] bool, None = attend to all
+    extends: list[_Extend]
+    is_decode_only: bool
+    # Head-major path (bfloat16): the step's mask, and the decode cache's plan when it serves.
+    decode_bias: torch.Tensor | None = None  # [Bd * Hkv, 1, P * page_size] (gather path)
+    decode_plan: DecodePlan | None = None
+    # The C decode kernel (gather path): each row's KV length, and the window.
+    decode_lens: torch.Tensor | None = None  # [Bd] int64
+    sliding_window: int | None = None
+
+
+# Decode rows attend head-major (decode_attention.attend) in bfloat16: three batched ops per
+# layer with no wasted score arithmetic, over K/V the decode cache holds in place or that one
+# gather copies out of the pool. Float32 keeps the SDPA path, so greedy-vs-transformers numerics
+# are unchanged there.
+def _use_head_major(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16
+
+
+class TorchAttentionBackend(BaseAttentionBackend):
+    """Paged attention with torch ops on any device; the fast path is CPU bfloat16 decode.
+
+    Extends (prefill chunks) on CPU in bfloat16 run the C flash kernel over the pool's pages
+    (``csrc/extend_attention.c``); elsewhere they gather their sequence's pages and call
+    ``scaled_dot_product_attention``. Decode rows in bfloat16 read a
+    :class:`~splitserve.engine.attention.decode_kv_cache.DecodeKVCache` when the batch carries sequence
+    ids (a worker's batches do), else gather; the cache is this backend's only state between
+    batches and is never the source of truth (bounded by the pool's own size).
+
+    Args:
+        use_decode_cache: keep the decode KV cache (False: gather decode K/V from the pool).
+        use_cpu_kernels: call the C kernels where they serve (False: torch ops only).
+    """
+
+    def __init__(self, use_decode_cache: bool = True, use_cpu_kernels: bool = True) -> None:
+        self.decode_cache: DecodeKVCache | None = None
+        self.use_decode_cache = use_decode_cache
+        self.use_cpu_kernels = use_cpu_kernels
+        self.workspace = GatherWorkspace()
+        self.kernels: CpuKernels | None = None  # loaded on the first CPU bfloat16 decode step
+        self._kernels_checked = False
+
+    def prepare(
+        self, batch: ForwardBatch, pool: KVPool, sliding_window: int | None
+    ) -> TorchAttentionMetadata:
+        device = batch.input_ids.device
+        ps = pool.page_size
+        dec_rows, dec_tok, extends = [], [], []
+        start = 0
+        for i, (n, seq_len) in enumerate(zip(batch.extend_lens, batch.seq_lens, strict=True)):
+            if n == 1:
+                dec_rows.append(i)
+                dec_tok.append(start)
+            elif n > 1:
+                pages = batch.page_table[i, : pages_for(seq_len, ps)]
+                extends.append(_Extend(start, n, seq_len, pages, sliding_window))
+            start += n
+        meta = TorchAttentionMetadata(
+            batch, None, None, None, extends, len(dec_rows) == len(batch.extend_lens)
+        )
+        if not dec_rows:
+            if self.decode_cache is not None:
+                self.decode_cache.clear()  # nothing decodes: hold no memory
+            return meta
+        lens = [batch.seq_lens[i] for i in dec_rows]
+        num_pages = pages_for(max(lens), ps)
+        if meta.is_decode_only:
+            meta.decode_pages = batch.page_table[:, :num_pages]
+        else:
+            rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
+            meta.decode_pages = batch.page_table[rows, :num_pages]
+            meta.decode_tokens = torch.tensor(dec_tok, dtype=torch.long, device=device)
+        if not _use_head_major(pool.buffer.dtype):
+            meta.decode_mask = _decode_mask(lens, num_pages * ps, sliding_window, device)
+            return meta
+        cache = self._decode_cache_for(pool, batch)
+        if cache is not None:
+            ids = [batch.seq_ids[i] for i in dec_rows]  # type: ignore[index]
+            meta.decode_plan = cache.plan(ids, lens, meta.decode_pages, sliding_window)
+        if self._kernels_for(pool) is not None:
+            meta.sliding_window = sliding_window
+            meta.decode_lens = torch.tensor(lens, dtype=torch.long, device=device)
+        if meta.decode_plan is None:
+            meta.decode_bias = decode_bias(
+                lens, num_pages * ps, pool.layout.num_kv_heads, sliding_window,
+                pool.buffer.dtype, device,
+            )
+        return meta
+
+    def cache_bytes(self) -> int:
+        cache = self.decode_cache
+        return 0 if cache is None else cache.nbytes
+
+    def _kernels_for(self, pool: KVPool, num_heads: int | None = None) -> CpuKernels | None:
+        """The C decode kernel when it serves ``pool`` (CPU, bfloat16, supported heads;
+        ``num_heads`` query heads, unchecked when None), else None. Built on the first call
+        (about half a second), then cached."""
+        if pool.buffer.device.type != "cpu" or pool.buffer.dtype != torch.bfloat16:
+            return None
+        hkv = pool.layout.num_kv_heads
+        if not CpuKernels.supports(num_heads or hkv, hkv, pool.layout.head_dim):
+            return None
+        if not self._kernels_checked:
+            self.kernels = load_cpu_kernels() if self.use_cpu_kernels else None
+            self._kernels_checked = True
+        return self.kernels
+
+    def _decode_cache_for(self, pool: KVPool, batch: ForwardBatch) -> DecodeKVCache | None:
+        """The decode cache of ``pool`` (made on first use), or None when off or when the batch
+        has no sequence ids to key it by."""
+        if not self.use_decode_cache or batch.seq_ids is None or pool.buffer.device.type != "cpu":
+            return None
+        if self.decode_cache is None or self.decode_cache.pool is not pool:
+            pool_bytes = pool.buffer.numel() * pool.buffer.element_size()
+            self.decode_cache = DecodeKVCache(pool, max_bytes=pool_bytes)
+        return self.decode_cache
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        meta: TorchAttentionMetadata,
+        pool: KVPool,
+        scale: float,
+    ) -> torch.Tensor:
+        batch = meta.batch
+        if meta.is_decode_only and self._append_with_kernel(k, v, layer, meta, pool):
+            return self._decode_head_major(q, k, v, layer, meta, pool, scale, appended=True)
+        pool.write(layer, batch.out_page_ids, batch.out_offsets, k, v)
+        if meta.is_decode_only:
+            return self._decode(q, k, v, layer, meta, pool, scale)
+        out = torch.empty_like(q)
+        if meta.decode_pages is not None:
+            dt = meta.decode_tokens
+            out[dt] = self._decode(q[dt], k[dt], v[dt], layer, meta, pool, scale)
+        for e in meta.extends:
+            end = e.start + e.extend_len
+            out[e.start : end] = self._extend(
+                q[e.start : end], k[e.start : end], v[e.start : end], e, layer, pool, scale
+            )
+        return out
+
+    def _append_with_kernel(
+        self, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TorchAttentionMetadata,
+        pool: KVPool,
+    ) -> bool:
+        """Write a decode-only step's new K/V into the pool and the decode cache (when it
+        serves) with one C call; False (nothing written) where the C kernels do not apply."""
+        kern = self._kernels_for(pool)
+        if kern is None or k.dtype != pool.buffer.dtype or not pool.buffer.is_contiguous():
+            return False
+        d = k.shape[2]
+        if k.stride(2) != 1 or k.stride(1) != d:
+            k = k.contiguous()
+        if v.stride(2) != 1 or v.stride(1) != d:
+            v = v.contiguous()
+        plan, cache = meta.decode_plan, self.decode_cache
+        targets = None if plan is None or cache is None else cache.append_targets(layer, plan)
+        batch = meta.batch
+        kern.kv_append(k, v, pool.buffer, layer, batch.out_page_ids, batch.out_offsets, targets)
+        return True
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        meta: TorchAttentionMetadata,
+        pool: KVPool,
+        scale: float,
+    ) -> torch.Tensor:
+        """``q [Bd, Hq, D]`` (and the rows' new ``k``/``v [Bd, Hkv, D]``, already in the pool),
+        one token per sequence -> ``[Bd, Hq, D]``."""
+        bd, hq, d = q.shape
+        hkv = pool.layout.num_kv_heads
+        pages = meta.decode_pages
+        if _use_head_major(pool.buffer.dtype):
+            return self._decode_head_major(q, k, v, layer, meta, pool, scale)
+        # [Bd * P, page_size * Hkv * D] -> [Bd, S, Hkv, D] -> [Bd, Hkv, S, D]
+        kc = _gather(pool.k_pages(layer), pages).view(bd, -1, hkv, d).transpose(1, 2).to(q.dtype)
+        vc = _gather(pool.v_pages(layer), pages).view(bd, -1, hkv, d).transpose(1, 2).to(q.dtype)
+        # GQA without repeating K/V: the G query heads sharing a KV head become G "query rows"
+        # of that head (all at the same position, so one [S] mask serves them all).
+        qg = q.reshape(bd, hkv, hq // hkv, d)
+        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.decode_mask, scale=scale)
+        return o.reshape(bd, hq, d)
+
+    def _decode_head_major(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        meta: TorchAttentionMetadata,
+        pool: KVPool,
+        scale: float,
+        appended: bool = False,
+    ) -> torch.Tensor:
+        """Decode rows over the decode cache (in place) or over a head-major gather;
+        ``appended``: the new K/V are already in the cache (``_append_with_kernel``)."""
+        dtype = pool.buffer.dtype
+        qc = q.to(dtype)
+        plan, cache = meta.decode_plan, self.decode_cache
+        kern = self._kernels_for(pool, q.shape[1])
+        if kern is not None and (qc.stride(2) != 1 or qc.stride(1) != qc.shape[2]):
+            qc = qc.contiguous()
+        if plan is None or cache is None:
+            assert meta.decode_pages is not None and meta.decode_bias is not None
+            kt, vv = gather_head_major(pool, layer, meta.decode_pages, self.workspace, dtype)
+            if kern is not None:
+                assert meta.decode_lens is not None
+                r, hkv, d = qc.shape[0], pool.layout.num_kv_heads, qc.shape[2]
+                kt, vv = kt.view(r, hkv, d, -1), vv.view(r, hkv, -1, d)
+                slots = torch.arange(r, device=qc.device)
+                out = torch.empty(qc.shape, dtype=dtype, device=qc.device)
+                kern.decode_attention(
+                    qc, kt, vv, slots, meta.decode_lens, meta.sliding_window, scale, out
+                )
+                return out.to(q.dtype)
+            return attend(qc, kt, vv, meta.decode_bias, scale).to(q.dtype)
+        if not appended:
+            cache.append(layer, plan, k, v)
+        if kern is not None:
+            kt, vv = cache.slot_views(layer)
+            out = torch.empty(qc.shape, dtype=dtype, device=qc.device)
+            kern.decode_attention(qc, kt, vv, plan.slots, plan.lens, plan.window, scale, out)
+            return out.to(q.dtype)
+        kt, vv = cache.views(layer, plan)
+        if plan.is_identity:
+            return attend(qc, kt, vv, plan.bias, scale).to(q.dtype)
+        # Rows sit at their slots; free slots in between compute rows that are dropped.
+        qs = qc.new_zeros(plan.num_slots, *qc.shape[1:]).index_copy_(0, plan.slots, qc)
+        out = attend(qs, kt, vv, plan.bias, scale)
+        return out.index_select(0, plan.slots).to(q.dtype)
+
+    def _extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        e: _Extend,
+        layer: int,
+        pool: KVPool,
+        scale: float,
+    ) -> torch.Tensor:
+        """One sequence's ``q [n, Hq, D]`` against its whole KV -> ``[n, Hq, D]``: the C flash
+        kernel on CPU bfloat16 (it reads the pool, where ``k``/``v`` already are), else SDPA."""
+        kern = self._kernels_for(pool, q.shape[1])
+        if (
+            kern is not None and kern.has_gemm  # the kernel needs AVX512-BF16, as the tiles do
+            and q.dtype == torch.bfloat16 and pool.buffer.is_contiguous()
+        ):
+            if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+                q = q.contiguous()
+            pages = e.pages.contiguous()  # a row of the page table: already, in practice
+            out = kern.extend_attention(q, pool.buffer, layer, pages, e.seq_len, e.window, scale)
+            if out is not None:
+                return out
+        if e.seq_len == e.extend_len:
+            # No cached prefix: the new K/V are the whole sequence (rounded through the pool
+            # dtype so that this path and the gather path see the same values).
+            kc, vc = k.to(pool.buffer.dtype).to(q.dtype), v.to(pool.buffer.dtype).to(q.dtype)
+        else:
+            shape = (-1, k.shape[1], k.shape[2])
+            kc = _gather(pool.k_pages(layer), e.pages).view(shape)[: e.seq_len].to(q.dtype)
+            vc = _gather(pool.v_pages(layer), e.pages).view(shape)[: e.seq_len].to(q.dtype)
+        mask = e.mask()
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            kc.transpose(0, 1).unsqueeze(0),
+            vc.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o.squeeze(0).transpose(0, 1)
+
+
+def _gather(pages_view: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+    """Copy pages ``page_ids`` (any shape, int64) of one layer's K or V view
+    ``[num_pages, page_size, Hkv, D]`` into a contiguous ``[page_ids.numel(), page_size*Hkv*D]``.
+
+    ``index_select`` on the 2-D view copies whole contiguous rows; advanced indexing
+    (``view[page_ids]``) copies element by element and is ~6x slower on CPU.
+    """
+    return pages_view.flatten(1).index_select(0, page_ids.flatten())
+
+
+def _extend_mask(
+    n: int, seq_len: int, window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """``[n, seq_len]`` bool: new token ``i`` (position ``prefix + i``) sees keys ``j <= prefix + i``
+    and, with a window, ``j > prefix + i - window``. None when plain ``is_causal`` is the same."""
+    prefix = seq_len - n
+    if prefix == 0 and (window is None or window >= seq_len):
+        return None
+    qpos = torch.arange(prefix, seq_len, device=device).unsqueeze(1)
+    kpos = torch.arange(seq_len, device=device).unsqueeze(0)
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    return mask
+
+
+def _decode_mask(
+    lens: list[int], num_keys: int, window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """``[B, 1, 1, num_keys]`` bool: keys ``< seq_len`` (and inside the window) of each row."""
+    if window is None and all(n == num_keys for n in lens):
+        return None
+    seq = torch.tensor(lens, dtype=torch.long, device=device).unsqueeze(1)
+    kpos = torch.arange(num_keys, device=device).unsqueeze(0)
+    mask = kpos < seq
+    if window is not None:
+        mask &= kpos > seq - 1 - window
+    return mask[:, None, None, :]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    batch: ForwardBatch,
+    pool: KVPool,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One-shot torch paged attention (prepare + forward); see :class:`BaseAttentionBackend`.
+
+    Shapes: ``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``. Models should call
+    ``prepare`` once per batch instead, to share the metadata across layers.
+    """
+    backend = TorchAttentionBackend()
+    meta = backend.prepare(batch, pool, sliding_window)
+    return backend.forward(q, k, v, layer, meta, pool, scale)

@@ -1,0 +1,422 @@
+"""ctypes bindings of the CPU C kernels (``csrc/*.c``, built by :mod:`.build`): one method per
+kernel, taking torch tensors and checking only what its docstring says. Get an instance with
+:func:`splitserve.engine.kernels.cpu.build.load_cpu_kernels`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+# Rows up to which linear_skinny beats oneDNN here (one core, SmolLM2's shapes, weights from
+# memory): 1.8x at 1 row, 2x at 2, ~1.1x at 3, slower at 4 (oneDNN's bf16 kernel wins as
+# soon as the product is compute- rather than memory-bound). Also the fused decode path's rows.
+SKINNY_MAX_ROWS = 3
+# Rows up to which the AVX512_BF16 tiles (gemm_bf16.c) beat oneDNN here (bench/cpu_gemm.py, one
+# thread, weights from memory: 1.7-2x at 4-8 rows, 1.24x at 32, 1.05x at 128, even at 256).
+GEMM_MAX_ROWS = 128
+
+
+class CpuKernels:
+    """The loaded library. Every method takes contiguous CPU tensors and checks nothing that
+    its docstring does not say: callers own the shapes."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._attn = lib.decode_attention_bf16
+        self._attn.restype = ctypes.c_int
+        self._attn.argtypes = [_ptr, _i64] + [_ptr] * 4 + [_i64] * 6 + [_f32, _ptr]
+        self._extend = lib.extend_attention_bf16
+        self._extend.restype = ctypes.c_int
+        self._extend.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr] + [_i64] * 5
+        self._extend.argtypes += [_f32, _ptr]
+        self._append = lib.kv_append_bf16
+        self._append.restype = None
+        self._append.argtypes = [_ptr, _i64, _ptr, _i64] + [_i64] * 3 + [_ptr, _ptr, _i64]
+        self._append.argtypes += [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
+        self._norm = lib.rms_norm_bf16
+        self._norm.restype = None
+        self._norm.argtypes = [_ptr, _i64, _ptr, _ptr, _f32, _i64, _i64, _ptr, _ptr]
+        self._rope = lib.rope_bf16
+        self._rope.restype = None
+        self._rope.argtypes = [_ptr] + [_i64] * 4 + [_ptr] * 3
+        self._silu_mul = lib.silu_mul_bf16
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
+        self._greedy = lib.greedy_logprob_f32
+        self._greedy.restype = ctypes.c_int
+        self._greedy.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr]
+        self._layers = lib.decode_layers_bf16
+        self._layers.restype = ctypes.c_int
+        self._layers.argtypes = [_i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _f32, _i64]
+        self._layers.argtypes += [_ptr] * 4 + [_i64] * 3 + [_ptr] * 4 + [_i64] * 2 + [_ptr] * 3
+        self._gemv = lib.gemv_packed_bf16
+        self._gemv.restype = ctypes.c_int
+        self._gemv.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr]
+        self._gemm = lib.gemm_packed_bf16_blocked
+        self._gemm.restype = ctypes.c_int
+        self._gemm.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, ctypes.c_int]
+        self._decode_linear = lib.decode_linear_bf16
+        self._decode_linear.restype = ctypes.c_int
+        self._decode_linear.argtypes = list(self._gemv.argtypes)
+        self.has_gemm = bool(lib.gemm_packed_bf16_available())
+        # Rows up to which linear_decode runs (beyond: oneDNN on its own packed copy).
+        self.decode_max_rows = GEMM_MAX_ROWS if self.has_gemm else SKINNY_MAX_ROWS
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm as transformers' Llama computes it in bfloat16, optionally after adding the
+        residual stream: ``res = x + residual``; ``out = weight * bf16(res * rsqrt(mean(res^2)
+        + eps))``, rounded where the torch ops round.
+
+        Args:
+            x: ``[T, H]`` bfloat16, last dim contiguous (rows may be strided).
+            weight: ``[H]`` bfloat16.
+            eps: the epsilon.
+            residual: ``[T, H]`` bfloat16 contiguous, or None.
+
+        Returns:
+            ``(out, res)``, both ``[T, H]`` bfloat16; ``res`` is ``x`` itself without a
+            residual.
+        """
+        t, h = x.shape
+        out = torch.empty(t, h, dtype=torch.bfloat16)
+        res = x if residual is None else torch.empty(t, h, dtype=torch.bfloat16)
+        self._norm(
+            x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+            weight.data_ptr(), eps, t, h, None if residual is None else res.data_ptr(),
+            out.data_ptr(),
+        )
+        return out, res
+
+    def rope_(
+        self, qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """Rotate ``qk [T, heads, D]`` (bfloat16, each row's heads contiguous, rows may be
+        strided) in place by the float32 tables ``cos``/``sin [context, D / 2]`` at int64
+        ``positions [T]``, rounding as ``rope.apply_rope`` does in bfloat16. Positions are
+        not checked against the tables: the caller does."""
+        t, heads, d = qk.shape
+        self._rope(
+            qk.data_ptr(), qk.stride(0), t, heads, d, positions.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(),
+        )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gate_up [T, 2 * I]`` bfloat16 contiguous -> ``silu(gate) * up`` ``[T, I]``
+        bfloat16, rounded after the silu and after the product (as the torch ops round)."""
+        t, n2 = gate_up.shape
+        out = torch.empty(t, n2 // 2, dtype=torch.bfloat16)
+        self._silu_mul(gate_up.data_ptr(), t, n2 // 2, out.data_ptr())
+        return out
+
+    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Greedy tokens and their logprobs for float32 ``logits [B, V]`` (last dim
+        contiguous): ``argmax`` (first of equal maxima) and ``log_softmax`` at it, in one pass
+        per row. Returns ``(ids [B] int64, logprobs [B] float32)``, or None when a row holds
+        a NaN or no finite value (the caller's torch path then decides)."""
+        b, v = logits.shape
+        ids = torch.empty(b, dtype=torch.long)
+        logprobs = torch.empty(b, dtype=torch.float32)
+        rc = self._greedy(
+            logits.data_ptr(), logits.stride(0), b, v, ids.data_ptr(), logprobs.data_ptr()
+        )
+        return (ids, logprobs) if rc == 0 else None
+
+    def decode_layers(
+        self,
+        ptrs: torch.Tensor,
+        x: torch.Tensor,
+        cfg: Any,
+        rope: Any,
+        positions: torch.Tensor,
+        pool_buffer: torch.Tensor,
+        page_ids: torch.Tensor,
+        offsets: torch.Tensor,
+        kt: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        cache_positions: torch.Tensor,
+        lens: torch.Tensor,
+        window: int | None,
+    ) -> int:
+        """Every decoder layer of a decode-only step in one call (``decode_layers.c``); the
+        caller (:mod:`splitserve.engine.model.fused_decode`) checks that it applies.
+
+        Args:
+            ptrs: ``[L * 10]`` int64 per-layer weight addresses (``decode_layers.layer_pointers``).
+            x: ``[M, hidden]`` bfloat16 contiguous hidden states, updated in place.
+            cfg: the ``ModelConfig`` (sizes, ``rms_norm_eps``).
+            rope: the model's ``RotaryEmbedding`` (float32 tables).
+            positions: ``[M]`` int64 token positions.
+            pool_buffer: the KV pool ``[pages, L, 2, page_size, Hkv, D]`` bfloat16 contiguous.
+            page_ids: ``[M]`` int64 page of each new token; offsets: ``[M]`` its slot there.
+            kt: ``[L, slots, Hkv, D, cap]`` decode-cache keys; v: ``[L, slots, Hkv, cap, D]``.
+            slots: ``[M]`` int64 cache slot of each row; cache_positions: ``[M]`` its position.
+            lens: ``[M]`` int64 KV length after the step.
+            window: sliding window, or None.
+
+        Returns:
+            0, or the failing kernel's error code (-1: out of memory).
+        """
+        m, hid = x.shape
+        return self._layers(
+            ptrs.numel() // 10, ptrs.data_ptr(), x.data_ptr(), m, hid, cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
+            cfg.head_dim**-0.5, window or 0, positions.data_ptr(), rope.cos.data_ptr(),
+            rope.sin.data_ptr(), pool_buffer.data_ptr(), pool_buffer.stride(1),
+            pool_buffer.stride(2), pool_buffer.stride(0), page_ids.data_ptr(),
+            offsets.data_ptr(), kt.data_ptr(), v.data_ptr(), kt.stride(0), kt.shape[4],
+            slots.data_ptr(), cache_positions.data_ptr(), lens.data_ptr(),
+        )
+
+    def kv_append(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pool_buffer: torch.Tensor,
+        layer: int,
+        page_ids: torch.Tensor,
+        offsets: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """Write new tokens' K/V of ``layer`` into the pool and, optionally, the decode cache.
+
+        Args:
+            k: ``[T, Hkv, D]`` bfloat16, each row's heads contiguous (rows may be strided).
+            v: the same for values.
+            pool_buffer: the pool, ``[num_pages, L, 2, page_size, Hkv, D]`` bfloat16,
+                contiguous.
+            layer: layer index.
+            page_ids: ``[T]`` int64 page of each token; offsets: ``[T]`` int64 slot in it.
+            cache: ``(kt [slots, Hkv, D, cap], v [slots, Hkv, cap, D], slots [T], pos [T])``
+                of this layer (contiguous; int64 indices), or None to write the pool only.
+        """
+        t, hkv, d = k.shape
+        base = pool_buffer[0, layer]
+        ckt, cv, slots, pos = cache if cache is not None else (None, None, None, None)
+        self._append(
+            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, hkv, d,
+            base[0].data_ptr(), base[1].data_ptr(), pool_buffer.stride(0),
+            page_ids.data_ptr(), offsets.data_ptr(),
+            None if ckt is None else ckt.data_ptr(), None if cv is None else cv.data_ptr(),
+            0 if ckt is None else ckt.shape[3],
+            None if slots is None else slots.data_ptr(), None if pos is None else pos.data_ptr(),
+        )
+
+    @staticmethod
+    def can_pack_decode(weight: torch.Tensor) -> bool:
+        """Whether :meth:`pack_decode` takes ``weight``: CPU bfloat16 ``[N, K]``, N a multiple
+        of 16."""
+        return (
+            weight.device.type == "cpu"
+            and weight.dtype == torch.bfloat16
+            and weight.dim() == 2
+            and weight.shape[0] % 16 == 0
+        )
+
+    @staticmethod
+    def pack_decode(weight: torch.Tensor) -> torch.Tensor:
+        """``weight [N, K]`` -> ``[N / 16, ceil(K / 2), 16, 2]``: for 16 output rows, each pair
+        of adjacent K values side by side (an odd K gets a zero column). One copy serves both
+        decode products: ``vdpbf16ps`` takes the pairs as they are (:meth:`linear_gemm`), and the
+        skinny stream splits them into even and odd K (:meth:`linear_skinny`). A copy; the
+        original stays."""
+        n, k = weight.shape
+        w = weight.detach()
+        if k % 2:
+            w = torch.cat([w, w.new_zeros(n, 1)], dim=1)
+        return w.reshape(n // 16, 16, (k + 1) // 2, 2).transpose(1, 2).contiguous()
+
+    def linear_decode(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x @ W.T + bias`` for a decode step of at most :attr:`decode_max_rows` rows: the
+        skinny stream at 1-2 rows, the AVX512_BF16 tiles from 3 (``decode_linear_bf16``, which
+        the fused decode path calls too, so both paths give the same bits).
+
+        Args:
+            x: ``[M, K]`` bfloat16, ``1 <= M <= decode_max_rows``, last dim contiguous.
+            packed: ``W`` from :meth:`pack_decode`.
+            bias: ``[N]`` bfloat16 or None.
+
+        Returns:
+            ``[M, N]`` bfloat16: float32 sums (plus the bias) rounded to nearest even once.
+
+        Raises:
+            MemoryError: no memory for the skinny kernel's float32 copy of ``x``.
+        """
+        return _run_linear(self._decode_linear, "decode linear", x, packed, bias)
+
+    def linear_skinny(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x @ W.T + bias`` for at most :data:`SKINNY_MAX_ROWS` rows, reading ``W`` once.
+
+        Args:
+            x: ``[M, K]`` bfloat16, ``1 <= M <= SKINNY_MAX_ROWS``, last dim contiguous.
+            packed: ``W`` from :meth:`pack_decode`.
+            bias: ``[N]`` bfloat16 or None.
+
+        Returns:
+            ``[M, N]`` bfloat16: float32 dot products (plus the bias) rounded to nearest even
+            once; equal to ``F.linear`` up to float32 summation order.
+
+        Raises:
+            MemoryError: no memory for the float32 copy of ``x``.
+        """
+        return _run_linear(self._gemv, "skinny linear", x, packed, bias)
+
+    def linear_gemm(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        blocking: int = 0,
+    ) -> torch.Tensor | None:
+        """``x @ W.T + bias`` with the AVX512_BF16 register-blocked product (``gemm_bf16.c``).
+
+        Args:
+            x: ``[M, K]`` bfloat16, ``M >= 1``, last dim contiguous (rows may be strided).
+            packed: ``W`` from :meth:`pack_decode`.
+            bias: ``[N]`` bfloat16 or None.
+            blocking: the tile shape (0: 8 rows x 48 columns; 1-3: the alternatives tried).
+
+        Returns:
+            ``[M, N]`` bfloat16: float32 sums (plus the bias) rounded to nearest even once;
+            None where the kernel does not run (no AVX512_BF16 in this build: keep oneDNN).
+        """
+        m, k = x.shape
+        n = packed.shape[0] * 16
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        rc = self._gemm(
+            x.data_ptr(), x.stride(0), m, packed.data_ptr(),
+            None if bias is None else bias.data_ptr(), n, k, y.data_ptr(), blocking,
+        )
+        return y if rc == 0 else None
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        kt: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        lens: torch.Tensor,
+        window: int | None,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """One query token per row against its slot's cached keys, in one pass per head.
+
+        Args:
+            q: ``[R, Hq, D]`` bfloat16; each row's heads contiguous (rows may be strided, as
+                slices of a fused q/k/v projection are).
+            kt: ``[num_slots, Hkv, D, cap]`` bfloat16 keys (transposed), contiguous.
+            v: ``[num_slots, Hkv, cap, D]`` bfloat16 values, contiguous.
+            slots: ``[R]`` int64 slot of each row.
+            lens: ``[R]`` int64: row ``r`` attends to key positions ``0 .. lens[r] - 1`` (the
+                last ``window`` of them with a sliding window); 0 leaves its output untouched.
+            window: sliding window, or None.
+            scale: softmax scale.
+            out: ``[R, Hq, D]`` bfloat16, contiguous; written and returned.
+
+        Scores, softmax and the value sum run in float32 (no intermediate bfloat16 rounding);
+        the output is rounded to nearest even. Shapes the kernel takes: see :meth:`supports`.
+
+        Raises:
+            MemoryError: the kernel could not allocate its score buffers.
+        """
+        r, hq, d = q.shape
+        hkv, cap = kt.shape[1], kt.shape[3]
+        rc = self._attn(
+            q.data_ptr(), q.stride(0), kt.data_ptr(), v.data_ptr(), slots.data_ptr(),
+            lens.data_ptr(), r, hkv, hq // hkv, d, cap, window or 0, scale, out.data_ptr(),
+        )
+        if rc == -1:
+            raise MemoryError("decode attention kernel: out of memory")
+        if rc != 0:
+            raise ValueError(f"decode attention kernel: unsupported shape q {tuple(q.shape)}")
+        return out
+
+    def extend_attention(
+        self,
+        q: torch.Tensor,
+        pool_buffer: torch.Tensor,
+        layer: int,
+        pages: torch.Tensor,
+        seq_len: int,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """One sequence's new tokens against its whole paged K/V (prefix and new tokens, already
+        in the pool), causal, in one flash-attention pass (``extend_attention.c``).
+
+        Args:
+            q: ``[n, Hq, D]`` bfloat16, the sequence's last ``n`` tokens (positions
+                ``seq_len - n ..``); each token's heads contiguous (tokens may be strided).
+            pool_buffer: the pool, ``[num_pages, L, 2, page_size, Hkv, D]`` bfloat16,
+                contiguous.
+            layer: layer index.
+            pages: ``[>= ceil(seq_len / page_size)]`` int64 page ids of the sequence, contiguous.
+            seq_len: tokens in the sequence, new ones included.
+            window: sliding window (each query sees its last ``window`` keys), or None.
+            scale: softmax scale.
+
+        Returns:
+            ``[n, Hq, D]`` bfloat16, or None where the kernel does not apply (no AVX512-BF16,
+            ``D`` not a multiple of 16 up to 256): the caller keeps torch's SDPA then.
+
+        Raises:
+            MemoryError: the kernel could not allocate its packed K/V (~``seq_len * Hkv * D * 4``
+                bytes).
+        """
+        n, hq, d = q.shape
+        hkv, ps = pool_buffer.shape[4], pool_buffer.shape[3]
+        base = pool_buffer[0, layer]
+        out = torch.empty(n, hq, d, dtype=torch.bfloat16)
+        rc = self._extend(
+            q.data_ptr(), q.stride(0), n, base[0].data_ptr(), base[1].data_ptr(),
+            pool_buffer.stride(0), ps, pages.data_ptr(), seq_len, hkv, hq // hkv, d,
+            window or 0, scale, out.data_ptr(),
+        )
+        if rc == -1:
+            raise MemoryError("extend attention kernel: out of memory")
+        return out if rc == 0 else None
+
+    @staticmethod
+    def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether :meth:`decode_attention` takes these heads: at most 8 query heads per KV
+        head and ``head_dim`` a multiple of 16 up to 256."""
+        g = num_heads // num_kv_heads
+        return 1 <= g <= 8 and head_dim % 16 == 0 and head_dim <= 256
+
+
+def _run_linear(
+    fn: Any, name: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Call a C product ``fn(x, x_stride, m, wp, bias, n, k, y)`` on a weight from
+    :meth:`CpuKernels.pack_decode`; its return code -1 becomes MemoryError, others ValueError."""
+    m, k = x.shape
+    n = packed.shape[0] * 16
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    rc = fn(
+        x.data_ptr(), x.stride(0), m, packed.data_ptr(),
+        None if bias is None else bias.data_ptr(), n, k, y.data_ptr(),
+    )
+    if rc == -1:
+        raise MemoryError(f"{name} kernel: out of memory")
+    if rc != 0:
+        raise ValueError(f"{name} kernel: unsupported shape x {tuple(x.shape)}")
+    return y
+
+

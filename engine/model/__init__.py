@@ -1,0 +1,1 @@
+"""Model definitions and loading: config, weights, the Llama family, shared layers, RoPE."""

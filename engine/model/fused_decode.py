@@ -1,0 +1,85 @@
+"""All decoder layers of a small decode-only step in one C call (``csrc/decode_layers.c``).
+
+At 1-3 rows a CPU bfloat16 step is memory-bound matrix work plus ~10 Python-level calls per layer
+(modules, ctypes calls, tensor allocations), which were about a quarter of the step at batch 1;
+at batch 32 with the AVX512_BF16 tiles (2 threads) they were ~9% of it.
+This path runs the same kernels in the same order as the per-op path (``llama.py`` with
+``cpu_kernels``), so its results are bit-identical to it; it applies only when every piece it
+replaces would have taken its kernel: see :func:`run_fused_decode_layers`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from splitserve.engine.kernels.cpu.bindings import CpuKernels
+from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.model.layers import Linear
+
+
+def layer_pointers(model: torch.nn.Module) -> torch.Tensor | None:
+    """``[L * 10]`` int64 addresses of every layer's norm weights, packed projections and
+    biases (0 when absent), in ``decode_layers.c``'s order; None if a projection has no
+    decode-packed weight. The tensors stay owned by the model (they never move after packing).
+    """
+    ptrs: list[int] = []
+    for layer in model.layers:  # type: ignore[attr-defined]
+        attn, mlp = layer.self_attn, layer.mlp
+        for item in (
+            layer.input_layernorm.weight, attn.qkv_proj, attn.o_proj,
+            layer.post_attention_layernorm.weight, mlp.gate_up_proj, mlp.down_proj,
+        ):
+            if isinstance(item, Linear):
+                if item.decode_packed is None:
+                    return None
+                w = item.decode_packed
+                ptrs += [w.data_ptr(), 0 if item.bias is None else item.bias.data_ptr()]
+            else:
+                ptrs.append(item.data_ptr())
+    return torch.tensor(ptrs, dtype=torch.int64)
+
+
+def run_fused_decode_layers(
+    model: torch.nn.Module, x: torch.Tensor, meta: object, pool: KVPool
+) -> bool:
+    """Run every decoder layer on ``x [T, hidden]`` (bfloat16, updated in place) if the step
+    qualifies: the model's C kernels are on, ``T <= kernels.decode_max_rows`` (3, or 128 with
+    the AVX512_BF16 tiles), every row decodes, the torch backend's decode cache serves the step
+    and its C attention kernel takes the heads.
+    Returns whether it ran (else nothing was touched and the caller runs the layers).
+
+    Raises:
+        MemoryError / RuntimeError: the C call failed after it may have written (not expected).
+    """
+    kernels: CpuKernels | None = getattr(model, "kernels", None)
+    backend = getattr(model, "attn_backend", None)
+    if kernels is None or not isinstance(backend, TorchAttentionBackend):
+        return False
+    if not isinstance(meta, TorchAttentionMetadata) or not meta.is_decode_only:
+        return False
+    plan, cache = meta.decode_plan, backend.decode_cache
+    cfg = model.config  # type: ignore[attr-defined]
+    if plan is None or cache is None or cache.kt is None or cache.v is None:
+        return False
+    if x.dtype != torch.bfloat16 or x.shape[0] > kernels.decode_max_rows or not x.is_contiguous():
+        return False
+    if not CpuKernels.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
+        return False
+    if backend._kernels_for(pool, cfg.num_heads) is None or not pool.buffer.is_contiguous():
+        return False
+    ptrs = model._fused_layer_ptrs  # type: ignore[attr-defined]
+    if ptrs is None:
+        ptrs = layer_pointers(model)
+        if ptrs is None:
+            return False
+        model._fused_layer_ptrs = ptrs  # type: ignore[attr-defined]
+    kt, v, slots, positions = cache.append_all_targets(plan)
+    buf, batch = pool.buffer, meta.batch
+    rc = kernels.decode_layers(
+        ptrs, x, cfg, model.rope, batch.positions, buf, batch.out_page_ids,  # type: ignore[attr-defined]
+        batch.out_offsets, kt, v, slots, positions, plan.lens, plan.window,
+    )
+    if rc != 0:
+        raise RuntimeError(f"fused decode layers failed (code {rc})")
+    return True

@@ -1,0 +1,1 @@
+"""Running one scheduled step: forward batch, model call, CUDA graphs, sampling."""

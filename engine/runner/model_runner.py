@@ -1,0 +1,163 @@
+"""Runs one scheduled step: builds the :class:`ForwardBatch`, calls the model, samples.
+
+The runner reads the requests of a :class:`~splitserve.engine.sched.batch.ScheduledBatch` and
+returns a :class:`~splitserve.engine.sched.batch.ModelOutput`; it changes no request (the
+scheduler's ``update`` does), and it owns the model, the pool's tensors, the sampler, the
+grammar mask and the CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitserve.engine.forward_batch import build_forward_batch
+from splitserve.engine.grammar.batch_mask import BatchMask
+from splitserve.engine.grammar.mask_thread import MaskFillThread
+from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.runner.cuda_graph import DecodeGraphRunner
+from splitserve.engine.runner.sampling import Sampler, make_generator
+from splitserve.engine.sched.batch import ModelOutput, ScheduledBatch
+from splitserve.engine.sched.request import Req
+
+
+class ModelRunner:
+    """Owns the model, the KV pool and the sampler of one worker.
+
+    Args:
+        model: a model whose ``forward(batch, pool)`` returns float32 logits ``[N, vocab]`` at
+            ``batch.logit_indices`` (``engine.model.llama``).
+        pool: the worker's KV pool.
+        device: device of the model and pool.
+        vocab_size: the model's logits width; needed only when requests carry grammars.
+        overlap_grammar_mask: fill constrained rows' masks on a background thread while the
+            forward pass runs (see ``grammar.mask_thread`` for why that is safe); False fills
+            them on the calling thread before the forward pass. Same tokens either way; may be
+            switched between steps.
+        decode_graphs: replays decode-only steps it can run (``engine.cuda_graph``); None runs
+            every step eagerly.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: KVPool,
+        device: str = "cpu",
+        vocab_size: int = 0,
+        overlap_grammar_mask: bool = True,
+        decode_graphs: DecodeGraphRunner | None = None,
+        use_cpu_kernels: bool = True,
+    ) -> None:
+        self.model = model
+        self.vocab_size = vocab_size  # logits width, for grammar bitmasks (0: no grammars)
+        self.pool = pool
+        self.device = device
+        self.sampler = Sampler(use_cpu_kernels)
+        self.overlap_grammar_mask = overlap_grammar_mask
+        self.grammar_mask: BatchMask | None = None  # made at the first constrained step
+        self.mask_thread = MaskFillThread()
+        self.decode_graphs = decode_graphs
+
+    def close(self) -> None:
+        """Stop the grammar mask thread (if it was ever started)."""
+        self.mask_thread.close()
+
+    @torch.inference_mode()
+    def run(self, step: ScheduledBatch) -> ModelOutput:
+        """Extend each ``step.reqs[i]`` by ``step.chunk_lens[i]`` tokens (KV written to its
+        pages), score the prompt positions of ``step.scored_rows`` and sample one token for each
+        row in ``step.sample_rows``, under its grammar's mask if it has one."""
+        reqs, chunk_lens, sample_rows = step.reqs, step.chunk_lens, step.sample_rows
+        picked = [reqs[i] for i in sample_rows]
+        masked_rows = [j for j, r in enumerate(picked) if r.grammar is not None]
+        mask = self._start_grammar_mask(picked, masked_rows) if masked_rows else None
+        scored = step.scored_rows
+        prompt_logprobs: list[list[float]] = []
+        try:
+            batch = build_forward_batch(
+                token_chunks=[r.tokens(r.kv_len, r.kv_len + n) for r, n in zip(reqs, chunk_lens)],
+                prefix_lens=[r.kv_len for r in reqs],
+                page_lists=[r.page_ids for r in reqs],
+                page_size=self.pool.page_size,
+                logit_seq_indices=sample_rows,
+                device=self.device,
+                all_logit_seq_indices=scored,
+                seq_ids=[r.uid for r in reqs],
+            )
+            graphs = self.decode_graphs
+            if graphs is not None and graphs.can_run(batch, sample_rows, scored):
+                logits = graphs.run(batch)
+            else:
+                logits = self.model(batch, self.pool)
+            if scored:
+                # Rows after the sampled ones score every position of the scored chunks, in order.
+                prompt_logprobs = _prompt_logprobs(
+                    [reqs[i] for i in scored], [chunk_lens[i] for i in scored],
+                    logits[len(sample_rows):],
+                )
+                logits = logits[: len(sample_rows)]
+        finally:
+            # Grammar state is the caller's again only after this (grammar.mask_thread, point 3).
+            self.mask_thread.join()
+        if not sample_rows:
+            return ModelOutput([], [], prompt_logprobs)
+        if mask is not None:
+            mask.apply(logits, masked_rows)
+        ids, logprobs = self.sampler.sample(
+            logits, [r.sampling for r in picked], [_step_generator(r) for r in picked]
+        )
+        return ModelOutput(ids.tolist(), logprobs.tolist(), prompt_logprobs)
+
+    def _start_grammar_mask(self, picked: list[Req], rows: list[int]) -> BatchMask:
+        """Start filling the mask of the constrained ``rows`` of ``picked``: on the mask thread,
+        so that it overlaps the forward pass, or here and now when overlap is off.
+
+        Returns: the runner's mask, to ``apply`` once the fill is joined.
+
+        Raises:
+            ValueError: if the runner was built without ``vocab_size``.
+        """
+        if self.grammar_mask is None:
+            self.grammar_mask = BatchMask(self.vocab_size, self.device)
+        mask = self.grammar_mask
+        grammars = [picked[j].grammar for j in rows]
+
+        def fill() -> None:
+            # Inference mode is per thread: without it the mask thread could not write in place
+            # to buffers first made under ``run``'s inference mode (e.g. by a serial step).
+            with torch.inference_mode():
+                mask.fill(grammars, rows)  # type: ignore[arg-type]
+
+        if self.overlap_grammar_mask:
+            self.mask_thread.start(fill)
+        else:
+            fill()
+        return mask
+
+
+def _prompt_logprobs(
+    reqs: list[Req], chunk_lens: list[int], logits: torch.Tensor
+) -> list[list[float]]:
+    """For each request, the logprobs of the prompt tokens its chunk's logits predict."""
+    out = []
+    row = 0
+    for req, n in zip(reqs, chunk_lens):
+        first, nxt = req.kv_len, req.next_prompt_logprob
+        assert nxt is not None
+        # Positions p in [nxt - 1, min(end, prompt_len - 1)) predict prompt tokens p + 1.
+        lo, hi = nxt - 1, min(first + n, req.prompt_len - 1)
+        rows = logits[row + lo - first : row + hi - first]
+        targets = torch.tensor(req.input_ids[lo + 1 : hi + 1], dtype=torch.long)
+        lp = torch.log_softmax(rows.float(), dim=-1).gather(1, targets.to(rows.device)[:, None])
+        out.append(lp[:, 0].tolist())
+        row += n
+    return out
+
+
+def _step_generator(req: Req) -> torch.Generator | None:
+    """A generator seeded by (request seed, output position): the draw for each token depends
+    only on those, so a seeded request gives the same tokens colocated, disaggregated (where the
+    first token is drawn on another process) and after a retraction."""
+    seed = req.sampling.seed
+    if seed is None:
+        return None
+    return make_generator((seed * 1_000_003 + len(req.output_ids)) % (2**63))

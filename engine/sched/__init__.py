@@ -1,0 +1,1 @@
+"""Scheduling: the per-request state, the prefix-cache interface and continuous batching."""

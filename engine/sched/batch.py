@@ -1,0 +1,52 @@
+"""The contract between the scheduler and the model runner, as plain data: what one forward pass
+computes (:class:`ScheduledBatch`), what it produced (:class:`ModelOutput`), and what the step
+meant for each request (:class:`StepOutput`). The scheduler never runs the model; the runner
+never changes a request (as vLLM v1's ``sched/output.py`` separates them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.engine.sched.request import Req
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One forward pass: extend ``reqs[i]`` by ``chunk_lens[i]`` tokens from its ``kv_len``
+    (their pages are allocated), and sample one token for each ``reqs[j]``, ``j`` in
+    ``sample_rows`` (those whose chunk reaches the end of their sequence). ``scored_rows``: the
+    rows whose chunk covers a position that predicts a prompt token whose logprob is still
+    wanted (``Req.next_prompt_logprob``)."""
+
+    reqs: list[Req]
+    chunk_lens: list[int]
+    sample_rows: list[int]
+    scored_rows: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.chunk_lens)
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """What the runner computed for a :class:`ScheduledBatch`: one sampled token and its
+    logprob per ``sample_rows`` entry, and for each ``scored_rows`` entry the logprobs of the
+    prompt tokens its chunk predicts, in order (float32 log-softmax, before any mask)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    prompt_logprobs: list[list[float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """A token sampled for ``req`` this step. ``prefilled`` marks a prefill-only request that just
+    left the scheduler with its pages (the caller now owns them)."""
+
+    req: Req
+    token_id: int
+    logprob: float
+    finished: bool
+    prefilled: bool = False

@@ -1,0 +1,264 @@
+"""Continuous batching: every step admits, extends, decodes and retires requests under a token
+budget, so a request's output does not depend on what else runs (chunked prefill as in
+Sarathi-Serve / SGLang; retraction on page exhaustion as in SGLang).
+
+The scheduler never runs the model. One step is :meth:`Scheduler.schedule` (decide the batch
+and allocate its pages: a :class:`~splitserve.engine.sched.batch.ScheduledBatch`), the model
+runner's ``run`` (a :class:`~splitserve.engine.sched.batch.ModelOutput`), then
+:meth:`Scheduler.update` (advance the requests, retire the finished ones); ``engine.core`` is
+that loop. Every page goes through the prefix cache (a no-op one when off), and every
+allocation is check-then-act: a request is admitted whole or not at all.
+
+Used by all three worker roles: the colocated worker prefills and decodes; the prefill worker
+prefills only (a request leaves as soon as its first token is sampled, holding its pages for the
+KV transfer); the decode worker decodes requests whose KV arrived, and re-prefills locally the
+requests it had to retract.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from splitserve.config import EngineConfig
+from splitserve.engine.kv_pool import pages_for
+from splitserve.engine.sched.batch import ModelOutput, ScheduledBatch, StepOutput
+from splitserve.engine.sched.prefix_cache import BasePrefixCache
+from splitserve.engine.sched.request import Req
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Queues of one worker and the policy that turns them into forward passes.
+
+    Args:
+        cache: the prefix cache; it owns the pool's allocator and page size, and every page a
+            request gets or gives back goes through it.
+        engine: the budgets it reads: ``max_batch_tokens`` (new tokens per forward pass,
+            prefill chunks and decodes together), ``max_running`` (sequences per pass) and
+            ``jump_forward`` (append the tokens a grammar forces without sampling them).
+        eos_token_ids: tokens that end an output (unless the request ignores EOS).
+        prefill_only: the prefill worker's scheduler: a request leaves with its first token,
+            holding its pages for the KV send, and never jumps forward.
+    """
+
+    def __init__(
+        self,
+        cache: BasePrefixCache,
+        engine: EngineConfig,
+        eos_token_ids: list[int],
+        prefill_only: bool = False,
+    ) -> None:
+        self.cache = cache
+        self.allocator = cache.allocator
+        self.page_size = cache.page_size
+        self.max_batch_tokens = engine.max_batch_tokens
+        self.max_running = engine.max_running
+        self.jump_forward_on = engine.jump_forward and not prefill_only
+        self.prefill_only = prefill_only
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Req] = deque()  # need more than one token of KV: new or retracted
+        self.running: list[Req] = []  # decoding: exactly one token missing its KV
+        self.num_retracted = 0
+        self.last_num_scheduled = 0  # sequences in the last step; 0 means it could not run any
+
+    # ---- queue management -------------------------------------------------------------------
+
+    def fits_pool(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` tokens could ever fit in this pool."""
+        return pages_for(num_tokens, self.page_size) <= self.allocator.num_pages - 1
+
+    def can_admit(self, num_pages: int) -> bool:
+        """Whether a new sequence needing ``num_pages`` pages may be admitted now: they must be
+        free (after evicting unpinned cache entries) with one page of headroom per running
+        request, so that admitting never forces a running request to retract. The one rule of
+        admission, for the scheduler's own prompts and the decode worker's KV reservations."""
+        return self.cache.ensure_free(num_pages + len(self.running))
+
+    def add(self, req: Req) -> None:
+        """Queue a request that needs prefill (new, or pages installed but not all of them)."""
+        self.waiting.append(req)
+
+    def add_running(self, req: Req) -> None:
+        """Queue a request whose KV is complete but for its last tokens (KV received): the
+        sampled token, plus any its grammar forced after it (jump-forward)."""
+        assert req.extend_len >= 1, "add_running needs at least one token without KV"
+        self.running.append(req)
+
+    def abort(self, rid: str) -> Req | None:
+        """Remove ``rid`` from the queues and free its pages. Returns it, or None if absent."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    self.free(req)
+                    return req
+        return None
+
+    def free(self, req: Req) -> None:
+        """Give back ``req``'s pages: its computed KV goes to the prefix cache (when on), the
+        rest to the pool. Afterwards ``req`` holds no pages and ``kv_len == 0``."""
+        self.cache.release(req)
+
+    def check_pages(self, held_by_callers: int = 0) -> None:
+        """Every used page is either the cache's or a request's (call when idle, or pass the
+        pages held outside the queues, e.g. prefilled requests awaiting their KV send).
+
+        Raises:
+            AssertionError: pages leaked or were counted twice.
+        """
+        held = sum(len(r.page_ids) - r.matched_len // self.page_size
+                   for r in (*self.waiting, *self.running))
+        used, cached = self.allocator.num_used, self.cache.stats().cached_pages
+        assert used == cached + held + held_by_callers, (used, cached, held, held_by_callers)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Choose the next forward pass and allocate its pages; None when nothing can run (no
+        work, or every request waits for pages). Decodes first, then prompt chunks in arrival
+        order under ``max_batch_tokens``."""
+        reqs, chunks = self._schedule()
+        self.last_num_scheduled = len(reqs)
+        if not reqs:
+            return None
+        sample_rows = [i for i, (r, n) in enumerate(zip(reqs, chunks)) if n == r.extend_len]
+        scored = [i for i, (r, n) in enumerate(zip(reqs, chunks)) if _scores_prompt(r, n)]
+        return ScheduledBatch(reqs, chunks, sample_rows, scored)
+
+    def update(self, batch: ScheduledBatch, output: ModelOutput) -> list[StepOutput]:
+        """Apply what the runner computed for ``batch`` (from :meth:`schedule`, run once):
+        advance every request's KV, record prompt logprobs, append the sampled tokens, retire
+        finished requests (freeing their pages) and hand prefill-only ones to the caller.
+        Returns: one :class:`StepOutput` per sampled token."""
+        reqs, chunks = batch.reqs, batch.chunk_lens
+        for i, logprobs in zip(batch.scored_rows, output.prompt_logprobs):
+            reqs[i].prompt_logprobs.extend(logprobs)
+        for r, n in zip(reqs, chunks):
+            r.kv_len += n
+            if n > 1:  # a prefill chunk (or jump-forward tokens): reusable by later prompts now
+                self.cache.cache_prefix(r)
+        return [
+            self._append_token(reqs[i], tok, lp)
+            for i, tok, lp in zip(batch.sample_rows, output.token_ids, output.logprobs)
+        ]
+
+    def _append_token(self, req: Req, token_id: int, logprob: float) -> StepOutput:
+        was_waiting = req in self.waiting  # O(len(waiting)): only prefill rows get here
+        req.output_ids.append(token_id)
+        req.output_logprobs.append(logprob)
+        if req.grammar is not None and not req.grammar.accept(token_id):
+            # The mask allowed only what the grammar accepts, so this is a bug; end the output
+            # rather than emit text that breaks the constraint.
+            logger.error("request %s: grammar refused sampled token %d", req.rid, token_id)
+            req.finish_reason = "stop"
+        finished = req.check_finished(self.eos_token_ids) is not None
+        if not finished and not self.prefill_only:
+            finished = self.jump_forward(req)
+        if was_waiting:
+            self.waiting.remove(req)
+        elif finished:
+            self.running.remove(req)
+        if self.prefill_only and was_waiting:
+            return StepOutput(req, token_id, logprob, finished, prefilled=True)
+        if finished:
+            self.free(req)
+        elif was_waiting:
+            self.running.append(req)
+        return StepOutput(req, token_id, logprob, finished)
+
+    def jump_forward(self, req: Req) -> bool:
+        """Append the tokens ``req``'s grammar forces next, unsampled; the next step extends
+        them with the sequence's other missing tokens. Returns: True if ``req`` is now finished.
+
+        The prefill worker never jumps: its request leaves with exactly one sampled token.
+        """
+        if req.grammar is None or not self.jump_forward_on:
+            return req.finish_reason is not None
+        room = req.sampling.max_new_tokens - len(req.output_ids)
+        forced = req.grammar.forced_tokens(limit=room)
+        if not forced:
+            return req.finish_reason is not None
+        req.output_ids.extend(forced)
+        req.output_logprobs.extend([0.0] * len(forced))  # chosen by the grammar: probability 1
+        return req.check_finished(self.eos_token_ids) is not None
+
+    def _schedule(self) -> tuple[list[Req], list[int]]:
+        reqs: list[Req] = []
+        chunks: list[int] = []
+        alloc = self.allocator
+        page_size = self.page_size
+        # Decode first: it keeps inter-token latency flat while prompts are chunked in.
+        for req in list(self.running):
+            if req not in self.running:  # retracted below while making room
+                continue
+            if len(reqs) >= self.max_running:
+                break
+            # Usually 1 (the last sampled token); more after a grammar jump-forward.
+            chunk = req.extend_len
+            need = pages_for(req.kv_len + chunk, page_size) - len(req.page_ids)
+            if need > 0:
+                # Evict unpinned cache entries first; retract only when that is not enough.
+                while not self.cache.ensure_free(need) and self._retract_one(req, reqs):
+                    pass
+                if not self.cache.ensure_free(need):
+                    self._retract(req)
+                    continue
+                req.page_ids.extend(alloc.alloc(need))
+            reqs.append(req)
+            chunks.append(chunk)
+        budget = self.max_batch_tokens - sum(chunks)
+        for req in self.waiting:
+            if budget <= 0 or len(reqs) >= self.max_running:
+                break
+            is_new = not req.page_ids
+            if is_new:
+                # Admit a new prompt only if all of it fits, with a page of headroom per running
+                # request, so a half-prefilled prompt does not force decodes to retract.
+                self.cache.match(req)
+                total = pages_for(req.seq_len + 1, page_size) - len(req.page_ids)
+                if not self.can_admit(total):
+                    self.cache.unmatch(req)
+                    break  # waits (FIFO) until requests finish or cache entries unpin
+            chunk = min(req.extend_len, budget)
+            need = pages_for(req.kv_len + chunk, page_size) - len(req.page_ids)
+            if not self.cache.ensure_free(need):
+                if is_new:
+                    self.cache.unmatch(req)
+                break  # FIFO: later prompts wait behind this one
+            if is_new:
+                self.cache.admitted(req)
+            req.page_ids.extend(alloc.alloc(need))
+            reqs.append(req)
+            chunks.append(chunk)
+            budget -= chunk
+        return reqs, chunks
+
+    def _retract_one(self, keep: Req, scheduled: list[Req]) -> bool:
+        """Retract the most recently admitted running request other than ``keep`` and those
+        already in this step's batch (retracting one of those would leave it in the batch with
+        no pages)."""
+        for victim in reversed(self.running):
+            if victim is not keep and victim not in scheduled:
+                self._retract(victim)
+                return True
+        return False
+
+    def _retract(self, req: Req) -> None:
+        # Its KV is recomputed later over prompt + output, which continues the same sequence.
+        self.running.remove(req)
+        self.free(req)
+        self.waiting.appendleft(req)
+        self.num_retracted += 1
+
+
+def _scores_prompt(req: Req, chunk_len: int) -> bool:
+    """Whether this chunk of ``req`` covers a position that predicts a missing prompt logprob:
+    position ``p`` predicts token ``p + 1``."""
+    nxt = req.next_prompt_logprob
+    return nxt is not None and req.kv_len <= nxt - 1 < req.kv_len + chunk_len

@@ -1,0 +1,1 @@
+"""What crosses a process boundary: the message union, ZeroMQ sockets, raw frames, CURVE."""

@@ -1,0 +1,1 @@
+"""Starting a cluster: local processes, or actors on a Ray cluster."""

@@ -1,0 +1,181 @@
+"""Multi-host launch on an existing Ray cluster: ``splitserve launch --ray ADDRESS --config
+cluster.yaml``. Ray is an optional extra (``pip install splitserve[ray]``).
+
+Ray only places and keeps processes: each worker and the router run as an ordinary
+``python -m splitserve ...`` child of a small Ray actor that reserves the role's resources on some
+node (``num_cpus``/``num_gpus``/custom ``resources``, or a pinned ``node_ip``). Workers join the
+router with ``--router`` exactly as when started by hand (the plain per-host commands in the
+README), advertising their node's IP. Each child gets its whole config as ``--config-json``
+(``engine`` is an :class:`~splitserve.config.EngineConfig`: an unknown key is an error).
+
+cluster.yaml::
+
+    model: /models/SmolLM2-135M-Instruct     # same path on every node
+    router: {port: 8000, node_ip: 10.0.0.1}  # optional node_ip pins the router
+    prefill: {count: 2, port: 7001, num_cpus: 8}
+    decode:  {count: 2, port: 7002, num_cpus: 8, kv_cache_mb: 4096}
+    engine:  {dtype: bfloat16, page_size: 16}  # flags for every worker
+    curve_keys: /etc/splitserve/cluster.keys   # optional; same file on every node
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from splitserve.config import (
+    EngineConfig,
+    SecurityConfig,
+    ServeConfig,
+    ServerConfig,
+    WorkerConfig,
+    env,
+)
+from splitserve.config.schema import to_json
+
+ROLE_KEYS = ("count", "port", "num_cpus", "num_gpus", "resources", "node_ip", "kv_cache_mb")
+
+
+@dataclass(slots=True)
+class RoleSpec:
+    count: int = 1
+    port: int = 0  # 0: any free port
+    num_cpus: float = 1
+    num_gpus: float = 0
+    resources: dict[str, float] = field(default_factory=dict)
+    node_ip: str | None = None
+    kv_cache_mb: int | None = None
+
+
+@dataclass(slots=True)
+class RayClusterSpec:
+    model: str
+    router_port: int = 8000
+    router_node_ip: str | None = None
+    prefill: RoleSpec = field(default_factory=RoleSpec)
+    decode: RoleSpec = field(default_factory=RoleSpec)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    curve_keys: str | None = None
+
+    @classmethod
+    def from_yaml(cls, text: str) -> RayClusterSpec:
+        """Raises: ValueError naming the first bad key."""
+        import yaml
+
+        d = yaml.safe_load(text) or {}
+        if "model" not in d:
+            raise ValueError("cluster spec: 'model' is required")
+        roles = {}
+        for role in ("prefill", "decode"):
+            r = d.get(role) or {}
+            bad = set(r) - set(ROLE_KEYS)
+            if bad:
+                raise ValueError(f"cluster spec: {role}: unknown keys {sorted(bad)}")
+            roles[role] = RoleSpec(**r)
+        router = d.get("router") or {}
+        try:
+            engine = msgspec.convert({**(d.get("engine") or {}), "model": str(d["model"])},
+                                     EngineConfig)
+            engine.check()
+        except (msgspec.ValidationError, ValueError) as exc:
+            raise ValueError(f"cluster spec: engine: {exc}") from exc
+        return cls(model=d["model"], router_port=router.get("port", 8000),
+                   router_node_ip=router.get("node_ip"), engine=engine,
+                   curve_keys=d.get("curve_keys"), **roles)
+
+
+def _options(role: RoleSpec | None, node_ip: str | None) -> dict[str, Any]:
+    opts: dict[str, Any] = {"num_cpus": role.num_cpus if role else 1}
+    if role is not None and role.num_gpus:
+        opts["num_gpus"] = role.num_gpus
+    resources = dict(role.resources) if role else {}
+    if node_ip:
+        resources[f"node:{node_ip}"] = 0.001  # Ray's built-in per-node resource
+    if resources:
+        opts["resources"] = resources
+    return opts
+
+
+def launch_on_ray(address: str | None, spec: RayClusterSpec,
+                  security: SecurityConfig | None = None, log_level: str = "warning"):
+    """Start the router and workers on the Ray cluster at ``address`` (None: the Ray instance
+    this process already joined or started). Returns ``(router_url, handles)``; keep the
+    handles alive (dropping them stops the processes)."""
+    import ray
+
+    @ray.remote
+    class ProcessHost:
+        def __init__(self) -> None:
+            self.proc = None
+
+        def node_ip(self) -> str:
+            return ray.util.get_node_ip_address()
+
+        def start(self, argv: list[str], child_env: dict[str, str]) -> int:
+            self.proc = subprocess.Popen([sys.executable, "-m", "splitserve", *argv],
+                                         env={**os.environ, **child_env}, start_new_session=True)
+            return self.proc.pid
+
+        def poll(self) -> int | None:
+            return self.proc.poll() if self.proc else None
+
+        def stop(self) -> None:
+            if self.proc and self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+
+    ray.init(address=address, ignore_reinit_error=True)
+    security = msgspec.structs.replace(security or SecurityConfig(), curve_keys=spec.curve_keys)
+    child_env = {env.API_KEY: security.api_key} if security.api_key else {}
+    router = ProcessHost.options(**_options(None, spec.router_node_ip)).remote()
+    ip = ray.get(router.node_ip.remote())
+    server = ServeConfig(engine=spec.engine, server=ServerConfig(host=ip, port=spec.router_port),
+                         security=security, log_level=log_level)
+    ray.get(router.start.remote(["api-server", "--config-json", to_json(server)], child_env))
+    url = f"http://{ip}:{spec.router_port}"
+    handles = [router]
+    for role_name in ("prefill", "decode"):
+        role: RoleSpec = getattr(spec, role_name)
+        engine = spec.engine
+        if role.kv_cache_mb:
+            engine = msgspec.structs.replace(engine, kv_cache_mb=role.kv_cache_mb)
+        for i in range(role.count):
+            host = ProcessHost.options(**_options(role, role.node_ip)).remote()
+            node_ip = ray.get(host.node_ip.remote())
+            port = role.port + i if role.port else 0
+            worker = WorkerConfig(
+                role=role_name, worker_id=f"{role_name}-{i}", addr="", router_url=url,
+                num_threads=int(role.num_cpus), engine=engine, security=security,
+                log_level=log_level,
+            )
+            argv = ["worker", "--config-json", to_json(worker), "--host", node_ip,
+                    "--port", str(port)]
+            ray.get(host.start.remote(argv, child_env))
+            handles.append(host)
+    return url, handles
+
+
+def wait_healthy(url: str, num_workers: int, timeout_s: float = 300,
+                 api_key: str | None = None) -> None:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            rows = httpx.get(url + "/workers", timeout=5, headers=headers).json()
+            if len(rows) == num_workers and all(r["healthy"] for r in rows):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{num_workers} workers not healthy at {url} within {timeout_s:g} s")

@@ -1,0 +1,358 @@
+"""What every worker process shares: model and KV pool set-up, the ZeroMQ inbox/outbox, the main
+loop (drain messages, check timeouts, run one engine step) and stats. Roles subclass it:
+``prefill.worker.PrefillWorker``, ``decode.worker.DecodeWorker`` and
+``worker.colocated.ColocatedWorker``; what differs between them at set-up is said by three class
+attributes (:attr:`BaseWorker.computes_prompts`, :attr:`~BaseWorker.decodes`,
+:attr:`~BaseWorker.receives_kv`), never by comparing role names.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import ClassVar
+
+import msgspec
+import torch
+import zmq
+
+from splitserve.config import WorkerConfig
+from splitserve.engine.core import EngineCore
+from splitserve.engine.kernels.cpu.features import resolve_dtype
+from splitserve.engine.model.loader import load_model
+from splitserve.engine.runner.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphRunner
+from splitserve.engine.runner.model_runner import ModelRunner
+from splitserve.engine.sched.batch import StepOutput
+from splitserve.engine.sched.request import Req
+from splitserve.engine.sched.scheduler import Scheduler
+from splitserve.ipc.frames import Frames
+from splitserve.ipc.messages import (
+    AbortTask,
+    FlushCache,
+    GenerateTask,
+    Message,
+    RequestError,
+    Shutdown,
+    StatsQuery,
+    TokenBatch,
+    TokenOutput,
+    WorkerReady,
+    WorkerStats,
+)
+from splitserve.ipc.sockets import Inbox, Outbox, PeerUnreachable
+from splitserve.kv_transfer.registry import create_kv_pool
+from splitserve.radix_cache.prefix_cache import create_prefix_cache
+from splitserve.worker.grammars import CompileDone, create_worker_grammars
+from splitserve.worker.heartbeat import Heartbeat, rejoin_router
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGES_PER_STEP = 256  # bound the time spent draining the inbox between forward passes
+MAX_GRAPH_BATCH = 160  # largest decode batch captured as a CUDA graph (engine.cuda_graph)
+COMPILE_POLL_MS = 5  # inbox wait while only grammar compiles are pending (no busy loop)
+
+
+class BaseWorker:
+    """One worker process. Call :meth:`serve_forever`.
+
+    A role subclass sets :attr:`role` and the three traits below, and implements the hooks
+    (``on_generate``, ``on_abort``, ``on_step_outputs``, ``on_grammar_done``; optionally
+    ``on_peer_message``, ``check_timeouts``).
+    """
+
+    role: ClassVar[str] = "base"
+    computes_prompts: ClassVar[bool] = True  # prefills new prompts: the prefix cache applies
+    decodes: ClassVar[bool] = True  # keeps requests after their first token: jump-forward, graphs
+    receives_kv: ClassVar[bool] = False  # its pool is filled by KV transfer; it watches the links
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        e = config.engine
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        self.dtype = resolve_dtype(e.dtype, e.device)[0]
+        model, self.model_config = load_model(
+            e.model, dtype=getattr(torch, self.dtype), device=e.device, engine=e
+        )
+        layout = self.model_config.kv_layout(e.page_size, self.dtype)
+        num_pages = max(2, e.kv_cache_mb * 2**20 // layout.page_bytes)
+        # The backend decides where the pool lives (shm: a segment the prefill side maps).
+        self.pool = create_kv_pool(e.kv_transfer, layout, num_pages, e.device, self.receives_kv)
+        cache = create_prefix_cache(
+            e.prefix_cache if self.computes_prompts else "none",
+            self.pool.allocator, self.pool.page_size,
+        )
+        self.scheduler = Scheduler(
+            cache, e, self.model_config.eos_token_ids, prefill_only=not self.decodes
+        )
+        self.runner = ModelRunner(
+            model, self.pool, e.device, vocab_size=self.model_config.vocab_size,
+            overlap_grammar_mask=e.overlap_grammar_mask,
+            decode_graphs=self._capture_decode_graphs(model),
+            use_cpu_kernels=e.cpu_kernels,
+        )
+        self.core = EngineCore(self.scheduler, self.runner)
+        self.grammars = create_worker_grammars(
+            e.model,
+            self.model_config.vocab_size,
+            self.model_config.eos_token_ids,
+            jump_forward=e.jump_forward and self.decodes,
+            default_backend=e.grammar_backend,
+        )
+        self.ctx = zmq.Context()
+        self.curve = self.auth = None
+        if config.security.curve_keys:
+            from splitserve.ipc.security import CurveKeys, start_authenticator
+
+            self.curve = CurveKeys.load(config.security.curve_keys)
+            self.auth = start_authenticator(self.ctx, self.curve)
+        self.inbox = Inbox(self.ctx, config.addr, self.curve)
+        # A worker that receives KV watches its links to prefill workers: a dropped one frees
+        # the pages fenced for that worker at once (decode.fences).
+        self.outbox = Outbox(self.ctx, self.curve, watch_links=self.receives_kv)
+        self.stopped = False
+        self.num_failed = 0
+        self.num_transfer_failures = 0
+        logger.info(
+            "%s worker %s: %s, %s on %s (%s attention), %d KV pages of %d tokens, inbox %s",
+            self.role, config.worker_id, e.model, self.dtype, e.device,
+            type(model.attn_backend).__name__, num_pages - 1, e.page_size, config.addr,
+        )
+
+    def _rejoin(self) -> tuple[str, WorkerReady] | None:
+        """On the heartbeat thread: register with the router again; when it had forgotten us
+        (restarted), send replies to its inbox from now on and return that inbox and the ready
+        announcement for the heartbeat to send (engine.heartbeat)."""
+        c = self.config
+        assert c.router_url is not None
+        inbox = rejoin_router(c.router_url, self.role, c.worker_id, c.addr, c.security.api_key)
+        if inbox is None:
+            return None
+        logger.warning("router %s did not know this worker (restarted?): rejoined", c.router_url)
+        c.server_addr = inbox  # one attribute store: the main loop reads it on every send
+        return inbox, WorkerReady(c.worker_id, self.role, c.addr)
+
+    def _capture_decode_graphs(self, model: torch.nn.Module) -> DecodeGraphRunner | None:
+        """CUDA graphs for decode steps of up to ``max_running`` rows (at most
+        ``MAX_GRAPH_BATCH``: larger steps run eagerly, where launches are a small share), on
+        CUDA workers that decode (colocated, decode) unless ``--disable-cuda-graph``; else
+        None."""
+        e = self.config.engine
+        if (
+            not e.cuda_graph
+            or not self.decodes
+            or torch.device(e.device).type != "cuda"
+            or not model.attn_backend.supports_cuda_graphs
+        ):
+            return None
+        largest = min(e.max_running, MAX_GRAPH_BATCH)
+        sizes = tuple(n for n in DEFAULT_BATCH_SIZES if n < largest)
+        return DecodeGraphRunner(model, self.pool, sizes + (largest,))
+
+    # ---- main loop ----------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopped", True))
+        c = self.config
+        self.send(c.server_addr, WorkerReady(c.worker_id, self.role, c.addr))
+        beat = Heartbeat(
+            self.ctx, c.server_addr, self.stats, configure=self._curve_client,
+            rejoin=self._rejoin if c.router_url else None,
+        )
+        beat.start()
+        try:
+            while not self.stopped:
+                self.run_once(idle_wait_ms=20)
+        finally:
+            beat.stop()
+            beat.join()
+            if self.auth is not None:
+                self.auth.stop()
+            self.grammars.service.shutdown()
+            self.core.close()
+            # Backend threads (mooncake/nixl writers, nixl's progress thread) stop before the
+            # interpreter exits: a nixl thread still inside UCX at exit crashed the process.
+            self.close_kv_transfer()
+            self.inbox.close()
+            self.outbox.close()
+            self.ctx.term()
+
+    def close_kv_transfer(self) -> None:
+        """Release this worker's KV transfer backend (threads, registrations, mappings); called
+        once when :meth:`serve_forever` ends. Nothing by default."""
+
+    def run_once(self, idle_wait_ms: int = 0) -> None:
+        """Drain the inbox, expire timed-out requests, run one step if there is work."""
+        # Work that cannot be scheduled (waiting for pages) must not spin the core the model uses;
+        # the poll still returns at once when a message arrives.
+        busy = self.has_work() and self.scheduler.last_num_scheduled > 0
+        wait_ms = 0 if busy else COMPILE_POLL_MS if len(self.grammars) else idle_wait_ms
+        if self.inbox.poll(wait_ms):
+            for _ in range(MAX_MESSAGES_PER_STEP):
+                item = self.inbox.recv()
+                if item is None:
+                    break
+                self.dispatch(*item)
+        for done in self.grammars.poll():
+            self.on_grammar_done(done)
+        self.check_timeouts(time.monotonic())
+        if self.scheduler.has_work:
+            self.on_step_outputs(self.core.step())
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def dispatch(self, msg: Message, frames: Frames | list) -> None:
+        try:
+            if isinstance(msg, GenerateTask):
+                self.on_generate(msg)
+            elif isinstance(msg, AbortTask):
+                self.on_abort(msg.rid)
+            elif isinstance(msg, StatsQuery):
+                self.send(msg.reply_addr, self.stats(msg.query_id))
+            elif isinstance(msg, FlushCache):
+                freed = self.scheduler.cache.flush()
+                logger.info("%s worker %s: flushed %d cached pages", self.role,
+                            self.config.worker_id, freed)
+                self.send(msg.reply_addr, self.stats(msg.query_id))
+            elif isinstance(msg, Shutdown):
+                self.stopped = True
+            else:
+                self.on_peer_message(msg, frames)
+        except PeerUnreachable as exc:
+            logger.warning("%s: %s", type(msg).__name__, exc)
+
+    # ---- role hooks ---------------------------------------------------------------------------
+
+    def on_generate(self, task: GenerateTask) -> None:
+        raise NotImplementedError
+
+    def on_abort(self, rid: str) -> None:
+        raise NotImplementedError
+
+    def on_peer_message(self, msg: Message, frames: Frames | list) -> None:
+        logger.warning("%s worker ignores %s", self.role, type(msg).__name__)
+
+    def on_step_outputs(self, outputs: list[StepOutput]) -> None:
+        raise NotImplementedError
+
+    def on_grammar_done(self, done: CompileDone) -> None:
+        """A request's constraint compiled (``done.req.grammar`` set) or failed (``done.error``)."""
+        raise NotImplementedError
+
+    def check_timeouts(self, now: float) -> None:
+        pass
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def new_req(self, task: GenerateTask) -> Req:
+        """The scheduler's request for ``task``. Its output is capped at what this worker's KV
+        pool holds after the prompt: a sequence that outgrew the pool could never be re-admitted
+        once retracted and would wedge the queue behind it. It then ends with ``length``, as at
+        the model's context (only a pool smaller than the context can hit this)."""
+        sampling = task.sampling
+        room = (self.pool.allocator.num_pages - 1) * self.pool.page_size - len(task.input_ids)
+        if sampling.max_new_tokens > room:
+            sampling = msgspec.structs.replace(sampling, max_new_tokens=max(room, 1))
+        return Req(
+            rid=task.rid,
+            input_ids=list(task.input_ids),
+            sampling=sampling,
+            reply_addr=task.reply_addr,
+        )
+
+    def check_fits(self, task: GenerateTask) -> str | None:
+        """An error message if the prompt can never fit this worker's pool or context."""
+        n = len(task.input_ids)
+        if n == 0:
+            return "prompt is empty"
+        if n >= self.model_config.context_len:
+            return f"prompt of {n} tokens exceeds the model context of {self.model_config.context_len}"
+        if not self.scheduler.fits_pool(n + 1):
+            cap = (self.pool.allocator.num_pages - 1) * self.pool.page_size
+            return f"prompt of {n} tokens does not fit the KV pool ({cap} tokens)"
+        return None
+
+    def _curve_client(self, sock: zmq.Socket) -> None:
+        if self.curve is not None:
+            from splitserve.ipc.security import apply_curve_client
+
+            apply_curve_client(sock, self.curve)
+
+    def send(self, addr: str, msg: Message, frames: list | tuple = ()) -> None:
+        self.outbox.send(addr, msg, frames)
+
+    def fail(self, rid: str, reply_addr: str, message: str, code: int = 500) -> None:
+        logger.info("request %s failed: %s", rid, message)
+        self.num_failed += 1
+        if "KV transfer" in message or "refused by prefill" in message:
+            self.num_transfer_failures += 1
+        try:
+            self.send(reply_addr, RequestError(rid, message, code))
+        except PeerUnreachable as exc:
+            logger.warning("could not report failure of %s: %s", rid, exc)
+
+    def emit(self, outputs: list[tuple[str, TokenOutput]]) -> None:
+        """Send token outputs, one :class:`TokenBatch` per server address."""
+        by_addr: dict[str, list[TokenOutput]] = {}
+        for addr, out in outputs:
+            by_addr.setdefault(addr, []).append(out)
+        for addr, outs in by_addr.items():
+            try:
+                self.send(addr, TokenBatch(outs))
+            except PeerUnreachable as exc:
+                logger.warning("dropping %d outputs: %s", len(outs), exc)
+
+    def emit_decoded(self, outputs: list[StepOutput]) -> None:
+        """Send each output's new tokens (those not yet emitted, jump-forward ones included)."""
+        emitted = []
+        for out in outputs:
+            req = out.req
+            emitted.append((req.reply_addr, self.token_output(req, req.emitted_len)))
+            req.emitted_len = len(req.output_ids)
+        self.emit(emitted)
+
+    def token_output(self, req: Req, index: int) -> TokenOutput:
+        """Output of ``req``'s tokens from output position ``index`` to the end."""
+        return TokenOutput(
+            rid=req.rid,
+            index=index,
+            token_ids=req.output_ids[index:],
+            logprobs=req.output_logprobs[index:],
+            finish_reason=req.finish_reason,
+            prompt_len=req.prompt_len,
+            cached_len=req.cached_len,
+            # The first output carries them: from the prefill worker when disaggregated.
+            prompt_logprobs=(
+                req.prompt_logprobs if index == 0 and req.sampling.wants_prompt_logprobs else None
+            ),
+        )
+
+    def num_transferring(self) -> int:
+        return 0
+
+    def stats(self, query_id: int = 0) -> WorkerStats:
+        alloc = self.pool.allocator
+        model = self.runner.model
+        cache = self.scheduler.cache.stats()
+        return WorkerStats(
+            query_id=query_id,
+            worker_id=self.config.worker_id,
+            role=self.role,
+            pages_total=alloc.num_pages - 1,
+            pages_used=alloc.num_used,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_transferring=self.num_transferring(),
+            cache_pages=cache.cached_pages,
+            cache_evictable_pages=cache.evictable_pages,
+            cache_hit_tokens=cache.hit_tokens,
+            cache_prompt_tokens=cache.prompt_tokens,
+            cache_evicted_pages=cache.evicted_pages,
+            transfer_failures=self.num_transfer_failures,
+            requests_failed=self.num_failed,
+            kv_pool_bytes=self.pool.buffer.numel() * self.pool.buffer.element_size(),
+            decode_cache_bytes=model.attn_backend.cache_bytes(),
+            weight_bytes=model.weight_bytes(),
+        )

@@ -1,0 +1,137 @@
+"""A worker's grammar side: the compile service for its model, and the requests waiting on it.
+
+Compiles run on the service's threads; the worker loop calls :meth:`WorkerGrammars.poll` each
+iteration and gets back the requests whose compile finished, each with its ``RequestGrammar``
+attached or an error message. A request still compiling simply is not in the batch yet, so it
+never holds up the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.engine.grammar.base import CompiledGrammar
+from splitserve.engine.grammar.registry import create_grammar_service
+from splitserve.engine.grammar.request_grammar import RequestGrammar
+from splitserve.engine.grammar.service import GrammarService
+from splitserve.engine.sched.request import Req
+
+logger = logging.getLogger(__name__)
+
+MAX_ROLLBACK_TOKENS = 64  # room to undo a refused jump-forward (outlines keeps bounded history)
+
+
+@dataclass(slots=True)
+class CompileDone:
+    """A finished compile: ``req.grammar`` is set, or ``error`` says why it could not be
+    (``code`` 400: the constraint is at fault; 500: ours)."""
+
+    req: Req
+    error: str | None = None
+    code: int = 400
+
+
+class WorkerGrammars:
+    """Grammar compilation for one worker.
+
+    Args:
+        service: compiles and caches (kind, text) constraints.
+        vocab_size: the model's logits width (from the model config; may exceed the tokenizer's).
+        stop_token_ids: the model's EOS ids, which the grammar allows only where it may end.
+        tokenizer: the model's tokenizer (tokenizes jump-forward strings).
+        jump_forward: give requests the tokenizer so that they may jump forward.
+    """
+
+    def __init__(
+        self,
+        service: GrammarService,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        tokenizer: Any,
+        jump_forward: bool = True,
+    ) -> None:
+        self.service = service
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self.tokenizer = tokenizer
+        self._encode = None
+        if jump_forward:
+            self._encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+        self._pending: dict[str, tuple[Req, Future[CompiledGrammar]]] = {}
+
+    def submit(self, req: Req) -> None:
+        """Start compiling ``req``'s constraint; it is returned by a later :meth:`poll`."""
+        constraint = req.sampling.constraint
+        if constraint is None:
+            raise ValueError(f"request {req.rid} has no constraint")
+        future = self.service.submit(constraint.kind, constraint.text)  # type: ignore[arg-type]
+        self._pending[req.rid] = (req, future)
+
+    def is_pending(self, rid: str) -> bool:
+        return rid in self._pending
+
+    def discard(self, rid: str) -> None:
+        """Forget an aborted request (its compile keeps running and stays cached)."""
+        self._pending.pop(rid, None)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def poll(self) -> list[CompileDone]:
+        """Returns: the requests whose compile finished since the last poll, in arrival order."""
+        done: list[CompileDone] = []
+        for rid, (req, future) in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[rid]
+            try:
+                compiled = future.result()
+            except ValueError as exc:  # GrammarError: the user's constraint is at fault
+                done.append(CompileDone(req, str(exc)))
+                continue
+            except Exception as exc:  # a backend bug must fail the request, not the worker
+                logger.exception("grammar compile of %s crashed", rid)
+                done.append(CompileDone(req, f"grammar compile failed: {exc}", 500))
+                continue
+            matcher = compiled.create_matcher(max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+            req.grammar = RequestGrammar(
+                matcher, self.vocab_size, self.stop_token_ids, self._encode
+            )
+            done.append(CompileDone(req))
+        return done
+
+
+def create_worker_grammars(
+    model_path: str,
+    vocab_size: int,
+    eos_token_ids: list[int],
+    jump_forward: bool = True,
+    default_backend: str = "xgrammar",
+) -> WorkerGrammars:
+    """Load the model's tokenizer and build the compile service (``default_backend`` first,
+    then the other registered backends).
+
+    Args:
+        model_path: the model folder (its tokenizer files).
+        vocab_size: the model's logits width, from its config.
+        eos_token_ids: the model config's EOS ids; the tokenizer's EOS is added if different.
+        jump_forward: tokenize forced continuations (see ``RequestGrammar.forced_tokens``).
+        default_backend: a name of ``splitserve.config.registry.GRAMMAR_BACKEND``.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    stops = list(dict.fromkeys([*eos_token_ids, *_tokenizer_eos(tokenizer)]))
+    service = create_grammar_service(
+        tokenizer, vocab_size, default_backend=default_backend, stop_token_ids=stops
+    )
+    logger.info("grammar backends: %s", ", ".join(b.name for b in service.backends))
+    return WorkerGrammars(service, vocab_size, stops, tokenizer, jump_forward)
+
+
+def _tokenizer_eos(tokenizer: Any) -> list[int]:
+    eos = tokenizer.eos_token_id
+    return [] if eos is None else [int(eos)]

@@ -1,0 +1,39 @@
+"""Entry point of one worker process (``splitserve worker``): build the role's worker from its
+:class:`~splitserve.config.WorkerConfig`, join the router if asked, serve until stopped."""
+
+from __future__ import annotations
+
+import logging
+
+from splitserve.config import WorkerConfig
+from splitserve.config.registry import WORKER_ROLE
+from splitserve.worker.base import BaseWorker
+
+
+def create_worker(config: WorkerConfig) -> BaseWorker:
+    """Build the worker for ``config.role`` (``splitserve.config.registry.WORKER_ROLE``).
+
+    Raises:
+        ValueError: unknown role, or a config field out of range.
+    """
+    config.check()
+    return WORKER_ROLE.load(config.role)(config)
+
+
+def run_worker(config: WorkerConfig) -> None:
+    """Build the worker, register with ``config.router_url`` if set, serve until SIGTERM or
+    ``Shutdown``."""
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format=f"%(asctime)s {config.worker_id} %(levelname)s %(message)s",
+    )
+    worker = create_worker(config)
+    if config.router_url:
+        from splitserve.worker.heartbeat import register_with_router
+
+        # After loading: the router routes to us as soon as our WorkerReady reaches its inbox.
+        config.server_addr = register_with_router(
+            config.router_url, config.role, config.worker_id, config.addr,
+            config.security.api_key,
+        )
+    worker.serve_forever()
