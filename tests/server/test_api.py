@@ -12,8 +12,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from splitserve.server.app import create_app, create_server
 from splitserve.server.fake_client import DEFAULT_REPLY, FakeEngineClient
+from splitserve.server.main import create_server
+from splitserve.server.routes import create_app
 
 MODEL = "smol-test"
 CONTEXT_LEN = 256
