@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
@@ -15,6 +14,7 @@ from fastapi.testclient import TestClient
 from splitserve.server.fake_client import DEFAULT_REPLY, FakeEngineClient
 from splitserve.server.main import create_server
 from splitserve.server.routes import create_app
+from splitserve.server.sse import iter_events
 
 MODEL = "smol-test"
 CONTEXT_LEN = 256
@@ -33,15 +33,11 @@ def client(fake, tokenizer) -> TestClient:
 
 
 def sse_events(text: str) -> list[dict | str]:
-    """Parse an SSE body into JSON objects, with "[DONE]" kept as a string."""
-    events: list[dict | str] = []
+    """Parse an SSE body into JSON objects, with "[DONE]" kept as a string; every event must be a
+    single ``data: `` line."""
     for block in text.split("\n\n"):
-        if not block.strip():
-            continue
-        assert block.startswith("data: "), block
-        data = block.removeprefix("data: ")
-        events.append(data if data == "[DONE]" else json.loads(data))
-    return events
+        assert not block.strip() or (block.startswith("data: ") and "\n" not in block), block
+    return list(iter_events(text.splitlines()))
 
 
 def streamed_text(events: list[dict | str], is_chat: bool) -> str:
