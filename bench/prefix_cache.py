@@ -30,6 +30,7 @@ import httpx
 from splitserve.config import ServeConfig
 from splitserve.default_model import resolve_model_path
 from splitserve.launch.local import Cluster
+from splitserve.server.sse import DONE, aiter_events
 
 GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts" / "gsm8k"
 NUM_SHOTS = 5
@@ -113,10 +114,9 @@ async def one_request(
     ttft, tokens = None, 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for chunk in aiter_events(r.aiter_lines()):
+            if chunk == DONE:
                 continue
-            chunk = json.loads(line[6:])
             if ttft is None and chunk.get("choices"):
                 ttft = time.perf_counter() - start
             if chunk.get("usage"):

@@ -49,6 +49,8 @@ from serving_metrics import (
 from serving_plots import plot
 from tqdm import tqdm
 
+from splitserve.server.sse import DONE, aiter_events
+
 # --------------------------------------------------------------------------------------------
 # one request
 
@@ -100,13 +102,9 @@ async def send_request(
                 text = (await resp.aread()).decode(errors="replace")
                 out.error = f"HTTP {resp.status_code}: {text[:200]}"
                 return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for chunk in aiter_events(resp.aiter_lines()):
+                if chunk == DONE:
                     break
-                chunk = json.loads(data)
                 if "error" in chunk:
                     out.error = str(chunk["error"])[:200]
                     return out

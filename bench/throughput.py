@@ -34,6 +34,8 @@ from common import (
 )
 from tqdm import tqdm
 
+from splitserve.server.sse import DONE, aiter_events
+
 GOAL_RATIO = 5.0
 GOAL_CONCURRENCY = 32
 
@@ -148,13 +150,9 @@ async def stream_one(client: httpx.AsyncClient, ids: list[int], output_len: int)
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 return RequestResult(0.0, 0.0, 0, f"HTTP {resp.status_code}: {text[:200]}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for chunk in aiter_events(resp.aiter_lines()):
+                if chunk == DONE:
                     break
-                chunk = json.loads(data)
                 if "error" in chunk:
                     return RequestResult(0.0, 0.0, 0, str(chunk["error"])[:200])
                 if ttft is None and chunk.get("choices"):

@@ -11,6 +11,7 @@ import httpx
 
 from splitserve.lang.backend import GenOutput, SamplingArgs
 from splitserve.lang.errors import BackendError
+from splitserve.server.sse import DONE, iter_events
 
 
 class OpenAIHTTP:
@@ -60,15 +61,11 @@ class OpenAIHTTP:
                     text = r.read().decode(errors="replace")
                     raise BackendError(f"POST {path} -> HTTP {r.status_code}: "
                                        f"{_error_message(text)}", status_code=r.status_code)
-                for line in r.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                for event in iter_events(r.iter_lines()):
+                    if event == DONE:
                         return
-                    event = json.loads(data)
                     if "error" in event:  # an error after the stream started
-                        raise BackendError(f"POST {path} stream: {_error_message(data)}")
+                        raise BackendError(f"POST {path} stream: {_error_message(event)}")
                     yield event
         except httpx.HTTPError as exc:
             raise BackendError(f"server at {self.base_url} failed mid-stream: {exc}") from exc
@@ -77,12 +74,13 @@ class OpenAIHTTP:
         self.client.close()
 
 
-def _error_message(text: str) -> str:
+def _error_message(body: str | dict[str, Any]) -> str:
+    """The message of an OpenAI error body (JSON text or decoded), else the text's start."""
     try:
-        err = json.loads(text)["error"]
+        err = (json.loads(body) if isinstance(body, str) else body)["error"]
         return err["message"] if isinstance(err, dict) else str(err)
     except (ValueError, KeyError, TypeError):
-        return text[:500]
+        return str(body)[:500]
 
 
 def sampling_fields(sampling: SamplingArgs) -> dict[str, Any]:

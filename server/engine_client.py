@@ -1,6 +1,6 @@
 """The seam between the HTTP API and the workers.
 
-The API (``server.app``) only talks to a :class:`BaseEngineClient`; ``server.worker_client`` is
+The API (``server.routes``) only talks to a :class:`BaseEngineClient`; ``server.worker_client`` is
 the real one (ZeroMQ to prefill/decode or colocated workers). Tests may plug in a fake.
 """
 

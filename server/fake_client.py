@@ -6,8 +6,10 @@ It "generates" the tokens of a fixed reply text, whatever the prompt, so tests k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from splitserve.ipc.messages import SamplingParams
@@ -22,8 +24,12 @@ class FakeEngineClient(BaseEngineClient):
     Without ``ignore_eos`` it ends with ``eos_token_id`` (finish ``"stop"``) once the reply is out;
     with it the reply repeats. ``max_new_tokens`` cuts either (finish ``"length"``). The prompt's
     longest common prefix with any earlier prompt is reported as ``cached_len`` (a toy prefix
-    cache). For tests it records every request (``requests``) and every abort (``aborted``), and
-    can fail requests: ``error = (message, http_status)`` after ``error_after_events`` events.
+    cache). For tests it records every request (``requests``), every abort (``aborted``) and every
+    request it finished (``finished``); a test in another thread than the server's waits for one
+    of those with :meth:`wait_until`. It can fail requests: ``error = (message, http_status)``
+    after ``error_after_events`` events; and stall them: after ``stall_after_events`` events (0:
+    before the first) it sends nothing more until the request is aborted, like a worker between
+    two tokens of a long step, so only a disconnect the server notices can end the request.
     """
 
     def __init__(
@@ -41,10 +47,25 @@ class FakeEngineClient(BaseEngineClient):
         self.ready = True
         self.error: tuple[str, int] | None = None
         self.error_after_events = 0
+        self.stall_after_events: int | None = None
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
         self.aborted: set[str] = set()
         self.finished: set[str] = set()
         self._prompts: list[list[int]] = []
+        # Notified on every change to requests/aborted/finished (the server may run in a thread).
+        self._recorded = threading.Condition()
+
+    def wait_until(self, condition: Callable[[], bool], timeout_s: float) -> bool:
+        """Block until ``condition()`` holds, re-checking it after each recorded request, abort
+        and finish; returns its last value (False if it still fails after ``timeout_s``)."""
+        with self._recorded:
+            return self._recorded.wait_for(condition, timeout=timeout_s)
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[None]:
+        with self._recorded:
+            yield
+            self._recorded.notify_all()
 
     def output_ids(self, sampling: SamplingParams) -> list[int]:
         """The tokens a request with ``sampling`` gets, in order."""
@@ -65,13 +86,16 @@ class FakeEngineClient(BaseEngineClient):
     async def generate(
         self, rid: str, input_ids: list[int], sampling: SamplingParams
     ) -> AsyncIterator[TokenEvent]:
-        self.requests.append((rid, list(input_ids), sampling))
+        with self._recording():
+            self.requests.append((rid, list(input_ids), sampling))
         cached_len = max((_common_prefix_len(p, input_ids) for p in self._prompts), default=0)
         self._prompts.append(list(input_ids))
         out = self.output_ids(sampling)
         done = False
         try:
             for num_events, start in enumerate(range(0, len(out), self.tokens_per_event)):
+                if self.stall_after_events is not None and num_events >= self.stall_after_events:
+                    await asyncio.Event().wait()  # until cancelled or closed: the abort
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 if self.error is not None and num_events >= self.error_after_events:
@@ -85,7 +109,8 @@ class FakeEngineClient(BaseEngineClient):
                     ended_on_stop = not sampling.ignore_eos and out[-1] in self._stop_ids(sampling)
                     finish = "stop" if ended_on_stop else "length"
                     done = True
-                    self.finished.add(rid)
+                    with self._recording():
+                        self.finished.add(rid)
                 yield TokenEvent(
                     ids,
                     [0.0] * len(ids),
@@ -98,7 +123,8 @@ class FakeEngineClient(BaseEngineClient):
                 await self.abort(rid)
 
     async def abort(self, rid: str) -> None:
-        self.aborted.add(rid)
+        with self._recording():
+            self.aborted.add(rid)
 
     def is_ready(self) -> bool:
         return self.ready

@@ -6,11 +6,14 @@ import contextlib
 import logging
 from pathlib import Path
 
+import uvicorn
+from fastapi import FastAPI
+
 from splitserve.config import ServeConfig
-from splitserve.server.app import create_app, serve_app
 from splitserve.server.guard import install_guard
 from splitserve.server.membership import install_membership
 from splitserve.server.metrics import ServerMetrics, install_metrics
+from splitserve.server.routes import create_app
 from splitserve.server.worker_client import ZmqEngineClient
 
 
@@ -48,9 +51,9 @@ def run_api_server(
         dead_after_s=s.dead_after_s,
         max_inflight_per_worker=s.max_inflight_per_worker, curve=curve, metrics=metrics,
     )
-    metrics.attach(client)
+    metrics.attach(client.pool)
     app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids)
-    install_membership(app, client)
+    install_membership(app, client.pool)
     install_metrics(app, metrics)
     install_guard(app, config.security.api_key, s.max_body_bytes)
 
@@ -62,3 +65,16 @@ def run_api_server(
 
     app.router.lifespan_context = lifespan
     serve_app(app, s.host, s.port, config.log_level)
+
+
+def create_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> uvicorn.Server:
+    """A uvicorn server for ``app`` on the uvloop event loop (``server.run()`` blocks)."""
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, loop="uvloop", timeout_graceful_shutdown=5
+    )
+    return uvicorn.Server(config)
+
+
+def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
+    """Serve ``app`` until interrupted (uvicorn, uvloop)."""
+    create_server(app, host, port, log_level).run()

@@ -1,17 +1,16 @@
 """Worker membership over HTTP: workers join (``POST /workers/register``), operators drain
-(``POST /workers/{id}/drain``) and resume them. ``GET /workers`` (in ``server.app``) lists them.
+(``POST /workers/{id}/drain``) and resume them. ``GET /workers`` (in ``server.routes``) lists them.
 These routes sit behind the same API key as the rest of the API (a worker that could join
 without it would receive users' prompts)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError, field_validator
 
 from splitserve.config.registry import WORKER_ROLE
 from splitserve.server.errors import APIError, from_validation_errors
+from splitserve.server.worker_pool import WorkerPool
 
 
 class Registration(BaseModel):
@@ -34,8 +33,8 @@ class Registration(BaseModel):
         return v
 
 
-def install_membership(app: FastAPI, client: Any) -> None:
-    """Add the membership routes for a :class:`ZmqEngineClient`."""
+def install_membership(app: FastAPI, pool: WorkerPool) -> None:
+    """Add the membership routes for the workers of ``pool``."""
 
     @app.post("/workers/register")
     async def register(request: Request) -> dict:
@@ -43,18 +42,18 @@ def install_membership(app: FastAPI, client: Any) -> None:
             reg = Registration.model_validate_json(await request.body())
         except ValidationError as exc:
             raise from_validation_errors(exc.errors()) from None
-        known = client.find(reg.worker_id)
+        known = pool.find(reg.worker_id)
         if known is not None and known.addr != reg.addr and known.ready:
             raise APIError(f"worker_id: '{reg.worker_id}' is already registered at {known.addr}",
                            param="worker_id", status_code=409)
         # "known": already registered here and ready. A worker told otherwise (this router
         # restarted) announces itself again (engine.heartbeat).
         known_ready = known is not None and known.addr == reg.addr and known.ready
-        client.add_worker(reg.role, reg.addr, reg.worker_id)
-        return {"worker_id": reg.worker_id, "server_addr": client.inbox_addr, "known": known_ready}
+        pool.add_worker(reg.role, reg.addr, reg.worker_id)
+        return {"worker_id": reg.worker_id, "server_addr": pool.reply_addr, "known": known_ready}
 
     def _set_draining(worker_id: str, draining: bool) -> dict:
-        w = client.drain(worker_id, draining)
+        w = pool.drain(worker_id, draining)
         if w is None:
             raise APIError(f"no worker '{worker_id}'", status_code=404)
         return {"worker_id": w.worker_id, "draining": w.draining, "in_flight": w.in_flight}

@@ -73,15 +73,15 @@ class ServerMetrics:
                                        registry=r)
         self.retries = Counter("splitserve_request_retries", "Requests re-run on other workers "
                                "after losing one before their first token", registry=r)
-        self.client: Any = None
+        self.pool: Any = None
 
     def request_timer(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def attach(self, client: Any) -> None:
-        """Report the workers of ``client`` (a ZmqEngineClient) at scrape time."""
-        self.client = client
-        self.registry.register(_WorkerCollector(client))
+    def attach(self, pool: Any) -> None:
+        """Report the workers of ``pool`` (a ``server.worker_pool.WorkerPool``) at scrape time."""
+        self.pool = pool
+        self.registry.register(_WorkerCollector(pool))
 
 
 _GAUGES = {
@@ -111,8 +111,8 @@ _COUNTERS = {
 
 
 class _WorkerCollector:
-    def __init__(self, client: Any) -> None:
-        self.client = client
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
 
     def collect(self):
         labels = ["worker_id", "role"]
@@ -124,7 +124,7 @@ class _WorkerCollector:
                                     labels=labels)
         in_flight = GaugeMetricFamily("splitserve_worker_in_flight",
                                       "Requests the router has in flight on the worker", labels=labels)
-        for w in self.client.workers:
+        for w in self.pool.workers:
             lv = [w.worker_id, w.role]
             healthy.add_metric(lv, 1.0 if w.ready else 0.0)
             in_flight.add_metric(lv, w.in_flight)

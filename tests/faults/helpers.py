@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
 from splitserve.launch.local import Cluster
+from splitserve.server.sse import DONE, iter_events
 
 
 @dataclass
@@ -35,10 +35,9 @@ def stream_completion(url: str, body: dict, on_chunk=None, timeout_s: float = 12
             res.error = r.json().get("error")
             res.ended_at = time.monotonic()
             return res
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        for chunk in iter_events(r.iter_lines()):
+            if chunk == DONE:  # the last event; the body ends after it
                 continue
-            chunk = json.loads(line[6:])
             if "error" in chunk:
                 res.error = chunk["error"]
                 break

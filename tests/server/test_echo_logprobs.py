@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from splitserve.server.app import create_app
 from splitserve.server.fake_client import FakeEngineClient
+from splitserve.server.routes import create_app
 
 MODEL = "smol-test"
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from splitserve.server.app import create_app
 from splitserve.server.fake_client import FakeEngineClient
 from splitserve.server.guard import install_guard
 from splitserve.server.metrics import ServerMetrics, install_metrics
+from splitserve.server.routes import create_app
 
 KEY = "sk-test-123"
 BODY = {"model": "default", "prompt": "hi", "max_tokens": 4}

@@ -1,0 +1,100 @@
+"""The OpenAI response bodies of one request: the full answer, each streamed chunk, the usage.
+
+The shapes follow the OpenAI API (``/v1/completions`` and ``/v1/chat/completions``, see
+``openai-openapi``): one formatter serves both endpoints (``is_chat``). Per-choice content
+beyond text (logprobs, token ids) is handed in ready-made; the formatter only places it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token counts of one request, filled in as its events arrive."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass(slots=True)
+class ResponseFormatter:
+    """Builds the response bodies of one request, for either endpoint (``is_chat``)."""
+
+    rid: str
+    created: int
+    model: str
+    is_chat: bool
+    include_usage: bool = False
+
+    def _envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "object": object_,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def full(
+        self,
+        text: str,
+        finish_reason: str,
+        usage: Usage,
+        token_ids: list[int] | None = None,
+        logprobs: dict[str, Any] | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> dict[str, Any]:
+        """The non-streaming response; ``token_ids`` (when asked for) are the generated ids and
+        ``prompt_token_ids`` the prompt's (vLLM's extension), ``logprobs`` the
+        legacy-completions logprobs object (``server.logprobs``)."""
+        choice: dict[str, Any] = {
+            "index": 0, "logprobs": logprobs, "finish_reason": finish_reason
+        }
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        if prompt_token_ids is not None:
+            choice["prompt_token_ids"] = prompt_token_ids
+        if self.is_chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        body = self._envelope("chat.completion" if self.is_chat else "text_completion", [choice])
+        body["usage"] = usage.as_dict()
+        return body
+
+    def chunk(
+        self, text: str | None, finish_reason: str | None = None, role: bool = False
+    ) -> dict[str, Any]:
+        """One streamed chunk. Chat chunks carry a ``delta``; the first one names the role."""
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if self.is_chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        body = self._envelope(
+            "chat.completion.chunk" if self.is_chat else "text_completion", [choice]
+        )
+        if self.include_usage:
+            body["usage"] = None  # OpenAI: null on every chunk but the last
+        return body
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        """The final chunk of ``stream_options.include_usage``: empty choices, full usage."""
+        body = self._envelope("chat.completion.chunk" if self.is_chat else "text_completion", [])
+        body["usage"] = usage.as_dict()
+        return body

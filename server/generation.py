@@ -1,0 +1,83 @@
+"""Job -> text: run a job on the engine and turn its token events into final text.
+
+:func:`stream_text` owns the request's life in the engine: it detokenizes incrementally
+(``server.detokenizer``), applies the stop strings (``server.stop_strings``), records on the job
+what came back (ids, logprobs, usage), and whenever the stream stops before the engine finished
+(a stop string, a client gone, an error here) it aborts the request on the workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from splitserve.server.detokenizer import IncrementalDetokenizer
+from splitserve.server.engine_client import BaseEngineClient
+from splitserve.server.errors import APIError
+from splitserve.server.job import Job
+from splitserve.server.stop_strings import StopStringMatcher
+
+
+@dataclass(slots=True)
+class Piece:
+    """Text that became final since the last piece; ``finish_reason`` set on the last."""
+
+    text: str
+    finish_reason: str | None = None
+
+
+async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> AsyncIterator[Piece]:
+    """One piece per engine event (text may be empty); the last has ``finish_reason``.
+
+    Closing the iterator early (``aclose``, or cancelling the task that iterates it) aborts the
+    request on the workers, freeing its KV pages.
+
+    Raises:
+        APIError: the worker failed the request (status from ``TokenEvent.error_code``), or the
+            engine ended it without a finish reason (500).
+    """
+    detok = IncrementalDetokenizer(tokenizer)
+    stops = StopStringMatcher(job.stop)
+    events = client.generate(job.rid, job.input_ids, job.sampling)
+    engine_done = False
+    try:
+        async for ev in events:
+            if ev.error is not None:
+                engine_done = True
+                raise APIError(ev.error, status_code=ev.error_code)
+            job.usage.completion_tokens += len(ev.token_ids)
+            job.output_ids.extend(ev.token_ids)
+            job.output_logprobs.extend(ev.logprobs)
+            if ev.prompt_logprobs is not None:
+                job.prompt_logprobs = ev.prompt_logprobs
+            job.usage.prompt_tokens = ev.prompt_len or job.usage.prompt_tokens
+            job.usage.cached_tokens = max(job.usage.cached_tokens, ev.cached_len)
+            text = stops.feed(detok.push(ev.token_ids))
+            if ev.finish_reason is not None:
+                engine_done = True
+                text += stops.feed(detok.flush())
+                text += stops.flush()
+                yield Piece(text, "stop" if stops.stopped else ev.finish_reason)
+                return
+            if stops.stopped:  # engine still running: the finally aborts it
+                yield Piece(text, "stop")
+                return
+            yield Piece(text)
+        engine_done = True
+        raise APIError("the engine ended the request without a finish reason", status_code=500)
+    finally:
+        if not engine_done:
+            # Shielded: on client disconnect this runs inside a cancelled scope.
+            with anyio.CancelScope(shield=True):
+                await aclose(events)
+                await client.abort(job.rid)  # idempotent; covers a cancelled aclose
+
+
+async def aclose(iterator: AsyncIterator[Any]) -> None:
+    """Close ``iterator`` if it can be closed (async generators can; other iterators may not)."""
+    close = getattr(iterator, "aclose", None)
+    if close is not None:
+        await close()

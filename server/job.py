@@ -1,0 +1,41 @@
+"""A job: one validated request on its way through the engine and back into a response.
+
+``server.job_builder`` makes one from a request body; ``server.generation`` runs it and records
+what the engine sent back on it; ``server.responses`` turns it into the HTTP answer. Features that
+change what is asked of the engine add fields to the first group, features that change the answer
+add fields to the second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.ipc.messages import SamplingParams
+from splitserve.server.formatter import ResponseFormatter, Usage
+
+
+@dataclass(slots=True)
+class Job:
+    """One validated request, ready to generate.
+
+    ``rid`` is also the response's ``id``; ``stop`` are stop strings (stop token ids are in
+    ``sampling``). ``discard_output``: ``max_tokens`` 0 with ``echo`` — the engine always samples a
+    first token, which is dropped from the answer.
+    """
+
+    # What to generate.
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    stop: list[str]
+    # How to answer.
+    formatter: ResponseFormatter
+    usage: Usage
+    return_token_ids: bool = False
+    echo_text: str | None = None  # the prompt's text, prepended when ``echo`` (legacy completions)
+    want_logprobs: bool = False
+    discard_output: bool = False
+    # What came back (filled by ``server.generation.stream_text``).
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None

@@ -1,0 +1,159 @@
+"""Request -> job: the checks that need the served model, the prompt's token ids (the chat
+template for chat), and the request's ``SamplingParams``.
+
+``server.protocol`` has already checked each field on its own; what is checked here needs the
+tokenizer or the context length. Every refusal is an :class:`APIError` (HTTP 400) naming the field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from splitserve.ipc.messages import SamplingParams
+from splitserve.server.constraints import constraint_from_request
+from splitserve.server.errors import APIError
+from splitserve.server.formatter import ResponseFormatter, Usage
+from splitserve.server.job import Job
+from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
+
+MODEL_ALIAS = "default"  # accepted as ``model`` whatever the served model is called
+
+
+class JobBuilder:
+    """Builds the :class:`Job` of each request to the model ``model_name``.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer (with a chat template for chat).
+        model_name: the ``model`` clients must send (:data:`MODEL_ALIAS` is accepted too).
+        context_len: prompt + generated tokens may not exceed this (tokens).
+        eos_token_ids: ids that end generation unless the request sets ``ignore_eos``.
+    """
+
+    def __init__(
+        self, tokenizer: Any, model_name: str, context_len: int, eos_token_ids: list[int]
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.context_len = context_len
+        self.eos_token_ids = eos_token_ids
+
+    def serves(self, model: str) -> bool:
+        """Whether ``model`` names the served model."""
+        return model in (self.model_name, MODEL_ALIAS)
+
+    def completion_job(self, req: CompletionRequest) -> Job:
+        """The job of a ``/v1/completions`` request.
+
+        Raises:
+            APIError: another model, ``n`` > 1, an echo/logprobs combination not served
+                (:func:`check_echo`), a token id outside the vocabulary, or no room in the context.
+        """
+        self._check_model(req)
+        check_echo(req)
+        job = self._make_job(req, self._completion_ids(req), is_chat=False)
+        if req.echo:
+            prompt = req.prompt
+            job.echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        job.want_logprobs = req.logprobs is not None
+        job.discard_output = req.max_tokens == 0
+        return job
+
+    def chat_job(self, req: ChatCompletionRequest) -> Job:
+        """The job of a ``/v1/chat/completions`` request.
+
+        Raises:
+            APIError: another model, ``n`` > 1, a conversation the chat template refuses, or no
+                room in the context.
+        """
+        self._check_model(req)
+        return self._make_job(req, self._chat_ids(req), is_chat=True)
+
+    def _check_model(self, req: BaseGenerateRequest) -> None:
+        if not self.serves(req.model):
+            raise APIError(
+                f"model: '{req.model}' is not served here; use '{self.model_name}'", param="model"
+            )
+        if req.n not in (None, 1):
+            raise APIError("n: only n=1 is supported", param="n")
+
+    def _completion_ids(self, req: CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, str):
+            # By default a raw prompt gets BOS where the model expects one.
+            return self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        vocab_size = len(self.tokenizer)
+        bad = next((t for t in req.prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise APIError(f"prompt: token id {bad} is outside the vocabulary", param="prompt")
+        return list(req.prompt)
+
+    def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [m.as_template_dict() for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # jinja raises on conversations the template refuses
+            raise APIError(f"messages: chat template failed: {exc}", param="messages") from exc
+        # The template already wrote BOS and the role markers; don't add them twice.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _make_job(self, req: BaseGenerateRequest, input_ids: list[int], is_chat: bool) -> Job:
+        prompt_param = "messages" if is_chat else "prompt"
+        if not input_ids:
+            raise APIError(f"{prompt_param}: the prompt is empty", param=prompt_param)
+        room = self.context_len - len(input_ids)
+        if room <= 0:
+            raise APIError(
+                f"{prompt_param}: the prompt has {len(input_ids)} tokens; the context length is "
+                f"{self.context_len}, leaving no room to generate",
+                param=prompt_param,
+            )
+        max_param, max_tokens = "max_tokens", req.max_tokens
+        if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+            max_param, max_tokens = "max_completion_tokens", req.max_completion_tokens
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(
+                f"{max_param}: {max_tokens} new tokens + {len(input_ids)} prompt tokens exceed "
+                f"the context length {self.context_len}; at most {room} allowed",
+                param=max_param,
+            )
+        rid = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+        fmt = ResponseFormatter(rid, int(time.time()), req.model, is_chat, req.include_usage)
+        return Job(rid, input_ids, self._sampling(req, room, max_tokens), req.stop or [], fmt,
+                   Usage(len(input_ids)), req.return_token_ids)
+
+    def _sampling(
+        self, req: BaseGenerateRequest, room: int, max_tokens: int | None
+    ) -> SamplingParams:
+        scores_prompt = isinstance(req, CompletionRequest) and req.wants_prompt_logprobs
+        return SamplingParams(
+            # max_tokens 0 (echo only): the engine always samples a first token; it is dropped.
+            max_new_tokens=room if max_tokens is None else max(1, max_tokens),
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            # The chat template's end marker may differ from config's EOS; send both.
+            stop_token_ids=[] if req.ignore_eos else list(self.eos_token_ids),
+            ignore_eos=req.ignore_eos,
+            logprob_start_len=(req.logprob_start_len or 0) if scores_prompt else -1,
+            constraint=constraint_from_request(req),
+        )
+
+
+def check_echo(req: CompletionRequest) -> None:
+    """The combinations of echo/logprobs this server does not serve, as 400s.
+
+    Raises:
+        APIError: ``max_tokens`` 0 without ``echo``, or ``stream`` with ``echo`` or ``logprobs``.
+    """
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(
+            "max_tokens: 0 is only allowed with echo (to score the prompt)", param="max_tokens"
+        )
+    if req.stream and (req.echo or req.logprobs is not None):
+        raise APIError("stream: echo and logprobs are not supported with stream yet",
+                       param="stream")
