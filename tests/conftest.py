@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+DATA = Path(__file__).resolve().parent / "data"  # data sets, with licences: data/MANIFEST.json
 
 
 @pytest.fixture(scope="session")

@@ -20,10 +20,10 @@ import jsonschema
 import pytest
 
 from splitserve.engine.grammar.xgrammar_backend import XGrammarBackend
-from tests.conftest import SHARED
+from tests.conftest import DATA
 from tests.e2e.conftest import complete_ids, worker_pages_used
 
-SCHEMA_DIR = SHARED / "data" / "jsonschemabench" / "schemas"
+SCHEMA_DIR = DATA / "jsonschemabench" / "schemas"
 SQL_GRAMMAR = (Path(__file__).parent / "data" / "sql_select.gbnf").read_text()
 
 # 32 real schemas that xgrammar compiles in well under a second and whose text fits a prompt.

@@ -9,7 +9,7 @@ from typing import Any
 
 from splitserve.engine.grammar import BaseMatcher, CompiledGrammar
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 SUITE_DIR = DATA / "json-schema-test-suite" / "tests" / "draft2020-12"
 MASKBENCH_DIR = DATA / "jsonschemabench" / "maskbench"
 
@@ -45,7 +45,7 @@ def load_suite_cases() -> list[SchemaCase]:
 
 
 def load_maskbench_cases() -> list[SchemaCase]:
-    """Returns: every MaskBench schema copied into shared/data, with its instances."""
+    """Returns: every MaskBench schema copied into tests/data, with its instances."""
     cases = []
     for path in sorted(MASKBENCH_DIR.glob("*/*.json")):
         if path.name == "MANIFEST.json":
