@@ -1,5 +1,5 @@
 """What the benchmarks share: prompts (ShareGPT, random), percentiles, the model and dtype
-defaults, and starting a local splitserve cluster.
+defaults, an in-process engine, and starting a local splitserve cluster.
 
 The scripts in ``bench/`` run as files (``python bench/serving.py``), so their folder is on
 ``sys.path`` and they import this module as ``common``.
@@ -7,17 +7,27 @@ The scripts in ``bench/`` run as files (``python bench/serving.py``), so their f
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from splitserve.ipc.sockets import free_tcp_addr
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-SHAREGPT_DIR = SHARED / "data" / "prompts" / "sharegpt"
+if TYPE_CHECKING:  # the engine (torch) is imported only by the benchmarks that run it
+    import torch
+
+    from splitserve.config import EngineConfig
+    from splitserve.engine.core import EngineCore
+    from splitserve.engine.kv_pool import KVPool
+
+# The repository's copy of the data sets (samples of the large ones: tests/data/MANIFEST.json).
+# ``--data DIR`` points a benchmark at another folder laid out the same way, e.g. the full sets.
+DATA_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
+SHAREGPT = Path("prompts") / "sharegpt"  # under a data folder: ShareGPT ``*.jsonl``
 MAX_PROMPT_TOKENS = 256
 SEED = 0
 
@@ -38,7 +48,33 @@ def resolve_model(model: str | None) -> str:
     return str(ensure_default_model())
 
 
-def first_user_turns(folder: Path = SHAREGPT_DIR) -> list[str]:
+def make_core(
+    model: torch.nn.Module, pool: KVPool, eos_token_ids: list[int],
+    engine: EngineConfig | None = None, **runner: Any,
+) -> EngineCore:
+    """An in-process engine (no worker, no sockets, no prefix cache) over ``pool``: a scheduler
+    reading ``engine``'s budgets and a :class:`ModelRunner` of ``model`` (``runner``: its
+    keywords)."""
+    from splitserve.config import EngineConfig
+    from splitserve.engine.core import EngineCore
+    from splitserve.engine.runner.model_runner import ModelRunner
+    from splitserve.engine.sched.scheduler import Scheduler
+    from splitserve.radix_cache.prefix_cache import create_prefix_cache
+
+    cache = create_prefix_cache("none", pool.allocator, pool.page_size)
+    scheduler = Scheduler(cache, engine or EngineConfig(), eos_token_ids)
+    return EngineCore(scheduler, ModelRunner(model, pool, **runner))
+
+
+def add_data_argument(parser: argparse.ArgumentParser) -> None:
+    """``--data DIR``: the data folder a benchmark reads its data set from (default
+    ``tests/data``; a folder of the full sets, laid out like it, gives more prompts)."""
+    parser.add_argument("--data", type=Path, default=DATA_DIR,
+                        help="data folder laid out like tests/data (default: tests/data, "
+                        "which holds samples of the large sets)")
+
+
+def first_user_turns(folder: Path) -> list[str]:
     """The first human turn of every ShareGPT conversation under ``folder`` (``*.jsonl``)."""
     texts: list[str] = []
     for path in sorted(folder.glob("*.jsonl")):
@@ -54,15 +90,21 @@ def first_user_turns(folder: Path = SHAREGPT_DIR) -> list[str]:
 
 
 def load_prompts(
-    tokenizer: Any, num: int, max_tokens: int = MAX_PROMPT_TOKENS, min_tokens: int = 1
+    tokenizer: Any, num: int, max_tokens: int = MAX_PROMPT_TOKENS, min_tokens: int = 1,
+    data: Path = DATA_DIR,
 ) -> list[list[int]]:
-    """``num`` ShareGPT first user turns as token ids, each truncated to ``max_tokens``.
+    """``num`` ShareGPT first user turns as token ids, each truncated to ``max_tokens``, from
+    ``data/prompts/sharegpt/*.jsonl``.
 
     The selection is a seeded shuffle, so every run (and every system) sees the same prompts.
+
+    Raises:
+        SystemExit: if the folder holds fewer than ``num`` usable prompts.
     """
-    texts = first_user_turns(SHAREGPT_DIR)
+    folder = data / SHAREGPT
+    texts = first_user_turns(folder)
     if not texts:
-        raise SystemExit(f"no ShareGPT prompts found under {SHAREGPT_DIR}")
+        raise SystemExit(f"no ShareGPT prompts found under {folder}")
     random.Random(SEED).shuffle(texts)
     prompts: list[list[int]] = []
     for text in texts:
@@ -72,7 +114,8 @@ def load_prompts(
         if len(prompts) == num:
             break
     if len(prompts) < num:
-        raise SystemExit(f"only {len(prompts)} usable prompts, {num} requested")
+        raise SystemExit(f"only {len(prompts)} usable prompts under {folder}, {num} requested "
+                         "(--data DIR: a folder with more)")
     return prompts
 
 

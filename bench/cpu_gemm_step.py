@@ -34,7 +34,7 @@ def main() -> None:
     kernels = load_cpu_kernels()
     assert kernels is not None and kernels.has_gemm, "no AVX512_BF16 tiles on this machine"
     tiles_rows = kernels.decode_max_rows
-    sched = build(
+    core = build(
         resolve_model(args.model), default_dtype()[0], args.batch, args.prompt_len,
         1000, args.min_prompt_len,
     )
@@ -46,7 +46,7 @@ def main() -> None:
         for name in order:
             kernels.decode_max_rows = modes[name]
             t0 = time.perf_counter()
-            sched.step()
+            core.step()
             if i >= 2:  # the first two pairs warm up
                 times[name].append(time.perf_counter() - t0)
     kernels.decode_max_rows = tiles_rows

@@ -1,11 +1,12 @@
 """Grammar-constrained decoding benchmark (issue 4), with ratios from one run.
 
-1. Step time with constraints vs without, at batch 1 and 16: an in-process scheduler on the
+1. Step time with constraints vs without, at batch 1 and 16: an in-process engine on the
    real model; only steps where the whole batch decodes are timed. Constrained runs go twice,
    with the mask filled on the runner's thread before the forward pass (serial) and on the mask
    thread during it (overlap, the default), alternating with the unconstrained run.
 2. Compile time p50/p99 and coverage per backend and for the fallback chain (xgrammar, then
-   outlines), per JSONSchemaBench subset, on a sample of each subset.
+   outlines), per JSONSchemaBench subset, on a sample of each subset (``--data``: the folder
+   whose ``jsonschemabench/schemas/<subset>/`` it samples; default tests/data).
 3. Tokens/s for JSON outputs with jump-forward on vs off.
 
     python bench/grammar.py --schemas-per-subset 4 --steps 24
@@ -23,20 +24,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import DATA_DIR, add_data_argument, make_core
 
+from splitserve.config import EngineConfig
 from splitserve.default_model import ensure_default_model
+from splitserve.engine.core import EngineCore
 from splitserve.engine.grammar import GrammarService
 from splitserve.engine.grammar.batch_mask import BatchMask
 from splitserve.engine.grammar.mask_thread import MaskFillThread
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.model.loader import load_model
-from splitserve.engine.runner.model_runner import ModelRunner
 from splitserve.engine.sched.request import Req
-from splitserve.engine.sched.scheduler import Scheduler, SchedulerConfig
 from splitserve.ipc.messages import Constraint, SamplingParams
 from splitserve.worker.grammars import WorkerGrammars, create_worker_grammars
 
-SCHEMA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench" / "schemas"
+SCHEMAS = Path("jsonschemabench") / "schemas"  # under a data folder (--data)
 PERSON = json.dumps({
     "type": "object",
     "properties": {
@@ -55,7 +57,7 @@ STORY_PROMPT = "Tell me a long story about a lighthouse keeper, as JSON."
 
 
 class Engine:
-    """One in-process worker: the model, grammar compiles, and schedulers sharing the model."""
+    """One in-process worker: the model, grammar compiles, and engines sharing the model."""
 
     def __init__(self, model_path: str, jump_forward: bool = True) -> None:
         self.model, self.config = load_model(model_path, dtype=torch.float32)
@@ -63,15 +65,14 @@ class Engine:
             model_path, self.config.vocab_size, self.config.eos_token_ids, jump_forward
         )
         self.tokenizer = self.grammars.tokenizer
-        self.scheduler = self.new_scheduler(jump_forward, num_pages=2048)
+        self.core = self.new_core(jump_forward, num_pages=2048)
 
-    def new_scheduler(self, jump_forward: bool, num_pages: int, overlap: bool = True) -> Scheduler:
-        """A scheduler with its own KV pool (``num_pages`` pages of 16 tokens) and runner."""
+    def new_core(self, jump_forward: bool, num_pages: int, overlap: bool = True) -> EngineCore:
+        """An engine with its own KV pool (``num_pages`` pages of 16 tokens) and runner."""
         pool = KVPool(self.config.kv_layout(16, "float32"), num_pages)
-        runner = ModelRunner(self.model, pool, vocab_size=self.config.vocab_size,
-                             overlap_grammar_mask=overlap)
-        config = SchedulerConfig(jump_forward=jump_forward)
-        return Scheduler(runner, config, self.config.eos_token_ids)
+        return make_core(self.model, pool, self.config.eos_token_ids,
+                         EngineConfig(jump_forward=jump_forward),
+                         vocab_size=self.config.vocab_size, overlap_grammar_mask=overlap)
 
     def chat_ids(self, text: str) -> list[int]:
         prompt = self.tokenizer.apply_chat_template(
@@ -79,9 +80,9 @@ class Engine:
         )
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def submit(self, scheduler: Scheduler, prompts: list[str], constraint: Constraint | None,
+    def submit(self, core: EngineCore, prompts: list[str], constraint: Constraint | None,
                max_new_tokens: int, ignore_eos: bool = False) -> list[Req]:
-        """Queue greedy requests on ``scheduler`` once their grammar compiled (cached after the
+        """Queue greedy requests on ``core`` once their grammar compiled (cached after the
         first time). Returns: the requests."""
         reqs = []
         for i, text in enumerate(prompts):
@@ -93,26 +94,26 @@ class Engine:
             req = Req(rid=str(i), input_ids=self.chat_ids(text), sampling=sampling)
             reqs.append(req)
             if constraint is None:
-                scheduler.add(req)
+                core.scheduler.add(req)
             else:
                 self.grammars.submit(req)
         while len(self.grammars):
             for done in self.grammars.poll():
                 assert done.error is None, done.error
-                scheduler.add(done.req)
+                core.scheduler.add(done.req)
             time.sleep(0.001)
         return reqs
 
     def run(self, prompts: list[str], constraint: Constraint | None, max_new_tokens: int,
             ignore_eos: bool = False) -> tuple[list[Req], int]:
-        """Generate greedily on the engine's own scheduler.
+        """Generate greedily on the engine's own core.
 
         Returns: the requests and the number of forward steps taken.
         """
-        reqs = self.submit(self.scheduler, prompts, constraint, max_new_tokens, ignore_eos)
+        reqs = self.submit(self.core, prompts, constraint, max_new_tokens, ignore_eos)
         num_steps = 0
-        while self.scheduler.has_work:
-            self.scheduler.step()
+        while self.core.scheduler.has_work:
+            self.core.step()
             num_steps += 1
         return reqs, num_steps
 
@@ -130,7 +131,7 @@ MASK_PARTS = ("fill", "wait", "apply")
 
 
 def bench_step_time(engine: Engine, batch_sizes: list[int], steps: int, reps: int) -> None:
-    """Every variant gets its own scheduler on the same model and the same prompts; they take
+    """Every variant gets its own engine on the same model and the same prompts; they take
     one step each in turn, so outside load hits all alike, and step ``k`` of each is compared at
     the same sequence length (the constrained outputs may end sooner: only the steps that all
     variants ran with the full batch count)."""
@@ -151,51 +152,51 @@ def bench_step_time(engine: Engine, batch_sizes: list[int], steps: int, reps: in
         for batch in batch_sizes:
             prompt_len = len(engine.chat_ids(STORY_PROMPT))
             num_pages = batch * ((prompt_len + steps) // 16 + 2) + 1
-            schedulers = {}
+            cores = {}
             for name, (_, overlap, bias) in STEP_VARIANTS.items():
-                scheduler = engine.new_scheduler(False, num_pages, overlap)
-                mask = scheduler.runner.grammar_mask = BatchMask(engine.config.vocab_size)
+                core = engine.new_core(False, num_pages, overlap)
+                mask = core.runner.grammar_mask = BatchMask(engine.config.vocab_size)
                 mask.use_bias = bias
-                schedulers[name] = scheduler
-            samples: dict[str, list[tuple[float, float]]] = {name: [] for name in schedulers}
+                cores[name] = core
+            samples: dict[str, list[tuple[float, float]]] = {name: [] for name in cores}
             for values in timings.values():
                 values.clear()
             for _ in range(reps):
-                timed = _steps_in_turn(engine, schedulers, batch, steps)
+                timed = _steps_in_turn(engine, cores, batch, steps)
                 num_common = min(len(t) for t in timed.values())
                 for name, values in timed.items():
                     samples[name] += values[:num_common]
-            _print_step_row(batch, samples, schedulers, timings)
+            _print_step_row(batch, samples, cores, timings)
     finally:
         BatchMask.fill, BatchMask.apply, MaskFillThread.join = originals
 
 
-def _steps_in_turn(engine: Engine, schedulers: dict[str, Scheduler], batch: int,
+def _steps_in_turn(engine: Engine, cores: dict[str, EngineCore], batch: int,
                    steps: int) -> dict[str, list[tuple[float, float]]]:
     """One generation per variant, stepped in turn. Returns: per variant, (wall s, main-thread
     CPU s) of each decode step with the full batch, in order."""
-    for name, scheduler in schedulers.items():
+    for name, core in cores.items():
         constraint = Constraint("json_schema", STORY) if STEP_VARIANTS[name][0] else None
-        engine.submit(scheduler, [STORY_PROMPT] * batch, constraint, steps,
+        engine.submit(core, [STORY_PROMPT] * batch, constraint, steps,
                       ignore_eos=constraint is None)
-    timed: dict[str, list[tuple[float, float]]] = {name: [] for name in schedulers}
-    order = list(schedulers)
-    while any(s.has_work for s in schedulers.values()):
+    timed: dict[str, list[tuple[float, float]]] = {name: [] for name in cores}
+    order = list(cores)
+    while any(c.scheduler.has_work for c in cores.values()):
         order = order[1:] + order[:1]  # rotate: no variant always runs right after another
         for name in order:
-            scheduler = schedulers[name]
+            scheduler = cores[name].scheduler
             if not scheduler.has_work:
                 continue
             full = not scheduler.waiting and len(scheduler.running) == batch
             start, cpu_start = time.perf_counter(), time.thread_time()
-            scheduler.step()
+            cores[name].step()
             if full:
                 timed[name].append((time.perf_counter() - start, time.thread_time() - cpu_start))
     return timed
 
 
 def _print_step_row(batch: int, samples: dict[str, list[tuple[float, float]]],
-                    schedulers: dict[str, Scheduler],
+                    cores: dict[str, EngineCore],
                     timings: dict[str, dict[int, list[float]]]) -> None:
     base = statistics.median(w for w, _ in samples["unconstrained"])
     base_cpu = statistics.median(c for _, c in samples["unconstrained"])
@@ -206,8 +207,8 @@ def _print_step_row(batch: int, samples: dict[str, list[tuple[float, float]]],
         cells += [f"{wall * 1e3:.1f} ({cpu * 1e3:.1f})",
                   f"{wall / base:.3f} ({cpu / base_cpu:.3f})"]
     parts = []
-    for scheduler in list(schedulers.values())[1:]:
-        runner = scheduler.runner
+    for core in list(cores.values())[1:]:
+        runner = core.runner
         fills = timings["fill"].get(id(runner.grammar_mask), [])
         owners = {"fill": runner.grammar_mask, "wait": runner.mask_thread,
                   "apply": runner.grammar_mask}
@@ -218,7 +219,8 @@ def _print_step_row(batch: int, samples: dict[str, list[tuple[float, float]]],
     print("| " + " | ".join(cells) + " |", flush=True)
 
 
-def bench_compile(engine: Engine, per_subset: int, timeout_s: float, seed: int) -> None:
+def bench_compile(engine: Engine, per_subset: int, timeout_s: float, seed: int,
+                  data: Path = DATA_DIR) -> None:
     print(f"\n## Compile time and coverage ({per_subset} sampled schemas per subset, "
           f"{timeout_s:g} s timeout per backend)")
     print("| subset | n | xgrammar ok | p50 ms | p99 ms | outlines ok | p50 ms | p99 ms "
@@ -228,8 +230,9 @@ def bench_compile(engine: Engine, per_subset: int, timeout_s: float, seed: int) 
     services = {b.name: GrammarService([b], timeout_s=timeout_s, num_threads=1)
                 for b in engine.grammars.service.backends}
     totals: dict[str, list[int]] = {name: [0, 0] for name in [*services, "chain"]}
-    for subset in sorted(p.name for p in SCHEMA_DIR.iterdir()):
-        files = sorted((SCHEMA_DIR / subset).glob("*.json"))
+    schema_dir = data / SCHEMAS
+    for subset in sorted(p.name for p in schema_dir.iterdir() if p.is_dir()):
+        files = sorted((schema_dir / subset).glob("*.json"))
         sample = rng.sample(files, min(per_subset, len(files)))
         results: dict[str, list[tuple[bool, float]]] = {name: [] for name in services}
         for path in sample:
@@ -318,6 +321,7 @@ def main() -> None:
     parser.add_argument("--jump-tokens", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", default="", help="comma list of: step,compile,jump")
+    add_data_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
@@ -329,7 +333,7 @@ def main() -> None:
             engine, [int(b) for b in args.batch_sizes.split(",")], args.steps, args.reps
         )
     if "compile" not in skip:
-        bench_compile(engine, args.schemas_per_subset, args.compile_timeout, args.seed)
+        bench_compile(engine, args.schemas_per_subset, args.compile_timeout, args.seed, args.data)
     if "jump" not in skip:
         bench_jump_forward(model_path, args.jump_batch, args.jump_tokens)
 

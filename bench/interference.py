@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import launch_cluster, load_prompts, percentile, random_prompts, resolve_model
+from common import (
+    add_data_argument,
+    launch_cluster,
+    load_prompts,
+    percentile,
+    random_prompts,
+    resolve_model,
+)
 from serving import Target, Workload, first_model, poisson_starts, send_request
 from serving_metrics import RequestOutput, meets_slos, parse_slos
 
@@ -234,6 +241,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo", nargs="*", default=["ttft:5000", "itl:500"], metavar="KIND:MS")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
+    add_data_argument(p)
     args = p.parse_args(argv)
     args.cpu_affinity = dict(item.split("=", 1) for item in args.cpu_affinity)
     return args
@@ -251,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     slos = parse_slos(args.slo)
     streams = [
         Workload(ids, len(ids), args.stream_output_len, "stream")
-        for ids in load_prompts(tok, 64, args.stream_input_len)
+        for ids in load_prompts(tok, 64, args.stream_input_len, data=args.data)
     ]
     longs = [
         Workload(ids, len(ids), args.long_output_len, "long")

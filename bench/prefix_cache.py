@@ -26,13 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from common import DATA_DIR, add_data_argument
 
 from splitserve.config import ServeConfig
 from splitserve.default_model import resolve_model_path
 from splitserve.launch.local import Cluster
 from splitserve.server.sse import DONE, aiter_events
 
-GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts" / "gsm8k"
+GSM8K = Path("prompts") / "gsm8k"  # under a data folder (--data)
 NUM_SHOTS = 5
 
 
@@ -46,11 +47,14 @@ def few_shot_prefix(shots: list[dict]) -> str:
     return "".join(parts)
 
 
-def build_workload(tokenizer, num_questions: int, num_prefixes: int, seed: int) -> list[list[int]]:
+def build_workload(
+    tokenizer, num_questions: int, num_prefixes: int, seed: int, data: Path = DATA_DIR
+) -> list[list[int]]:
     """Token ids of ``num_questions`` prompts; prefix ``k`` uses training shots
-    ``[5k, 5k + 5)``; questions are spread over the prefixes in a seeded random order."""
-    train = load_jsonl(GSM8K / "train_first500.jsonl", NUM_SHOTS * num_prefixes)
-    questions = load_jsonl(GSM8K / "test.jsonl", num_questions)
+    ``[5k, 5k + 5)``; questions are spread over the prefixes in a seeded random order. Reads
+    ``data/prompts/gsm8k/{train_first500,test}.jsonl``."""
+    train = load_jsonl(data / GSM8K / "train_first500.jsonl", NUM_SHOTS * num_prefixes)
+    questions = load_jsonl(data / GSM8K / "test.jsonl", num_questions)
     prefixes = [
         few_shot_prefix(train[k * NUM_SHOTS : (k + 1) * NUM_SHOTS]) for k in range(num_prefixes)
     ]
@@ -185,6 +189,7 @@ def main() -> None:
     )
     ap.add_argument("--port", type=int, default=8731)
     ap.add_argument("--skip-single", action="store_true", help="only the routing comparison")
+    add_data_argument(ap)
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -211,7 +216,7 @@ def main() -> None:
 
 def compare_cache_on_off(tokenizer, base: dict, warmup: list[int], args) -> list[str]:
     """One prefill + one decode worker, radix cache on vs off, one shared 5-shot prefix."""
-    prompts = build_workload(tokenizer, args.num_questions, 1, seed=0)
+    prompts = build_workload(tokenizer, args.num_questions, 1, seed=0, data=args.data)
     best = best_hit_tokens(prompts, args.page_size)
     total = sum(len(p) for p in prompts)
     print(
@@ -237,7 +242,9 @@ def compare_cache_on_off(tokenizer, base: dict, warmup: list[int], args) -> list
 
 def compare_routing(tokenizer, base: dict, warmup: list[int], args) -> list[str]:
     """Two prefill workers, ``cache_aware`` vs ``round_robin``, K distinct 5-shot prefixes."""
-    prompts = build_workload(tokenizer, args.num_questions, args.routing_prefixes, seed=1)
+    prompts = build_workload(
+        tokenizer, args.num_questions, args.routing_prefixes, seed=1, data=args.data
+    )
     best = best_hit_tokens(prompts, args.page_size)
     rate = best / sum(len(p) for p in prompts)
     head = f"routing workload: {len(prompts)} prompts over {args.routing_prefixes} prefixes"

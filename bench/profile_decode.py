@@ -17,13 +17,13 @@ import time
 from collections import defaultdict
 
 import torch
-from common import default_dtype, resolve_model
+from common import default_dtype, make_core, resolve_model
 
+from splitserve.config import EngineConfig
+from splitserve.engine.core import EngineCore
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.model.loader import load_model
-from splitserve.engine.runner.model_runner import ModelRunner
 from splitserve.engine.sched.request import Req
-from splitserve.engine.sched.scheduler import Scheduler, SchedulerConfig
 from splitserve.ipc.messages import SamplingParams
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "linear_pointwise")
@@ -36,16 +36,14 @@ ATTENTION_OPS += ("aten::index_copy_",)
 
 def build(
     model_path: str, dtype: str, batch: int, prompt_len: int, max_new: int, min_len: int = 0
-):
-    """A scheduler with ``batch`` prefilled requests; prompt lengths are ``prompt_len``, or
+) -> EngineCore:
+    """An engine with ``batch`` prefilled requests; prompt lengths are ``prompt_len``, or
     uniform in ``[min_len, prompt_len]`` when ``min_len`` > 0 (a ShareGPT-like spread)."""
     model, cfg = load_model(model_path, dtype=getattr(torch, dtype))
     layout = cfg.kv_layout(16, dtype)
     pages = batch * ((prompt_len + max_new) // 16 + 2) + 8
     pool = KVPool(layout, pages)
-    sched = Scheduler(
-        ModelRunner(model, pool), SchedulerConfig(max_running=batch), cfg.eos_token_ids
-    )
+    core = make_core(model, pool, cfg.eos_token_ids, EngineConfig(max_running=batch))
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
         n = prompt_len
@@ -53,10 +51,10 @@ def build(
             n = int(torch.randint(min_len, prompt_len + 1, (1,), generator=g))
         ids = torch.randint(100, cfg.vocab_size - 100, (n,), generator=g).tolist()
         params = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
-        sched.add(Req(rid=str(i), input_ids=ids, sampling=params))
-    while sched.waiting:  # prefill every request (a step prefills within the token budget)
-        sched.step()
-    return sched
+        core.scheduler.add(Req(rid=str(i), input_ids=ids, sampling=params))
+    while core.scheduler.waiting:  # prefill every request (a step prefills within the budget)
+        core.step()
+    return core
 
 
 class CpuClock:
@@ -83,14 +81,14 @@ class CpuClock:
         return timed
 
 
-def instrument(sched: Scheduler) -> CpuClock:
+def instrument(core: EngineCore) -> CpuClock:
     """Time every projection (and the LM head) as "matmul", the attention backend as
     "attention" (gather, K/V write and the attention products), sampling, and the fused C
     decode layers (which then hold the projections and attention of small steps)."""
     from splitserve.engine.model.layers import Linear
 
     clock = CpuClock()
-    model = sched.runner.model
+    model = core.runner.model
     for module in model.modules():
         if isinstance(module, Linear):
             module.forward = clock.wrap("matmul", module.forward)
@@ -99,7 +97,7 @@ def instrument(sched: Scheduler) -> CpuClock:
     backend = model.attn_backend
     backend.forward = clock.wrap("attention", backend.forward)
     backend.prepare = clock.wrap("attention prepare", backend.prepare)
-    sampler = sched.runner.sampler
+    sampler = core.runner.sampler
     sampler.sample = clock.wrap("sampling", sampler.sample)
     import splitserve.engine.model.llama as llama_module
 
@@ -140,23 +138,23 @@ def main(argv: list[str] | None = None) -> int:
         dtype, why = default_dtype()
     else:
         dtype, why = args.dtype, "asked for"
-    sched = build(
+    core = build(
         resolve_model(args.model), dtype, args.batch, args.prompt_len, 1000, args.min_prompt_len
     )
     for _ in range(3):
-        sched.step()  # warm-up
+        core.step()  # warm-up
     times, cpu_times = [], []
     for _ in range(args.steps):
         t0, c0 = time.perf_counter(), time.thread_time()
-        sched.step()
+        core.step()
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.thread_time() - c0)
     step_ms = statistics.median(times) * 1e3
     cpu_ms = statistics.median(cpu_times) * 1e3
-    clock = instrument(sched)
+    clock = instrument(core)
     c0 = time.thread_time()
     for _ in range(args.steps):
-        sched.step()
+        core.step()
     total = time.thread_time() - c0
     print(
         f"dtype {dtype} ({why}); batch {args.batch}, "
@@ -177,20 +175,20 @@ def main(argv: list[str] | None = None) -> int:
         f"  {'everything else':<18} {rest / args.steps * 1e3:7.1f} ms  {rest / total:6.1%}  "
         "(batch building, norms, RoPE, residuals, scheduler)"
     )
-    core = clock.spent["matmul"] + clock.spent["attention"]
-    print(f"  matmul + attention: {core / total:.1%} (goal >= 70%)")
+    products = clock.spent["matmul"] + clock.spent["attention"]
+    print(f"  matmul + attention: {products / total:.1%} (goal >= 70%)")
     fused = clock.spent["fused layers (C)"]
     if fused:
         # One C call runs every layer's projections, attention, norms, RoPE and SiLU: the
         # per-op path (same kernels, bit-identical) splits them.
         print(
-            f"  matmul + attention + fused layers: {(core + fused) / total:.1%} (the fused "
+            f"  matmul + attention + fused layers: {(products + fused) / total:.1%} (the fused "
             "layers are mostly both; SPLITSERVE_FUSED_DECODE=0 times them op by op)"
         )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            sched.step()
+            core.step()
         prof_wall = time.perf_counter() - t0
     events = prof.key_averages()
     by_kind: dict[str, float] = defaultdict(float)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from common import load_prompts, resolve_model
+from common import add_data_argument, load_prompts, resolve_model
 
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.layers import Linear, can_pack, pack_weight, packed_linear
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--threads", type=int, default=2, help="torch threads (the engine's)")
     p.add_argument("--results", type=Path, default=None, help="a serving.py results.json")
+    add_data_argument(p)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model)
     prompts = load_prompts(AutoTokenizer.from_pretrained(model), args.num_prompts,
-                           args.max_input_len)
+                           args.max_input_len, data=args.data)
     lens = [len(x) for x in prompts]
     shapes, layers, c, out_len = Shapes.of(cfg), cfg.num_layers, args.concurrency, args.output_len
     qd = cfg.num_heads * cfg.head_dim

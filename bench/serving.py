@@ -37,7 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import SEED, launch_cluster, load_prompts, random_prompts, resolve_model
+from common import (
+    SEED,
+    add_data_argument,
+    launch_cluster,
+    load_prompts,
+    random_prompts,
+    resolve_model,
+)
 from serving_metrics import (
     SLO_KINDS,
     RequestOutput,
@@ -217,7 +224,7 @@ def flush_cache(url: str) -> bool:
 
 def build_workloads(args: argparse.Namespace, tokenizer: Any) -> list[Workload]:
     if args.dataset == "sharegpt":
-        prompts = load_prompts(tokenizer, args.num_prompts, args.max_input_len)
+        prompts = load_prompts(tokenizer, args.num_prompts, args.max_input_len, data=args.data)
     else:
         prompts = random_prompts(tokenizer, args.num_prompts, args.input_len)
     works = []
@@ -390,6 +397,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
+    add_data_argument(d)
     d.add_argument("--num-prompts", type=int, default=64)
     d.add_argument("--max-input-len", type=int, default=256, help="sharegpt: truncate to this")
     d.add_argument("--input-len", type=int, default=512, help="random: prompt tokens")

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 from common import (
     MAX_PROMPT_TOKENS,
+    add_data_argument,
     default_dtype,
     launch_cluster,
     load_prompts,
@@ -268,6 +269,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=["disaggregated", "colocated", "both"],
                    default="disaggregated")
     p.add_argument("--json", type=Path, default=None, help="write results here")
+    add_data_argument(p)
     return p.parse_args(argv)
 
 
@@ -282,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype, why = default_dtype()
     print(f"model {model_path}\ndtype {dtype} ({why})", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = load_prompts(tokenizer, args.num_prompts)
+    prompts = load_prompts(tokenizer, args.num_prompts, data=args.data)
     lens = [len(p) for p in prompts]
     print(f"{len(prompts)} ShareGPT prompts (first user turns, <= {MAX_PROMPT_TOKENS} tokens; "
           f"mean {statistics.fmean(lens):.0f}, max {max(lens)}), output {args.output_len} tokens "
