@@ -6,7 +6,13 @@ Ray only places and keeps processes: each worker and the router run as an ordina
 node (``num_cpus``/``num_gpus``/custom ``resources``, or a pinned ``node_ip``). Workers join the
 router with ``--router`` exactly as when started by hand (the plain per-host commands in the
 README), advertising their node's IP. Each child gets its whole config as ``--config-json``
-(``engine`` is an :class:`~splitserve.config.EngineConfig`: an unknown key is an error).
+(``engine`` is an :class:`~splitserve.config.EngineConfig`: an unknown key is an error), and
+exits when its actor's process does (``ray.shutdown()``, a killed actor or node), as under the
+local launcher.
+
+A node's IP is what Ray reports, and Ray never reports loopback: it replaces ``127.0.0.1`` with
+a reachable address, even given ``ray.init(_node_ip_address="127.0.0.1")``. A one-node cluster
+that should stay on loopback says ``host: 127.0.0.1``: every process binds and advertises that.
 
 cluster.yaml::
 
@@ -16,6 +22,7 @@ cluster.yaml::
     decode:  {count: 2, port: 7002, num_cpus: 8, kv_cache_mb: 4096}
     engine:  {dtype: bfloat16, page_size: 16}  # flags for every worker
     curve_keys: /etc/splitserve/cluster.keys   # optional; same file on every node
+    host: 127.0.0.1                            # optional, one node: bind this, not the node's IP
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class RayClusterSpec:
     decode: RoleSpec = field(default_factory=RoleSpec)
     engine: EngineConfig = field(default_factory=EngineConfig)
     curve_keys: str | None = None
+    host: str | None = None  # what every process binds and advertises (None: its node's IP)
 
     @classmethod
     def from_yaml(cls, text: str) -> RayClusterSpec:
@@ -87,7 +95,7 @@ class RayClusterSpec:
             raise ValueError(f"cluster spec: engine: {exc}") from exc
         return cls(model=d["model"], router_port=router.get("port", 8000),
                    router_node_ip=router.get("node_ip"), engine=engine,
-                   curve_keys=d.get("curve_keys"), **roles)
+                   curve_keys=d.get("curve_keys"), host=d.get("host"), **roles)
 
 
 def _options(role: RoleSpec | None, node_ip: str | None) -> dict[str, Any]:
@@ -135,9 +143,13 @@ def launch_on_ray(address: str | None, spec: RayClusterSpec,
 
     ray.init(address=address, ignore_reinit_error=True)
     security = msgspec.structs.replace(security or SecurityConfig(), curve_keys=spec.curve_keys)
-    child_env = {env.API_KEY: security.api_key} if security.api_key else {}
+    # A child dies with its actor's process. Recent Ray kills an exiting worker's children too
+    # (RAY_kill_child_processes_on_worker_exit); this holds where that is off or absent.
+    child_env = {env.DIE_WITH_PARENT: "1"}
+    if security.api_key:
+        child_env[env.API_KEY] = security.api_key
     router = ProcessHost.options(**_options(None, spec.router_node_ip)).remote()
-    ip = ray.get(router.node_ip.remote())
+    ip = spec.host or ray.get(router.node_ip.remote())
     server = ServeConfig(engine=spec.engine, server=ServerConfig(host=ip, port=spec.router_port),
                          security=security, log_level=log_level)
     ray.get(router.start.remote(["api-server", "--config-json", to_json(server)], child_env))
@@ -150,7 +162,7 @@ def launch_on_ray(address: str | None, spec: RayClusterSpec,
             engine = msgspec.structs.replace(engine, kv_cache_mb=role.kv_cache_mb)
         for i in range(role.count):
             host = ProcessHost.options(**_options(role, role.node_ip)).remote()
-            node_ip = ray.get(host.node_ip.remote())
+            node_ip = spec.host or ray.get(host.node_ip.remote())
             port = role.port + i if role.port else 0
             worker = WorkerConfig(
                 role=role_name, worker_id=f"{role_name}-{i}", addr="", router_url=url,

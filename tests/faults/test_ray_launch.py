@@ -17,6 +17,7 @@ router: {{port: {port}}}
 prefill: {{count: 1, num_cpus: 1, kv_cache_mb: 32}}
 decode: {{count: 1, num_cpus: 1, kv_cache_mb: 32}}
 engine: {{dtype: float32, page_size: 16}}
+host: 127.0.0.1
 """
 
 
@@ -24,6 +25,7 @@ def test_spec_parses_and_rejects_unknown_keys() -> None:
     spec = RayClusterSpec.from_yaml(SPEC.format(model="/m", port=8123))
     assert spec.router_port == 8123 and spec.decode.kv_cache_mb == 32
     assert (spec.engine.dtype, spec.engine.page_size) == ("float32", 16)
+    assert spec.host == "127.0.0.1" and RayClusterSpec.from_yaml("model: /m\n").host is None
     with pytest.raises(ValueError, match="unknown keys"):
         RayClusterSpec.from_yaml("model: /m\nprefill: {cout: 2}\n")
     with pytest.raises(ValueError, match="model"):
