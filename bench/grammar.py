@@ -8,6 +8,8 @@
    outlines), per JSONSchemaBench subset, on a sample of each subset (``--data``: the folder
    whose ``jsonschemabench/schemas/<subset>/`` it samples; default tests/data).
 3. Tokens/s for JSON outputs with jump-forward on vs off.
+4. xgrammar's per-token mask fill time (p50/p99) along valid MaskBench instances (``--data``:
+   the folder whose ``jsonschemabench/maskbench/<subset>/`` it reads).
 
     python bench/grammar.py --schemas-per-subset 4 --steps 24
 """
@@ -29,7 +31,7 @@ from common import DATA_DIR, add_data_argument, make_core
 from splitserve.config import EngineConfig
 from splitserve.default_model import ensure_default_model
 from splitserve.engine.core import EngineCore
-from splitserve.engine.grammar import GrammarService
+from splitserve.engine.grammar import GrammarService, allocate_bitmask
 from splitserve.engine.grammar.batch_mask import BatchMask
 from splitserve.engine.grammar.mask_thread import MaskFillThread
 from splitserve.engine.kv_pool import KVPool
@@ -39,6 +41,7 @@ from splitserve.ipc.messages import Constraint, SamplingParams
 from splitserve.worker.grammars import WorkerGrammars, create_worker_grammars
 
 SCHEMAS = Path("jsonschemabench") / "schemas"  # under a data folder (--data)
+MASKBENCH = Path("jsonschemabench") / "maskbench"  # {schema, tests: [{valid, data}]} per file
 PERSON = json.dumps({
     "type": "object",
     "properties": {
@@ -283,6 +286,28 @@ def bench_jump_forward(model_path: str, batch: int, max_new_tokens: int) -> None
     print(f"tokens/s ratio on/off: {rates[True] / rates[False]:.2f}")
 
 
+def bench_mask_fill(engine: Engine, num_schemas: int, data: Path = DATA_DIR) -> None:
+    """xgrammar ``fill_bitmask`` wall time per token along the first valid instance of every
+    12th MaskBench schema that has one (sorted by path), ``num_schemas`` of them."""
+    backend = next(b for b in engine.grammars.service.backends if b.name == "xgrammar")
+    docs = [json.loads(p.read_text()) for p in sorted((data / MASKBENCH).glob("*/*.json"))]
+    cases = [(d["schema"], next(t["data"] for t in d["tests"] if t["valid"]))
+             for d in docs[::12] if any(t["valid"] for t in d["tests"])][:num_schemas]
+    bitmask = allocate_bitmask(1, backend.vocab_size)
+    timings_us: list[float] = []
+    for schema, instance in cases:
+        matcher = backend.compile("json_schema", json.dumps(schema)).create_matcher()
+        for token_id in engine.tokenizer.encode(json.dumps(instance), add_special_tokens=False):
+            start = time.perf_counter()
+            matcher.fill_bitmask(bitmask, 0)
+            timings_us.append((time.perf_counter() - start) * 1e6)
+            if not matcher.accept_token(token_id):
+                break
+    timings_us.sort()
+    print(f"\n## xgrammar mask fill, {len(cases)} MaskBench schemas, {len(timings_us)} tokens")
+    print(f"p50 {_pct(timings_us, 50):.1f} us, p99 {_pct(timings_us, 99):.1f} us per token")
+
+
 def _timed_per_instance(method: Callable, sink: dict[int, list[float]]) -> Callable:
     """Wrap ``method`` so that each call's seconds go to ``sink[id(self)]`` (from any thread)."""
 
@@ -320,7 +345,8 @@ def main() -> None:
     parser.add_argument("--jump-batch", type=int, default=4)
     parser.add_argument("--jump-tokens", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip", default="", help="comma list of: step,compile,jump")
+    parser.add_argument("--mask-schemas", type=int, default=12)
+    parser.add_argument("--skip", default="", help="comma list of: step,compile,jump,mask")
     add_data_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -336,6 +362,8 @@ def main() -> None:
         bench_compile(engine, args.schemas_per_subset, args.compile_timeout, args.seed, args.data)
     if "jump" not in skip:
         bench_jump_forward(model_path, args.jump_batch, args.jump_tokens)
+    if "mask" not in skip:
+        bench_mask_fill(engine, args.mask_schemas, args.data)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real default model (converted once into the cache) and its tokenizer."""
+"""Shared fixtures: the real default model (converted once into the cache), its tokenizer, and
+the model loaded once per session, by the engine and by ``transformers`` (the reference)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,23 @@ def tokenizer(model_path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="session")
+def model(model_path: Path):
+    """``(net, config)``: the default model as the engine loads it, float32 on the CPU
+    (``engine.model.loader.load_model``). Shared: a test must leave it as it found it."""
+    import torch
+
+    from splitserve.engine.model.loader import load_model
+
+    return load_model(model_path, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path: Path):
+    """The reference: ``transformers``' model of the same folder, float32, eval mode. Shared."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()

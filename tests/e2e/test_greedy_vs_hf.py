@@ -5,7 +5,6 @@ weights), colocated and disaggregated. A position where the reference's two best
 from __future__ import annotations
 
 import concurrent.futures as cf
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,24 +24,27 @@ NEW_TOKENS = 32
 TIE_EPS = 1e-4
 
 
-@pytest.fixture(scope="module")
-def reference(model_path: Path, tokenizer) -> list[tuple[list[int], list[int], list[float]]]:
+def hf_greedy(
+    hf_model, tokenizer, prompts: list[str], new_tokens: int
+) -> list[tuple[list[int], list[int], list[float]]]:
     """Per prompt: (prompt ids, HF greedy ids, gap between HF's two best logits per step)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     out = []
-    for text in PROMPTS:
+    for text in prompts:
         ids = tokenizer.encode(text)
         with torch.inference_mode():
-            gen = hf.generate(
-                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+            gen = hf_model.generate(
+                torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
                 output_scores=True, return_dict_in_generate=True, pad_token_id=0,
             )
         new = gen.sequences[0, len(ids):].tolist()
         gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in gen.scores]
         out.append((ids, new, gaps))
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, tokenizer) -> list[tuple[list[int], list[int], list[float]]]:
+    return hf_greedy(hf_model, tokenizer, PROMPTS, NEW_TOKENS)
 
 
 def assert_matches(ref_ids: list[int], gaps: list[float], got: list[int]) -> None:

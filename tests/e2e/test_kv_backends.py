@@ -14,14 +14,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from splitserve.config import ServeConfig
 from splitserve.kv_transfer.shm_backend import PREFIX, SHM_DIR
 from splitserve.launch.local import Cluster
 from tests.cluster_config import serve_config
 from tests.e2e.conftest import complete_ids, worker_pages_used
-from tests.e2e.test_greedy_vs_hf import assert_matches
+from tests.e2e.test_greedy_vs_hf import assert_matches, hf_greedy
 from tests.kv_transfer.workers import OPTIONAL_BACKENDS
 
 pytestmark = pytest.mark.slow
@@ -53,19 +52,8 @@ def decode_pages_used(cluster: Cluster) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(model_path: Path, tokenizer) -> list[tuple[list[int], list[int], list[float]]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    out = []
-    for text in PROMPTS:
-        ids = tokenizer.encode(text)
-        with torch.inference_mode():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-        gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in gen.scores]
-        out.append((ids, gen.sequences[0, len(ids):].tolist(), gaps))
-    return out
+def reference(hf_model, tokenizer) -> list[tuple[list[int], list[int], list[float]]]:
+    return hf_greedy(hf_model, tokenizer, PROMPTS, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

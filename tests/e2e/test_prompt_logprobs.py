@@ -13,13 +13,10 @@ PROMPT = "The quick brown fox jumps over the lazy dog because it"
 
 
 @pytest.fixture(scope="module")
-def hf_logprobs(model_path, tokenizer) -> tuple[list[int], list[float]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+def hf_logprobs(hf_model, tokenizer) -> tuple[list[int], list[float]]:
     ids = tokenizer.encode(PROMPT)
     with torch.inference_mode():
-        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+        lp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
     return ids, [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
 
 

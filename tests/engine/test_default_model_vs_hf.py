@@ -85,15 +85,12 @@ def f32_model(model_path):
     return load_model(model_path, torch.float32, DEVICE)
 
 
-def test_greedy_matches_transformers_float32(model_path, prompts, f32_model) -> None:
-    from transformers import AutoModelForCausalLM
-
+def test_greedy_matches_transformers_float32(prompts, f32_model, hf_model) -> None:
     model, cfg = f32_model
     ours = greedy(model, cfg, prompts, "float32", NEW_TOKENS)
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     num_compared = 0
     for prompt, mine in zip(prompts, ours, strict=True):
-        res = hf.generate(
+        res = hf_model.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             do_sample=False,

@@ -8,7 +8,6 @@ import torch
 
 from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.kv_pool import KVPool
-from splitserve.engine.model.loader import load_model
 from splitserve.engine.sched.request import Req
 from splitserve.ipc.messages import SamplingParams
 from tests.engine_core import make_core
@@ -29,13 +28,6 @@ def test_all_logit_rows_follow_sample_rows() -> None:
     assert b.logit_indices.tolist() == [4, 0, 1, 2]
 
 
-@pytest.fixture(scope="module")
-def hf_model(model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-
-
 def hf_prompt_logprobs(hf_model, ids: list[int]) -> list[float]:
     """Logprob of each token ``ids[1:]`` given the tokens before it."""
     with torch.inference_mode():
@@ -45,9 +37,9 @@ def hf_prompt_logprobs(hf_model, ids: list[int]) -> list[float]:
 
 
 @pytest.mark.parametrize("max_batch_tokens", [7, 2048])  # 7: prompts split over chunks
-def test_prompt_logprobs_match_transformers(model_path, tokenizer, hf_model, max_batch_tokens):
+def test_prompt_logprobs_match_transformers(model, tokenizer, hf_model, max_batch_tokens):
     torch.set_num_threads(1)
-    model, cfg = load_model(model_path, torch.float32)
+    model, cfg = model
     pool = KVPool(cfg.kv_layout(16, "float32"), 64)
     core = make_core(model, pool, cfg.eos_token_ids, max_batch_tokens=max_batch_tokens)
     sched = core.scheduler

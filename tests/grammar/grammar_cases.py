@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from splitserve.engine.grammar import BaseMatcher, CompiledGrammar
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -53,6 +55,11 @@ def load_maskbench_cases() -> list[SchemaCase]:
         doc = json.loads(path.read_text())
         cases.append(_case(f"{path.parent.name}/{path.stem}", doc["schema"], doc["tests"]))
     return cases
+
+
+def bit_is_set(bitmask: torch.Tensor, row: int, token_id: int) -> bool:
+    """Whether ``token_id`` is allowed in ``row`` of an int32 ``[B, ceil(V/32)]`` bitmask."""
+    return bool((int(bitmask[row, token_id // 32]) >> (token_id % 32)) & 1)
 
 
 def matcher_accepts(matcher: BaseMatcher, token_ids: list[int], stop_token_id: int) -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from grammar_cases import matcher_accepts
+from grammar_cases import bit_is_set, matcher_accepts
 
 from splitserve.engine.grammar import (
     BaseGrammarBackend,
@@ -81,10 +81,6 @@ def _params() -> list[Any]:
     ]
 
 
-def _bit_is_set(bitmask: torch.Tensor, row: int, token_id: int) -> bool:
-    return bool((int(bitmask[row, token_id // 32]) >> (token_id % 32)) & 1)
-
-
 @pytest.mark.parametrize(("name", "case"), _params())
 def test_kind_accepts_valid_rejects_invalid(
     name: str, case: tuple, compile_once: Callable, tokenizer: Any
@@ -118,15 +114,15 @@ def test_bitmask_allows_each_next_token(
         matcher = compiled.create_matcher()
         for token_id in tokenizer.encode(text, add_special_tokens=False):
             matcher.fill_bitmask(bitmask, row)
-            assert _bit_is_set(bitmask, row, token_id), (text, token_id)
-            assert not _bit_is_set(bitmask, row, eos) or matcher.can_end()
+            assert bit_is_set(bitmask, row, token_id), (text, token_id)
+            assert not bit_is_set(bitmask, row, eos) or matcher.can_end()
             assert matcher.accept_token(token_id)
         matcher.fill_bitmask(bitmask, row)
-        assert _bit_is_set(bitmask, row, eos)
+        assert bit_is_set(bitmask, row, eos)
         # Special tokens never appear as text, even inside a JSON string.
         for special in tokenizer.all_special_ids:
             if special != eos:
-                assert not _bit_is_set(bitmask, row, special)
+                assert not bit_is_set(bitmask, row, special)
     assert bool((bitmask[0] == -1).all()) and bool((bitmask[2] == -1).all())
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from concurrent.futures import Future
 
 import pytest
@@ -20,24 +19,33 @@ from splitserve.engine.grammar import (
 SIMPLE_SCHEMA = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}})
 
 
-class _SlowBackend(BaseGrammarBackend):
-    """Sleeps before delegating (or failing), to exercise timeouts and fallback."""
+class _HeldBackend(BaseGrammarBackend):
+    """Blocks each compile until ``release`` is set (or fails, without ``inner``), so that a test
+    decides when a compile ends instead of guessing a duration; ``finished`` counts the compiles
+    that returned."""
 
     def __init__(
-        self, inner: BaseGrammarBackend | None, delay_s: float, name: str = "slow"
+        self, inner: BaseGrammarBackend | None, name: str = "held", hold: bool = True
     ) -> None:
         self.name = name
         self.vocab_size = inner.vocab_size if inner else 0
         self._inner = inner
-        self._delay_s = delay_s
+        self.release = threading.Event()
+        if not hold:
+            self.release.set()
         self.calls = 0
+        self.finished = 0
 
     def compile(self, kind: GrammarKind, text: str) -> CompiledGrammar:
         self.calls += 1
-        time.sleep(self._delay_s)
-        if self._inner is None:
-            raise GrammarError(f"{self.name} cannot do this")
-        return self._inner.compile(kind, text)
+        # Bounded, so that a test that fails never leaves a compile thread behind for long.
+        self.release.wait(30.0)
+        try:
+            if self._inner is None:
+                raise GrammarError(f"{self.name} cannot do this")
+            return self._inner.compile(kind, text)
+        finally:
+            self.finished += 1
 
 
 @pytest.mark.parametrize(
@@ -80,33 +88,48 @@ def test_cache_returns_same_object(xgrammar_backend: BaseGrammarBackend) -> None
 
 
 def test_timeout_fails_request(xgrammar_backend: BaseGrammarBackend) -> None:
-    service = GrammarService([_SlowBackend(xgrammar_backend, delay_s=1.0)], timeout_s=0.05)
-    started = time.perf_counter()
-    with pytest.raises(GrammarError, match="timed out after 0.05s"):
-        service.compile("regex", "[0-9]+")
-    assert time.perf_counter() - started < 0.9  # failed at the deadline, not when the sleep ended
-    assert not service.is_cached("regex", "[0-9]+")  # timeouts are not cached
-    service.shutdown()
+    held = _HeldBackend(xgrammar_backend)
+    service = GrammarService([held], timeout_s=0.05)
+    try:
+        with pytest.raises(GrammarError, match="timed out after 0.05s"):
+            service.compile("regex", "[0-9]+")
+        # Failed at the deadline, while the compile had not returned (not when it ended).
+        assert held.finished == 0
+        assert not service.is_cached("regex", "[0-9]+")  # timeouts are not cached
+    finally:
+        held.release.set()
+        service.shutdown()
 
 
 def test_fallback_after_failure_and_timeout(xgrammar_backend: BaseGrammarBackend) -> None:
-    failing = _SlowBackend(None, delay_s=0.0, name="broken")
-    hanging = _SlowBackend(xgrammar_backend, delay_s=2.0, name="hanging")
-    working = _SlowBackend(xgrammar_backend, delay_s=0.0, name="working")
-    service = GrammarService([failing, hanging, working], timeout_s=0.2, num_threads=3)
-    compiled = service.compile("regex", "[0-9]+")
-    assert compiled.backend_name == "xgrammar" and working.calls == 1
-    service.shutdown()
+    failing = _HeldBackend(None, name="broken", hold=False)
+    hanging = _HeldBackend(xgrammar_backend, name="hanging")
+    working = _HeldBackend(xgrammar_backend, name="working", hold=False)
+    # The timeout only needs to cover the working backend's compile of a short regex: the
+    # hanging one never returns before it (it is released after the assertions).
+    service = GrammarService([failing, hanging, working], timeout_s=2.0, num_threads=3)
+    try:
+        compiled = service.compile("regex", "[0-9]+")
+        assert compiled.backend_name == "xgrammar" and working.calls == 1
+        assert failing.finished == 1 and hanging.finished == 0  # hanging's timeout moved on
+    finally:
+        hanging.release.set()
+        service.shutdown()
 
 
 def test_submit_does_not_block(xgrammar_backend: BaseGrammarBackend) -> None:
-    """A slow grammar stays pending while a fast one finishes; the caller never waits."""
-    slow_backend = _SlowBackend(xgrammar_backend, delay_s=0.5)
-    service = GrammarService([slow_backend], timeout_s=5.0, num_threads=2)
-    started = time.perf_counter()
-    slow: Future = service.submit("regex", "[a-z]+")
-    assert time.perf_counter() - started < 0.1 and not slow.done()
-    done = threading.Event()
-    slow.add_done_callback(lambda _: done.set())
-    assert done.wait(5.0) and slow.result().backend_name == "xgrammar"
-    service.shutdown()
+    """A grammar still compiling stays pending; the caller never waits for it."""
+    held = _HeldBackend(xgrammar_backend)
+    service = GrammarService([held], timeout_s=60.0, num_threads=2)
+    try:
+        # submit() returns while the compile cannot finish: had it waited, the held compile
+        # would have run out its 30 s bound first and the future would be done here.
+        slow: Future = service.submit("regex", "[a-z]+")
+        assert not slow.done() and held.finished == 0
+        done = threading.Event()
+        slow.add_done_callback(lambda _: done.set())
+        held.release.set()
+        assert done.wait(30.0) and slow.result().backend_name == "xgrammar"
+    finally:
+        held.release.set()
+        service.shutdown()

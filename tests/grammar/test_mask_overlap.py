@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-import time
+import threading
 from typing import Any
 
 import pytest
@@ -16,7 +16,7 @@ import torch
 from splitserve.engine.grammar.batch_mask import BatchMask
 from splitserve.engine.grammar.request_grammar import RequestGrammar
 from splitserve.engine.kv_pool import KVPool
-from splitserve.engine.model.loader import load_model
+from splitserve.engine.runner.model_runner import ModelRunner
 from splitserve.engine.sched.request import Req
 from splitserve.ipc.messages import SamplingParams
 from tests.engine_core import make_core
@@ -50,11 +50,6 @@ def _one_thread():
     torch.set_num_threads(1)  # a small shared CPU box: more threads only wait on each other
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model(model_path):
-    return load_model(model_path, torch.float32)
 
 
 def _generate(model, tokenizer: Any, backends: dict, overlap: bool,
@@ -98,16 +93,43 @@ def test_overlap_gives_the_serial_tokens(model, tokenizer, backends, serial) -> 
 
 
 def test_overlap_waits_for_a_slow_fill(model, tokenizer, backends, serial, monkeypatch) -> None:
-    """A fill that ends long after the forward pass: the runner must wait for it, not sample
-    with the last step's mask."""
-    fill = BatchMask.fill
+    """A fill that ends only after its step's forward pass has returned: the runner must wait
+    for it, not sample with the last step's mask. (The fill waits for the forward pass, so the
+    order holds however fast either runs.)"""
+    done = threading.Condition()
+    count = {"forwards": 0, "fills": 0, "late_fills": 0}
+    step_forward = {}  # the mask thread's fill -> the number of forwards that must have ended
+    forward, fill = type(model[0]).forward, BatchMask.fill
+    start_mask = ModelRunner._start_grammar_mask
 
-    def slow_fill(self, grammars, rows) -> None:
-        time.sleep(0.15)  # longer than a forward pass of this batch
+    def counted_forward(self, *args, **kwargs):
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            with done:
+                count["forwards"] += 1
+                done.notify_all()
+
+    def noted_start_mask(self, picked, rows):
+        with done:  # on the runner's thread, before this step's forward pass
+            step_forward["target"] = count["forwards"] + 1
+        return start_mask(self, picked, rows)
+
+    def late_fill(self, grammars, rows) -> None:
+        with done:
+            target = step_forward["target"]
+            count["fills"] += 1
+            # Bounded: were the runner waiting for this fill before its forward pass, the
+            # step would hang; the count below then fails the test instead.
+            if done.wait_for(lambda: count["forwards"] >= target, timeout=60):
+                count["late_fills"] += 1
         fill(self, grammars, rows)
 
-    monkeypatch.setattr(BatchMask, "fill", slow_fill)
+    monkeypatch.setattr(type(model[0]), "forward", counted_forward)
+    monkeypatch.setattr(ModelRunner, "_start_grammar_mask", noted_start_mask)
+    monkeypatch.setattr(BatchMask, "fill", late_fill)
     assert _generate(model, tokenizer, backends, overlap=True) == serial
+    assert count["late_fills"] == count["fills"] > 0
 
 
 def test_outputs_follow_constraints_and_free_rows_are_independent(

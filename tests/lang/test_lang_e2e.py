@@ -39,20 +39,17 @@ def test_captured_variables_and_select_member(endpoint) -> None:
         s["verdict"])
 
 
-def test_select_scores_match_transformers(endpoint, model_path, tokenizer) -> None:
-    from transformers import AutoModelForCausalLM
-
+def test_select_scores_match_transformers(endpoint, hf_model, tokenizer) -> None:
     choices = ["Paris", " Paris", "London is big", "Rome"]
     prompt = "The capital of France is"
     s = lang.function(lambda s: s.__iadd__(prompt + lang.select("c", choices))).run(
         backend=endpoint)
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     base = tokenizer.encode(prompt)
     for choice, got in zip(choices, s.meta("c")["scores"]):
         ids = tokenizer.encode(prompt + choice)
         k = next((i for i, (a, b) in enumerate(zip(base, ids)) if a != b), len(base))
         with torch.inference_mode():
-            lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+            lp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
         want = sum(lp[i - 1, ids[i]].item() for i in range(k, len(ids))) / (len(ids) - k)
         assert abs(got - want) < 1e-3, (choice, got, want)
 

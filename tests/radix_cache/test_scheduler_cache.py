@@ -9,7 +9,6 @@ import torch
 
 from splitserve.engine.core import EngineCore
 from splitserve.engine.kv_pool import KVPool
-from splitserve.engine.model.loader import load_model
 from splitserve.engine.sched.request import Req
 from splitserve.ipc.messages import SamplingParams
 from tests.engine_core import make_core
@@ -27,11 +26,6 @@ def _one_thread():
     torch.set_num_threads(1)  # a small shared CPU box: more threads only wait on each other
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model(model_path):
-    return load_model(model_path, torch.float32)
 
 
 def make_core_for(model, cache: str, num_pages: int = 256, prefill_only: bool = False):
