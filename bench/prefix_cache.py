@@ -31,6 +31,7 @@ from common import DATA_DIR, add_data_argument
 from splitserve.config import ServeConfig
 from splitserve.default_model import resolve_model_path
 from splitserve.launch.local import Cluster
+from splitserve.radix_cache.token_prefix import common_prefix_len
 from splitserve.server.sse import DONE, aiter_events
 
 GSM8K = Path("prompts") / "gsm8k"  # under a data folder (--data)
@@ -69,14 +70,7 @@ def best_hit_tokens(prompts: list[list[int]], page_size: int) -> int:
     the longest page-aligned prefix shared with an earlier one, leaving its last token."""
     total = 0
     for i, p in enumerate(prompts):
-        best = 0
-        for q in prompts[:i]:
-            n = 0
-            for x, y in zip(p, q):
-                if x != y:
-                    break
-                n += 1
-            best = max(best, n)
+        best = max((common_prefix_len(p, q) for q in prompts[:i]), default=0)
         total += min(best, len(p) - 1) // page_size * page_size
     return total
 

@@ -24,6 +24,7 @@ from splitserve.lang.backend import Prompt, SelectOutput, TextPrompt
 from splitserve.lang.chat_template import ChatTemplate
 from splitserve.lang.errors import BackendError
 from splitserve.lang.openai_compatible import OpenAIBackendBase, json_schema_format
+from splitserve.radix_cache.token_prefix import common_prefix_len
 
 _PROBE_REGEX = "zqqz"  # an output no unconstrained model produces from the probe prompt
 _NO_SCORES = 10**9  # logprob_start_len past any prompt: tokens back, nothing scored
@@ -143,18 +144,9 @@ class Endpoint(OpenAIBackendBase):
         out = self._score(prompt.text + choice, start, prompt.templated)
         ids, lps = out["prompt_token_ids"], out["logprobs"]["token_logprobs"][: len(out[
             "prompt_token_ids"])]
-        k = _common_prefix_len(base_ids, ids)
+        k = common_prefix_len(base_ids, ids)
         if k < start:  # the boundary moved further back than expected: score from k
             out = self._score(prompt.text + choice, k, prompt.templated)
             lps = out["logprobs"]["token_logprobs"]
         # Index 0 has no logprob (nothing predicts it): only an empty prompt reaches it.
         return [lp for lp in lps[k : len(ids)] if lp is not None]
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from splitserve.ipc.messages import SamplingParams
+from splitserve.radix_cache.token_prefix import common_prefix_len
 from splitserve.server.engine_client import BaseEngineClient, TokenEvent
 
 DEFAULT_REPLY = "Hello from the fake engine! héllo 世界 🚀 The end."
@@ -88,7 +89,7 @@ class FakeEngineClient(BaseEngineClient):
     ) -> AsyncIterator[TokenEvent]:
         with self._recording():
             self.requests.append((rid, list(input_ids), sampling))
-        cached_len = max((_common_prefix_len(p, input_ids) for p in self._prompts), default=0)
+        cached_len = max((common_prefix_len(p, input_ids) for p in self._prompts), default=0)
         self._prompts.append(list(input_ids))
         out = self.output_ids(sampling)
         done = False
@@ -140,12 +141,3 @@ class FakeEngineClient(BaseEngineClient):
                 "num_waiting": 0,
             }
         ]
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

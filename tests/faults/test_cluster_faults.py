@@ -53,9 +53,7 @@ def test_client_disconnect_frees_pages_at_once(cluster) -> None:
         for i, _ in enumerate(r.iter_lines()):
             if i > 4:
                 break
-    t0 = time.monotonic()
     assert_no_pages(cluster, timeout_s=2.0)  # both workers freed it, well before it would finish
-    assert time.monotonic() - t0 < 2.0
 
 
 def test_decode_killed_while_streaming(cluster) -> None:

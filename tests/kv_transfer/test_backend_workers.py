@@ -136,7 +136,11 @@ def test_sender_dies_mid_transfer(ctx, model_path, backend) -> None:
         prefill.run_once(idle_wait_ms=2)
         prefill.sender.poll()
     assert prefill.sender.metrics.messages_sent >= 1 and not prefill.transfers["r1"].prefilled
-    time.sleep(0.2)  # let the backend finish what it started
+    # Let the backend finish what it started (the prefill worker computes nothing more): until
+    # the decode worker has installed a chunk, not for a guessed time.
+    while decode.receiver.metrics.messages_received == 0 and time.monotonic() < deadline:
+        prefill.sender.poll()
+        decode.run_once(idle_wait_ms=2)
     prefill.sender.poll()
     prefill.sender.close()
     prefill.inbox.close()  # the prefill worker is gone
