@@ -8,8 +8,8 @@ whole group; each split keeps an online softmax (FlashAttention-2) over its toke
 a normalised partial output and its log-sum-exp. Stage 2 merges the splits per (sequence, head).
 With one split, stage 1 writes the final output directly.
 
-K/V are read straight from the pool's per-layer views (strided, not contiguous), token ``t`` of a
-sequence living at page ``page_table[row, t // page_size]``, slot ``t % page_size``.
+K/V are read straight from the pool's per-layer views through the page table, one block at a
+time by ``paged_tile.attend_paged_block``, the loop body the extend kernel shares.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
+from splitserve.engine.attention.triton.paged_tile import LOG2E, MIN_DOT, attend_paged_block
+
 BLOCK_N = 64  # tokens per K/V block
-MIN_DOT = 16  # smallest M/N/K that tl.dot accepts on GPUs
 
 
 @triton.jit
@@ -66,46 +66,12 @@ def _decode_stage1(
     for n0 in range(start, end, BLOCK_N):
         t = n0 + offs_n
         mask_n = t < end
-        page = tl.load(PageTable + row * stride_pt + t // page_size, mask=mask_n, other=0)
-        slot = t % page_size
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(
-            K
-            + page[:, None] * stride_kp
-            + slot[:, None] * stride_ks
-            + kvh * stride_kh
-            + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        # Every block inside [start, end) has a valid token, so m_i stays finite.
+        m_i, l_i, acc = attend_paged_block(
+            q, m_i, l_i, acc, K, V, PageTable, row, kvh, t, mask_n, mask_n[None, :],
+            offs_d, mask_d, stride_pt, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+            stride_vh, scale_log2, page_size, UPCAST, IEEE,
         )
-        v = tl.load(
-            V
-            + page[:, None] * stride_vp
-            + slot[:, None] * stride_vs
-            + kvh * stride_vh
-            + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if IEEE:  # float32 models: no TF32 rounding, so results match the torch backend closely
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(mask_n[None, :], s * scale_log2, float("-inf"))
-        # Every block inside [start, end) has a valid token, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
 
     # An empty split (short sequence, many splits) has l_i == 0: output 0 and weight 0 (lse -inf).
     safe_l = tl.where(l_i > 0, l_i, 1.0)

@@ -5,9 +5,10 @@ of SGLang's Triton extend kernel; our own code. One program per (sequence, query
 ``BLOCK_M`` new tokens) keeps an online softmax over the sequence's keys. Because the backend
 writes the new tokens' K/V into the pool first, prefix and new keys are read the same way (SGLang
 reads the new part from the dense k/v instead; one path is simpler and the prefill is
-compute-bound). New token ``i`` sits at position ``p = seq_len - extend_len + i`` and sees keys
-``j <= p`` (and ``j > p - window`` with a sliding window); blocks entirely after the causal edge or
-before the window are skipped.
+compute-bound), one block at a time by ``paged_tile.attend_paged_block``, the loop body the
+decode kernel shares. New token ``i`` sits at position ``p = seq_len - extend_len + i`` and sees
+keys ``j <= p`` (and ``j > p - window`` with a sliding window); blocks entirely after the causal
+edge or before the window are skipped.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.engine.attention.triton.decode import LOG2E, MIN_DOT
+from splitserve.engine.attention.triton.paged_tile import LOG2E, MIN_DOT, attend_paged_block
 
 
 @triton.jit
@@ -63,51 +64,16 @@ def _extend_kernel(
         for n0 in range(lo, hi, BLOCK_N):
             t = n0 + offs_n
             mask_n = t < hi
-            page = tl.load(PageTable + row * stride_pt + t // page_size, mask=mask_n, other=0)
-            slot = t % page_size
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(
-                K
-                + page[:, None] * stride_kp
-                + slot[:, None] * stride_ks
-                + kvh * stride_kh
-                + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            v = tl.load(
-                V
-                + page[:, None] * stride_vp
-                + slot[:, None] * stride_vs
-                + kvh * stride_vh
-                + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            if IEEE:  # float32 models: no TF32 rounding
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
             see = mask_n[None, :] & (t[None, :] <= qpos[:, None])
             if window > 0:
                 see = see & (t[None, :] > qpos[:, None] - window)
-            s = tl.where(see, s * scale_log2, float("-inf"))
-            # A row may see nothing in this block (padding rows, window edges): keep its
-            # running max finite so that exp2 gives 0, not NaN.
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            # A row may see nothing in this block (padding rows, window edges): the helper
+            # keeps its running max finite for exp2, so it adds 0, not NaN.
+            m_i, l_i, acc = attend_paged_block(
+                q, m_i, l_i, acc, K, V, PageTable, row, kvh, t, mask_n, see, offs_d, mask_d,
+                stride_pt, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                scale_log2, page_size, UPCAST, IEEE,
+            )
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # every real row sees at least itself
         tl.store(
