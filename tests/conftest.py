@@ -25,6 +25,19 @@ def tokenizer(model_path: Path):
     return AutoTokenizer.from_pretrained(model_path)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op torch thread for a module's tests (``pytest.mark.usefixtures``): on a small
+    shared CPU box torch's default (one thread per core) oversubscribes when other processes
+    run, and every op waits for its slowest thread (10x)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def model(model_path: Path):
     """``(net, config)``: the default model as the engine loads it, float32 on the CPU

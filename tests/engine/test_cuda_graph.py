@@ -8,18 +8,11 @@ for padding rows, logits of the real rows only), not the capture itself.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    if os.environ["TRITON_INTERPRET"] != "1":
-        pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
-pytest.importorskip("triton", reason="Triton is not installed")
+from triton_device import DEVICE  # first: it sets TRITON_INTERPRET before Triton loads
 
 from splitserve.engine.attention.base import create_attention_backend
 from splitserve.engine.forward_batch import build_forward_batch
@@ -27,20 +20,14 @@ from splitserve.engine.kv_pool import KVPool, pages_for
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.runner.cuda_graph import DecodeGraphRunner
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PAGE_SIZE = 4
 SIZES = (1, 2, 4, 8)
 CONFIGS = {
     "llama": ("LlamaConfig", {}),
     "mistral_window": ("MistralConfig", {"sliding_window": 6}),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_reference import reference
 
 from splitserve.engine.attention.decode_kv_cache import DecodeKVCache
 from splitserve.engine.attention.torch_backend import TorchAttentionBackend
@@ -17,17 +18,6 @@ LAYERS = 2
 # bf16 inputs (q, K, V) are exact in both; the difference is the bf16 rounding of scores,
 # probabilities and output: ~3 significant bits of slack on values of magnitude ~1.
 TOL = 3e-2
-
-
-def reference(q, ks, vs, window, scale):
-    """Dense float32 attention of one token: ``q [Hq, D]`` over ``ks/vs [S, Hkv, D]``."""
-    hq, hkv = q.shape[0], ks.shape[1]
-    k = ks.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, S, D]
-    v = vs.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
-    s = (q.float()[:, None, :] @ k.transpose(1, 2)).squeeze(1) * scale  # [Hq, S]
-    if window is not None:
-        s[:, : max(0, ks.shape[0] - window)] = float("-inf")
-    return (torch.softmax(s, -1)[:, None, :] @ v).squeeze(1)
 
 
 class Sim:

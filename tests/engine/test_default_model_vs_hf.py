@@ -15,7 +15,7 @@ from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.kv_pool import KVPool, pages_for
 from splitserve.engine.model.loader import load_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 DEVICE = os.environ.get("SPLITSERVE_DEVICE", "cpu")
 PAGE_SIZE = 16
@@ -32,16 +32,6 @@ TEXTS = [
         "how you checked that each of them is prime, step by step, without skipping any number."
     ),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread: on a small shared CPU box, torch's default (one thread per core)
-    oversubscribes when other processes run, and every op waits for its slowest thread (10x)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _prompts(tokenizer) -> list[list[int]]:

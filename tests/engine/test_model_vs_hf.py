@@ -20,6 +20,8 @@ from splitserve.engine.kv_pool import KVPool, pages_for
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.loader import load_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 DEVICE = os.environ.get("SPLITSERVE_DEVICE", "cpu")
 PAGE_SIZE = 4
 ATOL = 1e-4
@@ -62,16 +64,6 @@ CASES = {
     ),
     "mistral_window": ("MistralConfig", {"sliding_window": 6}),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread: on a small shared CPU box, torch's default (one thread per core)
-    oversubscribes when other processes run, and every op waits for its slowest thread (10x)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_reference import reference
 
 from splitserve.engine.attention.torch_backend import TorchAttentionBackend
 from splitserve.engine.forward_batch import build_forward_batch
@@ -13,17 +14,6 @@ from splitserve.engine.kv_pool import KVLayout, KVPool, pages_for
 from splitserve.engine.model.layers import Linear, can_pack
 
 PAGE = 4
-
-
-def reference(q, ks, vs, window, scale):
-    """Per-sequence dense attention in float32: ``q [Hq, D]`` over ``ks/vs [S, Hkv, D]``."""
-    hq, hkv = q.shape[0], ks.shape[1]
-    k = ks.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, S, D]
-    v = vs.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
-    s = (q.float()[:, None, :] @ k.transpose(1, 2)).squeeze(1) * scale  # [Hq, S]
-    if window is not None:
-        s[:, : max(0, ks.shape[0] - window)] = float("-inf")
-    return (torch.softmax(s, -1)[:, None, :] @ v).squeeze(1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

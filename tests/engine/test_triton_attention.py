@@ -1,25 +1,19 @@
 """Triton paged attention (decode and extend kernels) against the torch backend.
 
 On a machine without CUDA the kernels run under Triton's CPU interpreter: ``TRITON_INTERPRET=1``
-is set here before anything imports Triton's JIT for our kernels (Triton chooses interpreter or
-compiler when a kernel is decorated). On CUDA the same tests run the compiled kernels. Shapes are
-tiny because the interpreter executes each program in Python.
+is set (by ``triton_device``, imported first) before anything imports Triton's JIT for our
+kernels (Triton chooses interpreter or compiler when a kernel is decorated). On CUDA the same
+tests run the compiled kernels. Shapes are tiny because the interpreter executes each program in
+Python.
 """
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    if os.environ["TRITON_INTERPRET"] != "1":
-        pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
-pytest.importorskip("triton", reason="Triton is not installed")
+from triton_device import DEVICE  # first: it sets TRITON_INTERPRET before Triton loads
 
 from splitserve.config import EngineConfig
 from splitserve.engine.attention.base import create_attention_backend, default_attention_backend
@@ -28,16 +22,9 @@ from splitserve.engine.attention.triton.backend import TritonAttentionBackend
 from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.kv_pool import KVLayout, KVPool, pages_for
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread (a small shared CPU box; see tests/engine/test_model_vs_hf.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def run_both(

@@ -11,7 +11,6 @@ import threading
 from typing import Any
 
 import pytest
-import torch
 
 from splitserve.engine.grammar.batch_mask import BatchMask
 from splitserve.engine.grammar.request_grammar import RequestGrammar
@@ -21,7 +20,7 @@ from splitserve.engine.sched.request import Req
 from splitserve.ipc.messages import SamplingParams
 from tests.engine_core import make_core
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 PERSON = json.dumps({
     "type": "object",
@@ -42,14 +41,6 @@ REQUESTS: list[tuple[str | None, str, str, str]] = [
     ("xgrammar", "json_object", "", "Describe a ship as a JSON object."),
 ]
 MAX_NEW_TOKENS = 24
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # a small shared CPU box: more threads only wait on each other
-    yield
-    torch.set_num_threads(before)
 
 
 def _generate(model, tokenizer: Any, backends: dict, overlap: bool,

@@ -5,7 +5,6 @@ comes back (to the pool or to the cache's evictable set)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from splitserve.engine.core import EngineCore
 from splitserve.engine.kv_pool import KVPool
@@ -13,19 +12,11 @@ from splitserve.engine.sched.request import Req
 from splitserve.ipc.messages import SamplingParams
 from tests.engine_core import make_core
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 PAGE_SIZE = 4
 NEW_TOKENS = 6
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # a small shared CPU box: more threads only wait on each other
-    yield
-    torch.set_num_threads(before)
 
 
 def make_core_for(model, cache: str, num_pages: int = 256, prefill_only: bool = False):
