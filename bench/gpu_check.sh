@@ -30,7 +30,8 @@
 #   9. the served end-to-end tests on CUDA clusters (float32, CUDA graphs): greedy equals
 #      transformers colocated and disaggregated, the OpenAI API, grammar-constrained requests, no
 #      page leaks; minus the tests that need the real model's text (it counts, says "Paris",
-#      closes a JSON object) or ../shared's data. Needs openai and jsonschema in .whl too.
+#      closes a JSON object) and the JSONSchemaBench one (left out when it read ../shared's data;
+#      its schemas are in tests/data now, untried on the GPU). Needs openai and jsonschema in .whl.
 #
 # Usage (repo root):  OUT=/some/dir bash bench/gpu_check.sh
 # Results (five files: the device tool brings back at most eight): $OUT/summary.txt (one

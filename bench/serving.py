@@ -10,8 +10,9 @@ Targets: ``--base-url [NAME=]URL`` (any number) and ``--launch disaggregated|col
 splitserve cluster started for its runs and stopped after). Load: ``--concurrency N ...``
 (closed loop, N in flight) or ``--request-rate R ...`` (Poisson arrivals, ``inf`` = all at once;
 ``--max-concurrency`` caps in-flight requests). Datasets: ``sharegpt`` (first user turns from
-``shared/data/prompts/sharegpt/``, truncated to ``--max-input-len``) or ``random``
-(``--input-len`` random token ids). Outputs are ``--output-len`` tokens with ``ignore_eos``.
+``prompts/sharegpt/`` under ``--data``, default tests/data; truncated to ``--max-input-len``) or
+``random`` (``--input-len`` random token ids). Outputs are ``--output-len`` tokens with
+``ignore_eos``.
 
 Examples::
 
