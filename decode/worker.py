@@ -2,25 +2,25 @@
 (``KVBootstrap``), installs the pages when they arrive and decodes with continuous batching
 (DESIGN.md, steps 2 and 4).
 
-Admission control: a request is
-bootstrapped only when its prompt's pages can be reserved; until then it waits in a queue, and
-tells the prefill worker so (``KVQueued``) every third of ``transfer_timeout``: each message
-that goes out restarts the request's deadline there and here, so only a prefill worker that is
-unreachable or whose link dropped (it lost the prompt's KV) times a queued request out. Every
-state has a deadline; on expiry the request fails and its pages are freed. With a
-one-sided backend (shm, mooncake, nixl) the pages of a request that failed before its KV fully arrived
-are freed only once the prefill worker acknowledges that it stopped writing them
-(``decode.fences``).
+The handoff of each request is one :class:`~splitserve.kv_transfer.recv_session.RecvSession`
+(admission, keepalives, deadlines and the fences of one-sided backends are documented there);
+this worker turns messages into that session's events and hands a request whose KV arrived to
+the scheduler:
+
+- ``GenerateTask``: open a session (``QUEUED``) and admit in arrival order while
+  ``Scheduler.can_admit`` allows: pages reserved, bootstrap sent;
+- ``KVPages`` / ``KVKeepalive`` / ``KVFailed`` / ``KVReleased`` / ``AbortTask``: the session's
+  events; a session whose KV is complete (``KV_READY``) starts decoding once its grammar, if
+  any, has compiled;
+- every loop: fenced pages whose prefill worker is gone, queued keepalives, deadlines; and
+  admission again whenever pages came back.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections import deque
-from dataclasses import dataclass
+import weakref
 
-from splitserve.decode.fences import Fence, KVFences
+from splitserve.config import WorkerConfig
 from splitserve.engine.kv_pool import pages_for
 from splitserve.engine.sched.batch import StepOutput
 from splitserve.engine.sched.request import Req
@@ -29,32 +29,20 @@ from splitserve.ipc.messages import (
     GenerateTask,
     KVBootstrap,
     KVFailed,
+    KVKeepalive,
     KVPages,
-    KVQueued,
     KVReleased,
     Message,
     WorkerStats,
 )
-from splitserve.ipc.sockets import PeerUnreachable
 from splitserve.kv_transfer.base import layout_to_msg
+from splitserve.kv_transfer.recv_session import RecvSession, RecvSessions
 from splitserve.kv_transfer.registry import create_kv_receiver
+from splitserve.kv_transfer.session import TransferState
 from splitserve.worker.base import BaseWorker
 from splitserve.worker.grammars import CompileDone
 
-logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class PendingKV:
-    """A request waiting for pages to reserve, then for its KV to arrive."""
-
-    req: Req
-    prefill_addr: str
-    deadline: float
-    bootstrapped: bool = False
-    reserved: frozenset[int] = frozenset()  # req.page_ids once bootstrapped (checks each message)
-    link_drops: int = 0  # drops of the link to the prefill worker when queued, then when bootstrapped
-    last_keepalive: float = 0.0  # when the last KVQueued went out (time.monotonic())
+T = TransferState
 
 
 class DecodeWorker(BaseWorker):
@@ -63,15 +51,27 @@ class DecodeWorker(BaseWorker):
     decodes = True
     receives_kv = True
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self.receiver = create_kv_receiver(config.engine.kv_transfer, self.pool)
-        self.admission: deque[PendingKV] = deque()  # waiting for pages to reserve
-        self.awaiting_kv: dict[str, PendingKV] = {}  # bootstrapped, waiting for KVPages
-        self.fences = KVFences()  # failed requests whose pages the prefill side may still write
-        # Constrained requests whose KV already arrived while their grammar still compiles
-        # (they start decoding once the compile is done).
-        self.kv_ready: dict[str, Req] = {}
+        # The sessions reach this worker through a weak proxy: no reference cycle keeps a
+        # dropped worker (and its sockets) alive.
+        port = weakref.proxy(self)
+        self.sessions = RecvSessions(port, self.receiver.one_sided, config.addr,
+                                     config.engine.transfer_timeout_s, clock=lambda: port.now())
+
+    # ---- the sessions' port (kv_transfer.recv_session.RecvPort); send and fail: BaseWorker ----
+
+    def install(self, header: KVPages, frames: Frames | list) -> None:
+        self.receiver.install(header, frames)
+
+    def release(self, req: Req) -> None:
+        self.scheduler.free(req)
+
+    def link_drops(self, addr: str) -> int:
+        return self.outbox.link_drops(addr)
+
+    # ---- events -------------------------------------------------------------------------------
 
     def on_generate(self, task: GenerateTask) -> None:
         error = self.check_fits(task)
@@ -82,99 +82,62 @@ class DecodeWorker(BaseWorker):
             self.fail(task.rid, task.reply_addr, "a decode worker needs the task's prefill "
                       "worker (prefill_addr); colocated serving is role colocated", 400)
             return
+        if task.rid in self.sessions:
+            self.fail(task.rid, task.reply_addr, f"request id {task.rid!r} is in use", 400)
+            return
         req = self.new_req(task)
         if task.sampling.constraint is not None:
             # Compiles while the pages are reserved and the KV travels.
             self.grammars.submit(req)
-        now = time.monotonic()
-        pending = PendingKV(req, task.prefill_addr, now + self.config.engine.transfer_timeout_s)
-        pending.last_keepalive = now
-        pending.link_drops = self.outbox.link_drops(task.prefill_addr)
-        self.admission.append(pending)
+        self.sessions.open(req, task.prefill_addr)
         self._admit()
 
     def _admit(self) -> None:
         """Reserve pages and bootstrap queued requests in arrival order, while pages last."""
-        alloc = self.pool.allocator
-        while self.admission:
-            pending = self.admission[0]
-            n = pages_for(pending.req.prompt_len, self.pool.page_size)
+        for session in self.sessions.by_state(T.QUEUED):
+            n = pages_for(session.req.prompt_len, self.pool.page_size)
             if not self.scheduler.can_admit(n):
                 return
-            self.admission.popleft()
-            req = pending.req
-            req.page_ids = alloc.alloc(n)
-            pending.bootstrapped = True
-            pending.reserved = frozenset(req.page_ids)
-            pending.link_drops = self.outbox.link_drops(pending.prefill_addr)
-            self.awaiting_kv[req.rid] = pending
-            boot = KVBootstrap(
-                rid=req.rid,
+            page_ids = self.pool.allocator.alloc(n)
+            session.reserve(page_ids, KVBootstrap(
+                rid=session.rid,
                 dst_addr=self.config.addr,
-                page_ids=list(req.page_ids),
+                page_ids=list(page_ids),
                 layout=layout_to_msg(self.pool.layout),
                 kv_transfer=self.receiver.name,
                 endpoint=self.receiver.endpoint(),
-            )
-            self.send(pending.prefill_addr, boot)
+            ))
 
     def on_peer_message(self, msg: Message, frames: Frames | list) -> None:
-        if isinstance(msg, KVPages):
-            self._on_kv_pages(msg, frames)
-        elif isinstance(msg, KVFailed):
-            pending = self.awaiting_kv.pop(msg.rid, None)
-            if pending is not None:
-                self.grammars.discard(msg.rid)
-                self._end_transfer(pending, msg.message, notify=False)
-                self.fail(msg.rid, pending.req.reply_addr, msg.message, 500)
-                self._admit()
-        elif isinstance(msg, KVReleased):
-            released = self.fences.release(msg.rid)
-            for req in released:
-                self.scheduler.free(req)
-            if released:
-                self._admit()
-        else:
+        if not isinstance(msg, (KVPages, KVKeepalive, KVFailed, KVReleased)):
             super().on_peer_message(msg, frames)
-
-    def _on_kv_pages(self, header: KVPages, frames: Frames | list) -> None:
-        pending = self.awaiting_kv.get(header.rid)
-        if pending is None:
+            return
+        session = self.sessions.get(msg.rid)
+        if session is None:
             return  # aborted or timed out: its pages are already free
-        # A stall is silence from the prefill worker, not a long queue there: every message
-        # (pages or the keepalive it sends while the request waits) restarts the timer.
-        pending.deadline = time.monotonic() + self.config.engine.transfer_timeout_s
-        if not header.page_ids and not header.last:
-            return  # keepalive
-        req = pending.req
-        try:
-            # Checked before the receiver writes anything into the pool.
-            if not pending.reserved.issuperset(header.page_ids):
-                raise ValueError("pages outside the request's reservation")
-            self.receiver.install(header, frames)
-        except ValueError as exc:
-            del self.awaiting_kv[header.rid]
-            self.grammars.discard(req.rid)
-            self._end_transfer(pending, f"decode worker: KV transfer failed: {exc}")
-            self.fail(req.rid, req.reply_addr, f"KV transfer failed: {exc}", 500)
+        before = session.state
+        if isinstance(msg, KVPages):
+            session.on_pages(msg, frames)
+        elif isinstance(msg, KVKeepalive):
+            session.on_keepalive()
+        elif isinstance(msg, KVFailed):
+            session.on_kv_failed(msg.message)
+        else:
+            session.on_released()
+        if session.state is not before:
+            self._moved(session)
+
+    def _moved(self, session: RecvSession) -> None:
+        """Follow up a session's new state: one whose KV is complete starts decoding unless
+        its grammar still compiles (then :meth:`on_grammar_done` starts it); one that ended or
+        is fenced drops its grammar, and admission goes on if pages came back."""
+        if session.state is T.KV_READY:
+            if not self.grammars.is_pending(session.rid):
+                self._start_decoding(session.start())
+            return
+        self.grammars.discard(session.rid)
+        if session.state.is_terminal:
             self._admit()
-            return
-        if not header.last:
-            return
-        del self.awaiting_kv[header.rid]
-        if header.finished:  # the first token ended it; the prefill worker reported it
-            self.grammars.discard(req.rid)
-            self.scheduler.free(req)
-            self._admit()
-            return
-        req.output_ids.append(header.first_token)
-        req.output_logprobs.append(header.first_logprob)
-        req.kv_len = req.prompt_len
-        req.emitted_len = 1
-        if self.grammars.is_pending(req.rid):
-            self.kv_ready[req.rid] = req
-            return
-        self._start_decoding(req)
 
     def _start_decoding(self, req: Req) -> None:
         """Run a request whose KV arrived; a constrained one replays the prefill worker's first
@@ -195,17 +158,16 @@ class DecodeWorker(BaseWorker):
         self.scheduler.add_running(req)
 
     def on_grammar_done(self, done: CompileDone) -> None:
-        req = done.req
+        session = self.sessions.get(done.req.rid)
+        if session is None or session.req is not done.req:
+            return  # aborted meanwhile
         if done.error is not None:
-            self._fail_compile(req, done.error, done.code)
-        elif self.kv_ready.pop(req.rid, None) is not None:
-            self._start_decoding(req)
-        # Otherwise its KV is still on the way; _on_kv_pages starts it.
-
-    def _fail_compile(self, req: Req, message: str, code: int) -> None:
-        # A request still awaiting its KV: the prefill worker frees its copy now, too.
-        self._abort(req.rid, message, notify=True)
-        self.fail(req.rid, req.reply_addr, message, code)
+            # A request still awaiting its KV: the prefill worker frees its copy now, too.
+            session.fail(done.error, notify=True, error=done.error, code=done.code)
+            self._moved(session)
+        elif session.state is T.KV_READY:
+            self._start_decoding(session.start())
+        # Otherwise its KV is still on the way; _moved starts it after its last pages.
 
     def on_step_outputs(self, outputs: list[StepOutput]) -> None:
         self.emit_decoded(outputs)
@@ -214,104 +176,30 @@ class DecodeWorker(BaseWorker):
 
     def on_abort(self, rid: str) -> None:
         # The server aborts both workers; a one-sided transfer is fenced all the same.
-        self._abort(rid, "aborted", notify=False)
-
-    def _abort(self, rid: str, message: str, notify: bool) -> None:
-        """End ``rid`` wherever it is here (``message``, ``notify``: see :meth:`_end_transfer`)."""
         self.grammars.discard(rid)
-        ready = self.kv_ready.pop(rid, None)
-        if ready is not None:  # its pages are installed
-            self.scheduler.free(ready)
-            self._admit()
-            return
-        if self.scheduler.abort(rid) is not None:
-            self._admit()
-            return
-        pending = self.awaiting_kv.pop(rid, None)
-        if pending is not None:
-            self._end_transfer(pending, message, notify)
-            self._admit()
-            return
-        for pending in self.admission:
-            if pending.req.rid == rid:
-                self.admission.remove(pending)
-                return
-
-    def _end_transfer(self, pending: PendingKV, message: str, notify: bool = True) -> None:
-        """Free the reserved pages of a request whose KV did not fully arrive.
-
-        ``notify``: tell the prefill worker (``KVFailed``), so it stops computing and sending
-        now rather than at its own deadline. A one-sided backend always tells it and asks for
-        an acknowledgement; the pages stay fenced until it comes (``decode.fences``).
-        """
-        req, one_sided = pending.req, self.receiver.one_sided
-        if notify or one_sided:
-            ack_addr = self.config.addr if one_sided else ""
-            try:
-                self.send(pending.prefill_addr, KVFailed(req.rid, message, ack_addr))
-            except PeerUnreachable as exc:  # then only the fence's deadline frees the pages
-                logger.warning("could not tell the prefill worker about %s: %s", req.rid, exc)
-        if one_sided:
-            deadline = time.monotonic() + self.config.engine.transfer_timeout_s
-            self.fences.add(Fence(req, pending.prefill_addr, deadline, pending.link_drops))
-        else:
-            self.scheduler.free(req)
-
-    def _check_fences(self, now: float) -> None:
-        """Free fenced pages whose prefill worker is gone or that waited out the timeout."""
-        drops = {addr: self.outbox.link_drops(addr) for addr in self.fences.peers()}
-        gone = self.fences.pop_where(lambda f: drops[f.prefill_addr] > f.link_drops)
-        for fence in gone:
-            logger.info("prefill worker %s is gone (link dropped): freeing the %d fenced pages "
-                        "of %s", fence.prefill_addr, len(fence.req.page_ids), fence.req.rid)
-        expired = self.fences.pop_where(lambda f: f.deadline < now)
-        for fence in expired:
-            logger.warning("no KVReleased from prefill worker %s for %s within %g s: freeing "
-                           "its %d pages", fence.prefill_addr, fence.req.rid,
-                           self.config.engine.transfer_timeout_s, len(fence.req.page_ids))
-        for fence in gone + expired:
-            self.scheduler.free(fence.req)
-        if gone or expired:
+        if self.sessions.abort(rid) is not None or self.scheduler.abort(rid) is not None:
             self._admit()
 
     def check_timeouts(self, now: float) -> None:
-        if len(self.fences):
-            self._check_fences(now)
-        if self.admission:
-            self._keep_queued_alive(now)
-        expired = [p for p in self.awaiting_kv.values() if p.deadline < now]
-        expired += [p for p in self.admission if p.deadline < now]
-        for pending in expired:
-            rid = pending.req.rid
-            stage = "receiving KV pages" if pending.bootstrapped else "reserving KV pages"
-            # Tell the prefill side too, so it frees its copy now rather than at its deadline.
-            self._abort(rid, "decode worker timed out", notify=True)
-            self.fail(
-                rid, pending.req.reply_addr,
-                f"KV transfer timed out {stage} after {self.config.engine.transfer_timeout_s:g} s", 504,
-            )
+        fenced = self.sessions.by_state(T.FENCED)
+        for session in fenced:
+            session.check_link()
+        for session in self.sessions.by_state(T.QUEUED):
+            session.keep_alive(now)
+        expired = self.sessions.expire(now)
+        for session in expired:
+            self.grammars.discard(session.rid)
+            session.time_out()
+        if expired or any(s.state.is_terminal for s in fenced):
+            self._admit()
 
-    def _keep_queued_alive(self, now: float) -> None:
-        """Tell each queued request's prefill worker it still waits here (``KVQueued``)."""
-        interval = self.config.engine.transfer_timeout_s / 3
-        for pending in self.admission:
-            if now - pending.last_keepalive < interval:
-                continue
-            if self.outbox.link_drops(pending.prefill_addr) > pending.link_drops:
-                continue  # the prefill worker restarted or left: the deadline runs out
-            pending.last_keepalive = now
-            try:
-                self.send(pending.prefill_addr, KVQueued(pending.req.rid))
-            except PeerUnreachable as exc:  # its deadline runs on
-                logger.warning("queued keepalive for %s not delivered: %s", pending.req.rid, exc)
-                continue
-            pending.deadline = now + self.config.engine.transfer_timeout_s
+    # ---- the shell ------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
     def num_transferring(self) -> int:
-        return len(self.awaiting_kv)
+        return len(self.sessions.by_state(T.WAITING_FOR_PAGES))
 
     def close_kv_transfer(self) -> None:
         """Close the KV receiver (nixl: stop its progress thread; shm: unlink the segment)."""
@@ -319,5 +207,5 @@ class DecodeWorker(BaseWorker):
 
     def stats(self, query_id: int = 0) -> WorkerStats:
         s = super().stats(query_id)
-        s.num_waiting += len(self.admission)
+        s.num_waiting += len(self.sessions.by_state(T.QUEUED))
         return self.receiver.metrics.fill(s)

@@ -214,6 +214,16 @@ class KVPages(msgspec.Struct, tag="kv_pages", kw_only=True):
     finished: bool = False
 
 
+class KVKeepalive(msgspec.Struct, tag="kv_keepalive"):
+    """Prefill -> decode: ``rid`` is alive here (queued or computing) though no page is ready to
+    send. Sent once as the acknowledgement of the :class:`KVBootstrap`, then every
+    ``transfer_timeout / 3`` without other news until the first token: the decode worker's stall
+    timer restarts on every message of the request, so a long prefill queue is not a stall,
+    while a prefill worker that dies or hangs still times out there."""
+
+    rid: str
+
+
 class KVFailed(msgspec.Struct, tag="kv_failed"):
     """Either side: the transfer of ``rid`` failed; the receiver frees its pages.
 
@@ -256,6 +266,7 @@ Message = (
     | WorkerStats
     | KVBootstrap
     | KVPages
+    | KVKeepalive
     | KVFailed
     | KVQueued
     | KVReleased

@@ -121,8 +121,8 @@ class BaseKVReceiver(abc.ABC):
 
     ``one_sided``: the peer writes into this pool directly (shm, mooncake, nixl), so the pages of a
     request that fails before its last message stay reserved until the prefill side
-    acknowledges that it stopped writing them (``KVFailed.ack_addr`` -> ``KVReleased``;
-    ``decode.fences``).
+    acknowledges that it stopped writing them (``KVFailed.ack_addr`` -> ``KVReleased``; the
+    fence of ``kv_transfer.recv_session``).
     """
 
     name = "base"

@@ -6,7 +6,7 @@ Such a backend writes a request's pages straight into the decode worker's regist
 submission order (the engines' blocking calls release the GIL, so prefill compute continues
 meanwhile); :meth:`BaseOneSidedSender.poll` sends each header, in order, once its pages are
 written. A failed write sends ``KVFailed`` to the decode worker instead, which fails the request
-and frees its pages once this worker acknowledges (``decode/fences.py``).
+and frees its pages once this worker acknowledges (the fence, ``kv_transfer/recv_session.py``).
 :meth:`BaseOneSidedSender.cancel` marks a request's queued writes to be skipped; the write in
 flight, if any, cannot be recalled, so :meth:`BaseOneSidedSender.is_done` stays False until it
 ends: only then may the prefill worker acknowledge (``KVReleased``) that it writes no more.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
 from typing import ClassVar
 
 import msgspec
@@ -42,6 +43,7 @@ from splitserve.ipc.messages import (
 )
 from splitserve.ipc.sockets import Inbox, Outbox, PeerUnreachable
 from splitserve.kv_transfer.registry import create_kv_pool
+from splitserve.kv_transfer.session import IllegalTransition
 from splitserve.radix_cache.prefix_cache import create_prefix_cache
 from splitserve.worker.grammars import CompileDone, create_worker_grammars
 from splitserve.worker.heartbeat import Heartbeat, rejoin_router
@@ -109,8 +111,10 @@ class BaseWorker:
             self.auth = start_authenticator(self.ctx, self.curve)
         self.inbox = Inbox(self.ctx, config.addr, self.curve)
         # A worker that receives KV watches its links to prefill workers: a dropped one frees
-        # the pages fenced for that worker at once (decode.fences).
+        # the pages fenced for that worker at once (kv_transfer.recv_session).
         self.outbox = Outbox(self.ctx, self.curve, watch_links=self.receives_kv)
+        # Every deadline is read from this clock (tests swap in a fake one): see now().
+        self.clock: Callable[[], float] = time.monotonic
         self.stopped = False
         self.num_failed = 0
         self.num_transfer_failures = 0
@@ -196,12 +200,16 @@ class BaseWorker:
                 self.dispatch(*item)
         for done in self.grammars.poll():
             self.on_grammar_done(done)
-        self.check_timeouts(time.monotonic())
+        self.check_timeouts(self.now())
         if self.scheduler.has_work:
             self.on_step_outputs(self.core.step())
 
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def now(self) -> float:
+        """Seconds on :attr:`clock` (``time.monotonic`` unless a test replaced it)."""
+        return self.clock()
 
     def dispatch(self, msg: Message, frames: Frames | list) -> None:
         try:
@@ -222,6 +230,10 @@ class BaseWorker:
                 self.on_peer_message(msg, frames)
         except PeerUnreachable as exc:
             logger.warning("%s: %s", type(msg).__name__, exc)
+        except IllegalTransition:
+            # A message its KV transfer session cannot take (a duplicate task or bootstrap):
+            # a bug in a peer or here. Loud, but the worker serves the other requests on.
+            logger.exception("%s for %s dropped", type(msg).__name__, getattr(msg, "rid", "?"))
 
     # ---- role hooks ---------------------------------------------------------------------------
 

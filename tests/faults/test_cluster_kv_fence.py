@@ -63,7 +63,5 @@ def test_hung_prefill_keeps_pages_fenced_until_it_acknowledges(cluster) -> None:
     finally:
         if stopped:
             os.kill(pid, signal.SIGCONT)
-    t0 = time.monotonic()
     assert_no_pages(cluster, timeout_s=5)  # the acknowledgement came: pages freed
-    assert time.monotonic() - t0 < 5
     wait_all_healthy(cluster, 2)

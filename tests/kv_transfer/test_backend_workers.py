@@ -20,6 +20,7 @@ from splitserve.ipc.messages import (
     SamplingParams,
 )
 from splitserve.ipc.sockets import Inbox, free_tcp_addr
+from splitserve.kv_transfer.session import TransferState
 from splitserve.kv_transfer.shm_backend import PREFIX
 from tests.kv_transfer.workers import (
     BACKENDS,
@@ -66,7 +67,8 @@ def _one_request(ctx, model_path: Path, backend: str):
 
 def _drain_and_close(server, prefill, decode) -> None:
     """Let the prefill worker finish sending, check both pools are empty, close the backends."""
-    run_until([prefill, decode], server, lambda _: not prefill.draining, timeout_s=10)
+    run_until([prefill, decode], server,
+              lambda _: not prefill.sessions.by_state(TransferState.DRAINING), timeout_s=10)
     assert prefill.pool.allocator.num_used == 0 and decode.pool.allocator.num_used == 0
     decode.receiver.close()
     prefill.sender.close()
@@ -135,7 +137,8 @@ def test_sender_dies_mid_transfer(ctx, model_path, backend) -> None:
     while prefill.sender.metrics.messages_sent == 0 and time.monotonic() < deadline:
         prefill.run_once(idle_wait_ms=2)
         prefill.sender.poll()
-    assert prefill.sender.metrics.messages_sent >= 1 and not prefill.transfers["r1"].prefilled
+    assert prefill.sender.metrics.messages_sent >= 1
+    assert prefill.sessions.get("r1").state is TransferState.TRANSFERRING  # not prefilled yet
     # Let the backend finish what it started (the prefill worker computes nothing more): until
     # the decode worker has installed a chunk, not for a guessed time.
     while decode.receiver.metrics.messages_received == 0 and time.monotonic() < deadline:
@@ -145,12 +148,11 @@ def test_sender_dies_mid_transfer(ctx, model_path, backend) -> None:
     prefill.sender.close()
     prefill.inbox.close()  # the prefill worker is gone
     prefill.outbox.close()
-    t0 = time.monotonic()
-    got = run_until([decode], server, lambda g: any(isinstance(m, RequestError) for m in g))
+    got = run_until([decode], server, lambda g: any(isinstance(m, RequestError) for m in g),
+                    timeout_s=5)
     assert decode.receiver.metrics.messages_received >= 1  # the early chunk(s) were installed
     err = next(m for m in got if isinstance(m, RequestError))
     assert err.code == 504 and "timed out receiving KV pages" in err.message
-    assert time.monotonic() - t0 < 5
     run_until([decode], server, lambda _: decode.pool.allocator.num_used == 0, timeout_s=1.5)
     decode.receiver.close()
     assert segments() <= before
@@ -171,7 +173,7 @@ def test_failed_sends_notify_decode(ctx, model_path) -> None:
                                  endpoint={"shm_name": PREFIX + "0-missing", "num_pages": "8"}), [])
     got = run_until([prefill], decode_inbox, lambda g: any(isinstance(m, KVFailed) for m in g))
     assert "cannot map shm segment" in next(m for m in got if isinstance(m, KVFailed)).message
-    assert prefill.pool.allocator.num_used == 0 and not prefill.transfers
+    assert prefill.pool.allocator.num_used == 0 and not prefill.sessions
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

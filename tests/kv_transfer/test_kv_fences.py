@@ -1,7 +1,8 @@
 """One-sided backends (shm, mooncake): a request that fails on the decode side keeps its pages
 until the prefill worker acknowledges that it stopped writing them (``KVFailed`` with
 ``ack_addr`` -> ``KVReleased``), or, when no answer comes, until the transfer timeout; every page
-is accounted for at the end on both sides."""
+is accounted for at the end on both sides. The decode worker's clock is a fake one where a test
+is about its deadlines: they pass when the test says, however busy the machine."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ from splitserve.ipc.messages import (
 from splitserve.ipc.sockets import Inbox, Outbox, free_tcp_addr
 from splitserve.kv_transfer import mooncake_backend
 from splitserve.kv_transfer.base import layout_to_msg
+from splitserve.kv_transfer.session import TransferState
+from tests.kv_transfer.session_fakes import FakeClock
 from tests.kv_transfer.workers import OPTIONAL_BACKENDS, make_worker, run_until
 
 ONE_SIDED = ["shm", *OPTIONAL_BACKENDS]
 LONG_PROMPT = list(range(100, 400))  # 10 chunks of 32 tokens; 19 pages
 OLD_QUARANTINE_S = 3.0  # the fixed hold this handshake replaced: the tests wait longer than it
+NUM_LOOPS = 30  # worker loop iterations that "nothing happens" is checked over
 
 
 @pytest.fixture
@@ -47,13 +51,18 @@ def start_request(server: Inbox, prefill, decode) -> None:
     decode.dispatch(GenerateTask(rid="r1", input_ids=LONG_PROMPT, reply_addr=server.addr,
                                  sampling=sampling, prefill_addr=prefill.config.addr), [])
     run_until([prefill, decode], server, lambda _: decode.receiver.metrics.pages_received > 0)
-    assert "r1" in decode.awaiting_kv  # mid-transfer
+    assert decode.sessions.get("r1").state is TransferState.WAITING_FOR_PAGES  # mid-transfer
 
 
-def run_alone(worker, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        worker.run_once(idle_wait_ms=5)
+def run_alone(worker, loops: int = NUM_LOOPS) -> None:
+    for _ in range(loops):
+        worker.run_once(idle_wait_ms=10)
+
+
+def freeze_clock(worker) -> FakeClock:
+    """Give ``worker`` a clock that moves only when the test advances it."""
+    worker.clock = clock = FakeClock(worker.now())
+    return clock
 
 
 @pytest.mark.parametrize("backend", ONE_SIDED)
@@ -64,17 +73,20 @@ def test_pages_freed_only_after_the_ack(ctx, model_path, backend) -> None:
     start_request(server, prefill, decode)
     reserved = decode.pool.allocator.num_used
     assert reserved == 19
+    clock = freeze_clock(decode)
     decode.dispatch(AbortTask("r1"), [])  # the decode side gives up (only it hears of it)
-    run_alone(decode, OLD_QUARANTINE_S + 0.5)  # the prefill worker has not answered yet
-    assert decode.pool.allocator.num_used == reserved and "r1" in decode.fences
+    clock.advance(OLD_QUARANTINE_S + 0.5)
+    run_alone(decode)  # the prefill worker has not answered yet
+    assert decode.pool.allocator.num_used == reserved
+    assert decode.sessions.get("r1").state is TransferState.FENCED
     # The prefill worker reads the KVFailed, drops r1, acknowledges; then the pages come back.
     run_until([prefill, decode], server, lambda _: decode.pool.allocator.num_used == 0,
               timeout_s=5)
-    assert "r1" not in decode.fences and "r1" not in prefill.transfers
+    assert "r1" not in decode.sessions and "r1" not in prefill.sessions
     sent = prefill.sender.metrics.messages_sent
     run_until([prefill, decode], server, lambda _: prefill.pool.allocator.num_used == 0,
               timeout_s=5)
-    run_alone(prefill, 0.3)
+    run_alone(prefill)
     assert prefill.sender.metrics.messages_sent == sent  # nothing written after the ack
     assert decode.pool.allocator.num_used == 0 == prefill.pool.allocator.num_used
     decode.scheduler.check_pages()
@@ -83,18 +95,21 @@ def test_pages_freed_only_after_the_ack(ctx, model_path, backend) -> None:
 
 
 def test_pages_freed_at_the_timeout_when_the_prefill_worker_hangs(ctx, model_path) -> None:
-    """No answer and the link stays up (a hung worker): fenced until the transfer timeout."""
+    """No answer and the link stays up (a hung worker): fenced until the transfer timeout, not
+    a loop earlier, and freed at it."""
     server = Inbox(ctx, free_tcp_addr())
     prefill = make_worker(model_path, "prefill", server.addr, "shm")
     decode = make_worker(model_path, "decode", server.addr, "shm", transfer_timeout_s=1.5)
     start_request(server, prefill, decode)
+    clock = freeze_clock(decode)
     decode.dispatch(AbortTask("r1"), [])  # the prefill worker runs no more from here
-    t0 = time.monotonic()
-    run_alone(decode, 1.0)
-    assert decode.pool.allocator.num_used == 19  # still fenced within the timeout
+    clock.advance(1.5)  # the deadline itself: not past it yet
+    run_alone(decode)
+    assert decode.pool.allocator.num_used == 19  # still fenced
+    assert decode.sessions.get("r1").state is TransferState.FENCED
+    clock.advance(0.5)
     run_until([decode], server, lambda _: decode.pool.allocator.num_used == 0, timeout_s=5)
-    assert 1.5 <= time.monotonic() - t0 < 4
-    assert not len(decode.fences)
+    assert not decode.sessions.by_state(TransferState.FENCED)
     decode.scheduler.check_pages()
     decode.receiver.close()
 
@@ -105,13 +120,12 @@ def test_pages_freed_at_once_when_the_prefill_worker_is_gone(ctx, model_path) ->
     prefill = make_worker(model_path, "prefill", server.addr, "shm")
     decode = make_worker(model_path, "decode", server.addr, "shm", transfer_timeout_s=30)
     start_request(server, prefill, decode)
+    freeze_clock(decode)  # no deadline passes: only the link drop can free the pages
     prefill.inbox.close()  # what the kernel does to a dead process's sockets
     prefill.outbox.close()
     decode.dispatch(AbortTask("r1"), [])
-    t0 = time.monotonic()
     run_until([decode], server, lambda _: decode.pool.allocator.num_used == 0, timeout_s=5)
-    assert time.monotonic() - t0 < 5  # not the 30 s timeout
-    assert not len(decode.fences)
+    assert not decode.sessions.by_state(TransferState.FENCED)
     decode.scheduler.check_pages()
     decode.receiver.close()
 
