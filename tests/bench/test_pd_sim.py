@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from pd_sim import ClusterShape, StepModel, simulate  # noqa: E402
+from pd_sim import ClusterShape, StepModel, simulate
 
 # Decode: 10 ms + 1 ms per row; prefill: 20 ms + 0.1 ms per token (no context terms).
 MODEL = StepModel(d0=0.010, d_row=0.001, d_ctx=0.0, p0=0.020, p_tok=0.0001, p_pair=0.0)
