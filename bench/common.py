@@ -39,6 +39,20 @@ def default_dtype() -> tuple[str, str]:
     return resolve_dtype("auto")
 
 
+def cpu_line() -> str:
+    """The CPU model and the vector/matrix flags that decide its kernels, for result lines."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                 if ln.startswith("model name")), "unknown CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
+                  if ln.startswith("flags")), [])
+    keep = [f for f in flags if f.startswith(("amx", "avx512_bf16", "avx512f", "avx2"))]
+    return f"{name} ({', '.join(keep)})"
+
+
 def resolve_model(model: str | None) -> str:
     """``--model`` or the default model's safetensors folder."""
     if model:

@@ -27,24 +27,11 @@ import random
 import sys
 from pathlib import Path
 
-from common import DATA_DIR, SEED, add_data_argument, load_prompts, resolve_model
+from common import DATA_DIR, SEED, add_data_argument, cpu_line, load_prompts, resolve_model
 from pd_sim import ClusterShape, StepModel, simulate
 from serving_metrics import meets_slos, parse_slos, summarize
 
 WORKLOADS = ("sharegpt", "gsm8k", "long")
-
-
-def cpu_line() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
-                 if ln.startswith("model name")), "unknown CPU")
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
-                  if ln.startswith("flags")), [])
-    keep = [f for f in flags if f.startswith(("amx", "avx512_bf16", "avx512f", "avx2"))]
-    return f"{name} ({', '.join(keep)})"
 
 
 # ---- workloads ---------------------------------------------------------------------------------

@@ -19,7 +19,13 @@ from splitserve.config.registry import (
     PREFIX_CACHE,
     ROUTING,
 )
-from splitserve.config.schema import ATTENTION_CHOICES, DEVICES, DTYPES, ServeConfig
+from splitserve.config.schema import (
+    ATTENTION_CHOICES,
+    DEVICES,
+    DTYPES,
+    SPECULATIVE_CHOICES,
+    ServeConfig,
+)
 
 _UNSET = object()
 
@@ -103,6 +109,14 @@ ENGINE_FLAGS = (
     Flag("--kernels", "engine.kernels", "decode-step products: auto (C or oneDNN per step "
          "size, timed once per machine and cached), c, torch (oneDNN only), or a plan file "
          "($SPLITSERVE_KERNELS sets the default)"),
+    Flag("--speculative", "engine.speculative", "speculative decoding: ngram drafts tokens "
+         "by prompt lookup (the continuation of the last n-gram's earlier occurrence) and "
+         "verifies them in one forward pass; same greedy output, same sampling distribution",
+         choices=SPECULATIVE_CHOICES),
+    Flag("--num-speculative-tokens", "engine.num_speculative_tokens", "most draft tokens per "
+         "sequence and step with --speculative"),
+    Flag("--speculative-max-running", "engine.speculative_max_running", "draft only while at "
+         "most this many sequences decode"),
     Flag("--disable-cpu-kernels", "engine.cpu_kernels", "no C kernels on CPU bfloat16: torch "
          "ops only ($SPLITSERVE_CPU_KERNELS=0)", const=False),
     Flag("--disable-weight-packing", "engine.pack_weights", "keep only the parameters on CPU "

@@ -28,6 +28,7 @@ from splitserve.config.registry import (
 DTYPES = ("auto", "float32", "bfloat16")  # "auto" is resolved once, by the CLI (kernels.cpu.features)
 DEVICES = ("cpu", "cuda")
 ATTENTION_CHOICES = ("auto", *ATTENTION.names)  # auto: torch on CPU, triton on CUDA
+SPECULATIVE_CHOICES = ("none", "ngram")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -60,12 +61,23 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Decode-step products: "auto" (C or oneDNN per step size, timed once per machine), "c",
     # "torch" (oneDNN only), or a plan file (engine.model.kernel_plan).
     kernels: str = msgspec.field(default_factory=lambda: env.text(env.KERNELS, "auto"))
+    # Speculative decoding on decoding workers: "none" or "ngram" (prompt lookup,
+    # engine.sched.ngram): up to num_speculative_tokens drafts per row, verified in one pass,
+    # while at most speculative_max_running sequences decode (beyond that a step is no longer
+    # bound by streaming the weights, and drafts cost more than they save).
+    speculative: str = "none"
+    num_speculative_tokens: int = 4
+    speculative_max_running: int = 4
 
     def check(self) -> None:
         """Raises: ValueError naming the first field out of range or not a registered name."""
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         _choice("attention", self.attention, ATTENTION_CHOICES)
+        _choice("speculative", self.speculative, SPECULATIVE_CHOICES)
+        for field in ("num_speculative_tokens", "speculative_max_running"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be at least 1, not {getattr(self, field)}")
         for field, registry in (("kv_transfer", KV_TRANSFER), ("prefix_cache", PREFIX_CACHE),
                                 ("grammar_backend", GRAMMAR_BACKEND)):
             _choice(field, getattr(self, field), registry.names)

@@ -61,6 +61,7 @@ def build_forward_batch(
     device: str | torch.device = "cpu",
     all_logit_seq_indices: Sequence[int] = (),
     seq_ids: list[int] | None = None,
+    logit_counts: Sequence[int] | None = None,
 ) -> ForwardBatch:
     """Build a :class:`ForwardBatch`.
 
@@ -75,6 +76,9 @@ def build_forward_batch(
             logprobs). Their rows follow the ``logit_seq_indices`` rows, in this order, so the
             first ``len(logit_seq_indices)`` rows of the logits are always the ones to sample.
         seq_ids: per sequence, an id stable across steps (see :class:`ForwardBatch`), or None.
+        logit_counts: per entry of ``logit_seq_indices``, how many of its last new tokens get
+            logits (default 1; speculative rows verify a draft at every drafted position), in
+            position order; so the first rows of the logits are ``sum(logit_counts)`` long.
 
     Raises:
         ValueError: a sequence's pages cannot hold its tokens.
@@ -117,7 +121,12 @@ def build_forward_batch(
         out_page_ids=as_long(out_pages),
         out_offsets=as_long(out_offsets),
         logit_indices=as_long(
-            [ends[i] for i in logit_seq_indices]
+            (
+                [ends[i] for i in logit_seq_indices]
+                if logit_counts is None
+                else [t for i, c in zip(logit_seq_indices, logit_counts, strict=True)
+                      for t in range(ends[i] - c + 1, ends[i] + 1)]
+            )
             + [t for i in all_logit_seq_indices for t in range(starts[i], ends[i] + 1)]
         ),
         seq_ids=seq_ids,

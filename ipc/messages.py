@@ -181,6 +181,9 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     weight_bytes: int = 0
     # Which kernel serves the decode-step products (engine.model.kernel_plan), in words.
     kernel_plan: str = ""
+    # Speculative decoding since start: draft tokens proposed, and those verification kept.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 # ---- decode <-> prefill (KV transfer control) ----------------------------------------------

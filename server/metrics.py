@@ -107,6 +107,8 @@ _COUNTERS = {
     "cache_evicted_pages": "Prefix-cache pages evicted",
     "kv_pages_sent": "KV pages sent to decode workers",
     "kv_pages_received": "KV pages received from prefill workers",
+    "spec_draft_tokens": "Speculative draft tokens proposed (--speculative)",
+    "spec_accepted_tokens": "Speculative draft tokens kept by verification",
 }
 
 

@@ -368,4 +368,6 @@ class BaseWorker:
             decode_cache_bytes=model.attn_backend.cache_bytes(),
             weight_bytes=model.weight_bytes(),
             kernel_plan=model.kernel_plan.summary() if model.kernel_plan else "",
+            spec_draft_tokens=self.scheduler.num_draft_tokens,
+            spec_accepted_tokens=self.scheduler.num_accepted_tokens,
         )

@@ -65,14 +65,45 @@ class BatchMask:
             rows: their logits rows, ascending.
         """
         self._reserve(max(rows) + 1)
-        words_as_bytes = self.bitmask.numpy().view(np.uint8)  # [cap, 4 * width]
         for grammar, row in zip(grammars, rows):
-            grammar.fill_bitmask(self.bitmask, row)
-            if self.use_bias:
-                # mode="clip": byte indices are always in range, and numpy then writes straight
-                # into ``out`` instead of buffering it. [4w] bytes -> [4w, 8] floats.
-                out = self._bias[row].reshape(self.width * 4, 8)
-                np.take(_BYTE_TO_BIAS, words_as_bytes[row], axis=0, out=out, mode="clip")
+            self._fill_row(grammar, row)
+
+    def fill_drafted(
+        self, grammars: Sequence[RequestGrammar], starts: Sequence[int], drafts: Sequence[list[int]]
+    ) -> None:
+        """Speculative rows: for a grammar whose request drafted ``d``, rows
+        ``start .. start + len(d)`` get the masks after accepting none, one, ... all of ``d``
+        (the matcher is advanced through the draft and rolled back: afterwards it is as before).
+
+        Args:
+            grammars: the constrained requests' grammars.
+            starts: each one's first logits row, ascending, rows not overlapping.
+            drafts: each one's draft, every token of it accepted by its grammar in turn (the
+                scheduler trims drafts to that: ``RequestGrammar.accepted_prefix``).
+
+        Raises:
+            ValueError: a grammar refused its draft (it changed since the draft was trimmed).
+        """
+        self._reserve(max(s + len(d) for s, d in zip(starts, drafts)) + 1)
+        for grammar, start, draft in zip(grammars, starts, drafts, strict=True):
+            for t, token_id in enumerate(draft):
+                self._fill_row(grammar, start + t)
+                if not grammar.accept(token_id):
+                    if t:
+                        grammar.matcher.rollback(t)
+                    raise ValueError(f"grammar refused draft token {token_id} at {t}")
+            self._fill_row(grammar, start + len(draft))
+            if draft:
+                grammar.matcher.rollback(len(draft))
+
+    def _fill_row(self, grammar: RequestGrammar, row: int) -> None:
+        grammar.fill_bitmask(self.bitmask, row)
+        if self.use_bias:
+            words_as_bytes = self.bitmask.numpy().view(np.uint8)  # [cap, 4 * width]
+            # mode="clip": byte indices are always in range, and numpy then writes straight
+            # into ``out`` instead of buffering it. [4w] bytes -> [4w, 8] floats.
+            out = self._bias[row].reshape(self.width * 4, 8)
+            np.take(_BYTE_TO_BIAS, words_as_bytes[row], axis=0, out=out, mode="clip")
 
     def apply(self, logits: torch.Tensor, rows: Sequence[int]) -> None:
         """Set the logits of the tokens each row's grammar disallows to ``-inf``, in place.

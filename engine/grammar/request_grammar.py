@@ -47,6 +47,27 @@ class RequestGrammar:
         """Advance by a sampled token. Returns: False if the grammar does not allow it."""
         return self.matcher.accept_token(token_id)
 
+    def accepted_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar accepts from its current state, short of
+        one that terminates it (a stop token: after it there is no next mask to fill, and the
+        model samples it in the next step); the state is left as it was (for speculative
+        drafts).
+
+        Requires a matcher made with ``max_rollback_tokens >= len(tokens)``.
+        """
+        n = 0
+        for token_id in tokens:
+            if not self.matcher.accept_token(token_id):
+                break
+            n += 1
+            if self.matcher.is_terminated():
+                break
+        if n:
+            terminated = self.matcher.is_terminated()
+            self.matcher.rollback(n)
+            n -= terminated
+        return n
+
     def must_end(self) -> bool:
         """True when the output is complete and nothing but a stop token may follow.
 

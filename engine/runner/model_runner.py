@@ -16,6 +16,7 @@ from splitserve.engine.grammar.mask_thread import MaskFillThread
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.runner.cuda_graph import DecodeGraphRunner
 from splitserve.engine.runner.sampling import Sampler, make_generator
+from splitserve.engine.runner.verify import verify_drafts
 from splitserve.engine.sched.batch import ModelOutput, ScheduledBatch
 from splitserve.engine.sched.request import Req
 
@@ -65,16 +66,35 @@ class ModelRunner:
     def run(self, step: ScheduledBatch) -> ModelOutput:
         """Extend each ``step.reqs[i]`` by ``step.chunk_lens[i]`` tokens (KV written to its
         pages), score the prompt positions of ``step.scored_rows`` and sample one token for each
-        row in ``step.sample_rows``, under its grammar's mask if it has one."""
+        row in ``step.sample_rows``, under its grammar's mask if it has one; a row with a
+        speculative draft (``step.drafts``) is verified instead (``runner.verify``)."""
         reqs, chunk_lens, sample_rows = step.reqs, step.chunk_lens, step.sample_rows
+        drafts = step.drafts
         picked = [reqs[i] for i in sample_rows]
-        masked_rows = [j for j, r in enumerate(picked) if r.grammar is not None]
-        mask = self._start_grammar_mask(picked, masked_rows) if masked_rows else None
+        picked_drafts = [drafts.get(i, []) for i in sample_rows]
+        # Logits rows: one per sampled row, or one per drafted position of a speculative row.
+        counts = [len(d) + 1 for d in picked_drafts]
+        firsts = [0]
+        for c in counts[:-1]:
+            firsts.append(firsts[-1] + c)
+        constrained = [j for j, r in enumerate(picked) if r.grammar is not None]
+        mask_rows = [firsts[j] + t for j in constrained for t in range(counts[j])]
+        mask = (
+            self._start_grammar_mask(
+                [picked[j] for j in constrained], [firsts[j] for j in constrained],
+                [picked_drafts[j] for j in constrained],
+            )
+            if constrained else None
+        )
         scored = step.scored_rows
         prompt_logprobs: list[list[float]] = []
         try:
             batch = build_forward_batch(
-                token_chunks=[r.tokens(r.kv_len, r.kv_len + n) for r, n in zip(reqs, chunk_lens)],
+                token_chunks=[
+                    r.tokens(r.kv_len, r.seq_len) + drafts[i] if i in drafts
+                    else r.tokens(r.kv_len, r.kv_len + n)
+                    for i, (r, n) in enumerate(zip(reqs, chunk_lens))
+                ],
                 prefix_lens=[r.kv_len for r in reqs],
                 page_lists=[r.page_ids for r in reqs],
                 page_size=self.pool.page_size,
@@ -82,34 +102,75 @@ class ModelRunner:
                 device=self.device,
                 all_logit_seq_indices=scored,
                 seq_ids=[r.uid for r in reqs],
+                logit_counts=counts if drafts else None,
             )
             graphs = self.decode_graphs
             if graphs is not None and graphs.can_run(batch, sample_rows, scored):
                 logits = graphs.run(batch)
             else:
                 logits = self.model(batch, self.pool)
+            num_sampled = sum(counts)
             if scored:
                 # Rows after the sampled ones score every position of the scored chunks, in order.
                 prompt_logprobs = _prompt_logprobs(
                     [reqs[i] for i in scored], [chunk_lens[i] for i in scored],
-                    logits[len(sample_rows):],
+                    logits[num_sampled:],
                 )
-                logits = logits[: len(sample_rows)]
+                logits = logits[:num_sampled]
         finally:
             # Grammar state is the caller's again only after this (grammar.mask_thread, point 3).
             self.mask_thread.join()
         if not sample_rows:
             return ModelOutput([], [], prompt_logprobs)
         if mask is not None:
-            mask.apply(logits, masked_rows)
-        ids, logprobs = self.sampler.sample(
-            logits, [r.sampling for r in picked], [_step_generator(r) for r in picked]
-        )
-        return ModelOutput(ids.tolist(), logprobs.tolist(), prompt_logprobs)
+            mask.apply(logits, mask_rows)
+        if not drafts:
+            ids, logprobs = self.sampler.sample(
+                logits, [r.sampling for r in picked], [_step_generator(r) for r in picked]
+            )
+            return ModelOutput(ids.tolist(), logprobs.tolist(), prompt_logprobs)
+        return self._verify(step, picked, picked_drafts, firsts, logits, prompt_logprobs)
 
-    def _start_grammar_mask(self, picked: list[Req], rows: list[int]) -> BatchMask:
-        """Start filling the mask of the constrained ``rows`` of ``picked``: on the mask thread,
-        so that it overlaps the forward pass, or here and now when overlap is off.
+    def _verify(
+        self,
+        step: ScheduledBatch,
+        picked: list[Req],
+        picked_drafts: list[list[int]],
+        firsts: list[int],
+        logits: torch.Tensor,
+        prompt_logprobs: list[list[float]],
+    ) -> ModelOutput:
+        """A step with speculative rows (``logits`` already masked): rows without a draft
+        sample as usual, rows with one are verified (``runner.verify``)."""
+        ids = [0] * len(picked)
+        lps = [0.0] * len(picked)
+        plain = [j for j, d in enumerate(picked_drafts) if not d]
+        if plain:
+            sub = [picked[j] for j in plain]
+            got, got_lp = self.sampler.sample(
+                logits[[firsts[j] for j in plain]], [r.sampling for r in sub],
+                [_step_generator(r) for r in sub],
+            )
+            for j, t, lp in zip(plain, got.tolist(), got_lp.tolist()):
+                ids[j], lps[j] = t, lp
+        spec = [j for j, d in enumerate(picked_drafts) if d]
+        rows = torch.cat([logits[firsts[j] : firsts[j] + len(picked_drafts[j]) + 1] for j in spec])
+        results = verify_drafts(
+            rows, [picked_drafts[j] for j in spec], [picked[j].sampling for j in spec],
+            [len(picked[j].output_ids) for j in spec],
+        )
+        verified = {}
+        for j, res in zip(spec, results):
+            ids[j], lps[j] = res.tokens[-1], res.logprobs[-1]
+            verified[step.sample_rows[j]] = res
+        return ModelOutput(ids, lps, prompt_logprobs, verified)
+
+    def _start_grammar_mask(
+        self, reqs: list[Req], firsts: list[int], drafts: list[list[int]]
+    ) -> BatchMask:
+        """Start filling the masks of the constrained ``reqs``: row ``firsts[k]`` for one without
+        a draft, rows ``firsts[k] ..`` one per drafted position for one with a draft; on the
+        mask thread, so that it overlaps the forward pass, or here and now when overlap is off.
 
         Returns: the runner's mask, to ``apply`` once the fill is joined.
 
@@ -119,13 +180,16 @@ class ModelRunner:
         if self.grammar_mask is None:
             self.grammar_mask = BatchMask(self.vocab_size, self.device)
         mask = self.grammar_mask
-        grammars = [picked[j].grammar for j in rows]
+        grammars = [r.grammar for r in reqs]
 
         def fill() -> None:
             # Inference mode is per thread: without it the mask thread could not write in place
             # to buffers first made under ``run``'s inference mode (e.g. by a serial step).
             with torch.inference_mode():
-                mask.fill(grammars, rows)  # type: ignore[arg-type]
+                if any(drafts):
+                    mask.fill_drafted(grammars, firsts, drafts)  # type: ignore[arg-type]
+                else:
+                    mask.fill(grammars, firsts)  # type: ignore[arg-type]
 
         if self.overlap_grammar_mask:
             self.mask_thread.start(fill)

@@ -17,12 +17,15 @@ class ScheduledBatch:
     (their pages are allocated), and sample one token for each ``reqs[j]``, ``j`` in
     ``sample_rows`` (those whose chunk reaches the end of their sequence). ``scored_rows``: the
     rows whose chunk covers a position that predicts a prompt token whose logprob is still
-    wanted (``Req.next_prompt_logprob``)."""
+    wanted (``Req.next_prompt_logprob``). ``drafts``: row -> the speculative draft tokens
+    appended to its chunk (a decoding row's chunk is then its missing token plus the draft; the
+    runner verifies the draft, ``runner.verify``)."""
 
     reqs: list[Req]
     chunk_lens: list[int]
     sample_rows: list[int]
     scored_rows: list[int] = field(default_factory=list)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -30,14 +33,28 @@ class ScheduledBatch:
 
 
 @dataclass(slots=True)
+class Verified:
+    """A verified speculative draft (``runner.verify``): ``tokens`` = the kept draft tokens then
+    one more (at least one token), ``logprobs`` their raw log-softmax (temperature 1, no
+    filters), ``accepted`` = how many draft tokens were kept."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    accepted: int
+
+
+@dataclass(slots=True)
 class ModelOutput:
     """What the runner computed for a :class:`ScheduledBatch`: one sampled token and its
     logprob per ``sample_rows`` entry, and for each ``scored_rows`` entry the logprobs of the
-    prompt tokens its chunk predicts, in order (float32 log-softmax, before any mask)."""
+    prompt tokens its chunk predicts, in order (float32 log-softmax, before any mask).
+    ``verified``: for each row with a draft, every token it gains this step (kept draft tokens
+    then one more) and their logprobs; its ``token_ids`` entry is the last of them."""
 
     token_ids: list[int]
     logprobs: list[float]
     prompt_logprobs: list[list[float]] = field(default_factory=list)
+    verified: dict[int, Verified] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from splitserve.ipc.messages import SamplingParams
 
 if TYPE_CHECKING:
     from splitserve.engine.grammar.request_grammar import RequestGrammar
+    from splitserve.engine.sched.ngram import NgramIndex
 
 # Process-wide counter for Req.uid: unlike rid (client-chosen, may repeat) or id() (reused after
 # garbage collection), a uid names one Req object for the life of the process.
@@ -46,6 +47,7 @@ class Req:
     prompt_logprobs: list[float] = field(default_factory=list)
     grammar: RequestGrammar | None = None  # set once its constraint compiled (None: free text)
     uid: int = field(default_factory=lambda: next(_uids))  # keys per-sequence engine caches
+    ngrams: NgramIndex | None = None  # speculative drafts' index, made at its first decode step
 
     @property
     def prompt_len(self) -> int:

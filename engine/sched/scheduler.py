@@ -22,7 +22,8 @@ from collections import deque
 
 from splitserve.config import EngineConfig
 from splitserve.engine.kv_pool import pages_for
-from splitserve.engine.sched.batch import ModelOutput, ScheduledBatch, StepOutput
+from splitserve.engine.sched.batch import ModelOutput, ScheduledBatch, StepOutput, Verified
+from splitserve.engine.sched.ngram import NgramIndex
 from splitserve.engine.sched.prefix_cache import BasePrefixCache
 from splitserve.engine.sched.request import Req
 
@@ -56,6 +57,14 @@ class Scheduler:
         self.max_batch_tokens = engine.max_batch_tokens
         self.max_running = engine.max_running
         self.jump_forward_on = engine.jump_forward and not prefill_only
+        # Speculative decoding (engine.sched.ngram): drafts per decoding row, 0 when off.
+        self.num_draft = (
+            engine.num_speculative_tokens
+            if engine.speculative == "ngram" and not prefill_only else 0
+        )
+        self.speculative_max_running = engine.speculative_max_running
+        self.num_draft_tokens = 0  # drafted since start
+        self.num_accepted_tokens = 0  # of those, kept by verification
         self.prefill_only = prefill_only
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Req] = deque()  # need more than one token of KV: new or retracted
@@ -123,13 +132,16 @@ class Scheduler:
         """Choose the next forward pass and allocate its pages; None when nothing can run (no
         work, or every request waits for pages). Decodes first, then prompt chunks in arrival
         order under ``max_batch_tokens``."""
-        reqs, chunks = self._schedule()
+        drafts: dict[int, list[int]] = {}
+        reqs, chunks = self._schedule(drafts)
         self.last_num_scheduled = len(reqs)
         if not reqs:
             return None
-        sample_rows = [i for i, (r, n) in enumerate(zip(reqs, chunks)) if n == r.extend_len]
+        sample_rows = [
+            i for i, (r, n) in enumerate(zip(reqs, chunks)) if n == r.extend_len or i in drafts
+        ]
         scored = [i for i, (r, n) in enumerate(zip(reqs, chunks)) if _scores_prompt(r, n)]
-        return ScheduledBatch(reqs, chunks, sample_rows, scored)
+        return ScheduledBatch(reqs, chunks, sample_rows, scored, drafts)
 
     def update(self, batch: ScheduledBatch, output: ModelOutput) -> list[StepOutput]:
         """Apply what the runner computed for ``batch`` (from :meth:`schedule`, run once):
@@ -139,14 +151,42 @@ class Scheduler:
         reqs, chunks = batch.reqs, batch.chunk_lens
         for i, logprobs in zip(batch.scored_rows, output.prompt_logprobs):
             reqs[i].prompt_logprobs.extend(logprobs)
-        for r, n in zip(reqs, chunks):
+        for i, (r, n) in enumerate(zip(reqs, chunks)):
+            if i in batch.drafts:
+                # KV is valid up to the last kept draft token; the rest of the chunk's slots are
+                # overwritten when the sequence reaches them.
+                r.kv_len += output.verified[i].accepted + 1
+                continue
             r.kv_len += n
             if n > 1:  # a prefill chunk (or jump-forward tokens): reusable by later prompts now
                 self.cache.cache_prefix(r)
         return [
-            self._append_token(reqs[i], tok, lp)
+            self._append_verified(reqs[i], output.verified[i]) if i in batch.drafts
+            else self._append_token(reqs[i], tok, lp)
             for i, tok, lp in zip(batch.sample_rows, output.token_ids, output.logprobs)
         ]
+
+    def _append_verified(self, req: Req, verified: Verified) -> StepOutput:
+        """Append a running request's verified draft tokens and the token after them, up to the
+        first that finishes it (EOS, a stop token, ``max_new_tokens``)."""
+        self.num_accepted_tokens += verified.accepted
+        finished = False
+        for tok, lp in zip(verified.tokens, verified.logprobs):
+            req.output_ids.append(tok)
+            req.output_logprobs.append(lp)
+            if req.grammar is not None and not req.grammar.accept(tok):
+                # The masks allowed only what the grammar accepts: a bug, as in _append_token.
+                logger.error("request %s: grammar refused verified token %d", req.rid, tok)
+                req.finish_reason = "stop"
+            if req.check_finished(self.eos_token_ids) is not None:
+                finished = True
+                break
+        if not finished:
+            finished = self.jump_forward(req)
+        if finished:
+            self.running.remove(req)
+            self.free(req)
+        return StepOutput(req, req.output_ids[-1], req.output_logprobs[-1], finished)
 
     def _append_token(self, req: Req, token_id: int, logprob: float) -> StepOutput:
         was_waiting = req in self.waiting  # O(len(waiting)): only prefill rows get here
@@ -188,11 +228,13 @@ class Scheduler:
         req.output_logprobs.extend([0.0] * len(forced))  # chosen by the grammar: probability 1
         return req.check_finished(self.eos_token_ids) is not None
 
-    def _schedule(self) -> tuple[list[Req], list[int]]:
+    def _schedule(self, drafts: dict[int, list[int]]) -> tuple[list[Req], list[int]]:
+        """The step's rows and chunk lengths; speculative drafts go into ``drafts``."""
         reqs: list[Req] = []
         chunks: list[int] = []
         alloc = self.allocator
         page_size = self.page_size
+        speculate = 0 < len(self.running) <= self.speculative_max_running and self.num_draft > 0
         # Decode first: it keeps inter-token latency flat while prompts are chunked in.
         for req in list(self.running):
             if req not in self.running:  # retracted below while making room
@@ -210,6 +252,12 @@ class Scheduler:
                     self._retract(req)
                     continue
                 req.page_ids.extend(alloc.alloc(need))
+            if speculate and chunk == 1:
+                draft = self._draft(req)
+                if draft:
+                    drafts[len(reqs)] = draft
+                    chunk += len(draft)
+                    self.num_draft_tokens += len(draft)
             reqs.append(req)
             chunks.append(chunk)
         budget = self.max_batch_tokens - sum(chunks)
@@ -238,6 +286,36 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk
         return reqs, chunks
+
+    def _draft(self, req: Req) -> list[int]:
+        """Draft tokens for a decoding ``req`` whose one missing token has its page: n-gram
+        drafts (``engine.sched.ngram``), capped so that the kept drafts and the token after
+        them fit ``max_new_tokens``, and trimmed to the pages that are free without evicting
+        or retracting anything (a draft is a bet; it never costs another request its pages).
+        A constrained row's draft is cut where its grammar stops accepting it (its masks at
+        every drafted position are filled by the runner). Rows scoring prompt logprobs are not
+        drafted."""
+        if req.sampling.wants_prompt_logprobs:
+            return []
+        room = req.sampling.max_new_tokens - len(req.output_ids) - 1
+        if room <= 0:
+            return []
+        if req.ngrams is None:
+            req.ngrams = NgramIndex()
+        draft = req.ngrams.propose(req.tokens, req.seq_len, min(self.num_draft, room))
+        if draft and req.grammar is not None:
+            draft = draft[: req.grammar.accepted_prefix(draft)]
+        if not draft:
+            return []
+        ps = self.page_size
+        need = pages_for(req.seq_len + len(draft), ps) - len(req.page_ids)
+        if need > 0:
+            # Leave the admission headroom (a page per running request) untouched.
+            got = min(need, max(0, self.allocator.num_free - len(self.running)))
+            if got:
+                req.page_ids.extend(self.allocator.alloc(got))
+            draft = draft[: len(req.page_ids) * ps - req.seq_len]
+        return draft
 
     def _retract_one(self, keep: Req, scheduled: list[Req]) -> bool:
         """Retract the most recently admitted running request other than ``keep`` and those

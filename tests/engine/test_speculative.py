@@ -1,0 +1,244 @@
+"""Speculative decoding (``--speculative ngram``): the n-gram drafter, the verifier and the engine.
+
+- The drafter proposes what followed the latest earlier occurrence of the longest suffix n-gram.
+- Greedy verification keeps exactly the draft prefix the argmax agrees with.
+- Rejection sampling's output distribution equals the target's, checked by counting on a toy
+  vocabulary (accept and reject branches, and the token after a kept draft).
+- The real default model in-process: the same greedy tokens with and without drafts (float32;
+  colocated scheduler; radix cache on), drafts actually kept, every page back; a seeded sampled
+  request repeats itself exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.runner.verify import verify_drafts
+from splitserve.engine.sched.ngram import NgramIndex
+from splitserve.engine.sched.request import Req
+from splitserve.ipc.messages import SamplingParams
+from tests.engine_core import make_core
+
+
+def _propose(seq: list[int], k: int, index: NgramIndex | None = None, **kw) -> list[int]:
+    index = index or NgramIndex(**kw)
+    return index.propose(lambda a, b: seq[a:b], len(seq), k)
+
+
+def test_ngram_proposes_the_continuation_of_the_latest_match() -> None:
+    seq = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    # suffix [1, 2, 3] last occurred at 5..7, followed by 7, 8, 5, 1 ...
+    assert _propose(seq, 3) == [7, 8, 5]
+    assert _propose(seq, 10) == [7, 8, 5, 1, 2, 3]  # runs up to the end of the sequence
+    assert _propose(seq, 0) == []
+    assert _propose([4, 5, 6], 3) == []  # no earlier occurrence
+    # The longest n wins: [2, 3] alone would also match at 1..2 (-> 9), but [1, 2, 3] is tried
+    # first and matches the later occurrence.
+    assert _propose([5, 2, 3, 9, 1, 2, 3, 4, 1, 2, 3], 1, max_n=3) == [4]
+    assert _propose([5, 2, 3, 9, 1, 2, 3, 4, 8, 2, 3], 1, max_n=3) == [4]  # [2, 3]'s latest
+    assert _propose([5, 2, 3, 9, 1, 2, 3, 4, 8, 2, 3], 1, max_n=3, min_n=3) == []
+
+
+def test_ngram_index_grows_incrementally_as_from_scratch() -> None:
+    gen = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, 6, (300,), generator=gen).tolist()
+    index = NgramIndex(max_n=4, min_n=2)
+    for end in range(1, len(seq) + 1):
+        grown = index.propose(lambda a, b: seq[a:b], end, 5)
+        fresh = _propose(seq[:end], 5, max_n=4, min_n=2)
+        assert grown == fresh, end
+
+
+def test_ngram_index_refuses_bad_sizes() -> None:
+    with pytest.raises(ValueError):
+        NgramIndex(max_n=1, min_n=2)
+    with pytest.raises(ValueError):
+        NgramIndex(max_n=3, min_n=0)
+
+
+def _logits_favouring(tokens: list[int], vocab: int = 8) -> torch.Tensor:
+    out = torch.zeros(len(tokens), vocab)
+    for i, t in enumerate(tokens):
+        out[i, t] = 5.0
+    return out
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_greedy_verification_keeps_the_agreeing_prefix() -> None:
+    # Argmax per position: 3, 4, 6, 1. Draft 3, 4, 5: two kept, then the model's 6.
+    logits = _logits_favouring([3, 4, 6, 1])
+    (res,) = verify_drafts(logits, [[3, 4, 5]], [GREEDY], [0])
+    assert (res.tokens, res.accepted) == ([3, 4, 6], 2)
+    (res,) = verify_drafts(logits, [[3, 4, 6]], [GREEDY], [0])
+    assert (res.tokens, res.accepted) == ([3, 4, 6, 1], 3)  # all kept, plus the bonus token
+    (res,) = verify_drafts(logits[:2], [[0]], [GREEDY], [0])
+    assert (res.tokens, res.accepted) == ([3], 0)
+    want = torch.log_softmax(logits, -1)[[0, 1, 2], [3, 4, 6]]
+    (res,) = verify_drafts(logits, [[3, 4, 5]], [GREEDY], [0])
+    assert res.logprobs == pytest.approx(want.tolist())
+    # Rows are independent; an empty draft is one plain greedy step.
+    both = verify_drafts(torch.cat([logits, logits[:1]]), [[3, 4, 5], []], [GREEDY] * 2, [0, 0])
+    assert [r.tokens for r in both] == [[3, 4, 6], [3]]
+    with pytest.raises(ValueError):
+        verify_drafts(logits, [[3]], [GREEDY], [0])
+
+
+def _tv(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    return float((counts / counts.sum() - probs).abs().sum() / 2)
+
+
+@pytest.mark.parametrize("draft_token", [0, 2])  # a likely draft (mostly kept), an unlikely one
+def test_rejection_sampling_keeps_the_target_distribution(draft_token: int) -> None:
+    """First token ~ p0 whatever the draft; given the draft was kept, the next ~ p1."""
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5], [0.0, 1.5, 0.3, -0.5]])
+    probs = torch.softmax(logits / 0.8, -1)
+    n = 8_000
+    first = torch.zeros(4)
+    second = torch.zeros(4)
+    kept = 0
+    for seed in range(n):
+        p = SamplingParams(temperature=0.8, top_p=1.0, seed=seed)
+        (res,) = verify_drafts(logits, [[draft_token]], [p], [0])
+        first[res.tokens[0]] += 1
+        if res.accepted:
+            kept += 1
+            second[res.tokens[1]] += 1
+    assert _tv(first, probs[0]) < 0.02, (first / n, probs[0])
+    assert abs(kept / n - float(probs[0, draft_token])) < 0.02
+    if kept > 1500:
+        assert _tv(second, probs[1]) < 0.03, (second / kept, probs[1])
+
+
+def test_rejection_sampling_honours_top_k() -> None:
+    """A draft outside top-k is never kept, and the token drawn instead is inside it."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    for seed in range(300):
+        p = SamplingParams(temperature=1.0, top_k=2, seed=seed)
+        (res,) = verify_drafts(logits, [[3]], [p], [0])
+        assert res.accepted == 0 and res.tokens[0] in (0, 1)
+
+
+def test_seeded_verification_repeats() -> None:
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(3))
+    p = SamplingParams(temperature=1.0, seed=7)
+    a = verify_drafts(logits, [[1, 2, 3, 4]], [p], [10])
+    b = verify_drafts(logits, [[1, 2, 3, 4]], [p], [10])
+    assert a == b
+
+
+# ---- the real model, in-process ---------------------------------------------------------------
+
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+TEXTS = [
+    f"Rename add to plus and print the whole code again:\n{CODE}",
+    "Count from 1 to 20 separated by commas: 1, 2, 3,",
+]
+
+
+def _prompt_ids(tokenizer, text: str) -> list[int]:
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer(chat, add_special_tokens=False)["input_ids"])
+
+
+def _generate(model, cfg, prompts, params, cache: str = "none", **engine):
+    """All prompts at once through one core; returns (outputs, scheduler)."""
+    model.attn_backend.decode_cache = None
+    pool = KVPool(cfg.kv_layout(16, "float32"), 200)
+    core = make_core(model, pool, cfg.eos_token_ids, cache=cache, **engine)
+    reqs = [Req(rid=f"r{i}", input_ids=p, sampling=params) for i, p in enumerate(prompts)]
+    for r in reqs:
+        core.scheduler.add(r)
+    while core.scheduler.has_work:
+        core.step()
+    core.scheduler.cache.flush()
+    assert pool.allocator.num_used == 0, "pages leaked"
+    return [r.output_ids for r in reqs], core.scheduler
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_greedy_output_is_plain_greedy_output(model, tokenizer) -> None:
+    net, cfg = model
+    prompts = [_prompt_ids(tokenizer, t) for t in TEXTS]
+    params = SamplingParams(temperature=0.0, max_new_tokens=32)
+    plain, _ = _generate(net, cfg, prompts, params)
+    spec, sched = _generate(net, cfg, prompts, params, cache="radix", speculative="ngram",
+                            num_speculative_tokens=4, speculative_max_running=4)
+    assert spec == plain
+    # The code is copied back: drafts are kept, and steps were saved.
+    assert sched.num_accepted_tokens >= 10, (sched.num_draft_tokens, sched.num_accepted_tokens)
+    assert sched.num_accepted_tokens <= sched.num_draft_tokens
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_seeded_sampling_with_drafts_repeats(model, tokenizer) -> None:
+    net, cfg = model
+    prompts = [_prompt_ids(tokenizer, TEXTS[0])]
+    params = SamplingParams(temperature=0.7, seed=11, max_new_tokens=16)
+    kw = {"speculative": "ngram", "num_speculative_tokens": 3}
+    a, sched = _generate(net, cfg, prompts, params, **kw)
+    b, _ = _generate(net, cfg, prompts, params, **kw)
+    assert a == b and len(a[0]) == 16
+    assert sched.num_draft_tokens > 0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_drafts_stop_at_max_tokens_and_above_max_running(model, tokenizer) -> None:
+    net, cfg = model
+    prompts = [_prompt_ids(tokenizer, TEXTS[1])] * 3
+    params = SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True)
+    plain, _ = _generate(net, cfg, prompts, params)
+    spec, sched = _generate(net, cfg, prompts, params, speculative="ngram",
+                            speculative_max_running=2)
+    assert spec == plain and all(len(o) == 9 for o in spec)
+    assert sched.num_draft_tokens == 0  # three decoding at once: above the limit of two
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_constrained_output_with_drafts_is_plain_constrained_output(model, tokenizer) -> None:
+    """Drafts of a constrained row are cut to what its grammar accepts and verified under the
+    masks at every drafted position: the same tokens as plain constrained greedy, valid JSON,
+    and drafts were kept (the object is copied from the prompt)."""
+    import json
+
+    import jsonschema
+
+    from splitserve.engine.grammar.request_grammar import RequestGrammar
+    from splitserve.engine.grammar.xgrammar_backend import XGrammarBackend
+
+    net, cfg = model
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+              "items": {"type": "array", "items": {"type": "string"}}},
+              "required": ["name", "items"], "additionalProperties": False}
+    backend = XGrammarBackend(tokenizer)
+    compiled = backend.compile("json_schema", json.dumps(schema))
+    text = 'Copy this JSON: {"name": "Alice", "items": ["apple", "pear", "plum", "fig"]}'
+    prompt = _prompt_ids(tokenizer, text)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+
+    def run(**engine):
+        net.attn_backend.decode_cache = None
+        pool = KVPool(cfg.kv_layout(16, "float32"), 64)
+        core = make_core(net, pool, cfg.eos_token_ids, runner={"vocab_size": cfg.vocab_size},
+                         **engine)
+        req = Req(rid="c", input_ids=prompt, sampling=params)
+        req.grammar = RequestGrammar(
+            compiled.create_matcher(max_rollback_tokens=64), cfg.vocab_size,
+            list(cfg.eos_token_ids), lambda s: tokenizer.encode(s, add_special_tokens=False),
+        )
+        core.scheduler.add(req)
+        while core.scheduler.has_work:
+            core.step()
+        assert pool.allocator.num_used == 0
+        return req.output_ids, core.scheduler
+
+    plain, _ = run()
+    spec, sched = run(speculative="ngram", num_speculative_tokens=4)
+    assert spec == plain
+    jsonschema.validate(json.loads(tokenizer.decode(spec, skip_special_tokens=True)), schema)
+    assert sched.num_accepted_tokens > 0, (sched.num_draft_tokens, sched.num_accepted_tokens)
