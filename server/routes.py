@@ -15,10 +15,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from pydantic_core import from_json
 
 from splitserve.server.disconnect import client_gone, unless_disconnected
 from splitserve.server.engine_client import BaseEngineClient
 from splitserve.server.errors import APIError, from_validation_errors, install_error_handlers
+from splitserve.server.field_check import check_fields
+from splitserve.server.fields import Endpoint
 from splitserve.server.generation import stream_text
 from splitserve.server.job import Job
 from splitserve.server.job_builder import JobBuilder
@@ -62,12 +65,12 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req: CompletionRequest = await _parse(request, CompletionRequest)
+        req: CompletionRequest = await _parse(request, CompletionRequest, "completions")
         return await respond(request, jobs.completion_job(req), req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, "chat")
         return await respond(request, jobs.chat_job(req), req.stream)
 
     def model_card() -> dict[str, Any]:
@@ -118,9 +121,17 @@ def create_app(
     return app
 
 
-async def _parse(request: Request, model_cls: type[BaseGenerateRequest]) -> Any:
-    """Validate the raw body ourselves: malformed JSON and bad fields both become 400."""
+async def _parse(
+    request: Request, model_cls: type[BaseGenerateRequest], endpoint: Endpoint
+) -> Any:
+    """Validate the raw body ourselves: malformed JSON, fields we do not serve (the table of
+    ``server.fields``) and bad values all become 400."""
     body = await request.body()
+    try:
+        decoded = from_json(body)
+    except ValueError:
+        decoded = None  # not JSON: model_validate_json says so below
+    check_fields(endpoint, decoded)
     try:
         return model_cls.model_validate_json(body)
     except ValidationError as exc:
