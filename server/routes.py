@@ -9,6 +9,7 @@ JSON or SSE (``server.responses``) while watching for a client that leaves (``se
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -26,7 +27,11 @@ from splitserve.server.generation import stream_text
 from splitserve.server.job import Job
 from splitserve.server.job_builder import JobBuilder
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
+from splitserve.server.request_id import RequestIdMiddleware
 from splitserve.server.responses import full_response, streaming_response
+from splitserve.server.tokenize import install_tokenize_routes, server_version
+
+logger = logging.getLogger(__name__)
 
 
 def create_app(
@@ -47,10 +52,14 @@ def create_app(
     """
     jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids)
     created = int(time.time())
-    app = FastAPI(title="splitserve", version="0.1.0")
+    app = FastAPI(title="splitserve", version=server_version())
     install_error_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
+    install_tokenize_routes(app, jobs, tokenizer, context_len)
 
     async def respond(request: Request, job: Job, stream: bool | None) -> Response:
+        logger.info("request %s: %s, %d prompt tokens, X-Request-Id %s", job.rid,
+                    request.url.path, len(job.input_ids), request.state.request_id)
         # stream_text runs inside the watched work: a disconnect cancels it there, and its
         # finally aborts the request on the workers.
         if stream:
@@ -66,12 +75,14 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req: CompletionRequest = await _parse(request, CompletionRequest, "completions")
-        return await respond(request, jobs.completion_job(req), req.stream)
+        job = jobs.completion_job(req, request.state.request_id)
+        return await respond(request, job, req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, "chat")
-        return await respond(request, jobs.chat_job(req), req.stream)
+        job = jobs.chat_job(req, request.state.request_id)
+        return await respond(request, job, req.stream)
 
     def model_card() -> dict[str, Any]:
         return {
@@ -89,7 +100,9 @@ def create_app(
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
         if not jobs.serves(model):
-            raise APIError(f"model '{model}' not found", param="model", status_code=404)
+            raise APIError(f"model '{model}' does not exist; this server serves '{model_name}'",
+                           param="model", status_code=404, type="invalid_request_error",
+                           code="model_not_found")
         return model_card()
 
     @app.get("/chat_template")
