@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import from_json
 
 from splitserve.server.errors import APIError, from_validation_errors
 from splitserve.server.job_builder import MODEL_ALIAS, JobBuilder
@@ -70,10 +71,12 @@ def install_tokenize_routes(app: FastAPI, jobs: JobBuilder, tokenizer: Any,
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
+    # pydantic's parser, as for generation bodies: it refuses lone surrogates (\ud800), which
+    # Python's json accepts and the tokenizer then cannot take.
     try:
-        body = await request.json()
-    except ValueError:
-        raise APIError("request body is not valid JSON") from None
+        body = from_json(await request.body())
+    except ValueError as exc:
+        raise APIError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise APIError("request body must be a JSON object")
     return body

@@ -78,7 +78,7 @@ def test_tokenize_bad_input_is_a_400_naming_the_field(client, path, body, param)
 
 
 def test_tokenize_needs_a_json_object(client) -> None:
-    for content in (b"[1, 2]", b"{nope"):
+    for content in (b"[1, 2]", b"{nope", b'{"prompt": "a\\ud800b"}'):  # a lone surrogate
         r = client.post("/tokenize", content=content)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
