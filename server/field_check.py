@@ -7,6 +7,7 @@ pydantic models of ``server.protocol``, which check types and shapes.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -39,8 +40,9 @@ def _check_refused(name: str, value: Any, rule: FieldRule) -> None:
     # ``==`` would take 0 for False and 1.0 for 1: compare types too.
     if any(type(value) is type(v) and value == v for v in rule.noop):
         return
-    raise APIError(f"{name}: not supported by this server ({rule.note}); remove it or send null",
-                   param=name, code="unsupported_parameter")
+    accepted = " or ".join(["null", *(json.dumps(v) for v in rule.noop)])
+    raise APIError(f"{name}: not supported by this server ({rule.note}); remove it or send "
+                   f"{accepted}", param=name, code="unsupported_parameter")
 
 
 def _check_range(name: str, value: Any, rule: FieldRule) -> None:
