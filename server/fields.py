@@ -85,7 +85,7 @@ _SHARED: dict[str, FieldRule] = {
     "seed": implemented("per-request random stream; a signed 64-bit integer", **_SEED),
     "stop": implemented("up to 4 stop strings"),
     "stream": implemented("server-sent events"),
-    "stream_options": implemented("`include_usage`"),
+    "stream_options": implemented("`include_usage`; `include_obfuscation` is ignored (no padding)"),
     "presence_penalty": implemented("", **_PENALTY),
     "frequency_penalty": implemented("", **_PENALTY),
     "logit_bias": implemented("token id -> bias added to its logit"),
