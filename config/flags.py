@@ -78,6 +78,11 @@ def _cpu_affinity(items: list[str]) -> dict[str, list[int]]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _origins(items: list[str]) -> list[str]:
+    # Space- or comma-separated, as users write lists of origins.
+    return [o for item in items for o in item.replace(",", " ").split()]
+
+
 ENGINE_FLAGS = (
     Flag("--model", "engine.model", "Hugging Face model folder (default: SmolLM2-135M-Instruct)"),
     Flag("--dtype", "engine.dtype", "auto: bfloat16 on CPUs with AMX/avx512_bf16 (and CUDA), "
@@ -144,6 +149,8 @@ SERVER_FLAGS = (
          "requests on a worker, new ones get 503 + Retry-After"),
     Flag("--dead-after", "server.dead_after_s", "seconds without a worker heartbeat before its "
          "requests fail"),
+    Flag("--allowed-origins", "server.allowed_origins", "browser origins allowed to call the "
+         "API (CORS), e.g. http://localhost:3000, or '*'", parse=_origins, nargs="+"),
 )
 CLUSTER_FLAGS = (
     Flag("--threads-per-worker", "cluster.threads_per_worker", "0: split the cores"),

@@ -109,6 +109,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413 (0: no limit)
     max_inflight_per_worker: int = 256  # past this, new requests get 503 + Retry-After
     dead_after_s: float = 5.0  # without a heartbeat for this long, a worker's requests fail
+    # Browser origins allowed to call the API (CORS), e.g. ["http://localhost:3000"]; "*" for
+    # any. Empty: no CORS headers, so browsers refuse cross-origin calls.
+    allowed_origins: list[str] = []
 
     @property
     def url(self) -> str:

@@ -43,8 +43,9 @@ class JobBuilder:
         """Whether ``model`` names the served model."""
         return model in (self.model_name, MODEL_ALIAS)
 
-    def completion_job(self, req: CompletionRequest) -> Job:
-        """The job of a ``/v1/completions`` request.
+    def completion_job(self, req: CompletionRequest, request_id: str | None = None) -> Job:
+        """The job of a ``/v1/completions`` request (``request_id``: the client's
+        ``X-Request-Id``, which the job's rid carries).
 
         Raises:
             APIError: another model, ``n`` > 1, an echo/logprobs combination not served
@@ -52,7 +53,7 @@ class JobBuilder:
         """
         self._check_model(req)
         check_echo(req)
-        job = self._make_job(req, self._completion_ids(req), is_chat=False)
+        job = self._make_job(req, self._completion_ids(req), False, request_id)
         if req.echo:
             prompt = req.prompt
             job.echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
@@ -60,15 +61,28 @@ class JobBuilder:
         job.discard_output = req.max_tokens == 0
         return job
 
-    def chat_job(self, req: ChatCompletionRequest) -> Job:
-        """The job of a ``/v1/chat/completions`` request.
+    def chat_job(self, req: ChatCompletionRequest, request_id: str | None = None) -> Job:
+        """The job of a ``/v1/chat/completions`` request (``request_id`` as in
+        :meth:`completion_job`).
 
         Raises:
             APIError: another model, ``n`` > 1, a conversation the chat template refuses, or no
                 room in the context.
         """
         self._check_model(req)
-        return self._make_job(req, self._chat_ids(req), is_chat=True)
+        return self._make_job(req, self._chat_ids(req), True, request_id)
+
+    def prompt_ids(self, req: BaseGenerateRequest) -> list[int]:
+        """The prompt's token ids exactly as a generation request would send them
+        (``POST /tokenize``).
+
+        Raises:
+            APIError: as :meth:`chat_job` / :meth:`completion_job` for the prompt.
+        """
+        if isinstance(req, ChatCompletionRequest):
+            return self._chat_ids(req)
+        assert isinstance(req, CompletionRequest)
+        return self._completion_ids(req)
 
     def _check_model(self, req: BaseGenerateRequest) -> None:
         if not self.serves(req.model):
@@ -99,7 +113,8 @@ class JobBuilder:
         # The template already wrote BOS and the role markers; don't add them twice.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _make_job(self, req: BaseGenerateRequest, input_ids: list[int], is_chat: bool) -> Job:
+    def _make_job(self, req: BaseGenerateRequest, input_ids: list[int], is_chat: bool,
+                  request_id: str | None = None) -> Job:
         prompt_param = "messages" if is_chat else "prompt"
         if not input_ids:
             raise APIError(f"{prompt_param}: the prompt is empty", param=prompt_param)
@@ -119,7 +134,7 @@ class JobBuilder:
                 f"the context length {self.context_len}; at most {room} allowed",
                 param=max_param,
             )
-        rid = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = new_rid(is_chat, request_id)
         fmt = ResponseFormatter(rid, int(time.time()), req.model, is_chat, req.include_usage)
         return Job(rid, input_ids, self._sampling(req, room, max_tokens), req.stop or [], fmt,
                    Usage(len(input_ids)), req.return_token_ids)
@@ -142,6 +157,17 @@ class JobBuilder:
             logprob_start_len=(req.logprob_start_len or 0) if scores_prompt else -1,
             constraint=constraint_from_request(req),
         )
+
+
+def new_rid(is_chat: bool, request_id: str | None = None) -> str:
+    """A fresh request id: ``chatcmpl-<uuid>`` / ``cmpl-<uuid>``, or the client's
+    ``X-Request-Id`` with 8 random hex digits after it. The suffix keeps a reused client id (a
+    retry, a fixed id per conversation) from meeting a previous request's state on the workers,
+    which track requests by rid; the client's id still starts it, so logs can be searched by it.
+    """
+    if request_id is not None:
+        return f"{request_id}-{uuid.uuid4().hex[:8]}"
+    return f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
 def check_echo(req: CompletionRequest) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from splitserve.config import ServeConfig
 from splitserve.server.guard import install_guard
@@ -56,6 +57,7 @@ def run_api_server(
     install_membership(app, client.pool)
     install_metrics(app, metrics)
     install_guard(app, config.security.api_key, s.max_body_bytes)
+    install_cors(app, s.allowed_origins)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -65,6 +67,17 @@ def run_api_server(
 
     app.router.lifespan_context = lifespan
     serve_app(app, s.host, s.port, config.log_level)
+
+
+def install_cors(app: FastAPI, allowed_origins: list[str]) -> None:
+    """Let browsers on ``allowed_origins`` call the API (none: no CORS headers at all).
+
+    Installed after the guard, so it is the outermost layer: a browser's preflight ``OPTIONS``
+    carries no API key and must be answered before the key is checked (the real request that
+    follows still needs it)."""
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
 
 
 def create_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> uvicorn.Server:

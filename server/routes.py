@@ -9,21 +9,29 @@ JSON or SSE (``server.responses``) while watching for a client that leaves (``se
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from pydantic_core import from_json
 
 from splitserve.server.disconnect import client_gone, unless_disconnected
 from splitserve.server.engine_client import BaseEngineClient
 from splitserve.server.errors import APIError, from_validation_errors, install_error_handlers
+from splitserve.server.field_check import check_fields
+from splitserve.server.fields import Endpoint
 from splitserve.server.generation import stream_text
 from splitserve.server.job import Job
 from splitserve.server.job_builder import JobBuilder
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
+from splitserve.server.request_id import RequestIdMiddleware
 from splitserve.server.responses import full_response, streaming_response
+from splitserve.server.tokenize import install_tokenize_routes, server_version
+
+logger = logging.getLogger(__name__)
 
 
 def create_app(
@@ -44,10 +52,14 @@ def create_app(
     """
     jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids)
     created = int(time.time())
-    app = FastAPI(title="splitserve", version="0.1.0")
+    app = FastAPI(title="splitserve", version=server_version())
     install_error_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
+    install_tokenize_routes(app, jobs, tokenizer, context_len)
 
     async def respond(request: Request, job: Job, stream: bool | None) -> Response:
+        logger.info("request %s: %s, %d prompt tokens, X-Request-Id %s", job.rid,
+                    request.url.path, len(job.input_ids), request.state.request_id)
         # stream_text runs inside the watched work: a disconnect cancels it there, and its
         # finally aborts the request on the workers.
         if stream:
@@ -62,13 +74,15 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req: CompletionRequest = await _parse(request, CompletionRequest)
-        return await respond(request, jobs.completion_job(req), req.stream)
+        req: CompletionRequest = await _parse(request, CompletionRequest, "completions")
+        job = jobs.completion_job(req, request.state.request_id)
+        return await respond(request, job, req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-        return await respond(request, jobs.chat_job(req), req.stream)
+        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, "chat")
+        job = jobs.chat_job(req, request.state.request_id)
+        return await respond(request, job, req.stream)
 
     def model_card() -> dict[str, Any]:
         return {
@@ -86,7 +100,9 @@ def create_app(
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
         if not jobs.serves(model):
-            raise APIError(f"model '{model}' not found", param="model", status_code=404)
+            raise APIError(f"model '{model}' does not exist; this server serves '{model_name}'",
+                           param="model", status_code=404, type="invalid_request_error",
+                           code="model_not_found")
         return model_card()
 
     @app.get("/chat_template")
@@ -118,9 +134,17 @@ def create_app(
     return app
 
 
-async def _parse(request: Request, model_cls: type[BaseGenerateRequest]) -> Any:
-    """Validate the raw body ourselves: malformed JSON and bad fields both become 400."""
+async def _parse(
+    request: Request, model_cls: type[BaseGenerateRequest], endpoint: Endpoint
+) -> Any:
+    """Validate the raw body ourselves: malformed JSON, fields we do not serve (the table of
+    ``server.fields``) and bad values all become 400."""
     body = await request.body()
+    try:
+        decoded = from_json(body)
+    except ValueError:
+        decoded = None  # not JSON: model_validate_json says so below
+    check_fields(endpoint, decoded)
     try:
         return model_cls.model_validate_json(body)
     except ValidationError as exc:

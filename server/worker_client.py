@@ -174,20 +174,31 @@ class ZmqEngineClient(BaseEngineClient):
                 yield targets
                 return
             wire = rid if attempt == 0 else f"{rid}.retry{attempt}"
+            try:
+                frames = [encode(GenerateTask(rid=wire, input_ids=input_ids, sampling=sampling,
+                                              reply_addr=self.inbox_addr, prefill_addr=addr))
+                          for _, addr in targets]
+            except (OverflowError, msgspec.EncodeError) as exc:
+                # A number the wire cannot carry (an integer past 64 bits): the request's fault,
+                # refused before any worker hears of it or is counted.
+                if timer:
+                    timer.rejected()
+                yield TokenEvent([], [], error=f"a request value is out of range: {exc}",
+                                 error_code=400)
+                return
             workers = [w for w, _ in targets]
-            state = _ReqState(asyncio.Queue(), workers, counted=list(workers))
+            state = _ReqState(asyncio.Queue(), workers)
             state.prefill = next((w for w, _ in targets if w.role == "prefill"), None)
             self.reqs[wire] = state
             self.wire_rid[rid] = wire
             outcome = "closed"
             try:
-                for w, prefill_addr in targets:
+                for w, frame in zip(workers, frames, strict=True):
+                    # Counted as sent, so the finally uncounts exactly the workers counted here,
+                    # whichever send fails or is cancelled.
                     w.in_flight += 1
-                    task = GenerateTask(
-                        rid=wire, input_ids=input_ids, sampling=sampling,
-                        reply_addr=self.inbox_addr, prefill_addr=prefill_addr,
-                    )
-                    await w.sock.send(encode(task))
+                    state.counted.append(w)
+                    await w.sock.send(frame)
                 while True:
                     event = await state.queue.get()
                     if isinstance(event, _Failure):

@@ -1,0 +1,65 @@
+"""The request-field check of ``server.fields``' table, run on each body before it is parsed.
+
+It refuses (HTTP 400, OpenAI's error body, ``param`` naming the field) a field we do not serve
+and a number or choice outside the field's documented range; everything else is left to the
+pydantic models of ``server.protocol``, which check types and shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from splitserve.server.errors import APIError
+from splitserve.server.fields import FIELDS, Endpoint, FieldRule
+
+
+def check_fields(endpoint: Endpoint, body: Any) -> None:
+    """Refuse what ``endpoint``'s table refuses in ``body`` (a decoded JSON value; anything but
+    an object is left to the parser).
+
+    Raises:
+        APIError: 400 with ``code`` ``unsupported_parameter`` for a refused field; a value
+            outside its range is a 400 with ``code`` null, as the parser's own errors are.
+    """
+    if not isinstance(body, dict):
+        return
+    table = FIELDS[endpoint]
+    for name, value in body.items():
+        rule = table.get(name)
+        if rule is None or value is None:
+            continue
+        if rule.status == "refused":
+            _check_refused(name, value, rule)
+        elif rule.status == "implemented":
+            _check_range(name, value, rule)
+
+
+def _check_refused(name: str, value: Any, rule: FieldRule) -> None:
+    # ``==`` would take 0 for False and 1.0 for 1: compare types too.
+    if any(type(value) is type(v) and value == v for v in rule.noop):
+        return
+    accepted = " or ".join(["null", *(json.dumps(v) for v in rule.noop)])
+    raise APIError(f"{name}: not supported by this server ({rule.note}); remove it or send "
+                   f"{accepted}", param=name, code="unsupported_parameter")
+
+
+def _check_range(name: str, value: Any, rule: FieldRule) -> None:
+    if rule.enum is not None and value not in rule.enum:
+        choices = ", ".join(repr(v) for v in rule.enum)
+        raise APIError(f"{name}: {value!r} is not one of {choices}", param=name)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return  # not a number: the type check in server.protocol names the error
+    if not math.isfinite(value) and (rule.minimum is not None or rule.maximum is not None):
+        raise APIError(f"{name}: {value} is not a finite number", param=name)
+    if rule.minimum is not None and value < rule.minimum:
+        raise APIError(f"{name}: {value} is below the minimum {_num(rule.minimum)}",
+                       param=name)
+    if rule.maximum is not None and value > rule.maximum:
+        raise APIError(f"{name}: {value} is above the maximum {_num(rule.maximum)}",
+                       param=name)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
