@@ -81,10 +81,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class SecurityConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``api_key``: ``Authorization: Bearer KEY`` on the HTTP API and for workers joining it.
     Never written on a command line (the launcher hands it to children in the environment).
-    ``curve_keys``: a CURVE key file (``splitserve keygen``): encrypted, authenticated links."""
+    ``curve_keys``: a CURVE key file (``splitserve keygen``): encrypted, authenticated links.
+    ``api_key_file``: more keys, one a line (optionally ``KEY NAME``), each its own tenant: its
+    own prefix-cache namespace and rate limits (``server.tenancy``)."""
 
     api_key: str | None = msgspec.field(default_factory=lambda: env.optional_text(env.API_KEY))
     curve_keys: str | None = None
+    api_key_file: str | None = None
 
 
 class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -97,6 +100,10 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413 (0: no limit)
     max_inflight_per_worker: int = 256  # past this, new requests get 503 + Retry-After
     dead_after_s: float = 5.0  # without a heartbeat for this long, a worker's requests fail
+    # Per tenant (API key): requests and prompt + generated tokens per second; past them, 429
+    # with Retry-After (server.rate_limit). 0: unlimited.
+    rate_limit_rps: float = 0.0
+    rate_limit_tps: float = 0.0
 
     @property
     def url(self) -> str:
@@ -106,6 +113,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _choice("routing", self.routing, ROUTING.names)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} is not a TCP port")
+        for field in ("rate_limit_rps", "rate_limit_tps"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field} must be >= 0, not {getattr(self, field)}")
 
 
 class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

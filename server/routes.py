@@ -24,6 +24,7 @@ from splitserve.server.job import Job
 from splitserve.server.job_builder import JobBuilder
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
 from splitserve.server.responses import full_response, streaming_response
+from splitserve.server.tenancy import Tenancy
 
 
 def create_app(
@@ -32,6 +33,7 @@ def create_app(
     model_name: str,
     context_len: int,
     eos_token_ids: list[int],
+    tenancy: Tenancy | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API for one model served through ``client``.
 
@@ -41,8 +43,11 @@ def create_app(
         model_name: the ``model`` clients must send (``"default"`` is accepted too).
         context_len: prompt + generated tokens may not exceed this.
         eos_token_ids: ids that end generation unless the request sets ``ignore_eos``.
+        tenancy: cache namespaces (API key, ``cache_salt``) and rate limits (default: no
+            limits; the namespace still follows the salt and the guard's tenant).
     """
     jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids)
+    tenancy = tenancy or Tenancy()
     created = int(time.time())
     app = FastAPI(title="splitserve", version="0.1.0")
     install_error_handlers(app)
@@ -63,12 +68,14 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req: CompletionRequest = await _parse(request, CompletionRequest)
-        return await respond(request, jobs.completion_job(req), req.stream)
+        job = tenancy.apply(request.scope, jobs.completion_job(req), req.cache_salt)
+        return await respond(request, job, req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-        return await respond(request, jobs.chat_job(req), req.stream)
+        job = tenancy.apply(request.scope, jobs.chat_job(req), req.cache_salt)
+        return await respond(request, job, req.stream)
 
     def model_card() -> dict[str, Any]:
         return {

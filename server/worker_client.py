@@ -163,7 +163,8 @@ class ZmqEngineClient(BaseEngineClient):
         return targets
 
     async def generate(
-        self, rid: str, input_ids: list[int], sampling: SamplingParams
+        self, rid: str, input_ids: list[int], sampling: SamplingParams,
+        cache_namespace: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
         timer = self.metrics.request_timer() if self.metrics else None
         for attempt in itertools.count():
@@ -186,6 +187,7 @@ class ZmqEngineClient(BaseEngineClient):
                     task = GenerateTask(
                         rid=wire, input_ids=input_ids, sampling=sampling,
                         reply_addr=self.inbox_addr, prefill_addr=prefill_addr,
+                        cache_namespace=cache_namespace,
                     )
                     await w.sock.send(encode(task))
                 while True:

@@ -272,6 +272,7 @@ class BaseWorker:
             input_ids=list(task.input_ids),
             sampling=sampling,
             reply_addr=task.reply_addr,
+            cache_namespace=task.cache_namespace,
         )
 
     def check_fits(self, task: GenerateTask) -> str | None:
