@@ -196,6 +196,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     log_level: str = "warning"
+    node: str = ""  # the node it runs on, for GET /workers (Ray: the node id; "": the hostname)
 
     def check(self) -> None:
         _choice("role", self.role, WORKER_ROLE.names)

@@ -184,6 +184,7 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     weight_bytes: int = 0
     # Which kernel serves the decode-step products (engine.model.kernel_plan), in words.
     kernel_plan: str = ""
+    node: str = ""  # the node the worker runs on (WorkerConfig.node: a Ray node id, or the host)
 
 
 # ---- decode <-> prefill (KV transfer control) ----------------------------------------------

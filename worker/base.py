@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 from collections.abc import Callable
 from typing import ClassVar
@@ -369,4 +370,5 @@ class BaseWorker:
             decode_cache_bytes=model.attn_backend.cache_bytes(),
             weight_bytes=model.weight_bytes(),
             kernel_plan=model.kernel_plan.summary() if model.kernel_plan else "",
+            node=self.config.node or socket.gethostname(),
         )
