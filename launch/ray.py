@@ -17,12 +17,14 @@ that should stay on loopback says ``host: 127.0.0.1``: every process binds and a
 cluster.yaml::
 
     model: /models/SmolLM2-135M-Instruct     # same path on every node
-    router: {port: 8000, node_ip: 10.0.0.1}  # optional node_ip (or resources) pins the router
+    router: {port: 8000, inbox_port: 8001, node_ip: 10.0.0.1}  # node_ip (or resources) pins it
     prefill: {count: 2, port: 7001, num_cpus: 8}
     decode:  {count: 2, port: 7002, num_cpus: 8, kv_cache_mb: 4096}
     engine:  {dtype: bfloat16, page_size: 16}  # flags for every worker
     curve_keys: /etc/splitserve/cluster.keys   # optional; same file on every node
     host: 127.0.0.1                            # optional, one node: bind this, not the node's IP
+
+Ports each host must open, and the multi-host and KubeRay recipes: ``docs/multihost.md``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class RayClusterSpec:
     router_port: int = 8000
     router_node_ip: str | None = None
     router_resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources
+    router_inbox_port: int = 0  # the router's ZeroMQ inbox, where workers reply (0: any free)
     prefill: RoleSpec = field(default_factory=RoleSpec)
     decode: RoleSpec = field(default_factory=RoleSpec)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -93,12 +96,13 @@ class RayClusterSpec:
             engine.check()
         except (msgspec.ValidationError, ValueError) as exc:
             raise ValueError(f"cluster spec: engine: {exc}") from exc
-        bad = set(router) - {"port", "node_ip", "resources"}
+        bad = set(router) - {"port", "node_ip", "resources", "inbox_port"}
         if bad:
             raise ValueError(f"cluster spec: router: unknown keys {sorted(bad)}")
         return cls(model=d["model"], router_port=router.get("port", 8000),
                    router_node_ip=router.get("node_ip"),
-                   router_resources=dict(router.get("resources") or {}), engine=engine,
+                   router_resources=dict(router.get("resources") or {}),
+                   router_inbox_port=router.get("inbox_port", 0), engine=engine,
                    curve_keys=d.get("curve_keys"), host=d.get("host"), **roles)
 
 
@@ -146,7 +150,8 @@ def launch_on_ray(address: str | None, spec: RayClusterSpec,
                          security=security, log_level=log_level)
     router_role = RoleSpec(resources=spec.router_resources)
     router = host_cls.options(**_options(router_role, spec.router_node_ip)).remote(
-        "api-server", json.loads(to_json(server)), child_env, host=spec.host)
+        "api-server", json.loads(to_json(server)), child_env, host=spec.host,
+        port=spec.router_inbox_port)
     url = f"http://{ray.get(router.node_ip.remote())}:{spec.router_port}"
     handles = [router]
     for role_name in ("prefill", "decode"):

@@ -34,7 +34,7 @@ class ProcessHost:
             ``node`` is set to the Ray node id (``GET /workers`` shows it).
         child_env: added to the process's environment.
         host: what the process binds and advertises (None: the node's IP).
-        port: a worker's port (0: any free one).
+        port: a worker's port, or the router's ZeroMQ inbox port (0: any free one).
     """
 
     def __init__(self, command: str, config: dict[str, Any], child_env: dict[str, str],
@@ -45,6 +45,8 @@ class ProcessHost:
         self.ip = host or ray.util.get_node_ip_address()
         if command == "api-server":
             config["server"]["host"] = self.ip
+            if port:  # workers connect to it: a firewall needs it fixed
+                config["server"]["inbox"] = f"tcp://{self.ip}:{port}"
             argv = ["api-server", "--config-json", json.dumps(config)]
         else:
             config["node"] = self.node_id
