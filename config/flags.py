@@ -137,6 +137,9 @@ SECURITY_FLAGS = (
          "$SPLITSERVE_API_KEY; prefer the variable: flags show in ps)", parse=str),
     Flag("--curve-keys", "security.curve_keys", "CURVE key file (splitserve keygen): encrypt "
          "and authenticate worker links", parse=str),
+    Flag("--api-key-file", "security.api_key_file", "file of API keys, one a line (optionally "
+         "'KEY NAME'): each key is a tenant with its own prefix-cache namespace and rate "
+         "limits", parse=str),
 )
 SERVER_FLAGS = (
     Flag("--host", "server.host", "address the HTTP API listens on"),
@@ -151,6 +154,10 @@ SERVER_FLAGS = (
          "requests fail"),
     Flag("--allowed-origins", "server.allowed_origins", "browser origins allowed to call the "
          "API (CORS), e.g. http://localhost:3000, or '*'", parse=_origins, nargs="+"),
+    Flag("--rate-limit", "server.rate_limit_rps", "requests per second per API key (a token "
+         "bucket; past it, 429 + Retry-After; 0: unlimited)"),
+    Flag("--rate-limit-tokens", "server.rate_limit_tps", "prompt + generated tokens per second "
+         "per API key (0: unlimited)"),
 )
 CLUSTER_FLAGS = (
     Flag("--threads-per-worker", "cluster.threads_per_worker", "0: split the cores"),

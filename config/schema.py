@@ -93,10 +93,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class SecurityConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``api_key``: ``Authorization: Bearer KEY`` on the HTTP API and for workers joining it.
     Never written on a command line (the launcher hands it to children in the environment).
-    ``curve_keys``: a CURVE key file (``splitserve keygen``): encrypted, authenticated links."""
+    ``curve_keys``: a CURVE key file (``splitserve keygen``): encrypted, authenticated links.
+    ``api_key_file``: more keys, one a line (optionally ``KEY NAME``), each its own tenant: its
+    own prefix-cache namespace and rate limits (``server.tenancy``)."""
 
     api_key: str | None = msgspec.field(default_factory=lambda: env.optional_text(env.API_KEY))
     curve_keys: str | None = None
+    api_key_file: str | None = None
 
 
 class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -112,6 +115,10 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Browser origins allowed to call the API (CORS), e.g. ["http://localhost:3000"]; "*" for
     # any. Empty: no CORS headers, so browsers refuse cross-origin calls.
     allowed_origins: list[str] = []
+    # Per tenant (API key): requests and prompt + generated tokens per second; past them, 429
+    # with Retry-After (server.rate_limit). 0: unlimited.
+    rate_limit_rps: float = 0.0
+    rate_limit_tps: float = 0.0
 
     @property
     def url(self) -> str:
@@ -121,6 +128,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _choice("routing", self.routing, ROUTING.names)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} is not a TCP port")
+        for field in ("rate_limit_rps", "rate_limit_tps"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field} must be >= 0, not {getattr(self, field)}")
 
 
 class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -201,6 +211,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
     log_level: str = "warning"
+    node: str = ""  # the node it runs on, for GET /workers (Ray: the node id; "": the hostname)
 
     def check(self) -> None:
         _choice("role", self.role, WORKER_ROLE.names)

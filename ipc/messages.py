@@ -72,6 +72,8 @@ class GenerateTask(msgspec.Struct, tag="generate", kw_only=True):
     """Start request ``rid``. Sent to the prefill and the decode worker at once.
 
     ``prefill_addr`` is set on the decode worker's copy: where it sends the bootstrap.
+    ``cache_namespace``: the prefix-cache namespace (tenant key and ``cache_salt``, hashed by
+    the server); requests of different namespaces never share cached pages. None: the shared one.
     """
 
     rid: str
@@ -79,6 +81,7 @@ class GenerateTask(msgspec.Struct, tag="generate", kw_only=True):
     sampling: SamplingParams
     reply_addr: str
     prefill_addr: str | None = None
+    cache_namespace: str | None = None
 
 
 class AbortTask(msgspec.Struct, tag="abort"):
@@ -184,6 +187,7 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     # Speculative decoding since start: draft tokens proposed, and those verification kept.
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    node: str = ""  # the node the worker runs on (WorkerConfig.node: a Ray node id, or the host)
 
 
 # ---- decode <-> prefill (KV transfer control) ----------------------------------------------

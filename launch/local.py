@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
 import msgspec
@@ -38,6 +39,15 @@ class Cluster:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.commands: dict[str, tuple[list[str], dict[str, str]]] = {}
         self.restarts: dict[str, int] = {}
+        # Every child is started from this one thread, which lives until stop(): a child's
+        # PR_SET_PDEATHSIG (SPLITSERVE_DIE_WITH_PARENT) fires when the *thread* that forked it
+        # exits, so a restart from a short-lived thread (a supervisor, a test's fault schedule)
+        # would be SIGTERMed as soon as that thread ended.
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="cluster-spawner")
+
+    def _popen(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+        return self._spawner.submit(subprocess.Popen, cmd, env=env,
+                                    start_new_session=True).result()
 
     def _cpus(self, name: str) -> list[int] | None:
         """The CPUs process ``name`` (``prefill-0``, ``api-server``) is pinned to, if any."""
@@ -59,8 +69,7 @@ class Cluster:
         if cpus:  # applied by the child's cli.main before it starts any thread
             child_env[env.CPU_AFFINITY] = ",".join(map(str, cpus))
         self.commands[name] = (cmd, child_env)
-        proc = subprocess.Popen(cmd, env=child_env, start_new_session=True)
-        self.procs.append((name, proc))
+        self.procs.append((name, self._popen(cmd, child_env)))
 
     def proc(self, name: str) -> subprocess.Popen:
         """The process called ``name`` (``prefill-0``, ``decode-1``, ``api-server``...)."""
@@ -75,7 +84,7 @@ class Cluster:
     def restart(self, name: str) -> None:
         """Start the process ``name`` again with its original command (same address)."""
         cmd, env = self.commands[name]
-        new = subprocess.Popen(cmd, env=env, start_new_session=True)
+        new = self._popen(cmd, env)
         self.procs = [(n, new if n == name else p) for n, p in self.procs]
 
     def start(self, timeout_s: float = 180.0) -> Cluster:

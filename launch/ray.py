@@ -17,19 +17,19 @@ that should stay on loopback says ``host: 127.0.0.1``: every process binds and a
 cluster.yaml::
 
     model: /models/SmolLM2-135M-Instruct     # same path on every node
-    router: {port: 8000, node_ip: 10.0.0.1}  # optional node_ip pins the router
+    router: {port: 8000, inbox_port: 8001, node_ip: 10.0.0.1}  # node_ip (or resources) pins it
     prefill: {count: 2, port: 7001, num_cpus: 8}
     decode:  {count: 2, port: 7002, num_cpus: 8, kv_cache_mb: 4096}
     engine:  {dtype: bfloat16, page_size: 16}  # flags for every worker
     curve_keys: /etc/splitserve/cluster.keys   # optional; same file on every node
     host: 127.0.0.1                            # optional, one node: bind this, not the node's IP
+
+Ports each host must open, and the multi-host and KubeRay recipes: ``docs/multihost.md``.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +45,7 @@ from splitserve.config import (
     env,
 )
 from splitserve.config.schema import to_json
+from splitserve.launch.ray_host import ProcessHost, check_ray_address
 
 ROLE_KEYS = ("count", "port", "num_cpus", "num_gpus", "resources", "node_ip", "kv_cache_mb")
 
@@ -65,6 +66,8 @@ class RayClusterSpec:
     model: str
     router_port: int = 8000
     router_node_ip: str | None = None
+    router_resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources
+    router_inbox_port: int = 0  # the router's ZeroMQ inbox, where workers reply (0: any free)
     prefill: RoleSpec = field(default_factory=RoleSpec)
     decode: RoleSpec = field(default_factory=RoleSpec)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -93,8 +96,13 @@ class RayClusterSpec:
             engine.check()
         except (msgspec.ValidationError, ValueError) as exc:
             raise ValueError(f"cluster spec: engine: {exc}") from exc
+        bad = set(router) - {"port", "node_ip", "resources", "inbox_port"}
+        if bad:
+            raise ValueError(f"cluster spec: router: unknown keys {sorted(bad)}")
         return cls(model=d["model"], router_port=router.get("port", 8000),
-                   router_node_ip=router.get("node_ip"), engine=engine,
+                   router_node_ip=router.get("node_ip"),
+                   router_resources=dict(router.get("resources") or {}),
+                   router_inbox_port=router.get("inbox_port", 0), engine=engine,
                    curve_keys=d.get("curve_keys"), host=d.get("host"), **roles)
 
 
@@ -110,50 +118,41 @@ def _options(role: RoleSpec | None, node_ip: str | None) -> dict[str, Any]:
     return opts
 
 
+MAX_RESTARTS = 5  # as the local launcher: a process that keeps dying is not restarted forever
+
+
 def launch_on_ray(address: str | None, spec: RayClusterSpec,
                   security: SecurityConfig | None = None, log_level: str = "warning"):
     """Start the router and workers on the Ray cluster at ``address`` (None: the Ray instance
     this process already joined or started). Returns ``(router_url, handles)``; keep the
-    handles alive (dropping them stops the processes)."""
+    handles alive (dropping them stops the processes).
+
+    Each process lives in a :class:`ProcessHost` actor that Ray restarts (up to
+    ``MAX_RESTARTS`` times) when the process exits or its node dies; a restarted worker lands on
+    any node that has its role's resources, starts again and joins the router (``--router``).
+
+    Raises:
+        ConnectionError: nothing answers at ``address`` (instead of Ray's endless retries).
+    """
     import ray
 
-    @ray.remote
-    class ProcessHost:
-        def __init__(self) -> None:
-            self.proc = None
-
-        def node_ip(self) -> str:
-            return ray.util.get_node_ip_address()
-
-        def start(self, argv: list[str], child_env: dict[str, str]) -> int:
-            self.proc = subprocess.Popen([sys.executable, "-m", "splitserve", *argv],
-                                         env={**os.environ, **child_env}, start_new_session=True)
-            return self.proc.pid
-
-        def poll(self) -> int | None:
-            return self.proc.poll() if self.proc else None
-
-        def stop(self) -> None:
-            if self.proc and self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-
+    if address is not None:
+        check_ray_address(address)
     ray.init(address=address, ignore_reinit_error=True)
+    host_cls = ray.remote(max_restarts=MAX_RESTARTS)(ProcessHost)
     security = msgspec.structs.replace(security or SecurityConfig(), curve_keys=spec.curve_keys)
     # A child dies with its actor's process. Recent Ray kills an exiting worker's children too
     # (RAY_kill_child_processes_on_worker_exit); this holds where that is off or absent.
     child_env = {env.DIE_WITH_PARENT: "1"}
     if security.api_key:
         child_env[env.API_KEY] = security.api_key
-    router = ProcessHost.options(**_options(None, spec.router_node_ip)).remote()
-    ip = spec.host or ray.get(router.node_ip.remote())
-    server = ServeConfig(engine=spec.engine, server=ServerConfig(host=ip, port=spec.router_port),
+    server = ServeConfig(engine=spec.engine, server=ServerConfig(port=spec.router_port),
                          security=security, log_level=log_level)
-    ray.get(router.start.remote(["api-server", "--config-json", to_json(server)], child_env))
-    url = f"http://{ip}:{spec.router_port}"
+    router_role = RoleSpec(resources=spec.router_resources)
+    router = host_cls.options(**_options(router_role, spec.router_node_ip)).remote(
+        "api-server", json.loads(to_json(server)), child_env, host=spec.host,
+        port=spec.router_inbox_port)
+    url = f"http://{ray.get(router.node_ip.remote())}:{spec.router_port}"
     handles = [router]
     for role_name in ("prefill", "decode"):
         role: RoleSpec = getattr(spec, role_name)
@@ -161,18 +160,15 @@ def launch_on_ray(address: str | None, spec: RayClusterSpec,
         if role.kv_cache_mb:
             engine = msgspec.structs.replace(engine, kv_cache_mb=role.kv_cache_mb)
         for i in range(role.count):
-            host = ProcessHost.options(**_options(role, role.node_ip)).remote()
-            node_ip = spec.host or ray.get(host.node_ip.remote())
-            port = role.port + i if role.port else 0
             worker = WorkerConfig(
                 role=role_name, worker_id=f"{role_name}-{i}", addr="", router_url=url,
                 num_threads=int(role.num_cpus), engine=engine, security=security,
                 log_level=log_level,
             )
-            argv = ["worker", "--config-json", to_json(worker), "--host", node_ip,
-                    "--port", str(port)]
-            ray.get(host.start.remote(argv, child_env))
-            handles.append(host)
+            port = role.port + i if role.port else 0
+            handles.append(host_cls.options(**_options(role, role.node_ip)).remote(
+                "worker", json.loads(to_json(worker)), child_env, host=spec.host, port=port))
+    ray.get([h.pid.remote() for h in handles])  # every process started
     return url, handles
 
 

@@ -14,7 +14,10 @@ from splitserve.radix_cache.radix_tree import RadixCache
 
 
 class RadixPrefixCache(BasePrefixCache):
-    """Prefix cache on a :class:`RadixCache` whose evictions go back to ``allocator``."""
+    """Prefix cache on a :class:`RadixCache` whose evictions go back to ``allocator``.
+
+    Each request matches and inserts only in its own ``req.cache_namespace`` (tenant isolation:
+    another namespace's entries are never lent to it, nor counted as its cached tokens)."""
 
     def __init__(self, allocator: PageAllocator, page_size: int) -> None:
         super().__init__(allocator, page_size)
@@ -26,7 +29,7 @@ class RadixPrefixCache(BasePrefixCache):
         nxt = req.next_prompt_logprob
         if nxt is not None:  # prompt logprobs from ``nxt`` on need the logits of ``nxt - 1`` on
             end = min(end, nxt - 1)
-        result = self.tree.match_prefix(req.tokens(0, end))
+        result = self.tree.match_prefix(req.tokens(0, end), req.cache_namespace)
         self.tree.lock(result.last_node)
         req.locked_node = result.last_node
         req.page_ids = list(result.page_ids)
@@ -42,7 +45,8 @@ class RadixPrefixCache(BasePrefixCache):
         num_full = req.kv_len // ps  # pages whose every token has KV: the only cacheable ones
         to_free = req.page_ids[num_full:]
         if num_full:
-            cached_len = self.tree.insert(req.tokens(0, num_full * ps), req.page_ids[:num_full])
+            cached_len = self.tree.insert(req.tokens(0, num_full * ps), req.page_ids[:num_full],
+                                         req.cache_namespace)
             # Pages the tree already had for this span, other than those it lent us: duplicates.
             to_free += req.page_ids[req.matched_len // ps : cached_len // ps]
         if to_free:
@@ -57,13 +61,14 @@ class RadixPrefixCache(BasePrefixCache):
         if num_full * ps <= req.matched_len:
             return  # nothing new since the last call (or the match)
         tokens = req.tokens(0, num_full * ps)
-        if self.tree.match_prefix(tokens).matched_len > req.matched_len:
+        ns = req.cache_namespace
+        if self.tree.match_prefix(tokens, ns).matched_len > req.matched_len:
             # Another request cached part of this span meanwhile. Swapping our copies for the
             # tree's would free pages a KV send may still be reading (zero-copy backends), so
             # leave it to :meth:`release`, which runs once the pages are no longer read.
             return
-        self.tree.insert(tokens, req.page_ids[:num_full])  # the tree takes our new pages
-        result = self.tree.match_prefix(tokens)
+        self.tree.insert(tokens, req.page_ids[:num_full], ns)  # the tree takes our new pages
+        result = self.tree.match_prefix(tokens, ns)
         self.tree.lock(result.last_node)  # move the pin down to the new end
         if req.locked_node is not None:
             self.tree.unlock(req.locked_node)

@@ -38,10 +38,12 @@ class BaseEngineClient(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, rid: str, input_ids: list[int], sampling: SamplingParams
+        self, rid: str, input_ids: list[int], sampling: SamplingParams,
+        cache_namespace: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Start ``rid`` and yield its :class:`TokenEvent` s until one has ``finish_reason`` or
-        ``error``. Closing the iterator early (``aclose``) aborts the request on the workers."""
+        ``error``. Closing the iterator early (``aclose``) aborts the request on the workers.
+        ``cache_namespace``: the prefix-cache namespace it may reuse and fill (None: shared)."""
 
     @abc.abstractmethod
     async def abort(self, rid: str) -> None:

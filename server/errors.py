@@ -32,8 +32,10 @@ class APIError(Exception):
         status_code: int = 400,
         type: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers  # extra response headers (429's Retry-After)
         self.message = message
         self.param = param
         self.status_code = status_code
@@ -52,8 +54,9 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         # 503 is "busy or no healthy worker now": tell clients when to try again.
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status_code == 503 else None
-        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status_code == 503 else {}
+        headers.update(self.headers or {})
+        return JSONResponse(self.body(), status_code=self.status_code, headers=headers or None)
 
 
 def error_type(status_code: int) -> str:

@@ -52,7 +52,8 @@ class FakeEngineClient(BaseEngineClient):
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
         self.aborted: set[str] = set()
         self.finished: set[str] = set()
-        self._prompts: list[list[int]] = []
+        self._prompts: list[tuple[str | None, list[int]]] = []  # (cache namespace, prompt)
+        self.namespaces: list[str | None] = []  # each request's cache namespace, in order
         # Notified on every change to requests/aborted/finished (the server may run in a thread).
         self._recorded = threading.Condition()
 
@@ -85,12 +86,16 @@ class FakeEngineClient(BaseEngineClient):
         return {self.eos_token_id, *sampling.stop_token_ids}
 
     async def generate(
-        self, rid: str, input_ids: list[int], sampling: SamplingParams
+        self, rid: str, input_ids: list[int], sampling: SamplingParams,
+        cache_namespace: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
         with self._recording():
             self.requests.append((rid, list(input_ids), sampling))
-        cached_len = max((common_prefix_len(p, input_ids) for p in self._prompts), default=0)
-        self._prompts.append(list(input_ids))
+        # A cache that, like the workers' radix cache, shares only within one namespace.
+        cached_len = max((common_prefix_len(p, input_ids) for ns, p in self._prompts
+                          if ns == cache_namespace), default=0)
+        self._prompts.append((cache_namespace, list(input_ids)))
+        self.namespaces.append(cache_namespace)
         out = self.output_ids(sampling)
         done = False
         try:

@@ -41,7 +41,8 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
     """
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopStringMatcher(job.stop)
-    events = client.generate(job.rid, job.input_ids, job.sampling)
+    events = client.generate(job.rid, job.input_ids, job.sampling,
+                             cache_namespace=job.cache_namespace)
     engine_done = False
     try:
         async for ev in events:
@@ -74,6 +75,8 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
             with anyio.CancelScope(shield=True):
                 await aclose(events)
                 await client.abort(job.rid)  # idempotent; covers a cancelled aclose
+        if job.on_done is not None:
+            job.on_done(job)
 
 
 async def aclose(iterator: AsyncIterator[Any]) -> None:

@@ -1,17 +1,20 @@
 """HTTP-level protection, as plain ASGI middleware (streaming responses pass through untouched):
 
-- an optional API key: every path but ``/health`` needs ``Authorization: Bearer <key>``, or gets
-  401 with an OpenAI-style error body (compared in constant time);
+- optional API keys (a :class:`~splitserve.server.tenancy.KeyRing`): every path but ``/health``
+  needs ``Authorization: Bearer <key>`` with one of them, or gets 401 with an OpenAI-style error
+  body (compared in constant time); the key's tenant is recorded in the scope
+  (``server.tenancy.TENANT_SCOPE_KEY``) for the prefix-cache namespace and rate limits;
 - a request body limit: a larger body gets 413 before the app reads it (``Content-Length`` is
   checked first; a chunked body is counted as it arrives).
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from splitserve.server.tenancy import TENANT_SCOPE_KEY, KeyRing
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -26,24 +29,27 @@ async def _error(send: Send, status: int, message: str, code: str, headers=()) -
 
 
 class GuardMiddleware:
-    """Args: ``api_key`` (None: no key needed); ``max_body_bytes`` (0: no limit)."""
+    """Args: ``keys`` (None: no key needed; a ``str``: that one key); ``max_body_bytes`` (0: no
+    limit)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyRing | str | None, max_body_bytes: int) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.keys = KeyRing.from_config(keys, None) if isinstance(keys, str) else keys
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+        if self.keys is not None and scope["path"] not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            key = self.keys.match(given)
+            if key is None:
                 msg = ("missing API key: send 'Authorization: Bearer <key>'" if not given
                        else "incorrect API key")
                 return await _error(send, 401, msg, "invalid_api_key",
                                     [(b"www-authenticate", b"Bearer")])
+            scope[TENANT_SCOPE_KEY] = key.tenant
         if not self.max_body_bytes:
             return await self.app(scope, receive, send)
         limit_msg = f"request body exceeds the limit of {self.max_body_bytes} bytes"
@@ -75,5 +81,6 @@ class GuardMiddleware:
         await self.app(scope, replay, send)
 
 
-def install_guard(app, api_key: str | None, max_body_bytes: int) -> None:
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+def install_guard(app, keys: KeyRing | str | None, max_body_bytes: int) -> None:
+    """Guard ``app``: ``keys`` as :class:`GuardMiddleware` takes them."""
+    app.add_middleware(GuardMiddleware, keys=keys, max_body_bytes=max_body_bytes)

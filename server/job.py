@@ -8,6 +8,7 @@ add fields to the second.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.ipc.messages import SamplingParams
@@ -39,3 +40,8 @@ class Job:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
+    # Tenancy (set by ``server.tenancy`` after the job is built): the prefix-cache namespace the
+    # engine matches in (None: the shared one), and what to call once the engine is done with
+    # the job, however it ended (the rate limiter charges the generated tokens there).
+    cache_namespace: str | None = None
+    on_done: Callable[[Job], None] | None = None

@@ -14,7 +14,9 @@ from splitserve.config import ServeConfig
 from splitserve.server.guard import install_guard
 from splitserve.server.membership import install_membership
 from splitserve.server.metrics import ServerMetrics, install_metrics
+from splitserve.server.rate_limit import RateLimiter
 from splitserve.server.routes import create_app
+from splitserve.server.tenancy import KeyRing, Tenancy
 from splitserve.server.worker_client import ZmqEngineClient
 
 
@@ -53,10 +55,13 @@ def run_api_server(
         max_inflight_per_worker=s.max_inflight_per_worker, curve=curve, metrics=metrics,
     )
     metrics.attach(client.pool)
-    app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids)
+    keys = KeyRing.from_config(config.security.api_key, config.security.api_key_file)
+    tenancy = Tenancy(RateLimiter(s.rate_limit_rps, s.rate_limit_tps))
+    app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids,
+                     tenancy=tenancy)
     install_membership(app, client.pool)
     install_metrics(app, metrics)
-    install_guard(app, config.security.api_key, s.max_body_bytes)
+    install_guard(app, keys, s.max_body_bytes)
     install_cors(app, s.allowed_origins)
 
     @contextlib.asynccontextmanager

@@ -73,6 +73,9 @@ class BaseGenerateRequest(BaseModel):
     choice: list[str] | None = Field(None, min_length=1)  # the output is exactly one of these
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # Extension (vLLM's name): requests with different salts never share prefix-cache entries,
+    # so a salted prompt's ``cached_tokens`` counts only what the same salt (and key) cached.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -29,6 +29,7 @@ from splitserve.server.job_builder import JobBuilder
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
 from splitserve.server.request_id import RequestIdMiddleware
 from splitserve.server.responses import full_response, streaming_response
+from splitserve.server.tenancy import Tenancy
 from splitserve.server.tokenize import install_tokenize_routes, server_version
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ def create_app(
     model_name: str,
     context_len: int,
     eos_token_ids: list[int],
+    tenancy: Tenancy | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API for one model served through ``client``.
 
@@ -49,8 +51,11 @@ def create_app(
         model_name: the ``model`` clients must send (``"default"`` is accepted too).
         context_len: prompt + generated tokens may not exceed this.
         eos_token_ids: ids that end generation unless the request sets ``ignore_eos``.
+        tenancy: cache namespaces (API key, ``cache_salt``) and rate limits (default: no
+            limits; the namespace still follows the salt and the guard's tenant).
     """
     jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids)
+    tenancy = tenancy or Tenancy()
     created = int(time.time())
     app = FastAPI(title="splitserve", version=server_version())
     install_error_handlers(app)
@@ -75,13 +80,15 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req: CompletionRequest = await _parse(request, CompletionRequest, "completions")
-        job = jobs.completion_job(req, request.state.request_id)
+        job = tenancy.apply(request.scope, jobs.completion_job(req, request.state.request_id),
+                            req.cache_salt)
         return await respond(request, job, req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, "chat")
-        job = jobs.chat_job(req, request.state.request_id)
+        job = tenancy.apply(request.scope, jobs.chat_job(req, request.state.request_id),
+                            req.cache_salt)
         return await respond(request, job, req.stream)
 
     def model_card() -> dict[str, Any]:

@@ -163,7 +163,8 @@ class ZmqEngineClient(BaseEngineClient):
         return targets
 
     async def generate(
-        self, rid: str, input_ids: list[int], sampling: SamplingParams
+        self, rid: str, input_ids: list[int], sampling: SamplingParams,
+        cache_namespace: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
         timer = self.metrics.request_timer() if self.metrics else None
         for attempt in itertools.count():
@@ -176,7 +177,8 @@ class ZmqEngineClient(BaseEngineClient):
             wire = rid if attempt == 0 else f"{rid}.retry{attempt}"
             try:
                 frames = [encode(GenerateTask(rid=wire, input_ids=input_ids, sampling=sampling,
-                                              reply_addr=self.inbox_addr, prefill_addr=addr))
+                                              reply_addr=self.inbox_addr, prefill_addr=addr,
+                                              cache_namespace=cache_namespace))
                           for _, addr in targets]
             except (OverflowError, msgspec.EncodeError) as exc:
                 # A number the wire cannot carry (an integer past 64 bits): the request's fault,

@@ -157,11 +157,25 @@ class WorkerPool:
         once it reports ready over ZeroMQ."""
         w = self.by_addr.get(addr)
         if w is None:
+            self._forget_moved(worker_id)
             w = self.connect(role, addr, worker_id)
             w.registered = True
             logger.info("%s worker %s registered at %s", role, worker_id, addr)
         w.worker_id = worker_id or w.worker_id
         return w
+
+    def _forget_moved(self, worker_id: str) -> None:
+        """Drop the dead handle of a worker that joins again at a new address (restarted on
+        another node): its heartbeats, matched by id, must not revive the old address."""
+        for old in [w for w in self.workers if worker_id and w.worker_id == worker_id]:
+            if old.ready:
+                continue  # a live worker of that id: the caller refuses the duplicate (409)
+            logger.info("%s worker %s moved from %s", old.role, worker_id, old.addr)
+            self.workers.remove(old)
+            self.by_addr.pop(old.addr, None)
+            if isinstance(old.monitor, asyncio.Task):
+                old.monitor.cancel()
+            old.sock.close(0)
 
     def find(self, worker_id: str) -> WorkerHandle | None:
         """The worker called ``worker_id``, if known."""

@@ -119,9 +119,21 @@ def serve_config(args: argparse.Namespace, colocated: bool) -> ServeConfig:
     _resolve_engine(config, report=True)
     try:
         config.check()
+        _check_key_file(config)
     except ValueError as exc:
         sys.exit(f"error: {exc}")
     return config
+
+
+def _check_key_file(config: ServeConfig) -> None:
+    """Read ``--api-key-file`` now, so a bad one is an error here, not a child's traceback.
+
+    Raises:
+        ValueError: missing, unreadable or empty file, or a key listed twice.
+    """
+    from splitserve.server.tenancy import KeyRing
+
+    KeyRing.from_config(config.security.api_key, config.security.api_key_file)
 
 
 def _worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -174,7 +186,11 @@ def _run_on_ray(args: argparse.Namespace) -> None:
         spec = RayClusterSpec.from_yaml(Path(args.config).read_text())
     except ValueError as exc:
         sys.exit(f"error: {exc}")
-    url, handles = launch_on_ray(args.ray, spec, config.security, config.log_level)
+    try:
+        _check_key_file(config)
+        url, handles = launch_on_ray(args.ray, spec, config.security, config.log_level)
+    except (ConnectionError, ValueError) as exc:
+        sys.exit(f"error: {exc}")
     wait_healthy(url, spec.prefill.count + spec.decode.count, api_key=config.security.api_key)
     print(f"splitserve ready on Ray: {url}/v1  (Ctrl-C to stop)", flush=True)
     stop = {"now": False}
@@ -228,6 +244,10 @@ def _run_api_server(args: argparse.Namespace) -> None:
     host = config.server.host
     inbox_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     config.server.inbox = args.inbox or config.server.inbox or free_tcp_addr(inbox_host)
+    try:
+        _check_key_file(config)
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")
     run_api_server(config, args.prefill_addr, args.decode_addr, args.colocated_addr)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 from collections.abc import Callable
 from typing import ClassVar
@@ -272,6 +273,7 @@ class BaseWorker:
             input_ids=list(task.input_ids),
             sampling=sampling,
             reply_addr=task.reply_addr,
+            cache_namespace=task.cache_namespace,
         )
 
     def check_fits(self, task: GenerateTask) -> str | None:
@@ -370,4 +372,5 @@ class BaseWorker:
             kernel_plan=model.kernel_plan.summary() if model.kernel_plan else "",
             spec_draft_tokens=self.scheduler.num_draft_tokens,
             spec_accepted_tokens=self.scheduler.num_accepted_tokens,
+            node=self.config.node or socket.gethostname(),
         )

@@ -33,6 +33,7 @@ class Req:
     input_ids: list[int]
     sampling: SamplingParams
     reply_addr: str = ""
+    cache_namespace: str | None = None  # prefix-cache namespace (tenant); None: the shared one
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)

@@ -24,6 +24,11 @@ host: 127.0.0.1
 def test_spec_parses_and_rejects_unknown_keys() -> None:
     spec = RayClusterSpec.from_yaml(SPEC.format(model="/m", port=8123))
     assert spec.router_port == 8123 and spec.decode.kv_cache_mb == 32
+    assert spec.router_inbox_port == 0
+    routed = RayClusterSpec.from_yaml("model: /m\nrouter: {inbox_port: 9001, resources: {r: 1}}\n")
+    assert routed.router_inbox_port == 9001 and routed.router_resources == {"r": 1}
+    with pytest.raises(ValueError, match="router: unknown keys"):
+        RayClusterSpec.from_yaml("model: /m\nrouter: {prot: 1}\n")
     assert (spec.engine.dtype, spec.engine.page_size) == ("float32", 16)
     assert spec.host == "127.0.0.1" and RayClusterSpec.from_yaml("model: /m\n").host is None
     with pytest.raises(ValueError, match="unknown keys"):

@@ -1,0 +1,142 @@
+"""Tenants: who sent a request (its API key), which prefix-cache namespace it may use, and its
+rate limits.
+
+- :class:`KeyRing`: the accepted API keys (``--api-key`` and ``--api-key-file``), each mapped to a
+  tenant; the guard (``server.guard``) checks a request's key against it and records the tenant
+  in the ASGI scope.
+- :func:`cache_namespace`: tenant + ``cache_salt`` -> the namespace the workers' radix cache
+  matches in, so different keys or salts never share cached pages, and ``cached_tokens`` never
+  counts another tenant's prompt (the timing side channel of arXiv 2411.18191).
+- :class:`Tenancy`: applies both to a built :class:`~splitserve.server.job.Job`, and the tenant's
+  rate limits (``server.rate_limit``): a refused request is a 429 with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from splitserve.server.errors import APIError
+from splitserve.server.job import Job
+from splitserve.server.rate_limit import RateLimiter
+
+TENANT_SCOPE_KEY = "splitserve.tenant"  # the guard puts the request's tenant here in the scope
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """One accepted key. ``tenant`` None: the shared tenant (the single ``--api-key``)."""
+
+    secret: bytes  # b"Bearer <key>", as the Authorization header carries it
+    tenant: str | None
+
+
+class KeyRing:
+    """The API keys the server accepts, each with its tenant."""
+
+    def __init__(self, keys: list[ApiKey]) -> None:
+        if not keys:
+            raise ValueError("a key ring needs at least one key")
+        self.keys = keys
+
+    @classmethod
+    def from_config(cls, api_key: str | None, api_key_file: str | None) -> KeyRing | None:
+        """The keys of ``--api-key`` (shared tenant) and ``--api-key-file`` (one tenant each);
+        None when neither is set (no key needed).
+
+        The file has one key per line, optionally followed by whitespace and a tenant name;
+        blank lines and lines starting with ``#`` are skipped. A key without a name is its own
+        tenant, named by a hash of the key (never the key itself).
+
+        Raises:
+            ValueError: the file is missing, unreadable, lists no key, or lists a key twice.
+        """
+        keys = [ApiKey(f"Bearer {api_key}".encode(), None)] if api_key else []
+        if api_key_file:
+            keys += read_key_file(api_key_file)
+        seen: set[bytes] = set()
+        for key in keys:
+            if key.secret in seen:
+                raise ValueError(f"{api_key_file}: the same API key is listed twice")
+            seen.add(key.secret)
+        return cls(keys) if keys else None
+
+    def match(self, authorization: bytes) -> ApiKey | None:
+        """The key ``authorization`` (the header's value) names, or None. Compares against every
+        key, in constant time each, so the time taken does not tell which key nearly matched."""
+        found = None
+        for key in self.keys:
+            if hmac.compare_digest(authorization, key.secret):
+                found = key
+        return found
+
+
+def read_key_file(path: str) -> list[ApiKey]:
+    """The keys of an ``--api-key-file`` (format: :meth:`KeyRing.from_config`).
+
+    Raises:
+        ValueError: missing or unreadable file, or no key in it.
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"--api-key-file {path}: {exc.strerror or exc}") from exc
+    keys = []
+    for line in text.splitlines():
+        parts = line.split()
+        if not parts or parts[0].startswith("#"):
+            continue
+        secret = parts[0]
+        tenant = parts[1] if len(parts) > 1 else "key-" + hashlib.sha256(
+            secret.encode()).hexdigest()[:12]
+        keys.append(ApiKey(f"Bearer {secret}".encode(), tenant))
+    if not keys:
+        raise ValueError(f"--api-key-file {path}: no key in it")
+    return keys
+
+
+def cache_namespace(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The prefix-cache namespace of a request from ``tenant`` with ``cache_salt``; None (the
+    shared namespace) only when both are None. A hash: workers never see keys or salts, and
+    every namespace has the same size on the wire."""
+    if tenant is None and cache_salt is None:
+        return None
+    # Length-prefixed parts, so ("ab", "c") and ("a", "bc") differ, and None differs from "".
+    parts = [b"-" if p is None else f"{len(p)}:{p}".encode() for p in (tenant, cache_salt)]
+    return hashlib.sha256(b"splitserve-cache-ns\0" + b"\0".join(parts)).hexdigest()[:32]
+
+
+def request_tenant(scope: dict[str, Any]) -> str | None:
+    """The tenant the guard found for this request (None: shared, or no keys configured)."""
+    return scope.get(TENANT_SCOPE_KEY)
+
+
+class Tenancy:
+    """Puts a job in its tenant's cache namespace and under its tenant's rate limits."""
+
+    def __init__(self, limiter: RateLimiter | None = None) -> None:
+        self.limiter = limiter if limiter is not None and limiter.enabled else None
+
+    def apply(self, scope: dict[str, Any], job: Job, cache_salt: str | None) -> Job:
+        """Set ``job.cache_namespace``; take the request and its prompt tokens from the tenant's
+        buckets, and charge its generated tokens when it ends (``job.on_done``).
+
+        Raises:
+            APIError: 429 (``rate_limit_exceeded``, with ``Retry-After``) when a limit is reached.
+        """
+        tenant = request_tenant(scope)
+        job.cache_namespace = cache_namespace(tenant, cache_salt)
+        if self.limiter is None:
+            return job
+        limiter = self.limiter
+        refusal = limiter.admit(tenant, len(job.input_ids))
+        if refusal is not None:
+            raise APIError(
+                f"{refusal.message} for this API key; retry after {refusal.retry_after_s:.1f} s",
+                status_code=429, type="rate_limit_error", code="rate_limit_exceeded",
+                headers={"Retry-After": refusal.retry_after_header})
+        job.on_done = lambda j: limiter.charge(tenant, j.usage.completion_tokens)
+        return job
