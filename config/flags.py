@@ -18,6 +18,7 @@ from splitserve.config.registry import (
     KV_TRANSFER,
     PREFIX_CACHE,
     ROUTING,
+    TOOL_CALL_PARSER,
 )
 from splitserve.config.schema import ATTENTION_CHOICES, DEVICES, DTYPES, ServeConfig
 
@@ -127,6 +128,11 @@ SERVER_FLAGS = (
          "requests on a worker, new ones get 503 + Retry-After"),
     Flag("--dead-after", "server.dead_after_s", "seconds without a worker heartbeat before its "
          "requests fail"),
+    Flag("--chat-template", "server.chat_template", "a Jinja chat template file used instead "
+         "of the model's", parse=str),
+    Flag("--tool-call-parser", "server.tool_call_parser", "how tool calls are parsed out of "
+         "the model's text (auto: the format the chat template names, else the built-in "
+         "tool prompt's)", choices=("auto", *TOOL_CALL_PARSER.names)),
 )
 CLUSTER_FLAGS = (
     Flag("--threads-per-worker", "cluster.threads_per_worker", "0: split the cores"),

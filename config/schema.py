@@ -10,6 +10,7 @@ CPUs) and ``security``. ``WorkerConfig`` is one worker process: its identity plu
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgspec
@@ -21,6 +22,7 @@ from splitserve.config.registry import (
     KV_TRANSFER,
     PREFIX_CACHE,
     ROUTING,
+    TOOL_CALL_PARSER,
     WORKER_ROLE,
 )
 
@@ -91,6 +93,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413 (0: no limit)
     max_inflight_per_worker: int = 256  # past this, new requests get 503 + Retry-After
     dead_after_s: float = 5.0  # without a heartbeat for this long, a worker's requests fail
+    chat_template: str | None = None  # a Jinja chat template file replacing the model's
+    tool_call_parser: str = "auto"  # or a TOOL_CALL_PARSER name; auto: from the chat template
 
     @property
     def url(self) -> str:
@@ -98,6 +102,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def check(self) -> None:
         _choice("routing", self.routing, ROUTING.names)
+        _choice("tool_call_parser", self.tool_call_parser, ("auto", *TOOL_CALL_PARSER.names))
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"chat_template: no such file {self.chat_template!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} is not a TCP port")
 

@@ -10,6 +10,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from splitserve.config import ServeConfig
+from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.guard import install_guard
 from splitserve.server.membership import install_membership
 from splitserve.server.metrics import ServerMetrics, install_metrics
@@ -52,7 +53,9 @@ def run_api_server(
         max_inflight_per_worker=s.max_inflight_per_worker, curve=curve, metrics=metrics,
     )
     metrics.attach(client.pool)
-    app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids)
+    template = Path(s.chat_template).read_text() if s.chat_template else None
+    chat = ChatRenderer(tokenizer, template, s.tool_call_parser)
+    app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids, chat)
     install_membership(app, client.pool)
     install_metrics(app, metrics)
     install_guard(app, config.security.api_key, s.max_body_bytes)

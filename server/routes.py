@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.disconnect import client_gone, unless_disconnected
 from splitserve.server.engine_client import BaseEngineClient
 from splitserve.server.errors import APIError, from_validation_errors, install_error_handlers
@@ -32,6 +33,7 @@ def create_app(
     model_name: str,
     context_len: int,
     eos_token_ids: list[int],
+    chat: ChatRenderer | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API for one model served through ``client``.
 
@@ -41,8 +43,11 @@ def create_app(
         model_name: the ``model`` clients must send (``"default"`` is accepted too).
         context_len: prompt + generated tokens may not exceed this.
         eos_token_ids: ids that end generation unless the request sets ``ignore_eos``.
+        chat: renders chat prompts and knows the tool-call format (default: the tokenizer's
+            template, ``--tool-call-parser auto``).
     """
-    jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids)
+    chat = chat or ChatRenderer(tokenizer)
+    jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids, chat)
     created = int(time.time())
     app = FastAPI(title="splitserve", version="0.1.0")
     install_error_handlers(app)
@@ -94,7 +99,7 @@ def create_app(
         # For clients that render role-structured prompts themselves (splitserve.lang) and send
         # them to /v1/completions with add_special_tokens false.
         return {
-            "chat_template": getattr(tokenizer, "chat_template", None),
+            "chat_template": chat.template,
             "bos_token": getattr(tokenizer, "bos_token", None),
             "eos_token": getattr(tokenizer, "eos_token", None),
         }
