@@ -7,7 +7,8 @@ alike, so every call's name is one of the tools and its arguments follow that fu
 - ``auto``: free text, and wherever the model starts a call (the format's marker, or a bare
   ``{"name": `` where the format allows one) the rest of that call is constrained
   (``triggered_tags``); after the call, text again, or another call.
-- ``required``: the answer is calls only, at least one (``at_least_one``).
+- ``required``: the answer is calls only, at least one, separated by the format's separator
+  (``tags_with_separator``).
 - a named function: exactly one call, of that function.
 - ``parallel_tool_calls: false``: at most one call (``stop_after_first``): the answer ends
   after it.
@@ -86,8 +87,12 @@ def tool_call_constraint(
         if fmt.bare_calls or not fmt.begin:
             tags += [_call(fmt, f) for f in functions]
             triggers.append(BARE_TRIGGER)
-        root = {"type": "triggered_tags", "triggers": triggers, "tags": tags,
-                "at_least_one": at_least_one, "stop_after_first": one}
+        if at_least_one:  # calls only, from the first token to the end
+            root = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator,
+                    "at_least_one": True, "stop_after_first": one}
+        else:
+            root = {"type": "triggered_tags", "triggers": triggers, "tags": tags,
+                    "at_least_one": False, "stop_after_first": one}
     text = json.dumps({"type": "structural_tag", "format": root}, ensure_ascii=False)
     return Constraint("structural_tag", text)
 
