@@ -152,6 +152,7 @@ def test_openai_agents_function_tool(base_url) -> None:
 def test_pydantic_ai_structured_output(base_url) -> None:
     pytest.importorskip("pydantic_ai")
     from pydantic_ai import Agent
+    from pydantic_ai.messages import RetryPromptPart, ToolCallPart
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
     from pydantic_ai.settings import ModelSettings
@@ -162,7 +163,12 @@ def test_pydantic_ai_structured_output(base_url) -> None:
                   model_settings=ModelSettings(temperature=0, max_tokens=MAX_TOKENS))
     result = agent.run_sync(PROMPT)
     _check_weather(result.output)
-    # The output came as a tool call; its return went back with the next turn's history.
+    # The output came as a call of pydantic-ai's output tool, its arguments valid.
+    calls = [p for m in result.all_messages() for p in m.parts if isinstance(p, ToolCallPart)]
+    assert calls and not any(isinstance(p, RetryPromptPart)
+                             for m in result.all_messages() for p in m.parts)
+    jsonschema.validate(calls[-1].args_as_dict(), WEATHER_SCHEMA)
+    # The call and its tool return go back as the next turn's history.
     follow_up = agent.run_sync("And in degrees Fahrenheit?",
                                message_history=result.all_messages())
     _check_weather(follow_up.output)

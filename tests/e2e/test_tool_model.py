@@ -86,7 +86,8 @@ def test_tool_call_equals_transformers(qwen_cluster, reference, qwen_path: Path)
     got = [t for t in choice["token_ids"] if t != tokenizer.eos_token_id]
     assert tokenizer.decode(got) == tokenizer.decode(want)
     assert got == want
-    assert "<tool_call>" in tokenizer.decode(want)  # the model itself chose to call
+    # The model itself chose to call (Qwen2.5-Coder writes the bare Hermes object, no tags).
+    assert '{"name": "get_weather"' in tokenizer.decode(want)
     assert choice["finish_reason"] == "tool_calls"
     (call,) = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
