@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_STOP_STRINGS = 4
 
@@ -205,14 +212,24 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | None = None
+    # Before ``content``, whose check reads them (pydantic validates fields in this order).
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None
+    content: str | None = Field(None, validate_default=True)
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts(cls, value: Any) -> Any:
         return _text_of_parts(value)
+
+    @field_validator("content")
+    @classmethod
+    def _content_needed(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None and not (info.data.get("role") == "assistant"
+                                  and info.data.get("tool_calls")):
+            raise ValueError("content is required (null only on an assistant message with "
+                             "tool_calls)")
+        return value
 
     @model_validator(mode="after")
     def _shape(self) -> ChatMessage:
@@ -220,9 +237,6 @@ class ChatMessage(BaseModel):
             raise ValueError("only assistant messages may carry tool_calls")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id it answers")
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (null only on an assistant message with "
-                             "tool_calls)")
         return self
 
     def as_template_dict(self) -> dict[str, Any]:
