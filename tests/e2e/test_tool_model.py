@@ -30,6 +30,9 @@ TOOLS = [{"type": "function", "function": {
         "required": ["city"]}}}]
 MESSAGES = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 MAX_TOKENS = 40
+# Loading a 0.5B model in three processes (two workers and the reference) and its first
+# prefill take minutes on a loaded 2-core machine: past the suite's default 600 s.
+pytestmark = pytest.mark.timeout(1500)
 
 
 @pytest.fixture(scope="module")
