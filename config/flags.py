@@ -18,6 +18,7 @@ from splitserve.config.registry import (
     KV_TRANSFER,
     PREFIX_CACHE,
     ROUTING,
+    TOOL_CALL_PARSER,
 )
 from splitserve.config.schema import (
     ATTENTION_CHOICES,
@@ -158,6 +159,11 @@ SERVER_FLAGS = (
          "bucket; past it, 429 + Retry-After; 0: unlimited)"),
     Flag("--rate-limit-tokens", "server.rate_limit_tps", "prompt + generated tokens per second "
          "per API key (0: unlimited)"),
+    Flag("--chat-template", "server.chat_template", "a Jinja chat template file used instead "
+         "of the model's", parse=str),
+    Flag("--tool-call-parser", "server.tool_call_parser", "how tool calls are parsed out of "
+         "the model's text (auto: the format the chat template names, else the built-in "
+         "tool prompt's)", choices=("auto", *TOOL_CALL_PARSER.names)),
 )
 CLUSTER_FLAGS = (
     Flag("--threads-per-worker", "cluster.threads_per_worker", "0: split the cores"),

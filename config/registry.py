@@ -12,6 +12,7 @@ prefix cache      ``radix_cache.create_prefix_cache``                 ``--prefix
 routing           ``server.routing.create_routing_policy``            ``--routing``
 grammar backend   ``engine.grammar.registry.create_backend``          ``--grammar-backend``
 KV transfer       ``kv_transfer.registry``                            ``--kv-transfer``
+tool-call parser  ``server.chat_template.ChatRenderer``               ``--tool-call-parser``
 worker role       ``worker.main.create_worker``                       ``--role``
 ================  ==================================================  =========================
 
@@ -84,6 +85,11 @@ KV_TRANSFER = Registry("KV transfer backend", {
     "shm": "splitserve.kv_transfer.shm_backend:BACKEND",
     "mooncake": "splitserve.kv_transfer.mooncake_backend:BACKEND",
     "nixl": "splitserve.kv_transfer.nixl_backend:BACKEND",
+})
+TOOL_CALL_PARSER = Registry("tool-call parser", {
+    "hermes": "splitserve.server.tools.formats:HERMES",
+    "llama3_json": "splitserve.server.tools.formats:LLAMA3_JSON",
+    "mistral": "splitserve.server.tools.formats:MISTRAL",
 })
 WORKER_ROLE = Registry("worker role", {
     "prefill": "splitserve.prefill.worker:PrefillWorker",

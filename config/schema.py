@@ -22,6 +22,7 @@ from splitserve.config.registry import (
     KV_TRANSFER,
     PREFIX_CACHE,
     ROUTING,
+    TOOL_CALL_PARSER,
     WORKER_ROLE,
 )
 
@@ -119,6 +120,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # with Retry-After (server.rate_limit). 0: unlimited.
     rate_limit_rps: float = 0.0
     rate_limit_tps: float = 0.0
+    chat_template: str | None = None  # a Jinja chat template file replacing the model's
+    tool_call_parser: str = "auto"  # or a TOOL_CALL_PARSER name; auto: from the chat template
 
     @property
     def url(self) -> str:
@@ -126,6 +129,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def check(self) -> None:
         _choice("routing", self.routing, ROUTING.names)
+        _choice("tool_call_parser", self.tool_call_parser, ("auto", *TOOL_CALL_PARSER.names))
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ValueError(f"chat_template: no such file {self.chat_template!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} is not a TCP port")
         for field in ("rate_limit_rps", "rate_limit_tps"):

@@ -15,7 +15,8 @@ class Constraint(msgspec.Struct, frozen=True):
 
     ``kind`` is one of ``engine.grammar.GRAMMAR_KINDS``: ``json_schema`` (``text`` is the schema
     as JSON), ``json_object`` (``text`` ignored), ``regex``, ``ebnf`` (a GBNF grammar with a
-    ``root`` rule) or ``choice`` (``text`` is a JSON list of strings).
+    ``root`` rule), ``choice`` (``text`` is a JSON list of strings) or ``structural_tag``
+    (xgrammar's structural tag JSON: the tool-call envelope, ``server.tools.grammar``).
     """
 
     kind: str

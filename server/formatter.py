@@ -55,10 +55,12 @@ class ResponseFormatter:
         token_ids: list[int] | None = None,
         logprobs: dict[str, Any] | None = None,
         prompt_token_ids: list[int] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """The non-streaming response; ``token_ids`` (when asked for) are the generated ids and
         ``prompt_token_ids`` the prompt's (vLLM's extension), ``logprobs`` the
-        legacy-completions logprobs object (``server.logprobs``)."""
+        legacy-completions logprobs object (``server.logprobs``). With ``tool_calls`` (chat)
+        the message carries them, and ``content`` is null when no text came with them."""
         choice: dict[str, Any] = {
             "index": 0, "logprobs": logprobs, "finish_reason": finish_reason
         }
@@ -68,6 +70,9 @@ class ResponseFormatter:
             choice["prompt_token_ids"] = prompt_token_ids
         if self.is_chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if tool_calls:
+                choice["message"] = {"role": "assistant", "content": text or None,
+                                     "tool_calls": tool_calls}
         else:
             choice["text"] = text
         body = self._envelope("chat.completion" if self.is_chat else "text_completion", [choice])
@@ -75,14 +80,18 @@ class ResponseFormatter:
         return body
 
     def chunk(
-        self, text: str | None, finish_reason: str | None = None, role: bool = False
+        self, text: str | None, finish_reason: str | None = None, role: bool = False,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """One streamed chunk. Chat chunks carry a ``delta``; the first one names the role."""
+        """One streamed chunk. Chat chunks carry a ``delta``; the first one names the role;
+        ``tool_calls`` are OpenAI's call deltas (``server.tools.stream``)."""
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
         if self.is_chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice["delta"] = delta
         else:
             choice["text"] = text or ""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from splitserve.ipc.messages import SamplingParams
 from splitserve.server.formatter import ResponseFormatter, Usage
+from splitserve.server.tools.formats import ToolCallFormat
 
 
 @dataclass(slots=True)
@@ -36,6 +37,7 @@ class Job:
     echo_text: str | None = None  # the prompt's text, prepended when ``echo`` (legacy completions)
     want_logprobs: bool = False
     discard_output: bool = False
+    tool_format: ToolCallFormat | None = None  # parse tool calls out of the answer (chat)
     # What came back (filled by ``server.generation.stream_text``).
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -11,12 +11,15 @@ import time
 import uuid
 from typing import Any
 
-from splitserve.ipc.messages import SamplingParams
+from splitserve.ipc.messages import Constraint, SamplingParams
+from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.constraints import constraint_from_request
 from splitserve.server.errors import APIError
 from splitserve.server.formatter import ResponseFormatter, Usage
 from splitserve.server.job import Job
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
+from splitserve.server.tools.prompt import hf_messages
+from splitserve.server.tools.request import tool_request
 
 MODEL_ALIAS = "default"  # accepted as ``model`` whatever the served model is called
 
@@ -29,12 +32,15 @@ class JobBuilder:
         model_name: the ``model`` clients must send (:data:`MODEL_ALIAS` is accepted too).
         context_len: prompt + generated tokens may not exceed this (tokens).
         eos_token_ids: ids that end generation unless the request sets ``ignore_eos``.
+        chat: renders chat prompts (default: the tokenizer's own template, tool format auto).
     """
 
     def __init__(
-        self, tokenizer: Any, model_name: str, context_len: int, eos_token_ids: list[int]
+        self, tokenizer: Any, model_name: str, context_len: int, eos_token_ids: list[int],
+        chat: ChatRenderer | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.chat = chat or ChatRenderer(tokenizer)
         self.model_name = model_name
         self.context_len = context_len
         self.eos_token_ids = eos_token_ids
@@ -66,21 +72,27 @@ class JobBuilder:
         :meth:`completion_job`).
 
         Raises:
-            APIError: another model, ``n`` > 1, a conversation the chat template refuses, or no
-                room in the context.
+            APIError: another model, ``n`` > 1, a conversation the chat template refuses, tool
+                fields that do not fit together (``server.tools.request``), or no room in the
+                context.
         """
         self._check_model(req)
-        return self._make_job(req, self._chat_ids(req), True, request_id)
+        tools = tool_request(req, self.chat.tool_format, self.chat.begin_token)
+        job = self._make_job(req, self._chat_ids(req, tools.tools), True, request_id,
+                             constraint=tools.constraint)
+        job.tool_format = tools.format
+        return job
 
     def prompt_ids(self, req: BaseGenerateRequest) -> list[int]:
         """The prompt's token ids exactly as a generation request would send them
-        (``POST /tokenize``).
+        (``POST /tokenize``; a chat request's tools rendered as for generation).
 
         Raises:
             APIError: as :meth:`chat_job` / :meth:`completion_job` for the prompt.
         """
         if isinstance(req, ChatCompletionRequest):
-            return self._chat_ids(req)
+            tools = tool_request(req, self.chat.tool_format, self.chat.begin_token)
+            return self._chat_ids(req, tools.tools)
         assert isinstance(req, CompletionRequest)
         return self._completion_ids(req)
 
@@ -102,19 +114,21 @@ class JobBuilder:
             raise APIError(f"prompt: token id {bad} is outside the vocabulary", param="prompt")
         return list(req.prompt)
 
-    def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [m.as_template_dict() for m in req.messages]
+    def _chat_ids(self, req: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
+            messages = hf_messages(req.messages)
+        except ValueError as exc:
+            raise APIError(str(exc), param=str(exc).split(":")[0]) from None
+        try:
+            text = self.chat.render(messages, tools)
         except Exception as exc:  # jinja raises on conversations the template refuses
             raise APIError(f"messages: chat template failed: {exc}", param="messages") from exc
         # The template already wrote BOS and the role markers; don't add them twice.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _make_job(self, req: BaseGenerateRequest, input_ids: list[int], is_chat: bool,
-                  request_id: str | None = None) -> Job:
+                  request_id: str | None = None,
+                  constraint: Constraint | None = None) -> Job:
         prompt_param = "messages" if is_chat else "prompt"
         if not input_ids:
             raise APIError(f"{prompt_param}: the prompt is empty", param=prompt_param)
@@ -136,11 +150,13 @@ class JobBuilder:
             )
         rid = new_rid(is_chat, request_id)
         fmt = ResponseFormatter(rid, int(time.time()), req.model, is_chat, req.include_usage)
-        return Job(rid, input_ids, self._sampling(req, room, max_tokens), req.stop or [], fmt,
-                   Usage(len(input_ids)), req.return_token_ids)
+        sampling = self._sampling(req, room, max_tokens, constraint)
+        return Job(rid, input_ids, sampling, req.stop or [], fmt, Usage(len(input_ids)),
+                   req.return_token_ids)
 
     def _sampling(
-        self, req: BaseGenerateRequest, room: int, max_tokens: int | None
+        self, req: BaseGenerateRequest, room: int, max_tokens: int | None,
+        constraint: Constraint | None = None,
     ) -> SamplingParams:
         scores_prompt = isinstance(req, CompletionRequest) and req.wants_prompt_logprobs
         return SamplingParams(
@@ -155,7 +171,9 @@ class JobBuilder:
             stop_token_ids=[] if req.ignore_eos else list(self.eos_token_ids),
             ignore_eos=req.ignore_eos,
             logprob_start_len=(req.logprob_start_len or 0) if scores_prompt else -1,
-            constraint=constraint_from_request(req),
+            # The tool-call grammar (server.tools) replaces the request's own constraint fields,
+            # which tool_request refused alongside it.
+            constraint=constraint or constraint_from_request(req),
         )
 
 

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from splitserve.config import ServeConfig
+from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.guard import install_guard
 from splitserve.server.membership import install_membership
 from splitserve.server.metrics import ServerMetrics, install_metrics
@@ -57,8 +58,10 @@ def run_api_server(
     metrics.attach(client.pool)
     keys = KeyRing.from_config(config.security.api_key, config.security.api_key_file)
     tenancy = Tenancy(RateLimiter(s.rate_limit_rps, s.rate_limit_tps))
+    template = Path(s.chat_template).read_text() if s.chat_template else None
+    chat = ChatRenderer(tokenizer, template, s.tool_call_parser)
     app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids,
-                     tenancy=tenancy)
+                     tenancy=tenancy, chat=chat)
     install_membership(app, client.pool)
     install_metrics(app, metrics)
     install_guard(app, keys, s.max_body_bytes)

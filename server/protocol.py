@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_STOP_STRINGS = 4
 
@@ -125,29 +132,117 @@ class CompletionRequest(BaseGenerateRequest):
         return value
 
 
-class ChatMessage(BaseModel):
-    """One message; ``content`` is flattened to a string (text parts joined) for the template."""
+def _text_of_parts(value: Any) -> Any:
+    """OpenAI content parts (``[{"type": "text", "text": ...}]``) joined into one string."""
+    if not isinstance(value, list):
+        return value
+    texts = []
+    for part in value:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise ValueError("only text content parts are supported")
+        if not isinstance(part.get("text"), str) or "text" not in part:
+            raise ValueError("a text content part needs a string 'text'")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDefinition(BaseModel):
+    """``tools[].function``: ``parameters`` is a JSON Schema of the arguments object (missing:
+    any object); ``strict: true`` refuses (400) a schema with keywords the grammar cannot
+    enforce, as ``response_format``'s ``strict`` does."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    """One entry of ``tools``; only ``type: "function"`` exists in Chat Completions."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call that function."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    """``tool_calls[].function`` of an assistant message: ``arguments`` is JSON text."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+    arguments: str
+
+
+class ToolCallMessage(BaseModel):
+    """One call of an earlier assistant turn (the history of a tool loop)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """One message; ``content`` is flattened to a string (text parts joined) for the template.
+
+    An assistant message may have ``content: null`` when it carries ``tool_calls``; a ``tool``
+    message answers the call named by ``tool_call_id``.
+    """
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Before ``content``, whose check reads them (pydantic validates fields in this order).
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
+    content: str | None = Field(None, validate_default=True)
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts(cls, value: Any) -> Any:
-        if not isinstance(value, list):
-            return value
-        texts = []
-        for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise ValueError("only text content parts are supported")
-            if not isinstance(part.get("text"), str) or "text" not in part:
-                raise ValueError("a text content part needs a string 'text'")
-            texts.append(part["text"])
-        return "".join(texts)
+        return _text_of_parts(value)
 
-    def as_template_dict(self) -> dict[str, str]:
+    @field_validator("content")
+    @classmethod
+    def _content_needed(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None and not (info.data.get("role") == "assistant"
+                                  and info.data.get("tool_calls")):
+            raise ValueError("content is required (null only on an assistant message with "
+                             "tool_calls)")
+        return value
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages may carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
+
+    def as_template_dict(self) -> dict[str, Any]:
         # Chat templates of open models know "system", not OpenAI's newer "developer".
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": self.content}
@@ -158,3 +253,9 @@ class ChatCompletionRequest(BaseGenerateRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    # Tool calling (``server.tools``): the functions the model may call, whether it must, and
+    # whether it may call several in one turn. Checked against each other in
+    # ``server.tools.request``.
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None

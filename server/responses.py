@@ -20,6 +20,8 @@ from splitserve.server.generation import Piece
 from splitserve.server.job import Job
 from splitserve.server.logprobs import logprobs_object
 from splitserve.server.sse import DONE_EVENT, encode_event
+from splitserve.server.tools.extract import parse_tool_calls
+from splitserve.server.tools.stream import ToolCallStream, finish_reason
 
 
 async def full_response(job: Job, pieces: AsyncIterator[Piece], tokenizer: Any) -> dict[str, Any]:
@@ -50,7 +52,12 @@ async def full_response(job: Job, pieces: AsyncIterator[Piece], tokenizer: Any) 
         text = job.echo_text + text
     ids = job.output_ids if job.return_token_ids else None
     prompt_ids = job.input_ids if job.return_token_ids else None
-    return job.formatter.full(text, finish, job.usage, ids, logprobs, prompt_ids)
+    tool_calls = None
+    if job.tool_format is not None:
+        text, calls = parse_tool_calls(text, job.tool_format)
+        finish = finish_reason(finish, bool(calls))
+        tool_calls = [c.as_openai() for c in calls]
+    return job.formatter.full(text, finish, job.usage, ids, logprobs, prompt_ids, tool_calls)
 
 
 async def streaming_response(job: Job, pieces: AsyncIterator[Piece]) -> Response:
@@ -64,6 +71,8 @@ async def streaming_response(job: Job, pieces: AsyncIterator[Piece]) -> Response
     except BaseException:
         await pieces.aclose()  # type: ignore[attr-defined]
         raise
+    if job.tool_format is not None:
+        return SSEResponse(_sse_tool_events(job, first, pieces))
     return SSEResponse(_sse_events(job, first, pieces))
 
 
@@ -83,6 +92,34 @@ async def _sse_events(job: Job, first: Piece, pieces: AsyncIterator[Piece]) -> A
                         yield encode_event(fmt.chunk(None, piece.finish_reason))
                     else:
                         yield encode_event(fmt.chunk(piece.text, piece.finish_reason))
+                piece = await anext(pieces, None)
+        except APIError as err:
+            yield encode_event(err.body())
+            yield DONE_EVENT
+            return
+    if fmt.include_usage:
+        yield encode_event(fmt.usage_chunk(job.usage))
+    yield DONE_EVENT
+
+
+async def _sse_tool_events(job: Job, first: Piece,
+                           pieces: AsyncIterator[Piece]) -> AsyncIterator[str]:
+    """The SSE answer of a chat job with tools: content and tool-call deltas
+    (``server.tools.stream``), never the call markup as content."""
+    fmt, calls = job.formatter, ToolCallStream(job.tool_format)  # type: ignore[arg-type]
+    async with contextlib.aclosing(pieces):  # type: ignore[type-var]
+        yield encode_event(fmt.chunk("", role=True))
+        piece: Piece | None = first
+        try:
+            while piece is not None:
+                deltas = calls.feed(piece.text)
+                if piece.finish_reason:
+                    deltas += calls.finish()
+                for delta in deltas:
+                    yield encode_event(fmt.chunk(delta.get("content"),
+                                                 tool_calls=delta.get("tool_calls")))
+                if piece.finish_reason:
+                    yield encode_event(fmt.chunk(None, calls.finish_reason(piece.finish_reason)))
                 piece = await anext(pieces, None)
         except APIError as err:
             yield encode_event(err.body())

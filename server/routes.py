@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from pydantic_core import from_json
 
+from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.disconnect import client_gone, unless_disconnected
 from splitserve.server.engine_client import BaseEngineClient
 from splitserve.server.errors import APIError, from_validation_errors, install_error_handlers
@@ -42,6 +43,7 @@ def create_app(
     context_len: int,
     eos_token_ids: list[int],
     tenancy: Tenancy | None = None,
+    chat: ChatRenderer | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API for one model served through ``client``.
 
@@ -53,8 +55,11 @@ def create_app(
         eos_token_ids: ids that end generation unless the request sets ``ignore_eos``.
         tenancy: cache namespaces (API key, ``cache_salt``) and rate limits (default: no
             limits; the namespace still follows the salt and the guard's tenant).
+        chat: renders chat prompts and knows the tool-call format (default: the tokenizer's
+            template, ``--tool-call-parser auto``).
     """
-    jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids)
+    chat = chat or ChatRenderer(tokenizer)
+    jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids, chat)
     tenancy = tenancy or Tenancy()
     created = int(time.time())
     app = FastAPI(title="splitserve", version=server_version())
@@ -117,7 +122,7 @@ def create_app(
         # For clients that render role-structured prompts themselves (splitserve.lang) and send
         # them to /v1/completions with add_special_tokens false.
         return {
-            "chat_template": getattr(tokenizer, "chat_template", None),
+            "chat_template": chat.template,
             "bos_token": getattr(tokenizer, "bos_token", None),
             "eos_token": getattr(tokenizer, "eos_token", None),
         }

@@ -56,7 +56,15 @@ def ensure_default_model() -> Path:
     target = cache_dir() / DEFAULT_MODEL_NAME
     if all((target / f).exists() for f in _REQUIRED):
         return target
-    src = gguf_path()
+    return convert_gguf(gguf_path(), target)
+
+
+def convert_gguf(src: Path, target: Path) -> Path:
+    """De-quantize the GGUF ``src`` with ``transformers`` into a float32 safetensors folder at
+    ``target`` (weights, config, tokenizer and its chat template) and return ``target``.
+
+    Concurrent callers are safe: the folder is written under a temporary name and renamed.
+    """
     logger.warning("converting %s to safetensors under %s (once)", src.name, target)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -69,7 +77,7 @@ def ensure_default_model() -> Path:
         del model.config.quantization_config
     model.hf_quantizer = None
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

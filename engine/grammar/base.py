@@ -12,7 +12,7 @@ from typing import Literal, get_args
 
 import torch
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf", "choice"]
+GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag"]
 GRAMMAR_KINDS: tuple[str, ...] = get_args(GrammarKind)
 
 
@@ -128,7 +128,10 @@ class BaseGrammarBackend(ABC):
             kind: one of ``GRAMMAR_KINDS``. ``json_schema``: a JSON Schema document;
                 ``json_object``: any JSON object (``text`` is ignored); ``regex``: a regular
                 expression the whole output must match; ``ebnf``: a GBNF-style grammar with a
-                ``root`` rule; ``choice``: a JSON list of strings, the output is exactly one.
+                ``root`` rule; ``choice``: a JSON list of strings, the output is exactly one;
+                ``structural_tag``: xgrammar's structural tag JSON (``{"type": "structural_tag",
+                "format": {...}}``: free text, tags with JSON-schema content, triggers; the
+                tool-call envelope, ``server.tools.grammar``).
             text: the constraint source.
 
         Returns:

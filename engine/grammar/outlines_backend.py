@@ -184,6 +184,11 @@ class OutlinesBackend(BaseGrammarBackend):
                 "EBNF grammars are not supported by the outlines backend "
                 "(outlines-core compiles regular expressions only, no context-free grammars)"
             )
+        if kind == "structural_tag":
+            raise GrammarError(
+                "structural tags (the tool-call grammar) are not supported by the outlines "
+                "backend (xgrammar compiles them)"
+            )
         if kind not in ("json_schema", "json_object"):
             raise GrammarError(f"unknown constraint kind {kind!r}")
         schema_text = JSON_OBJECT_SCHEMA if kind == "json_object" else text

@@ -42,7 +42,7 @@ def token_bytes(tokenizer: Any, vocab_size: int) -> list[bytes | None]:
 
     Returns:
         ``result[i]`` is token ``i``'s bytes, or None for special tokens and unused ids (a grammar
-        never produces those as text).
+        never produces those as text). Added tokens not marked special are their text.
     """
     special = set(tokenizer.all_special_ids)
     special.update(getattr(tokenizer, "added_tokens_decoder", {}).keys())
@@ -59,6 +59,12 @@ def token_bytes(tokenizer: Any, vocab_size: int) -> list[bytes | None]:
             result[token_id] = bytes([int(match.group(1), 16)])
         else:
             result[token_id] = tok.replace("▁", " ").encode()
+    # Added tokens that are not special are text the model writes (Qwen2.5's ``<tool_call>``):
+    # they keep their content, so a grammar allows them where that text may appear.
+    for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        is_text = not getattr(added, "special", True) and token_id not in tokenizer.all_special_ids
+        if token_id < vocab_size and is_text:
+            result[token_id] = added.content.encode()
     return result
 
 

@@ -144,6 +144,8 @@ class XGrammarBackend(BaseGrammarBackend):
             return self._compiler.compile_grammar(text)
         if kind == "choice":
             return self._compiler.compile_grammar(choices_to_ebnf(parse_choices(text)))
+        if kind == "structural_tag":
+            return self._compiler.compile_structural_tag(text)
         raise GrammarError(f"unknown constraint kind {kind!r}")
 
 
@@ -157,4 +159,6 @@ def _describe(kind: GrammarKind, text: str, message: str) -> str:
         return f"EBNF grammar error: {message}"
     if kind == "json_schema":
         return f"unsupported or invalid JSON schema: {message}"
+    if kind == "structural_tag":
+        return f"tool-call grammar (structural tag) error: {message}"
     return f"{kind} constraint error: {message}"

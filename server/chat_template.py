@@ -1,0 +1,100 @@
+"""Chat messages (and tools) -> prompt text, through the model's chat template or ``--chat-template``.
+
+:class:`ChatRenderer` decides once, at start-up, whether the template renders ``tools`` (it
+renders a probe function into the prompt) and which tool-call format the model writes
+(``--tool-call-parser``, or ``auto``: the format the template's text names, else the built-in
+tool prompt's). Templates that ignore tools get the built-in tool prompt and their tool history
+rewritten into plain messages (``server.tools.prompt``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from splitserve.config.registry import TOOL_CALL_PARSER
+from splitserve.server.tools.formats import BUILTIN_FORMAT, ToolCallFormat, detect_format
+from splitserve.server.tools.prompt import builtin_messages
+
+logger = logging.getLogger(__name__)
+
+AUTO_PARSER = "auto"
+_PROBE_NAME = "splitserve_probe_function"
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": _PROBE_NAME, "description": "probe", "parameters": {"type": "object"}}}]
+
+
+class ChatRenderer:
+    """Renders one request's conversation as the model's prompt text.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer.
+        template: a Jinja chat template that replaces the tokenizer's (``--chat-template``).
+        tool_call_parser: a ``config.registry.TOOL_CALL_PARSER`` name or ``"auto"``.
+
+    Raises:
+        ValueError: an unknown ``tool_call_parser``.
+    """
+
+    def __init__(self, tokenizer: Any, template: str | None = None,
+                 tool_call_parser: str = AUTO_PARSER) -> None:
+        if tool_call_parser != AUTO_PARSER:
+            TOOL_CALL_PARSER.check(tool_call_parser)
+        self.tokenizer = tokenizer
+        self.template: str | None = template or getattr(tokenizer, "chat_template", None)
+        self.renders_tools = self._renders_tools()
+        self.tool_format = self._pick_format(tool_call_parser)
+        self.begin_token = special_token_id(tokenizer, self.tool_format.begin)
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        """The prompt text for ``messages`` (``server.tools.prompt.hf_messages`` shape) with
+        ``tools`` (OpenAI ``tools[]`` entries, or None), ending with the assistant's turn.
+
+        Raises:
+            Exception: whatever the template raises for a conversation it refuses (jinja's
+                ``TemplateError`` from ``raise_exception``, ...).
+        """
+        if not self.renders_tools:
+            messages, tools = builtin_messages(messages, self.tool_format, tools), None
+        kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, chat_template=self.template,
+            **kwargs)
+
+    def _renders_tools(self) -> bool:
+        """Whether the template writes a tool it is given into the prompt."""
+        probe = [{"role": "user", "content": "hi"}]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                probe, tools=_PROBE_TOOLS, add_generation_prompt=True, tokenize=False,
+                chat_template=self.template)
+        except Exception as exc:  # noqa: BLE001 - a template that cannot take tools ignores them
+            logger.info("chat template refused a tool (%s): using the built-in tool prompt", exc)
+            return False
+        return _PROBE_NAME in text
+
+    def _pick_format(self, parser: str) -> ToolCallFormat:
+        if parser != AUTO_PARSER:
+            return TOOL_CALL_PARSER.load(parser)
+        if not self.renders_tools:
+            return BUILTIN_FORMAT
+        found = detect_format(self.template)
+        if found is None:
+            logger.warning("the chat template renders tools in a format none of the tool-call "
+                           "parsers names; parsing %s (set --tool-call-parser)",
+                           BUILTIN_FORMAT.name)
+            return BUILTIN_FORMAT
+        return found
+
+
+def special_token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of ``text`` where it is one special token (which no grammar spells as text), or
+    None where it is ordinary text (or empty)."""
+    if not text:
+        return None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1 or ids[0] not in set(tokenizer.all_special_ids):
+        added = getattr(tokenizer, "added_tokens_decoder", {}).get(ids[0]) if ids else None
+        if len(ids) != 1 or added is None or not getattr(added, "special", False):
+            return None
+    return ids[0]
