@@ -15,12 +15,12 @@ from splitserve import lang
 PREFIX = "Answer with one number.\nQ: How many legs has a dog?\nA: 4\n"
 
 OPS: dict[str, Callable[[str, int], str]] = {
-    "join": lambda d, m: " ".join([d, d]),
+    "join": lambda d, m: " ".join([d, d]),  # noqa: FLY002 - the operation under test
     "fstring": lambda d, m: f"{d} and {m}",
     "format_spec": lambda d, m: f"{m:03d}",
     "format": lambda d, m: format(m, "d"),
-    "str_format": lambda d, m: "{}-{}".format(d, m),
-    "percent": lambda d, m: "%s/%d" % (d, m),
+    "str_format": lambda d, m: "{}-{}".format(d, m),  # noqa: UP032 - under test
+    "percent": lambda d, m: "%s/%d" % (d, m),  # noqa: UP031 - under test
     "str": lambda d, m: str(m),
     "arith": lambda d, m: str(m * 2 - m // 3),
     "add": lambda d, m: str(m + 1),
