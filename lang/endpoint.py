@@ -88,7 +88,7 @@ class Endpoint(OpenAIBackendBase):
             return self._caps
 
     def _probe_tools(self) -> bool:
-        body = {"model": self.model, "max_tokens": 16, "temperature": 0.0,
+        body = {"model": self.model, "max_tokens": 48, "temperature": 0.0,
                 "messages": [{"role": "user", "content": "Call the probe."}],
                 "tools": [_PROBE_TOOL], "tool_choice": {"type": "function",
                                                          "function": {"name": "probe"}}}

@@ -17,7 +17,7 @@ from typing import Any, Self
 from splitserve.lang.backend import BaseBackend, ChatPrompt, Prompt, SamplingArgs, TextPrompt
 from splitserve.lang.chat_template import ChatTemplate
 from splitserve.lang.errors import BackendError, ProgramError
-from splitserve.lang.ir import Node, RoleBegin, RoleEnd, flatten
+from splitserve.lang.ir import Gen, Node, RoleBegin, RoleEnd, Select, flatten
 from splitserve.lang.primitives import assistant, system, user
 from splitserve.lang.tool_calls import ToolCall
 
@@ -59,6 +59,7 @@ class ProgramState:
         self._uses_tools = False  # the history holds tool turns: chat messages from here on
         self._calls: dict[str, list[ToolCall]] = {}
         self._pending: deque[tuple[int, Node]] = deque()
+        self._current: Node | None = None  # the step running now
         self._running = False
         self._num_steps = 0
         self._error: ProgramError | None = None
@@ -94,6 +95,7 @@ class ProgramState:
                     self._cond.notify_all()
                     return
                 index, node = self._pending.popleft()
+                self._current = node
             try:
                 execute(self, node)
             except Exception as exc:  # noqa: BLE001 - any step failure is recorded, then raised to the program
@@ -102,7 +104,9 @@ class ProgramState:
                 err.__cause__ = exc
                 with self._cond:
                     self._error = err
-                    self._cond.notify_all()
+            with self._cond:
+                self._current = None
+                self._cond.notify_all()
 
     def _sync(self) -> None:
         """Wait until every queued step ran. Raises the first step's error, if any."""
@@ -131,11 +135,16 @@ class ProgramState:
 
     # ---- reading ------------------------------------------------------------------------------
 
+    def _will_set(self, name: str) -> bool:
+        """Whether a queued or running step captures ``name`` (call holding ``_cond``)."""
+        steps = [n for _, n in self._pending] + [self._current]
+        return any(isinstance(n, (Gen, Select)) and n.name == name for n in steps)
+
     def __getitem__(self, name: str) -> Any:
-        """The value captured as ``name``; waits for the step that sets it."""
+        """The value captured as ``name`` by the last step appended that captures it (a name
+        generated again in a loop gives the new value); waits for that step."""
         with self._cond:
-            self._cond.wait_for(
-                lambda: name in self._vars or not self._running or self._error is not None)
+            self._cond.wait_for(lambda: self._error is not None or not self._will_set(name))
             if name in self._vars:
                 return self._vars[name]
             if self._error is not None:

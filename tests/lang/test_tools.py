@@ -175,3 +175,44 @@ def test_fork_branches_keep_the_tool_history() -> None:
     histories = [b["messages"] for b in bodies[1:]]
     assert len(histories) == 3 and all(h == histories[0] for h in histories)
     assert [m["role"] for m in histories[0]] == ["user", "assistant", "tool"]
+
+
+def test_a_name_generated_again_in_a_loop_reads_the_new_value() -> None:
+    import time
+
+    def slow(text: str) -> str:
+        time.sleep(0.05)  # the read below comes before the step finishes
+        return f"<{len(text)}>"
+
+    @lang.function
+    def loop(s):
+        seen = []
+        for _ in range(3):
+            s += " step" + lang.gen("x", max_tokens=2)
+            seen.append(s["x"])
+        return seen
+
+    s = loop.run(backend=FakeBackend(reply=slow))
+    assert s.return_value == ["<5>", "<13>", "<22>"]  # prompt lengths 5, 13, 22
+
+
+def test_agent_loop_stops_when_the_model_answers_in_text() -> None:
+    @lang.function
+    def agent(s):
+        s += lang.user("Weather in Paris?")
+        for _ in range(3):
+            s += lang.assistant(lang.gen("reply", tools=TOOLS))
+            calls = s.tool_calls("reply")
+            if not calls:
+                break
+            for call in calls:
+                s += lang.tool(call.invoke(TOOLS), call)
+
+    with fake_openai_server(scripted(chat_answer(None, [CALL]))) as server:
+        # The scripted server calls while the request has no tool turn yet, then answers.
+        server.respond = lambda path, body: (
+            chat_answer("Sunny.") if any(m["role"] == "tool" for m in body["messages"])
+            else chat_answer(None, [CALL]))
+        s = agent.run(backend=lang.OpenAICompatible(server.url + "/v1", "m"))
+    assert [m["role"] for m in s.messages()] == ["user", "assistant", "tool", "assistant"]
+    assert s["reply"] == "Sunny." and s.tool_calls("reply") == []
