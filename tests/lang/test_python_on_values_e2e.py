@@ -12,8 +12,8 @@ pytestmark = pytest.mark.slow
 
 
 # A few operations (each item costs six requests; tests/lang/test_trace_stops.py covers all of
-# them on a fake backend): a join, an f-string, arithmetic on the dtype=int value, int() of text.
-E2E_OPS = ("join", "fstring", "arith", "int")
+# them on a fake backend): a join, an f-string, arithmetic on the dtype=int value.
+E2E_OPS = ("join", "fstring", "arith")
 
 
 def test_run_batch_equals_run_on_python_ops(endpoint, needs_constraints) -> None:
