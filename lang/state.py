@@ -277,7 +277,10 @@ class ProgramState:
             return self._text
         tmpl = self.template()
         if tmpl is None:  # chat-messages backend: a readable transcript
-            return "".join(_transcript_line(m) for m in self._all_messages())
+            text = "".join(_transcript_line(m) for m in self._all_messages())
+            # The open message has no newline yet, so the transcript only ever grows at its end
+            # (text_iter streams it as deltas).
+            return text[:-1] if self._open is not None else text
         if self._open is not None:
             return tmpl.render_open(self._closed, *self._open)
         return tmpl.render(self._closed)

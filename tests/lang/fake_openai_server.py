@@ -14,7 +14,8 @@ Responder = Callable[[str, dict[str, Any]], dict[str, Any]]
 
 
 class FakeOpenAIServer:
-    """Answers ``POST`` with ``respond(path, body)`` (a JSON body, HTTP 200) and ``GET
+    """Answers ``POST`` with ``respond(path, body)`` (a JSON body, HTTP 200; as one SSE delta
+    when the request streams) and ``GET
     /chat_template`` with ``template``; records every request as ``(path, body)``."""
 
     def __init__(self, respond: Responder, template: str | None = None) -> None:
@@ -50,12 +51,35 @@ def _handler(server: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             with server.lock:
                 server.requests.append((self.path, body))
-            self._send(200, server.respond(self.path, body))
+            answer = server.respond(self.path, body)
+            if body.get("stream"):
+                self._send_events(_as_events(answer))
+            else:
+                self._send(200, answer)
+
+        def _send_events(self, events: list[dict[str, Any]]) -> None:
+            data = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(data.encode())))
+            self.end_headers()
+            self.wfile.write(data.encode())
 
         def log_message(self, *_: Any) -> None:
             pass
 
     return Handler
+
+
+def _as_events(answer: dict[str, Any]) -> list[dict[str, Any]]:
+    """A non-streamed answer as OpenAI's stream: one delta, then the usage."""
+    choice = answer["choices"][0]
+    if "message" in choice:
+        delta = {"index": 0, "delta": {"content": choice["message"]["content"] or ""},
+                 "finish_reason": choice["finish_reason"]}
+    else:
+        delta = {"index": 0, "text": choice["text"], "finish_reason": choice["finish_reason"]}
+    return [{"choices": [delta]}, {"choices": [], "usage": answer["usage"]}]
 
 
 @contextmanager

@@ -77,10 +77,18 @@ def test_agent_loop_request_bodies_state_and_history(backend_kind: str) -> None:
         assert s.tool_calls("call") == [lang.ToolCall("call_7", "get_weather",
                                                       {"city": "Paris"}, '{"city": "Paris"}')]
         assert s.meta("call")["finish_reason"] == "tool_calls"
+        if backend_kind == "endpoint":  # text(): the history through the model's template
+            assert s.text().endswith("<|im_start|>tool\n" + get_weather("Paris") +
+                                     "<|im_end|>\n<|im_start|>assistant\nIt is sunny.<|im_end|>\n")
+        streamed = weather_agent.run("Weather in Paris?", parallel=False, backend=backend,
+                                     temperature=0, stream=True)
+        assert "".join(streamed.text_iter()) == s.text()
         chats = [b for b in server.bodies("/v1/chat/completions") if b["messages"][0]["role"]
                  == "system"]  # leave out the endpoint's capability probe
-    assert len(chats) == 2
-    ask, final = chats
+    unstreamed = [{k: v for k, v in b.items() if k not in ("stream", "stream_options")}
+                  for b in chats[2:]]
+    assert len(chats) == 4 and unstreamed == chats[:2]  # the streamed run sent the same
+    ask, final = chats[:2]
     assert ask["tools"] == [lang.tool_spec(t) for t in TOOLS]
     assert ask["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert ask["parallel_tool_calls"] is False and ask["temperature"] == 0
