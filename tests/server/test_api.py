@@ -256,7 +256,7 @@ BAD_REQUESTS = [
     (C, {"model": MODEL, "prompt": "word " * 300}, "prompt"),
     (CH, {"model": MODEL}, "messages"),
     (CH, {"model": MODEL, "messages": []}, "messages"),
-    (CH, {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    (CH, {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     (CH, {"model": MODEL, "messages": [{"role": "user"}]}, "messages[0].content"),
     (CH, {"model": MODEL, "messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     (
