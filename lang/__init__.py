@@ -27,15 +27,17 @@ from splitserve.lang.ir import (
     Select,
 )
 from splitserve.lang.openai_compatible import OpenAICompatible
-from splitserve.lang.primitives import assistant, gen, select, system, user
+from splitserve.lang.primitives import assistant, gen, select, system, tool, user
 from splitserve.lang.program import Program, function, get_default_backend, set_default_backend
 from splitserve.lang.state import ForkGroup, ProgramState
+from splitserve.lang.tool_calls import ToolCall
+from splitserve.lang.tool_spec import tool_spec
 from splitserve.lang.tracer import Trace
 
 __all__ = [
     "BackendError", "BaseBackend", "Capabilities", "ChatPrompt", "ConstantText", "Endpoint",
     "Fork", "ForkGroup", "Gen", "GenOutput", "Join", "Node", "OpenAICompatible", "Program",
     "ProgramError", "ProgramState", "RoleBegin", "RoleEnd", "Select", "SelectOutput",
-    "TextPrompt", "Trace", "assistant", "function", "gen", "get_default_backend", "select",
-    "set_default_backend", "system", "user",
+    "TextPrompt", "ToolCall", "Trace", "assistant", "function", "gen", "get_default_backend",
+    "select", "set_default_backend", "system", "tool", "tool_spec", "user",
 ]

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.lang.chat_template import ChatTemplate
+from splitserve.lang.errors import BackendError
+from splitserve.lang.tool_calls import ToolCall
 
 
 @dataclass(slots=True)
@@ -22,10 +24,12 @@ class TextPrompt:
 
 @dataclass(slots=True)
 class ChatPrompt:
-    """A prompt as chat messages, for backends without a client-side template. The last message
-    is the one to continue; generation always starts a fresh assistant message."""
+    """A prompt as chat messages, for backends without a client-side template and for programs
+    that use tools (the server renders the tools and the tool turns). Generation always starts
+    a fresh assistant message. Messages are OpenAI's: an assistant message may carry
+    ``tool_calls`` (its ``content`` then may be None), a ``tool`` message its ``tool_call_id``."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
 
 
 Prompt = TextPrompt | ChatPrompt
@@ -43,12 +47,27 @@ class SamplingArgs:
 
 
 @dataclass(slots=True)
+class ToolsArgs:
+    """The tool fields of one chat request, in OpenAI's form (``lang.tool_spec``)."""
+
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def must_call(self) -> bool:
+        """Whether the answer must hold a call (``required`` or a named function)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+
+
+@dataclass(slots=True)
 class GenOutput:
     """One generation: its text and what the server reported (``finish_reason``,
-    ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``)."""
+    ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``); with tools, the calls
+    (``text`` is then the content outside them)."""
 
     text: str
     meta: dict[str, Any] = field(default_factory=dict)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -94,6 +113,17 @@ class BaseBackend(abc.ABC):
         Raises:
             BackendError: the server cannot score prompt tokens (``unsupported``).
         """
+
+    def generate_tools(self, prompt: ChatPrompt, sampling: SamplingArgs,
+                       tools: ToolsArgs) -> GenOutput:
+        """Generate an assistant message that may call ``tools``.
+
+        Raises:
+            BackendError: the backend has no chat endpoint with tool calling (``unsupported``;
+                the default), the server failed, or a required call did not come back.
+        """
+        raise BackendError(f"{type(self).__name__} has no tool calling (it needs a chat "
+                           "endpoint that returns tool_calls)", unsupported=True)
 
     @abc.abstractmethod
     def prefill(self, prompt: Prompt) -> dict[str, Any]:

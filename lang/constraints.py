@@ -21,6 +21,8 @@ def check_one_constraint(node: Gen) -> None:
     kinds = [k for k in ("regex", "json_schema", "choices") if getattr(node, k) is not None]
     if node.dtype in DTYPE_REGEX:
         kinds.append("dtype")
+    if node.tools is not None and node.tool_choice != "none":
+        kinds.append("tools")  # the call grammar is the request's one constraint
     if len(kinds) > 1:
         raise ValueError(f"gen takes one constraint, got {' and '.join(kinds)}")
 

@@ -4,6 +4,8 @@
   to ``/v1/completions`` with ``add_special_tokens: false``, so a program can generate anywhere
   inside a message and ``select`` can score choices after a partial assistant message.
 - Constraints: ``regex`` and ``choice`` extension fields and ``response_format`` json_schema.
+- Tools: ``gen(tools=...)`` goes to ``/v1/chat/completions`` (the server renders the tools and
+  parses the calls), and so does every later step of a program whose history holds tool turns.
 - ``select``: prompt-token logprobs via ``echo`` + ``logprobs`` + ``max_tokens: 0``, scoring only
   from just before the choice (``logprob_start_len``) so the prompt stays cacheable.
 
@@ -20,13 +22,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.lang.backend import Prompt, SelectOutput, TextPrompt
+from splitserve.lang.backend import (
+    ChatPrompt,
+    GenOutput,
+    Prompt,
+    SamplingArgs,
+    SelectOutput,
+    TextPrompt,
+    ToolsArgs,
+)
 from splitserve.lang.chat_template import ChatTemplate
 from splitserve.lang.errors import BackendError
 from splitserve.lang.openai_compatible import OpenAIBackendBase, json_schema_format
 from splitserve.radix_cache.token_prefix import common_prefix_len
 
 _PROBE_REGEX = "zqqz"  # an output no unconstrained model produces from the probe prompt
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "probe", "parameters": {"type": "object", "properties": {},
+                                    "additionalProperties": False}}}
 _NO_SCORES = 10**9  # logprob_start_len past any prompt: tokens back, nothing scored
 
 
@@ -34,11 +47,13 @@ _NO_SCORES = 10**9  # logprob_start_len past any prompt: tokens back, nothing sc
 class Capabilities:
     """What a server was seen to do. ``constraints``: a regex-constrained probe matched.
     ``prompt_logprobs``: echo + logprobs scored prompt tokens. ``prefix_cache``: a repeated
-    prompt reported ``cached_tokens > 0``."""
+    prompt reported ``cached_tokens > 0``. ``tools``: a chat request naming a function came
+    back with ``tool_calls``."""
 
     constraints: bool
     prompt_logprobs: bool
     prefix_cache: bool
+    tools: bool
 
 
 class Endpoint(OpenAIBackendBase):
@@ -63,13 +78,27 @@ class Endpoint(OpenAIBackendBase):
             return self._template  # type: ignore[return-value]
 
     def capabilities(self) -> Capabilities:
-        """Probe the server once (three tiny requests) and remember the answer."""
+        """Probe the server once (four tiny requests) and remember the answer."""
         with self._lock:
             if self._caps is None:
                 self._caps = Capabilities(
-                    self._probe_constraints(), self._probe_logprobs(), self._probe_cache()
+                    self._probe_constraints(), self._probe_logprobs(), self._probe_cache(),
+                    self._probe_tools(),
                 )
             return self._caps
+
+    def _probe_tools(self) -> bool:
+        body = {"model": self.model, "max_tokens": 48, "temperature": 0.0,
+                "messages": [{"role": "user", "content": "Call the probe."}],
+                "tools": [_PROBE_TOOL], "tool_choice": {"type": "function",
+                                                         "function": {"name": "probe"}}}
+        try:
+            message = self.http.post("/chat/completions", body)["choices"][0]["message"]
+        except BackendError as exc:
+            if exc.status_code == 400:
+                return False
+            raise
+        return bool(message.get("tool_calls"))
 
     def _probe_constraints(self) -> bool:
         body = {"model": self.model, "prompt": "0", "max_tokens": 8, "temperature": 0.0,
@@ -111,6 +140,15 @@ class Endpoint(OpenAIBackendBase):
             return {"choice": value}
         return {"response_format": json_schema_format(value)}
 
+    def generate_tools(self, prompt: ChatPrompt, sampling: SamplingArgs,
+                       tools: ToolsArgs) -> GenOutput:
+        if not self.capabilities().tools:
+            raise BackendError(
+                f"the server at {self.url} does not return tool calls (a probe naming a function "
+                "came back without tool_calls); it needs the tool-calling feature",
+                unsupported=True)
+        return super().generate_tools(prompt, sampling, tools)
+
     def _score(self, text: str, start: int, templated: bool = False) -> dict[str, Any]:
         """Echo ``text`` with its tokens' ids and logprobs from index ``start`` on."""
         body = {"model": self.model, "prompt": text, "max_tokens": 0, "echo": True,
@@ -120,7 +158,8 @@ class Endpoint(OpenAIBackendBase):
 
     def select(self, prompt: Prompt, choices: list[str]) -> SelectOutput:
         if not isinstance(prompt, TextPrompt):
-            raise BackendError("select needs a text prompt (the server has no chat template)",
+            raise BackendError("select needs a text prompt: this one is chat messages (the "
+                               "server has no chat template, or the program used tools)",
                                unsupported=True)
         if not self.capabilities().prompt_logprobs:
             raise BackendError(f"the server at {self.url} does not return prompt logprobs "

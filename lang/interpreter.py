@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from splitserve.lang.backend import GenOutput, SamplingArgs
+from splitserve.lang.backend import GenOutput, SamplingArgs, ToolsArgs
 from splitserve.lang.constraints import constraint_of, parse_output
 from splitserve.lang.ir import ConstantText, Gen, Node, RoleBegin, RoleEnd, Select
 from splitserve.lang.state import ProgramState, StepFailed
@@ -37,6 +37,9 @@ def resolve_sampling(node: Gen, defaults: SamplingArgs) -> SamplingArgs:
 
 
 def _gen(state: ProgramState, node: Gen) -> None:
+    if node.tools is not None:
+        _gen_tools(state, node)
+        return
     ctx = state.ctx
     prompt = state.prompt()
     sampling = resolve_sampling(node, ctx.defaults)
@@ -52,6 +55,20 @@ def _gen(state: ProgramState, node: Gen) -> None:
         out = ctx.backend.generate(prompt, sampling, constraint)
         state.apply_text(out.text, node.name)
     state.set_var(node.name, parse_output(node, out.text), out.meta)
+
+
+def _gen_tools(state: ProgramState, node: Gen) -> None:
+    """A chat request with tools; the calls go into the assistant turn and ``s.tool_calls``.
+    Not streamed even under ``stream=True`` (the text arrives in one piece): a call is only
+    known once its arguments are complete."""
+    ctx = state.ctx
+    prompt = state.chat_prompt("a gen with tools is sent as chat messages (the server renders "
+                               "the tools)")
+    tools = ToolsArgs(node.tools or [], node.tool_choice, node.parallel_tool_calls)
+    out = ctx.backend.generate_tools(prompt, resolve_sampling(node, ctx.defaults), tools)
+    state.apply_text(out.text, node.name)
+    state.set_tool_calls(node.name, out.tool_calls)
+    state.set_var(node.name, out.text, {**out.meta, "tool_calls": out.tool_calls})
 
 
 def _select(state: ProgramState, node: Select) -> None:

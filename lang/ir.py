@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class Node:
@@ -49,7 +49,10 @@ class ConstantText(Node):
 
 @dataclass(slots=True)
 class RoleBegin(Node):
+    """Opens a message. A ``tool`` message answers the call ``tool_call_id``."""
+
     role: str
+    tool_call_id: str | None = None
 
     def describe(self) -> str:
         return f"begin {self.role}"
@@ -67,7 +70,9 @@ class RoleEnd(Node):
 class Gen(Node):
     """Generate text into variable ``name``. ``dtype`` and ``choices`` become constraints
     (``lang.constraints``); at most one of ``regex``, ``json_schema``, ``choices`` and a
-    non-str ``dtype`` may be set. ``None`` sampling fields take the run's defaults."""
+    non-str ``dtype`` may be set. ``None`` sampling fields take the run's defaults.
+    ``tools`` (OpenAI function specs) make it a chat request that may return tool calls;
+    ``tool_choice`` and ``parallel_tool_calls`` are sent as given (None: the server's default)."""
 
     name: str | None = None
     max_tokens: int | None = None
@@ -79,6 +84,9 @@ class Gen(Node):
     json_schema: dict[str, Any] | str | None = None
     choices: list[str] | None = None
     dtype: type | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def describe(self) -> str:
         return f"gen {self.name!r}" if self.name else "gen"

@@ -1,7 +1,9 @@
 """``OpenAICompatible``: any server that speaks the OpenAI API (vLLM, SGLang, OpenAI itself...).
 
 Role programs become chat messages (``/v1/chat/completions``); plain-text programs use
-``/v1/completions``. Only constraints the OpenAI API defines (``json_schema`` through
+``/v1/completions``. ``gen(tools=...)`` sends ``tools``/``tool_choice``/``parallel_tool_calls``
+on the chat endpoint and reads ``message.tool_calls`` back; a required or named call that does
+not come back is an error. Only constraints the OpenAI API defines (``json_schema`` through
 ``response_format``) are sent; regex, choices, typed ``dtype`` and ``select`` (which needs prompt
 logprobs) are a :class:`BackendError` with ``unsupported`` set, never a silent fallback.
 """
@@ -18,6 +20,7 @@ from splitserve.lang.backend import (
     Prompt,
     SamplingArgs,
     SelectOutput,
+    ToolsArgs,
 )
 from splitserve.lang.chat_template import ChatTemplate
 from splitserve.lang.errors import BackendError
@@ -28,6 +31,7 @@ from splitserve.lang.http_client import (
     stream_deltas,
     usage_meta,
 )
+from splitserve.lang.tool_calls import parse_tool_calls
 
 
 def json_schema_format(schema: dict[str, Any] | str) -> dict[str, Any]:
@@ -72,6 +76,25 @@ class OpenAIBackendBase(BaseBackend):
         path, body, is_chat = self.request(prompt, sampling, constraint)
         body["stream_options"] = {"include_usage": True}
         yield from stream_deltas(self.http.post_sse(path, body), is_chat)
+
+    def generate_tools(self, prompt: ChatPrompt, sampling: SamplingArgs,
+                       tools: ToolsArgs) -> GenOutput:
+        body: dict[str, Any] = {"model": self.model, **sampling_fields(sampling),
+                                "messages": prompt.messages, "tools": tools.tools}
+        if tools.tool_choice is not None:
+            body["tool_choice"] = tools.tool_choice
+        if tools.parallel_tool_calls is not None:
+            body["parallel_tool_calls"] = tools.parallel_tool_calls
+        answer = self.http.post("/chat/completions", body)
+        message = answer["choices"][0]["message"]
+        out = completion_output(answer, is_chat=True)
+        out.tool_calls = parse_tool_calls(message.get("tool_calls"))
+        if tools.must_call() and not out.tool_calls:
+            raise BackendError(
+                f"tool_choice {tools.tool_choice!r} requires a call, but the server at "
+                f"{self.http.base_url} answered without tool_calls (does it implement tools?)",
+                unsupported=True)
+        return out
 
     def prefill(self, prompt: Prompt) -> dict[str, Any]:
         # One token: the cheapest request every OpenAI-compatible server accepts.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from splitserve.lang.backend import BaseBackend, SamplingArgs, TextPrompt
-from splitserve.lang.errors import ProgramError
+from splitserve.lang.errors import BackendError, ProgramError
 from splitserve.lang.interpreter import execute
 from splitserve.lang.state import ProgramState, RunContext, StepFailed
 from splitserve.lang.tracer import Trace
@@ -26,7 +26,10 @@ def constant_prompt(backend: BaseBackend, tr: Trace) -> TextPrompt | None:
 
 
 def warm_shared_prefix(backend: BaseBackend, traces: list[Trace]) -> TextPrompt | None:
-    """Prefill the longest text prefix all traces share, if long enough. Returns what was sent."""
+    """Prefill the longest text prefix all traces share, if long enough. Returns what was sent
+    (None: nothing, or the server failed; the items then report that failure themselves)."""
+    if len(traces) < 2:
+        return None
     prompts = [constant_prompt(backend, t) for t in traces]
     if any(p is None for p in prompts):
         return None
@@ -35,5 +38,8 @@ def warm_shared_prefix(backend: BaseBackend, traces: list[Trace]) -> TextPrompt 
     if len(shared) < MIN_SHARED_CHARS:
         return None
     prompt = TextPrompt(shared, templated=prompts[0].templated)  # type: ignore[union-attr]
-    backend.prefill(prompt)
+    try:
+        backend.prefill(prompt)
+    except BackendError:
+        return None
     return prompt

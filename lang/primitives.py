@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from splitserve.lang.ir import Gen, RoleBegin, RoleEnd, Select, Seq, flatten
+from splitserve.lang.ir import ConstantText, Gen, Node, RoleBegin, RoleEnd, Select, Seq, flatten
 
 
 def gen(
@@ -19,6 +20,9 @@ def gen(
     json_schema: dict[str, Any] | str | None = None,
     choices: list[str] | None = None,
     dtype: type | None = None,
+    tools: list[dict[str, Any] | Callable[..., Any]] | None = None,
+    tool_choice: str | dict[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> Gen:
     """A generation step; its text is appended and stored in ``s[name]``.
 
@@ -32,11 +36,27 @@ def gen(
         choices: the output is exactly one of these strings.
         dtype: ``int``, ``float`` or ``bool`` constrain the output to a literal of that type
             and store the parsed value; ``str`` (default) stores the text.
+        tools: functions the model may call: OpenAI function spec dicts
+            (``{"type": "function", "function": {...}}``) or Python functions with type hints
+            (their docstring describes them). The gen must open an assistant message; it goes
+            to the chat endpoint, ``s[name]`` is the text outside the calls and
+            ``s.tool_calls(name)`` the calls (:class:`~splitserve.lang.tool_calls.ToolCall`).
+        tool_choice: ``"auto"`` (default), ``"none"``, ``"required"``, or a tool's name (that
+            function must be called).
+        parallel_tool_calls: False: at most one call.
 
     Raises:
-        ValueError: more than one constraint, or an unsupported ``dtype``.
+        ValueError: more than one constraint (tools count as one), an unsupported ``dtype``,
+            a bad tool, or a ``tool_choice`` without tools or naming no tool.
     """
     from splitserve.lang.constraints import check_one_constraint
+    from splitserve.lang.tool_spec import tool_choice_field, tool_spec
+
+    specs = [tool_spec(t) for t in tools] if tools is not None else None
+    if specs is None and (tool_choice is not None or parallel_tool_calls is not None):
+        raise ValueError("tool_choice and parallel_tool_calls need tools=[...]")
+    if specs is not None:
+        tool_choice = tool_choice_field(tool_choice, [s["function"]["name"] for s in specs])
 
     node = Gen(
         name=name,
@@ -49,6 +69,9 @@ def gen(
         json_schema=json_schema,
         choices=list(choices) if choices is not None else None,
         dtype=dtype,
+        tools=specs,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
     )
     check_one_constraint(node)
     return node
@@ -83,3 +106,21 @@ def user(content: Any = "") -> Seq:
 def assistant(content: Any = "") -> Seq:
     """An assistant message holding ``content``; usually ``assistant(gen("answer"))``."""
     return _role("assistant", content)
+
+
+def tool(content: Any, call: Any) -> Seq:
+    """A ``tool`` message: the result of ``call`` (a :class:`~splitserve.lang.tool_calls.ToolCall`
+    or its id) fed back to the model. ``content`` is text; any other value (a dict, a number)
+    is sent as its JSON.
+
+    Raises:
+        TypeError: ``call`` is neither a ToolCall nor a string id; ``content`` is not JSON.
+    """
+    import json
+
+    call_id = call if isinstance(call, str) else getattr(call, "id", None)
+    if not isinstance(call_id, str):
+        raise TypeError(f"tool() answers a ToolCall or its id, not {type(call).__name__}")
+    if not isinstance(content, (str, Node)):
+        content = ConstantText(json.dumps(content, ensure_ascii=False))
+    return Seq([RoleBegin("tool", call_id), *flatten(content), RoleEnd("tool")])

@@ -47,6 +47,14 @@ class Program:
         """The program's IR for these arguments, without calling a model."""
         return trace(self.func, *args, **kwargs)
 
+    def _warmup_trace(self, kwargs: dict[str, Any]) -> Trace | None:
+        """The item's trace, or None when the program raised before using any model output:
+        its run reports that error in its slot; the warm-up only leaves the item out."""
+        try:
+            return self.trace(**kwargs)
+        except Exception:  # noqa: BLE001 - the item's own run raises it again, where it is reported
+            return None
+
     def run(
         self,
         *args: Any,
@@ -111,13 +119,15 @@ class Program:
 
         A failing item yields its :class:`ProgramError` (with ``batch_index``) in its slot; the
         others are unaffected. With ``warm_prefix`` the text every item starts with (found by
-        tracing them) is sent once first, so the prefix cache serves it to all.
+        tracing them; a trace stops at the first data-dependent operation) is sent once first, so
+        the prefix cache serves it to all. The warm-up only prefills: it never changes an output
+        and never fails an item.
         """
         backend = backend or get_default_backend()
         if not batch_kwargs:
             return []
         if warm_prefix and len(batch_kwargs) > 1:
-            warm_shared_prefix(backend, [self.trace(**kw) for kw in batch_kwargs])
+            warm_shared_prefix(backend, [t for t in map(self._warmup_trace, batch_kwargs) if t])
         threads = min(32, len(batch_kwargs)) if num_threads == "auto" else int(num_threads)
         results: list[ProgramState | ProgramError | None] = [None] * len(batch_kwargs)
         bar = _progress(len(batch_kwargs), self.name) if progress_bar else None

@@ -17,8 +17,9 @@ from typing import Any, Self
 from splitserve.lang.backend import BaseBackend, ChatPrompt, Prompt, SamplingArgs, TextPrompt
 from splitserve.lang.chat_template import ChatTemplate
 from splitserve.lang.errors import BackendError, ProgramError
-from splitserve.lang.ir import Node, RoleBegin, RoleEnd, flatten
+from splitserve.lang.ir import Gen, Node, RoleBegin, RoleEnd, Select, flatten
 from splitserve.lang.primitives import assistant, system, user
+from splitserve.lang.tool_calls import ToolCall
 
 
 @dataclass(slots=True)
@@ -52,9 +53,13 @@ class ProgramState:
         self._meta: dict[str, dict[str, Any]] = {}
         self._text = ""  # plain-text programs
         self._uses_roles = False
-        self._closed: list[dict[str, str]] = []  # role programs: finished messages
+        self._closed: list[dict[str, Any]] = []  # role programs: finished messages
         self._open: tuple[str, str] | None = None  # role programs: (role, content so far)
+        self._open_fields: dict[str, Any] = {}  # the open message's tool_calls / tool_call_id
+        self._uses_tools = False  # the history holds tool turns: chat messages from here on
+        self._calls: dict[str, list[ToolCall]] = {}
         self._pending: deque[tuple[int, Node]] = deque()
+        self._current: Node | None = None  # the step running now
         self._running = False
         self._num_steps = 0
         self._error: ProgramError | None = None
@@ -90,6 +95,7 @@ class ProgramState:
                     self._cond.notify_all()
                     return
                 index, node = self._pending.popleft()
+                self._current = node
             try:
                 execute(self, node)
             except Exception as exc:  # noqa: BLE001 - any step failure is recorded, then raised to the program
@@ -98,7 +104,9 @@ class ProgramState:
                 err.__cause__ = exc
                 with self._cond:
                     self._error = err
-                    self._cond.notify_all()
+            with self._cond:
+                self._current = None
+                self._cond.notify_all()
 
     def _sync(self) -> None:
         """Wait until every queued step ran. Raises the first step's error, if any."""
@@ -127,16 +135,34 @@ class ProgramState:
 
     # ---- reading ------------------------------------------------------------------------------
 
+    def _will_set(self, name: str) -> bool:
+        """Whether a queued or running step captures ``name`` (call holding ``_cond``)."""
+        steps = [n for _, n in self._pending] + [self._current]
+        return any(isinstance(n, (Gen, Select)) and n.name == name for n in steps)
+
     def __getitem__(self, name: str) -> Any:
-        """The value captured as ``name``; waits for the step that sets it."""
+        """The value captured as ``name`` by the last step appended that captures it (a name
+        generated again in a loop gives the new value); waits for that step."""
         with self._cond:
-            self._cond.wait_for(
-                lambda: name in self._vars or not self._running or self._error is not None)
+            self._cond.wait_for(lambda: self._error is not None or not self._will_set(name))
             if name in self._vars:
                 return self._vars[name]
             if self._error is not None:
                 raise self._error
             raise KeyError(f"no variable {name!r} was captured (have: {sorted(self._vars)})")
+
+    def tool_calls(self, name: str) -> list[ToolCall]:
+        """The calls the model made in ``gen(name, tools=...)`` (empty: it answered in text);
+        waits for that step.
+
+        Raises:
+            KeyError: ``name`` was not captured by a gen with tools.
+        """
+        self[name]  # waits for the step (and raises its error)
+        with self._cond:
+            if name not in self._calls:
+                raise KeyError(f"{name!r} was not generated with tools=[...]")
+            return list(self._calls[name])
 
     def __contains__(self, name: str) -> bool:
         self._sync()
@@ -157,12 +183,17 @@ class ProgramState:
         self._sync()
         return self.render()
 
-    def messages(self) -> list[dict[str, str]]:
-        """The role messages so far (an open one included, with its content so far)."""
+    def messages(self) -> list[dict[str, Any]]:
+        """The role messages so far (an open one included, with its content so far), in
+        OpenAI's shape: an assistant turn that called tools has ``tool_calls``, a tool turn its
+        ``tool_call_id``."""
         self._sync()
+        return self._all_messages()
+
+    def _all_messages(self) -> list[dict[str, Any]]:
         msgs = [dict(m) for m in self._closed]
         if self._open is not None:
-            msgs.append({"role": self._open[0], "content": self._open[1]})
+            msgs.append({"role": self._open[0], "content": self._open[1], **self._open_fields})
         return msgs
 
     def text_iter(self, name: str | None = None) -> Iterator[str]:
@@ -222,6 +253,8 @@ class ProgramState:
         self._meta = dict(other._meta)
         self._text, self._uses_roles = other._text, other._uses_roles
         self._closed, self._open = list(other._closed), other._open
+        self._open_fields, self._uses_tools = dict(other._open_fields), other._uses_tools
+        self._calls = dict(other._calls)
         self._rendered = other._rendered
 
     # ---- used by the interpreter --------------------------------------------------------------
@@ -244,35 +277,51 @@ class ProgramState:
             return self._text
         tmpl = self.template()
         if tmpl is None:  # chat-messages backend: a readable transcript
-            msgs = self._closed + ([dict(zip(("role", "content"), self._open))]
-                                   if self._open else [])
-            return "".join(f"{m['role']}: {m['content']}\n" for m in msgs)
+            text = "".join(_transcript_line(m) for m in self._all_messages())
+            # The open message has no newline yet, so the transcript only ever grows at its end
+            # (text_iter streams it as deltas).
+            return text[:-1] if self._open is not None else text
         if self._open is not None:
             return tmpl.render_open(self._closed, *self._open)
         return tmpl.render(self._closed)
 
     def prompt(self) -> Prompt:
-        """What the next gen/select continues.
+        """What the next gen/select continues: text through the chat template, or chat
+        messages when the backend has no template or the history holds tool turns (only the
+        server renders those as the model was trained to read them).
 
         Raises:
-            StepFailed: a chat-messages backend cannot continue this (see message).
+            StepFailed: chat messages cannot continue this (see message).
         """
         if not self._uses_roles:
             return TextPrompt(self._text)
-        if self.template() is not None:
+        if self.template() is not None and not self._uses_tools:
             return TextPrompt(self.render(), templated=True)
+        why = ("this program's history holds tool calls" if self._uses_tools else
+               "this backend takes chat messages (no chat template)")
+        return self.chat_prompt(why)
+
+    def chat_prompt(self, why: str) -> ChatPrompt:
+        """The closed messages, for a gen that opens an assistant message.
+
+        Raises:
+            StepFailed: the program is not at the start of an assistant message (``why``
+                says why chat messages are needed).
+        """
+        if not self._uses_roles:
+            raise StepFailed(f"{why}, so it needs a role program: put the gen in "
+                             "lang.assistant(...)")
         if self._open is None or self._open[0] != "assistant" or self._open[1]:
-            raise StepFailed(
-                "this backend takes chat messages (no chat template), so gen must come first in "
-                "an assistant message: it cannot continue text inside a message")
-        return ChatPrompt([dict(m) for m in self._closed])
+            raise StepFailed(f"{why}, so gen must come first in an assistant message: it "
+                             "cannot continue text inside a message")
+        return ChatPrompt([_chat_message(m) for m in self._closed])
 
     def prefix_prompt(self) -> Prompt | None:
         """The prompt for warming the cache, or None when there is nothing to send."""
         try:
             prompt = self.prompt()
         except StepFailed:
-            return ChatPrompt(list(self._closed)) if self._closed else None
+            return ChatPrompt([_chat_message(m) for m in self._closed]) if self._closed else None
         return prompt if not isinstance(prompt, TextPrompt) or prompt.text else None
 
     def set_var(self, name: str | None, value: Any, meta: dict[str, Any]) -> None:
@@ -281,6 +330,16 @@ class ProgramState:
                 self._vars[name] = value
                 self._meta[name] = meta
                 self._cond.notify_all()
+
+    def set_tool_calls(self, name: str | None, calls: list[ToolCall]) -> None:
+        """Attach ``calls`` to the open assistant message (before :meth:`set_var` of ``name``,
+        so a reader of ``name`` sees them)."""
+        if calls:
+            self._open_fields["tool_calls"] = [c.as_openai() for c in calls]
+            self._uses_tools = True
+        if name is not None:
+            with self._cond:
+                self._calls[name] = list(calls)
 
     def apply_text(self, text: str, var: str | None = None) -> None:
         """Append ``text`` to the prompt (inside the open message in a role program)."""
@@ -302,11 +361,16 @@ class ProgramState:
                                  "put all text inside system/user/assistant")
             self._uses_roles = True
             self._open = (node.role, "")
+            self._open_fields = {}
+            if node.role == "tool":
+                self._open_fields["tool_call_id"] = node.tool_call_id
+                self._uses_tools = True
         else:
             if self._open is None or self._open[0] != node.role:
                 raise StepFailed(f"end {node.role} without an open {node.role} message")
-            self._closed.append({"role": node.role, "content": self._open[1]})
-            self._open = None
+            self._closed.append({"role": node.role, "content": self._open[1],
+                                 **self._open_fields})
+            self._open, self._open_fields = None, {}
         self._log_change(None)
 
     def _log_change(self, var: str | None) -> None:
@@ -321,6 +385,19 @@ class ProgramState:
 
     def __repr__(self) -> str:
         return f"ProgramState(program={self._ctx.program!r}, branch={self._branch!r})"
+
+
+def _chat_message(message: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI chat message: an assistant turn that only called tools has ``content: null``."""
+    if message.get("tool_calls") and not message["content"]:
+        return {**message, "content": None}
+    return dict(message)
+
+
+def _transcript_line(message: dict[str, Any]) -> str:
+    calls = "".join(f" [call {c['function']['name']}({c['function']['arguments']})]"
+                    for c in message.get("tool_calls") or [])
+    return f"{message['role']}: {message['content']}{calls}\n"
 
 
 class ForkGroup(list):

@@ -8,6 +8,7 @@ stops there and is marked incomplete: what it holds up to that point is still ex
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -15,22 +16,54 @@ from splitserve.lang.ir import Fork, Join, Node, RoleBegin, RoleEnd, flatten, is
 from splitserve.lang.primitives import assistant, system, user
 
 
-class StopTracing(Exception):
-    """The program used a value only a model run can produce."""
+class StopTracing(BaseException):
+    """The program used a value only a model run can produce.
+
+    A ``BaseException`` so that a program's own ``except Exception`` cannot swallow it and
+    carry on down a path the real run would not take.
+    """
 
 
+def _stop_on_use(self: TracedValue, *_: Any) -> Any:
+    raise StopTracing(f"the program uses the value of {self._name!r}")
+
+
+# Every operator a value can take part in: each one is data-dependent, so each stops the trace.
+_OPERATORS = (
+    "__str__", "__repr__", "__format__", "__bytes__", "__hash__", "__bool__", "__int__",
+    "__float__", "__complex__", "__index__", "__round__", "__trunc__", "__floor__", "__ceil__",
+    "__len__", "__iter__", "__reversed__", "__contains__", "__getitem__", "__call__",
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+    "__neg__", "__pos__", "__abs__", "__invert__",
+    *(f"__{side}{op}__" for side in ("", "r") for op in (
+        "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "divmod", "pow",
+        "lshift", "rshift", "and", "or", "xor")),
+)
+
+
+def _stopping_on(names: tuple[str, ...]) -> Callable[[type], type]:
+    """Class decorator: each operator in ``names`` stops the trace."""
+    def decorate(cls: type) -> type:
+        for name in names:
+            setattr(cls, name, _stop_on_use)
+        return cls
+    return decorate
+
+
+@_stopping_on(_OPERATORS)
 class TracedValue:
-    """A placeholder for ``s[name]``: any use of it stops the trace."""
+    """A placeholder for ``s[name]``: any use of it (an operator, a conversion, an attribute such
+    as ``.strip``) stops the trace."""
+
+    __slots__ = ("_name",)
 
     def __init__(self, name: str) -> None:
-        self.name = name
+        self._name = name
 
-    def _stop(self, *_: Any) -> Any:
-        raise StopTracing(f"the program uses the value of {self.name!r}")
-
-    __str__ = __repr__ = __format__ = __add__ = __radd__ = __eq__ = __ne__ = _stop
-    __bool__ = __int__ = __float__ = __len__ = __iter__ = __contains__ = __getitem__ = _stop
-    __hash__ = None  # type: ignore[assignment]
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):  # protocol probes (copy, hasattr(x, "__html__")): absent
+            raise AttributeError(attr)
+        raise StopTracing(f"the program uses the value of {self._name!r} (.{attr})")
 
 
 @dataclass(slots=True)
@@ -52,22 +85,31 @@ class Trace:
 
 
 class TracerState:
-    """Records what a program appends. Mirrors ``ProgramState``'s API."""
+    """Records what a program appends. Mirrors ``ProgramState``'s API: appends and forks are
+    recorded; reading a value gives a :class:`TracedValue`; any other read of the state (text,
+    messages, meta, tool calls, ``"x" in s``) stops the trace."""
 
-    def __init__(self, nodes: list[Node]) -> None:
+    def __init__(self, nodes: list[Node], reads: list[str]) -> None:
         self.nodes = nodes
+        self.reads = reads  # names of the model outputs read so far, shared by all branches
 
     def __iadd__(self, other: Any) -> Self:
         self.nodes.extend(flatten(other))
         return self
 
     def __getitem__(self, name: str) -> TracedValue:
+        self.reads.append(name)
         return TracedValue(name)
 
-    def _stop(self, *_: Any, **__: Any) -> Any:
-        raise StopTracing("the program reads its state (text/messages/meta)")
+    def __contains__(self, name: str) -> bool:
+        raise StopTracing(f"the program asks whether {name!r} was captured")
 
-    text = messages = meta = variables = text_iter = _stop
+    def __getattr__(self, attr: str) -> Any:
+        # text(), messages(), meta(), variables(), tool_calls(), return_value...: only a run has
+        # them. (Only called for attributes this class does not define.)
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise StopTracing(f"the program reads its state (s.{attr})")
 
     def system(self, content: Any = None) -> _TraceRole | None:
         return self._role("system", system, content)
@@ -88,7 +130,7 @@ class TracerState:
         node = Fork(n, [[] for _ in range(n)])
         self.nodes.append(node)
         return TraceForkGroup(self, len(self.nodes) - 1,
-                              [TracerState(b) for b in node.branches])
+                              [TracerState(b, self.reads) for b in node.branches])
 
     def join(self, forks: TraceForkGroup) -> list[TracerState]:
         return forks.join()
@@ -123,10 +165,26 @@ class _TraceRole:
 
 
 def trace(func: Any, *args: Any, **kwargs: Any) -> Trace:
-    """Run ``func(state, *args, **kwargs)`` against a recorder."""
+    """Run ``func(state, *args, **kwargs)`` against a recorder.
+
+    Tracing stops at the first data-dependent operation: a use of a model output
+    (:class:`StopTracing`), or any exception raised once the program has read one (``" ".join``
+    over placeholders raises ``TypeError`` inside ``str.join``, where no hook can intercept it).
+    Either way the nodes recorded so far are exact, and the trace is marked incomplete.
+
+    Raises:
+        Exception: whatever the program raised before it read any model output (its own error,
+            which a real run would raise too).
+    """
     nodes: list[Node] = []
+    state = TracerState(nodes, [])
     try:
-        func(TracerState(nodes), *args, **kwargs)
+        func(state, *args, **kwargs)
     except StopTracing as stop:
         return Trace(nodes, complete=False, stopped_at=str(stop))
+    except Exception as exc:
+        if not state.reads:
+            raise
+        why = f"{type(exc).__name__}: {exc} (after reading {', '.join(map(repr, state.reads))})"
+        return Trace(nodes, complete=False, stopped_at=why)
     return Trace(nodes)
