@@ -42,8 +42,8 @@ def create_app(
     model_name: str,
     context_len: int,
     eos_token_ids: list[int],
-    tenancy: Tenancy | None = None,
     chat: ChatRenderer | None = None,
+    tenancy: Tenancy | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API for one model served through ``client``.
 
