@@ -15,6 +15,8 @@ from splitserve.engine.grammar.batch_mask import BatchMask
 from splitserve.engine.grammar.mask_thread import MaskFillThread
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.runner.cuda_graph import DecodeGraphRunner
+from splitserve.engine.runner.logprobs import raw_logprobs, top_alternatives
+from splitserve.engine.runner.penalties import needs_processing, process_logits
 from splitserve.engine.runner.sampling import Sampler, make_generator
 from splitserve.engine.sched.batch import ModelOutput, ScheduledBatch
 from splitserve.engine.sched.request import Req
@@ -35,6 +37,12 @@ class ModelRunner:
             switched between steps.
         decode_graphs: replays decode-only steps it can run (``engine.cuda_graph``); None runs
             every step eagerly.
+        eos_token_ids: the model's EOS ids, which ``min_tokens`` masks (``runner.penalties``).
+
+    The logits of the sampled rows go through, in this order: raw logprobs (of the model's
+    distribution, ``runner.logprobs``) -> penalties, ``logit_bias``, ``min_tokens``
+    (``runner.penalties``) -> the grammar mask -> temperature, top-k, top-p, min-p and the draw
+    (``runner.sampling``).
     """
 
     def __init__(
@@ -46,8 +54,10 @@ class ModelRunner:
         overlap_grammar_mask: bool = True,
         decode_graphs: DecodeGraphRunner | None = None,
         use_cpu_kernels: bool = True,
+        eos_token_ids: list[int] | tuple[int, ...] = (),
     ) -> None:
         self.model = model
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size  # logits width, for grammar bitmasks (0: no grammars)
         self.pool = pool
         self.device = device
@@ -98,14 +108,41 @@ class ModelRunner:
         finally:
             # Grammar state is the caller's again only after this (grammar.mask_thread, point 3).
             self.mask_thread.join()
-        if not sample_rows:
-            return ModelOutput([], [], prompt_logprobs)
+        out = ModelOutput([], [], [lp for lp, _, _ in prompt_logprobs])
+        if any(r.sampling.top_logprobs for r in (reqs[i] for i in scored)):
+            out.prompt_top_ids = [ids for _, ids, _ in prompt_logprobs]
+            out.prompt_top_logprobs = [lps for _, _, lps in prompt_logprobs]
+        if sample_rows:
+            self._sample(logits, picked, mask, masked_rows, out)
+        return out
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        picked: list[Req],
+        mask: BatchMask | None,
+        masked_rows: list[int],
+        out: ModelOutput,
+    ) -> None:
+        """Process ``logits`` (``[len(picked), V]``, changed in place) in the class docstring's
+        order and sample one token per row into ``out``."""
+        processed = [j for j, r in enumerate(picked) if needs_processing(r)]
+        top_counts = [r.sampling.top_logprobs for r in picked]
+        # Logprobs are of the raw distribution: taken before anything below changes the logits.
+        # Without processing, a mask or alternatives the sampler's own logprob is that already.
+        raw = raw_logprobs(logits) if processed or mask is not None or any(top_counts) else None
+        if processed:
+            process_logits(logits, processed, [picked[j] for j in processed], self.eos_token_ids)
         if mask is not None:
             mask.apply(logits, masked_rows)
         ids, logprobs = self.sampler.sample(
             logits, [r.sampling for r in picked], [_step_generator(r) for r in picked]
         )
-        return ModelOutput(ids.tolist(), logprobs.tolist(), prompt_logprobs)
+        if raw is not None:
+            logprobs = raw.gather(1, ids[:, None])[:, 0]
+        out.token_ids, out.logprobs = ids.tolist(), logprobs.tolist()
+        if any(top_counts):
+            out.top_ids, out.top_logprobs = top_alternatives(raw, top_counts)
 
     def _start_grammar_mask(self, picked: list[Req], rows: list[int]) -> BatchMask:
         """Start filling the mask of the constrained ``rows`` of ``picked``: on the mask thread,
@@ -136,8 +173,9 @@ class ModelRunner:
 
 def _prompt_logprobs(
     reqs: list[Req], chunk_lens: list[int], logits: torch.Tensor
-) -> list[list[float]]:
-    """For each request, the logprobs of the prompt tokens its chunk's logits predict."""
+) -> list[tuple[list[float], list[list[int]], list[list[float]]]]:
+    """For each request, the logprobs of the prompt tokens its chunk's logits predict, and
+    per token its ``sampling.top_logprobs`` most likely alternatives (ids, logprobs)."""
     out = []
     row = 0
     for req, n in zip(reqs, chunk_lens):
@@ -145,10 +183,11 @@ def _prompt_logprobs(
         assert nxt is not None
         # Positions p in [nxt - 1, min(end, prompt_len - 1)) predict prompt tokens p + 1.
         lo, hi = nxt - 1, min(first + n, req.prompt_len - 1)
-        rows = logits[row + lo - first : row + hi - first]
+        rows = raw_logprobs(logits[row + lo - first : row + hi - first])
         targets = torch.tensor(req.input_ids[lo + 1 : hi + 1], dtype=torch.long)
-        lp = torch.log_softmax(rows.float(), dim=-1).gather(1, targets.to(rows.device)[:, None])
-        out.append(lp[:, 0].tolist())
+        lp = rows.gather(1, targets.to(rows.device)[:, None])
+        top_ids, top_lps = top_alternatives(rows, [req.sampling.top_logprobs] * rows.shape[0])
+        out.append((lp[:, 0].tolist(), top_ids, top_lps))
         row += n
     return out
 

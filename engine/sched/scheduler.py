@@ -137,21 +137,32 @@ class Scheduler:
         finished requests (freeing their pages) and hand prefill-only ones to the caller.
         Returns: one :class:`StepOutput` per sampled token."""
         reqs, chunks = batch.reqs, batch.chunk_lens
-        for i, logprobs in zip(batch.scored_rows, output.prompt_logprobs):
+        for j, (i, logprobs) in enumerate(zip(batch.scored_rows, output.prompt_logprobs)):
             reqs[i].prompt_logprobs.extend(logprobs)
+            if output.prompt_top_ids:
+                reqs[i].prompt_top_ids.extend(output.prompt_top_ids[j])
+                reqs[i].prompt_top_logprobs.extend(output.prompt_top_logprobs[j])
         for r, n in zip(reqs, chunks):
             r.kv_len += n
             if n > 1:  # a prefill chunk (or jump-forward tokens): reusable by later prompts now
                 self.cache.cache_prefix(r)
-        return [
-            self._append_token(reqs[i], tok, lp)
-            for i, tok, lp in zip(batch.sample_rows, output.token_ids, output.logprobs)
-        ]
+        outs = []
+        for j, (i, tok, lp) in enumerate(
+            zip(batch.sample_rows, output.token_ids, output.logprobs)
+        ):
+            top = (output.top_ids[j], output.top_logprobs[j]) if output.top_ids else None
+            outs.append(self._append_token(reqs[i], tok, lp, top))
+        return outs
 
-    def _append_token(self, req: Req, token_id: int, logprob: float) -> StepOutput:
+    def _append_token(
+        self,
+        req: Req,
+        token_id: int,
+        logprob: float,
+        top: tuple[list[int], list[float]] | None = None,
+    ) -> StepOutput:
         was_waiting = req in self.waiting  # O(len(waiting)): only prefill rows get here
-        req.output_ids.append(token_id)
-        req.output_logprobs.append(logprob)
+        req.append_output(token_id, logprob, *(top or (None, None)))
         if req.grammar is not None and not req.grammar.accept(token_id):
             # The mask allowed only what the grammar accepts, so this is a bug; end the output
             # rather than emit text that breaks the constraint.
@@ -184,8 +195,8 @@ class Scheduler:
         forced = req.grammar.forced_tokens(limit=room)
         if not forced:
             return req.finish_reason is not None
-        req.output_ids.extend(forced)
-        req.output_logprobs.extend([0.0] * len(forced))  # chosen by the grammar: probability 1
+        for tok in forced:  # chosen by the grammar: probability 1, no alternatives
+            req.append_output(tok, 0.0)
         return req.check_finished(self.eos_token_ids) is not None
 
     def _schedule(self) -> tuple[list[Req], list[int]]:
