@@ -94,6 +94,8 @@ class JobBuilder:
             )
         if req.n not in (None, 1):
             raise APIError("n: only n=1 is supported", param="n")
+        if req.best_of not in (None, 1):
+            raise APIError("best_of: only best_of=1 is supported", param="best_of")
 
     def _completion_ids(self, req: CompletionRequest, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -66,6 +66,7 @@ class BaseGenerateRequest(BaseModel):
     seed: int | None = None
     stop: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
     n: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1)  # legacy completions; only 1 (vLLM removed it too)
     ignore_eos: bool = False  # extension (vLLM, SGLang): keep generating past EOS
     return_token_ids: bool = False  # extension (vLLM): the generated ids in each choice
     response_format: ResponseFormat | None = None
