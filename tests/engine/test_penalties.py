@@ -125,3 +125,31 @@ def test_min_tokens_and_stop_token_ids(model, tokenizer, hf_model) -> None:
     assert stop.output_ids == [first] and stop.finish_reason == "stop"
     assert first not in held.output_ids[:4]
     assert held.output_ids == hf_greedy(hf_model, prompt, held.sampling, 8, cfg.eos_token_ids)
+
+
+@pytest.mark.slow
+def test_logprobs_are_raw_under_processing(model, tokenizer, hf_model) -> None:
+    """Sampled under a bias, a penalty and min_tokens, with alternatives asked for: every
+    reported logprob and alternative is HF's log-softmax before any of them (first token and
+    later ones), and the chosen token's logprob is its raw one."""
+    from tests.sampling_reference import hf_logprobs
+
+    torch.set_num_threads(1)
+    net, cfg = model
+    prompt = tokenizer.encode(PROMPT)
+    params = SamplingParams(max_new_tokens=5, temperature=0.9, seed=3, top_logprobs=4,
+                            frequency_penalty=1.0, repetition_penalty=1.4, min_tokens=2,
+                            logit_bias={tokenizer.encode(" three")[0]: 3.0})
+    core = make_core(net, KVPool(cfg.kv_layout(16, "float32"), 64), cfg.eos_token_ids)
+    req = Req("r", prompt, params)
+    core.scheduler.add(req)
+    while core.scheduler.has_work:
+        core.step()
+    hf_lp = hf_logprobs(hf_model, prompt + req.output_ids)
+    assert len(req.output_top_ids) == len(req.output_ids) == 5
+    for i, tok in enumerate(req.output_ids):
+        row = hf_lp[len(prompt) - 1 + i]
+        assert abs(req.output_logprobs[i] - row[tok].item()) < 1e-3, i
+        want_vals, want_ids = row.topk(4)
+        assert req.output_top_ids[i] == want_ids.tolist(), i
+        assert max(abs(a - b) for a, b in zip(req.output_top_logprobs[i], want_vals.tolist())) < 1e-3
