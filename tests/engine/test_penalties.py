@@ -37,6 +37,7 @@ ROWS = [  # (prompt, output, params): one batch, each row its own mix
     ([1, 2, 3], [3, 3, 1], {"frequency_penalty": 0.5, "presence_penalty": 0.3,
                                 "repetition_penalty": 1.3, "logit_bias": {3: 2.0}, "min_tokens": 5,
                                 "stop_token_ids": [7]}),
+    ([6, 7], [8, 8], {"min_tokens": 3, "stop_token_ids": [9]}),  # one short: still masked
     ([1, 2], [2], {}),  # neutral
 ]
 
