@@ -139,6 +139,7 @@ class ModelRunner:
             logits, [r.sampling for r in picked], [_step_generator(r) for r in picked]
         )
         if raw is not None:
+            raw = raw_logprobs(logits)
             logprobs = raw.gather(1, ids[:, None])[:, 0]
         out.token_ids, out.logprobs = ids.tolist(), logprobs.tolist()
         if any(top_counts):
