@@ -171,6 +171,27 @@ def test_top_logprobs_reach_the_engine(client, fake) -> None:
     assert fake.requests[-1][2].top_logprobs == 3
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_logprobs_cover_every_token_once(client, fake, path) -> None:
+    """Each chunk carries the logprobs of its own tokens: joined, they are the whole answer's
+    (legacy text offsets running on across chunks)."""
+    body = {"model": MODEL, "max_tokens": 12, "logprobs": True if path == CH else 2}
+    body |= {"messages": USER, "top_logprobs": 2} if path == CH else {"prompt": "x"}
+    full = client.post(path, json=body).json()["choices"][0]["logprobs"]
+    events = sse_events(client.post(path, json={**body, "stream": True}).text)
+    chunks = [e["choices"][0]["logprobs"] for e in events
+              if isinstance(e, dict) and e["choices"] and e["choices"][0]["logprobs"]]
+    assert len(chunks) > 1
+    if path == CH:
+        assert [t for c in chunks for t in c["content"]] == full["content"]
+        assert len(full["content"]) == 12 and all("bytes" in t for t in full["content"])
+    else:
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [x for c in chunks for x in c[key]] == full[key], key
+        assert len(full["tokens"]) == 12
+        assert full["text_offset"] == sorted(full["text_offset"])
+
+
 def test_ignore_eos_and_max_completion_tokens(client, fake) -> None:
     body = {"model": MODEL, "messages": USER, "ignore_eos": True, "max_completion_tokens": 40}
     r = client.post("/v1/chat/completions", json={**body, "max_tokens": 3})
