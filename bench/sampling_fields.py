@@ -77,7 +77,7 @@ def main() -> None:
     dtype = default_dtype()[0]
     model, cfg = load_model(resolve_model(args.model), getattr(torch, dtype))
     pool = KVPool(cfg.kv_layout(16, dtype), 4096)
-    core = make_core(model, pool, cfg.eos_token_ids, eos_token_ids=cfg.eos_token_ids)
+    core = make_core(model, pool, cfg.eos_token_ids)
     prompt = [(i * 7919) % 30000 + 100 for i in range(args.prompt_len)]
     print(f"CPU: {cpu_model()}; {dtype}, {args.threads} thread(s), prompt {args.prompt_len} "
           f"tokens, {args.steps} steps, {args.rounds} rounds")
