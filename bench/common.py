@@ -77,6 +77,7 @@ def make_core(
 
     cache = create_prefix_cache("none", pool.allocator, pool.page_size)
     scheduler = Scheduler(cache, engine or EngineConfig(), eos_token_ids)
+    runner = {"eos_token_ids": eos_token_ids, **runner}  # min_tokens masks them
     return EngineCore(scheduler, ModelRunner(model, pool, **runner))
 
 

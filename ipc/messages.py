@@ -45,11 +45,32 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # every prompt token at index >= max(1, logprob_start_len) comes back with the first token.
     # A start past a shared prefix lets that prefix stay cacheable (only later positions scored).
     logprob_start_len: int = -1
+    constraint: Constraint | None = None
+    # Logits processing (engine.runner.penalties), applied where each token is sampled, in this
+    # order: ``logit_bias`` (token id -> added to its logit), ``min_tokens`` (EOS and
+    # ``stop_token_ids`` masked until that many tokens were generated), ``repetition_penalty``
+    # (vLLM: over prompt + output, positive logits divided, negative multiplied; 1 is off), then
+    # ``frequency_penalty`` x count and ``presence_penalty`` x seen over the output (OpenAI).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    min_tokens: int = 0
+    # Alternatives per token (0-20) returned with each sampled token, and with each scored prompt
+    # token: the most likely ids of the raw distribution (log-softmax before any processing).
+    top_logprobs: int = 0
 
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.logprob_start_len >= 0
-    constraint: Constraint | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any logits processing other than ``min_tokens`` is asked for."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -131,6 +152,13 @@ class TokenOutput(msgspec.Struct, kw_only=True):
     # Set on the output with index 0 when ``sampling.logprob_start_len >= 0``: logprobs of prompt
     # tokens ``max(1, logprob_start_len) .. prompt_len - 1`` (the first token has none).
     prompt_logprobs: list[float] | None = None
+    # When ``sampling.top_logprobs > 0``: per token of ``token_ids`` (resp. ``prompt_logprobs``)
+    # the most likely ids and their raw logprobs, most likely first (empty for a token the
+    # grammar forced, which was not sampled).
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+    prompt_top_ids: list[list[int]] | None = None
+    prompt_top_logprobs: list[list[float]] | None = None
 
 
 class TokenBatch(msgspec.Struct, tag="tokens"):

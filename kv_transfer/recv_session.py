@@ -157,8 +157,8 @@ class RecvSession(BaseSession):
             self._release()
         elif event is E.LAST_PAGES:
             req = self.req
-            req.output_ids.append(header.first_token)
-            req.output_logprobs.append(header.first_logprob)
+            # Its alternatives went to the server from the prefill worker: none kept here.
+            req.append_output(header.first_token, header.first_logprob)
             req.kv_len = req.prompt_len
             req.emitted_len = 1
         if nxt is not self.state:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitserve.ipc.messages import SamplingParams
 
@@ -31,6 +31,11 @@ class TokenEvent:
     prompt_len: int = 0
     cached_len: int = 0
     prompt_logprobs: list[float] | None = None  # on the first event, when asked for
+    # Alternatives per token of ``token_ids`` / ``prompt_logprobs`` (``messages.TokenOutput``).
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    prompt_top_ids: list[list[int]] | None = None
+    prompt_top_logprobs: list[list[float]] | None = None
 
 
 class BaseEngineClient(abc.ABC):

@@ -81,7 +81,7 @@ _SHARED: dict[str, FieldRule] = {
     "max_tokens": implemented("new tokens at most; 0 with `echo` scores the prompt", minimum=0),
     "temperature": implemented("0 is greedy", minimum=0, maximum=2),
     "top_p": implemented("nucleus sampling; must be above 0", minimum=0, maximum=1),
-    "n": implemented("choices per request, sharing the prompt's KV", minimum=1, maximum=128),
+    "n": refused("one choice per request (n > 1 is not built yet)", noop=(1,)),
     "seed": implemented("per-request random stream; a signed 64-bit integer", **_SEED),
     "stop": implemented("up to 4 stop strings"),
     "stream": implemented("server-sent events"),

@@ -80,12 +80,19 @@ class ResponseFormatter:
         return body
 
     def chunk(
-        self, text: str | None, finish_reason: str | None = None, role: bool = False,
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """One streamed chunk. Chat chunks carry a ``delta``; the first one names the role;
-        ``tool_calls`` are OpenAI's call deltas (``server.tools.stream``)."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        """One streamed chunk. Chat chunks carry a ``delta``; the first one names the role.
+        ``logprobs``: the object of this chunk's tokens (``server.logprobs``), when asked for;
+        ``tool_calls``: OpenAI's call deltas (``server.tools.stream``)."""
+        choice: dict[str, Any] = {
+            "index": 0, "logprobs": logprobs, "finish_reason": finish_reason
+        }
         if self.is_chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:

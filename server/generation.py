@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 
 from splitserve.server.detokenizer import IncrementalDetokenizer
-from splitserve.server.engine_client import BaseEngineClient
+from splitserve.server.engine_client import BaseEngineClient, TokenEvent
 from splitserve.server.errors import APIError
 from splitserve.server.job import Job
 from splitserve.server.stop_strings import StopStringMatcher
@@ -23,10 +23,14 @@ from splitserve.server.stop_strings import StopStringMatcher
 
 @dataclass(slots=True)
 class Piece:
-    """Text that became final since the last piece; ``finish_reason`` set on the last."""
+    """Text that became final since the last piece; ``finish_reason`` set on the last.
+    ``token_start``/``token_end``: the output tokens that came with it (indices into
+    ``job.output_ids``), whose logprobs a streamed chunk carries."""
 
     text: str
     finish_reason: str | None = None
+    token_start: int = 0
+    token_end: int = 0
 
 
 async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> AsyncIterator[Piece]:
@@ -49,11 +53,9 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
             if ev.error is not None:
                 engine_done = True
                 raise APIError(ev.error, status_code=ev.error_code)
-            job.usage.completion_tokens += len(ev.token_ids)
-            job.output_ids.extend(ev.token_ids)
-            job.output_logprobs.extend(ev.logprobs)
-            if ev.prompt_logprobs is not None:
-                job.prompt_logprobs = ev.prompt_logprobs
+            start = len(job.output_ids)
+            record(job, ev)
+            span = {"token_start": start, "token_end": len(job.output_ids)}
             job.usage.prompt_tokens = ev.prompt_len or job.usage.prompt_tokens
             job.usage.cached_tokens = max(job.usage.cached_tokens, ev.cached_len)
             text = stops.feed(detok.push(ev.token_ids))
@@ -61,12 +63,12 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
                 engine_done = True
                 text += stops.feed(detok.flush())
                 text += stops.flush()
-                yield Piece(text, "stop" if stops.stopped else ev.finish_reason)
+                yield Piece(text, "stop" if stops.stopped else ev.finish_reason, **span)
                 return
             if stops.stopped:  # engine still running: the finally aborts it
-                yield Piece(text, "stop")
+                yield Piece(text, "stop", **span)
                 return
-            yield Piece(text)
+            yield Piece(text, **span)
         engine_done = True
         raise APIError("the engine ended the request without a finish reason", status_code=500)
     finally:
@@ -77,6 +79,19 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
                 await client.abort(job.rid)  # idempotent; covers a cancelled aclose
         if job.on_done is not None:
             job.on_done(job)
+
+
+def record(job: Job, ev: TokenEvent) -> None:
+    """Add what ``ev`` brought to ``job``: tokens, logprobs, alternatives, prompt scores."""
+    job.usage.completion_tokens += len(ev.token_ids)
+    job.output_ids.extend(ev.token_ids)
+    job.output_logprobs.extend(ev.logprobs)
+    job.output_top_ids.extend(ev.top_ids)
+    job.output_top_logprobs.extend(ev.top_logprobs)
+    if ev.prompt_logprobs is not None:
+        job.prompt_logprobs = ev.prompt_logprobs
+    if ev.prompt_top_ids is not None:
+        job.prompt_top_ids, job.prompt_top_logprobs = ev.prompt_top_ids, ev.prompt_top_logprobs
 
 
 async def aclose(iterator: AsyncIterator[Any]) -> None:

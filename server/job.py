@@ -35,13 +35,20 @@ class Job:
     usage: Usage
     return_token_ids: bool = False
     echo_text: str | None = None  # the prompt's text, prepended when ``echo`` (legacy completions)
-    want_logprobs: bool = False
+    # Which logprobs object the answer carries: None, "chat" (``logprobs.content``) or
+    # "completion" (the legacy one); the alternatives' count is ``sampling.top_logprobs``.
+    logprobs: str | None = None
     discard_output: bool = False
     tool_format: ToolCallFormat | None = None  # parse tool calls out of the answer (chat)
-    # What came back (filled by ``server.generation.stream_text``).
+    # What came back (filled by ``server.generation.stream_text``). ``*_top_*``: per token its
+    # most likely alternatives (when ``sampling.top_logprobs > 0``), most likely first.
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
+    output_top_ids: list[list[int]] = field(default_factory=list)
+    output_top_logprobs: list[list[float]] = field(default_factory=list)
+    prompt_top_ids: list[list[int]] | None = None
+    prompt_top_logprobs: list[list[float]] | None = None
     # Tenancy (set by ``server.tenancy`` after the job is built): the prefix-cache namespace the
     # engine matches in (None: the shared one), and what to call once the engine is done with
     # the job, however it ended (the rate limiter charges the generated tokens there).

@@ -32,7 +32,6 @@ class JobBuilder:
         model_name: the ``model`` clients must send (:data:`MODEL_ALIAS` is accepted too).
         context_len: prompt + generated tokens may not exceed this (tokens).
         eos_token_ids: ids that end generation unless the request sets ``ignore_eos``.
-        chat: renders chat prompts (default: the tokenizer's own template, tool format auto).
     """
 
     def __init__(
@@ -49,52 +48,69 @@ class JobBuilder:
         """Whether ``model`` names the served model."""
         return model in (self.model_name, MODEL_ALIAS)
 
-    def completion_job(self, req: CompletionRequest, request_id: str | None = None) -> Job:
-        """The job of a ``/v1/completions`` request (``request_id``: the client's
-        ``X-Request-Id``, which the job's rid carries).
+    def completion_jobs(self, req: CompletionRequest, request_id: str | None = None) -> list[Job]:
+        """The jobs of a ``/v1/completions`` request: one per prompt (choice ``i`` answers
+        prompt ``i``), all under one response id (``request_id``: the client's
+        ``X-Request-Id``, which the rid carries: :func:`new_rid`).
 
         Raises:
             APIError: another model, ``n`` > 1, an echo/logprobs combination not served
-                (:func:`check_echo`), a token id outside the vocabulary, or no room in the context.
+                (:func:`check_echo`), several prompts with ``stream``, a sampling field out of
+                range (:meth:`_check_sampling`), a token id outside the vocabulary, or no room
+                in the context.
         """
         self._check_model(req)
         check_echo(req)
-        job = self._make_job(req, self._completion_ids(req), False, request_id)
-        if req.echo:
-            prompt = req.prompt
-            job.echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
-        job.want_logprobs = req.logprobs is not None
-        job.discard_output = req.max_tokens == 0
-        return job
+        prompts = req.prompts
+        if len(prompts) > 1 and req.stream:
+            raise APIError("prompt: a list of several prompts is not supported with stream",
+                           param="prompt")
+        rid = new_rid(False, request_id)
+        jobs = []
+        for i, prompt in enumerate(prompts):
+            job = self._make_job(req, self._completion_ids(req, prompt), is_chat=False,
+                                 rid=rid if len(prompts) == 1 else f"{rid}-{i}", response_id=rid)
+            if req.echo:
+                job.echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+            job.logprobs = "completion" if req.logprobs is not None else None
+            job.discard_output = req.max_tokens == 0
+            jobs.append(job)
+        return jobs
 
     def chat_job(self, req: ChatCompletionRequest, request_id: str | None = None) -> Job:
         """The job of a ``/v1/chat/completions`` request (``request_id`` as in
-        :meth:`completion_job`).
+        :meth:`completion_jobs`).
 
         Raises:
-            APIError: another model, ``n`` > 1, a conversation the chat template refuses, tool
+            APIError: another model, ``n`` > 1, ``top_logprobs`` without ``logprobs``, a
+                sampling field out of range, a conversation the chat template refuses, tool
                 fields that do not fit together (``server.tools.request``), or no room in the
                 context.
         """
         self._check_model(req)
+        if req.top_logprobs and not req.logprobs:
+            raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         tools = tool_request(req, self.chat.tool_format, self.chat.begin_token)
-        job = self._make_job(req, self._chat_ids(req, tools.tools), True, request_id,
-                             constraint=tools.constraint)
+        rid = new_rid(True, request_id)
+        job = self._make_job(req, self._chat_ids(req, tools.tools), is_chat=True, rid=rid,
+                             response_id=rid, constraint=tools.constraint)
         job.tool_format = tools.format
+        job.logprobs = "chat" if req.logprobs else None
         return job
 
     def prompt_ids(self, req: BaseGenerateRequest) -> list[int]:
         """The prompt's token ids exactly as a generation request would send them
-        (``POST /tokenize``; a chat request's tools rendered as for generation).
+        (``POST /tokenize``; a chat request's tools rendered as for generation, a completion
+        request's first prompt).
 
         Raises:
-            APIError: as :meth:`chat_job` / :meth:`completion_job` for the prompt.
+            APIError: as :meth:`chat_job` / :meth:`completion_jobs` for the prompt.
         """
         if isinstance(req, ChatCompletionRequest):
             tools = tool_request(req, self.chat.tool_format, self.chat.begin_token)
             return self._chat_ids(req, tools.tools)
         assert isinstance(req, CompletionRequest)
-        return self._completion_ids(req)
+        return self._completion_ids(req, req.prompts[0])
 
     def _check_model(self, req: BaseGenerateRequest) -> None:
         if not self.serves(req.model):
@@ -103,16 +119,36 @@ class JobBuilder:
             )
         if req.n not in (None, 1):
             raise APIError("n: only n=1 is supported", param="n")
+        if req.best_of not in (None, 1):
+            raise APIError("best_of: only best_of=1 is supported", param="best_of")
 
-    def _completion_ids(self, req: CompletionRequest) -> list[int]:
-        if isinstance(req.prompt, str):
+    def _completion_ids(self, req: CompletionRequest, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
             # By default a raw prompt gets BOS where the model expects one.
-            return self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        vocab_size = len(self.tokenizer)
-        bad = next((t for t in req.prompt if not 0 <= t < vocab_size), None)
+            return self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+        bad = self._first_outside_vocab(prompt)
         if bad is not None:
             raise APIError(f"prompt: token id {bad} is outside the vocabulary", param="prompt")
-        return list(req.prompt)
+        return list(prompt)
+
+    def _first_outside_vocab(self, ids: Any) -> int | None:
+        vocab_size = len(self.tokenizer)
+        return next((t for t in ids if not 0 <= t < vocab_size), None)
+
+    def _check_sampling(self, req: BaseGenerateRequest, max_tokens: int | None) -> None:
+        """The sampling fields' checks that need the vocabulary or ``max_tokens``.
+
+        Raises:
+            APIError: a ``logit_bias`` or ``stop_token_ids`` id outside the vocabulary, or
+                ``min_tokens`` above the ``max_tokens`` in effect.
+        """
+        for param, ids in (("logit_bias", req.logit_bias), ("stop_token_ids", req.stop_token_ids)):
+            bad = self._first_outside_vocab(ids or ())
+            if bad is not None:
+                raise APIError(f"{param}: token id {bad} is outside the vocabulary", param=param)
+        if req.min_tokens and max_tokens is not None and req.min_tokens > max_tokens:
+            raise APIError(f"min_tokens: {req.min_tokens} exceeds max_tokens ({max_tokens})",
+                           param="min_tokens")
 
     def _chat_ids(self, req: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
         try:
@@ -126,9 +162,12 @@ class JobBuilder:
         # The template already wrote BOS and the role markers; don't add them twice.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _make_job(self, req: BaseGenerateRequest, input_ids: list[int], is_chat: bool,
-                  request_id: str | None = None,
-                  constraint: Constraint | None = None) -> Job:
+    def _make_job(
+        self, req: BaseGenerateRequest, input_ids: list[int], is_chat: bool, rid: str,
+        response_id: str, constraint: Constraint | None = None,
+    ) -> Job:
+        """One prompt's job: ``rid`` names it on the workers, ``response_id`` is the answer's
+        ``id`` (the same unless the request has several prompts)."""
         prompt_param = "messages" if is_chat else "prompt"
         if not input_ids:
             raise APIError(f"{prompt_param}: the prompt is empty", param=prompt_param)
@@ -148,8 +187,9 @@ class JobBuilder:
                 f"the context length {self.context_len}; at most {room} allowed",
                 param=max_param,
             )
-        rid = new_rid(is_chat, request_id)
-        fmt = ResponseFormatter(rid, int(time.time()), req.model, is_chat, req.include_usage)
+        self._check_sampling(req, max_tokens)
+        fmt = ResponseFormatter(response_id, int(time.time()), req.model, is_chat,
+                                req.include_usage)
         sampling = self._sampling(req, room, max_tokens, constraint)
         return Job(rid, input_ids, sampling, req.stop or [], fmt, Usage(len(input_ids)),
                    req.return_token_ids)
@@ -159,6 +199,11 @@ class JobBuilder:
         constraint: Constraint | None = None,
     ) -> SamplingParams:
         scores_prompt = isinstance(req, CompletionRequest) and req.wants_prompt_logprobs
+        if isinstance(req, CompletionRequest):
+            top_logprobs = req.logprobs or 0
+        else:
+            top_logprobs = (req.top_logprobs or 0) if req.logprobs else 0
+        eos = [] if req.ignore_eos else list(self.eos_token_ids)
         return SamplingParams(
             # max_tokens 0 (echo only): the engine always samples a first token; it is dropped.
             max_new_tokens=room if max_tokens is None else max(1, max_tokens),
@@ -167,13 +212,20 @@ class JobBuilder:
             top_k=-1 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
             seed=req.seed,
-            # The chat template's end marker may differ from config's EOS; send both.
-            stop_token_ids=[] if req.ignore_eos else list(self.eos_token_ids),
+            # The chat template's end marker may differ from config's EOS; send both. The
+            # request's own stop ids end the output even with ignore_eos (vLLM's reading).
+            stop_token_ids=eos + [t for t in req.stop_token_ids or () if t not in eos],
             ignore_eos=req.ignore_eos,
             logprob_start_len=(req.logprob_start_len or 0) if scores_prompt else -1,
             # The tool-call grammar (server.tools) replaces the request's own constraint fields,
             # which tool_request refused alongside it.
             constraint=constraint or constraint_from_request(req),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=dict(req.logit_bias or {}),
+            min_tokens=req.min_tokens or 0,
+            top_logprobs=top_logprobs,
         )
 
 
@@ -192,12 +244,11 @@ def check_echo(req: CompletionRequest) -> None:
     """The combinations of echo/logprobs this server does not serve, as 400s.
 
     Raises:
-        APIError: ``max_tokens`` 0 without ``echo``, or ``stream`` with ``echo`` or ``logprobs``.
+        APIError: ``max_tokens`` 0 without ``echo``, or ``stream`` with ``echo``.
     """
     if req.max_tokens == 0 and not req.echo:
         raise APIError(
             "max_tokens: 0 is only allowed with echo (to score the prompt)", param="max_tokens"
         )
-    if req.stream and (req.echo or req.logprobs is not None):
-        raise APIError("stream: echo and logprobs are not supported with stream yet",
-                       param="stream")
+    if req.stream and req.echo:
+        raise APIError("stream: echo is not supported with stream", param="stream")

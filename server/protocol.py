@@ -20,6 +20,8 @@ from pydantic import (
 )
 
 MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is a choice of the answer)
 
 
 class StreamOptions(BaseModel):
@@ -71,6 +73,7 @@ class BaseGenerateRequest(BaseModel):
     seed: int | None = None
     stop: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
     n: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1)  # legacy completions; only 1 (vLLM removed it too)
     ignore_eos: bool = False  # extension (vLLM, SGLang): keep generating past EOS
     return_token_ids: bool = False  # extension (vLLM): the generated ids in each choice
     response_format: ResponseFormat | None = None
@@ -83,6 +86,31 @@ class BaseGenerateRequest(BaseModel):
     # Extension (vLLM's name): requests with different salts never share prefix-cache entries,
     # so a salted prompt's ``cached_tokens`` counts only what the same salt (and key) cached.
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # Logits processing (engine.runner.penalties). OpenAI's ranges for the two penalties;
+    # repetition_penalty (vLLM's extension) must be > 0, 1 is off.
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    logit_bias: dict[int, float] | None = None  # JSON keys are token ids as strings
+    min_tokens: int | None = Field(None, ge=0)  # extension (vLLM): EOS/stop ids masked till then
+    stop_token_ids: list[int] | None = None  # extension (vLLM): ids that end the output too
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_ids(cls, value: Any) -> Any:
+        # OpenAI: a map from token ids (JSON object keys, so strings) to a bias in [-100, 100].
+        if not isinstance(value, dict):
+            return value
+        out = {}
+        for key, bias in value.items():
+            if not isinstance(key, str) or not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+                raise ValueError(f"the bias of token {key} must be a number")  # noqa: TRY004
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of token {key} must be in [-100, 100], got {bias}")
+            out[int(key)] = float(bias)
+        return out
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -104,7 +132,7 @@ class CompletionRequest(BaseGenerateRequest):
     null), so a shared prefix before it can be served from the prefix cache.
     """
 
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(None, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
@@ -119,17 +147,31 @@ class CompletionRequest(BaseGenerateRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        # OpenAI allows a batch of prompts; we serve one per request (like n == 1).
+    def _prompt_shape(cls, value: Any) -> Any:
+        # OpenAI allows a batch of prompts (strings or token-id lists): choice i answers prompt
+        # i. A batch of one is that prompt.
         if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError("only one prompt per request is supported")
-            return value[0]
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+            for p in value:
+                if not isinstance(p, str) and not (
+                    isinstance(p, list) and all(type(v) is int for v in p)
+                ):
+                    raise ValueError("a list of prompts holds strings or lists of token ids")
+            return value[0] if len(value) == 1 else value
         if isinstance(value, str):
             return value
         if not isinstance(value, list) or not all(type(v) is int for v in value):
-            raise ValueError("must be a string, a list of one string, or a list of token ids")
+            raise ValueError("must be a string, a list of token ids, or a list of those")
         return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or the batch it sent."""
+        p = self.prompt
+        if isinstance(p, str) or not p or type(p[0]) is int:
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
 
 def _text_of_parts(value: Any) -> Any:
@@ -259,3 +301,5 @@ class ChatCompletionRequest(BaseGenerateRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    logprobs: bool | None = False  # each output token's logprob in choices[].logprobs.content
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs: true

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -29,8 +30,9 @@ from splitserve.server.job import Job
 from splitserve.server.job_builder import JobBuilder
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
 from splitserve.server.request_id import RequestIdMiddleware
-from splitserve.server.responses import full_response, streaming_response
+from splitserve.server.responses import full_response, merge_choices, streaming_response
 from splitserve.server.tenancy import Tenancy
+from splitserve.server.token_text import TokenSpeller
 from splitserve.server.tokenize import install_tokenize_routes, server_version
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ def create_app(
     chat = chat or ChatRenderer(tokenizer)
     jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids, chat)
     tenancy = tenancy or Tenancy()
+    speller = TokenSpeller(tokenizer)
     created = int(time.time())
     app = FastAPI(title="splitserve", version=server_version())
     install_error_handlers(app)
@@ -74,20 +77,44 @@ def create_app(
         # finally aborts the request on the workers.
         if stream:
             sse = await unless_disconnected(
-                request, lambda: streaming_response(job, stream_text(client, tokenizer, job))
+                request,
+                lambda: streaming_response(job, stream_text(client, tokenizer, job), speller),
             )
             return client_gone() if sse is None else sse
         body = await unless_disconnected(
-            request, lambda: full_response(job, stream_text(client, tokenizer, job), tokenizer)
+            request, lambda: full_response(job, stream_text(client, tokenizer, job), speller)
         )
         return client_gone() if body is None else JSONResponse(body)
+
+    async def respond_all(request: Request, batch: list[Job]) -> Response:
+        """Several prompts: their jobs run at once, the answer has one choice per prompt."""
+        body = await unless_disconnected(request, lambda: _run_all(batch))
+        return client_gone() if body is None else JSONResponse(body)
+
+    async def _run_all(batch: list[Job]) -> dict[str, Any]:
+        bodies: list[dict[str, Any]] = [{} for _ in batch]
+
+        async def run(i: int) -> None:
+            job = batch[i]
+            bodies[i] = await full_response(job, stream_text(client, tokenizer, job), speller)
+
+        try:
+            # A job that fails cancels the others (their stream_text aborts them on the workers).
+            async with anyio.create_task_group() as group:
+                for i in range(len(batch)):
+                    group.start_soon(run, i)
+        except BaseExceptionGroup as group_error:
+            raise _first_api_error(group_error) from None
+        return merge_choices(bodies)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req: CompletionRequest = await _parse(request, CompletionRequest, "completions")
-        job = tenancy.apply(request.scope, jobs.completion_job(req, request.state.request_id),
-                            req.cache_salt)
-        return await respond(request, job, req.stream)
+        batch = [tenancy.apply(request.scope, job, req.cache_salt)
+                 for job in jobs.completion_jobs(req, request.state.request_id)]
+        if len(batch) > 1:
+            return await respond_all(request, batch)
+        return await respond(request, batch[0], req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -144,6 +171,16 @@ def create_app(
         return await client.flush_cache()
 
     return app
+
+
+def _first_api_error(group: BaseExceptionGroup) -> BaseException:
+    """The error to answer with when a job of a batch failed: its APIError if it raised one."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            exc = _first_api_error(exc)
+        if isinstance(exc, APIError):
+            return exc
+    return group.exceptions[0]
 
 
 async def _parse(

@@ -300,5 +300,7 @@ class ZmqEngineClient(BaseEngineClient):
             state.queue.put_nowait(
                 TokenEvent(o.token_ids, o.logprobs, o.finish_reason,
                            prompt_len=o.prompt_len, cached_len=o.cached_len,
-                           prompt_logprobs=o.prompt_logprobs)
+                           prompt_logprobs=o.prompt_logprobs, top_ids=o.top_ids,
+                           top_logprobs=o.top_logprobs, prompt_top_ids=o.prompt_top_ids,
+                           prompt_top_logprobs=o.prompt_top_logprobs)
             )

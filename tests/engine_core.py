@@ -29,4 +29,5 @@ def make_core(
     prefix cache name (``none`` | ``radix``)."""
     prefix_cache = create_prefix_cache(cache, pool.allocator, pool.page_size)
     scheduler = Scheduler(prefix_cache, EngineConfig(**engine), eos_token_ids, prefill_only)
-    return EngineCore(scheduler, ModelRunner(model, pool, **(runner or {})))
+    runner = {"eos_token_ids": eos_token_ids, **(runner or {})}
+    return EngineCore(scheduler, ModelRunner(model, pool, **runner))

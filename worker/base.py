@@ -94,6 +94,7 @@ class BaseWorker:
             overlap_grammar_mask=e.overlap_grammar_mask,
             decode_graphs=self._capture_decode_graphs(model),
             use_cpu_kernels=e.cpu_kernels,
+            eos_token_ids=self.model_config.eos_token_ids,
         )
         self.core = EngineCore(self.scheduler, self.runner)
         self.grammars = create_worker_grammars(
@@ -329,6 +330,7 @@ class BaseWorker:
 
     def token_output(self, req: Req, index: int) -> TokenOutput:
         """Output of ``req``'s tokens from output position ``index`` to the end."""
+        wants_prompt_top = req.sampling.wants_prompt_logprobs and req.sampling.top_logprobs > 0
         return TokenOutput(
             rid=req.rid,
             index=index,
@@ -341,6 +343,10 @@ class BaseWorker:
             prompt_logprobs=(
                 req.prompt_logprobs if index == 0 and req.sampling.wants_prompt_logprobs else None
             ),
+            top_ids=req.output_top_ids[index:],
+            top_logprobs=req.output_top_logprobs[index:],
+            prompt_top_ids=req.prompt_top_ids if index == 0 and wants_prompt_top else None,
+            prompt_top_logprobs=req.prompt_top_logprobs if index == 0 and wants_prompt_top else None,
         )
 
     def num_transferring(self) -> int:

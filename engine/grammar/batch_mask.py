@@ -105,7 +105,9 @@ class BatchMask:
             out = self._bias[row].reshape(self.width * 4, 8)
             np.take(_BYTE_TO_BIAS, words_as_bytes[row], axis=0, out=out, mode="clip")
 
-    def apply(self, logits: torch.Tensor, rows: Sequence[int]) -> None:
+    def apply(
+        self, logits: torch.Tensor, rows: Sequence[int], mask_rows: Sequence[int] | None = None
+    ) -> None:
         """Set the logits of the tokens each row's grammar disallows to ``-inf``, in place.
 
         Allowed logits get ``+ 0.0``: unchanged (a ``-0.0`` becomes ``+0.0``). Other rows are not
@@ -115,10 +117,17 @@ class BatchMask:
             logits: float ``[B, V]`` with ``V <= 32 * width``; ``rows`` were filled for them.
             rows: the constrained rows, ascending, as given to the last ``fill``.
 
+            mask_rows: the filled rows to apply to ``rows``, one each, when they differ (a
+                speculative step samples a subset of its rows: ``runner.model_runner``).
+
         Raises:
             ValueError: if the logits are wider than the bitmask covers.
         """
         if not rows:
+            return
+        if mask_rows is not None and list(mask_rows) != list(rows):
+            for row, filled in zip(rows, mask_rows, strict=True):
+                self._apply_one(logits, row, filled)
             return
         if logits.shape[-1] > self.width * 32:
             raise ValueError(
@@ -138,6 +147,14 @@ class BatchMask:
         values, bias = logits.numpy(), self._bias[:, :width]
         for start, stop in _runs(rows):  # one add per run of adjacent rows: all of them, usually
             np.add(values[start:stop], bias[start:stop], out=values[start:stop])
+
+    def _apply_one(self, logits: torch.Tensor, row: int, filled: int) -> None:
+        """Mask ``logits[row]`` with filled row ``filled``."""
+        width = logits.shape[-1]
+        if self.use_bias and logits.device.type == "cpu":
+            logits[row].add_(self._bias_t[filled, :width].to(logits.dtype))
+        else:
+            apply_bitmask(logits[row : row + 1], self.bitmask[filled : filled + 1], [0])
 
     def _reserve(self, num_rows: int) -> None:
         """Grow the buffers to at least ``num_rows`` rows (doubling, so growth is rare). The bias

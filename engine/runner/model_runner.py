@@ -15,6 +15,8 @@ from splitserve.engine.grammar.batch_mask import BatchMask
 from splitserve.engine.grammar.mask_thread import MaskFillThread
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.runner.cuda_graph import DecodeGraphRunner
+from splitserve.engine.runner.logprobs import raw_logprobs, top_alternatives
+from splitserve.engine.runner.penalties import needs_processing, process_logits
 from splitserve.engine.runner.sampling import Sampler, make_generator
 from splitserve.engine.runner.verify import verify_drafts
 from splitserve.engine.sched.batch import ModelOutput, ScheduledBatch
@@ -36,6 +38,12 @@ class ModelRunner:
             switched between steps.
         decode_graphs: replays decode-only steps it can run (``engine.cuda_graph``); None runs
             every step eagerly.
+        eos_token_ids: the model's EOS ids, which ``min_tokens`` masks (``runner.penalties``).
+
+    The logits of the sampled rows go through, in this order: raw logprobs (of the model's
+    distribution, ``runner.logprobs``) -> penalties, ``logit_bias``, ``min_tokens``
+    (``runner.penalties``) -> the grammar mask -> temperature, top-k, top-p, min-p and the draw
+    (``runner.sampling``).
     """
 
     def __init__(
@@ -47,8 +55,10 @@ class ModelRunner:
         overlap_grammar_mask: bool = True,
         decode_graphs: DecodeGraphRunner | None = None,
         use_cpu_kernels: bool = True,
+        eos_token_ids: list[int] | tuple[int, ...] = (),
     ) -> None:
         self.model = model
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size  # logits width, for grammar bitmasks (0: no grammars)
         self.pool = pool
         self.device = device
@@ -87,7 +97,7 @@ class ModelRunner:
             if constrained else None
         )
         scored = step.scored_rows
-        prompt_logprobs: list[list[float]] = []
+        prompt_logprobs: list[tuple[list[float], list[list[int]], list[list[float]]]] = []
         try:
             batch = build_forward_batch(
                 token_chunks=[
@@ -120,16 +130,100 @@ class ModelRunner:
         finally:
             # Grammar state is the caller's again only after this (grammar.mask_thread, point 3).
             self.mask_thread.join()
+        out = ModelOutput([], [], [lp for lp, _, _ in prompt_logprobs])
+        if any(r.sampling.top_logprobs for r in (reqs[i] for i in scored)):
+            out.prompt_top_ids = [ids for _, ids, _ in prompt_logprobs]
+            out.prompt_top_logprobs = [lps for _, _, lps in prompt_logprobs]
         if not sample_rows:
-            return ModelOutput([], [], prompt_logprobs)
+            return out
+        if drafts:
+            self._verify(step, picked, picked_drafts, firsts, logits, mask, out)
+        else:
+            self._sample(logits, picked, mask, mask_rows, out)
+        return out
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        picked: list[Req],
+        mask: BatchMask | None,
+        masked_rows: list[int],
+        out: ModelOutput,
+        mask_rows: list[int] | None = None,
+    ) -> None:
+        """Process ``logits`` (``[len(picked), V]``, changed in place) in the class docstring's
+        order and sample one token per row into ``out``. ``masked_rows``: the constrained rows
+        of ``logits``; ``mask_rows``: the mask's rows filled for them (default the same)."""
+        processed = [j for j, r in enumerate(picked) if needs_processing(r)]
+        top_counts = [r.sampling.top_logprobs for r in picked]
+        # Logprobs are of the raw distribution: taken before anything below changes the logits.
+        # Without processing, a mask or alternatives the sampler's own logprob is that already.
+        raw = raw_logprobs(logits) if processed or mask is not None or any(top_counts) else None
+        if processed:
+            process_logits(logits, processed, [picked[j] for j in processed], self.eos_token_ids)
         if mask is not None:
-            mask.apply(logits, mask_rows)
-        if not drafts:
-            ids, logprobs = self.sampler.sample(
-                logits, [r.sampling for r in picked], [_step_generator(r) for r in picked]
+            mask.apply(logits, masked_rows, mask_rows)
+        ids, logprobs = self.sampler.sample(
+            logits, [r.sampling for r in picked], [_step_generator(r) for r in picked]
+        )
+        if raw is not None:
+            logprobs = raw.gather(1, ids[:, None])[:, 0]
+        out.token_ids, out.logprobs = ids.tolist(), logprobs.tolist()
+        if any(top_counts):
+            out.top_ids, out.top_logprobs = top_alternatives(raw, top_counts)
+
+    def _verify(
+        self,
+        step: ScheduledBatch,
+        picked: list[Req],
+        picked_drafts: list[list[int]],
+        firsts: list[int],
+        logits: torch.Tensor,
+        mask: BatchMask | None,
+        out: ModelOutput,
+    ) -> None:
+        """A step with speculative rows: rows without a draft sample as usual (``_sample``),
+        rows with one are verified under their masks at every drafted position
+        (``runner.verify``; the scheduler drafts only for rows that need no penalties or
+        alternatives, so their raw logprobs are those of the unmasked logits)."""
+        n = len(picked)
+        ids, lps = [0] * n, [0.0] * n
+        top_ids: list[list[int]] = [[] for _ in range(n)]
+        top_lps: list[list[float]] = [[] for _ in range(n)]
+        plain = [j for j, d in enumerate(picked_drafts) if not d]
+        if plain:
+            sub = ModelOutput([], [])
+            constrained = [k for k, j in enumerate(plain) if picked[j].grammar is not None]
+            self._sample(
+                logits[[firsts[j] for j in plain]], [picked[j] for j in plain], mask,
+                constrained, sub, [firsts[plain[k]] for k in constrained],
             )
-            return ModelOutput(ids.tolist(), logprobs.tolist(), prompt_logprobs)
-        return self._verify(step, picked, picked_drafts, firsts, logits, prompt_logprobs)
+            for k, j in enumerate(plain):
+                ids[j], lps[j] = sub.token_ids[k], sub.logprobs[k]
+                if sub.top_ids:
+                    top_ids[j], top_lps[j] = sub.top_ids[k], sub.top_logprobs[k]
+        spec = [j for j, d in enumerate(picked_drafts) if d]
+        rows = torch.cat([logits[firsts[j] : firsts[j] + len(picked_drafts[j]) + 1] for j in spec])
+        raw = raw_logprobs(rows)
+        masked = [r for r, j in enumerate(spec) if picked[j].grammar is not None]
+        if mask is not None and masked:
+            offsets = [0]
+            for j in spec[:-1]:
+                offsets.append(offsets[-1] + len(picked_drafts[j]) + 1)
+            local = [offsets[r] + t for r in masked for t in range(len(picked_drafts[spec[r]]) + 1)]
+            source = [firsts[spec[r]] + t for r in masked
+                      for t in range(len(picked_drafts[spec[r]]) + 1)]
+            mask.apply(rows, local, source)
+        results = verify_drafts(
+            rows, [picked_drafts[j] for j in spec], [picked[j].sampling for j in spec],
+            [len(picked[j].output_ids) for j in spec], raw,
+        )
+        for j, res in zip(spec, results):
+            ids[j], lps[j] = res.tokens[-1], res.logprobs[-1]
+            out.verified[step.sample_rows[j]] = res
+        out.token_ids, out.logprobs = ids, lps
+        if any(top_ids):
+            out.top_ids, out.top_logprobs = top_ids, top_lps
 
     def _verify(
         self,
@@ -200,8 +294,9 @@ class ModelRunner:
 
 def _prompt_logprobs(
     reqs: list[Req], chunk_lens: list[int], logits: torch.Tensor
-) -> list[list[float]]:
-    """For each request, the logprobs of the prompt tokens its chunk's logits predict."""
+) -> list[tuple[list[float], list[list[int]], list[list[float]]]]:
+    """For each request, the logprobs of the prompt tokens its chunk's logits predict, and
+    per token its ``sampling.top_logprobs`` most likely alternatives (ids, logprobs)."""
     out = []
     row = 0
     for req, n in zip(reqs, chunk_lens):
@@ -209,10 +304,11 @@ def _prompt_logprobs(
         assert nxt is not None
         # Positions p in [nxt - 1, min(end, prompt_len - 1)) predict prompt tokens p + 1.
         lo, hi = nxt - 1, min(first + n, req.prompt_len - 1)
-        rows = logits[row + lo - first : row + hi - first]
+        rows = raw_logprobs(logits[row + lo - first : row + hi - first])
         targets = torch.tensor(req.input_ids[lo + 1 : hi + 1], dtype=torch.long)
-        lp = torch.log_softmax(rows.float(), dim=-1).gather(1, targets.to(rows.device)[:, None])
-        out.append(lp[:, 0].tolist())
+        lp = rows.gather(1, targets.to(rows.device)[:, None])
+        top_ids, top_lps = top_alternatives(rows, [req.sampling.top_logprobs] * rows.shape[0])
+        out.append((lp[:, 0].tolist(), top_ids, top_lps))
         row += n
     return out
 

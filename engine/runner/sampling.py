@@ -51,8 +51,10 @@ class Sampler:
                 global generator (not reproducible).
 
         Returns:
-            ``(token_ids [B] int64, logprobs [B] float32)``. The logprob is the log-softmax of the
-            raw logits (temperature 1, no filters) at the chosen token, as OpenAI reports it.
+            ``(token_ids [B] int64, logprobs [B] float32)``. The logprob is the log-softmax of
+            ``logits`` (temperature 1, no filters) at the chosen token; when the logits were
+            processed or masked first, ``ModelRunner`` reports the raw one instead
+            (``runner.logprobs``), as OpenAI does.
 
         Raises:
             ValueError: ``params`` or ``generators`` do not have one entry per row.

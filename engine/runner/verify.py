@@ -34,6 +34,7 @@ def verify_drafts(
     drafts: list[list[int]],
     params: list[SamplingParams],
     first_positions: list[int],
+    logprobs: torch.Tensor | None = None,
 ) -> list[Verified]:
     """Verify each row's draft against its logits.
 
@@ -46,6 +47,8 @@ def verify_drafts(
         first_positions: per row, the output position (``len(req.output_ids)``) of its first
             new token; seeded rows draw position ``first_positions[i] + t`` from its own
             generator (:func:`position_generator`).
+        logprobs: the logprobs to report per position (``[rows, V]``, e.g. the raw ones taken
+            before a grammar mask); default the log-softmax of ``logits``.
 
     Returns:
         One :class:`Verified` per row.
@@ -57,7 +60,7 @@ def verify_drafts(
     if logits.dim() != 2 or logits.shape[0] != sum(sizes) or not len(params) == len(drafts):
         raise ValueError(f"logits {tuple(logits.shape)} do not match drafts of sizes {sizes}")
     logits = logits.float()
-    logsm = torch.log_softmax(logits, dim=-1)
+    logsm = torch.log_softmax(logits, dim=-1) if logprobs is None else logprobs
     greedy = logits.argmax(dim=-1).tolist()
     out: list[Verified] = []
     row = 0

@@ -49,12 +49,21 @@ class ModelOutput:
     logprob per ``sample_rows`` entry, and for each ``scored_rows`` entry the logprobs of the
     prompt tokens its chunk predicts, in order (float32 log-softmax, before any mask).
     ``verified``: for each row with a draft, every token it gains this step (kept draft tokens
-    then one more) and their logprobs; its ``token_ids`` entry is the last of them."""
+    then one more) and their logprobs; its ``token_ids`` entry is the last of them.
+
+    Alternatives, for the rows whose request asks for ``top_logprobs`` (empty lists for the
+    others): ``top_ids[j]`` / ``top_logprobs[j]`` for sampled row ``j``, most likely first;
+    ``prompt_top_ids[j]`` / ``prompt_top_logprobs[j]`` one list per scored prompt token. All of
+    the raw distribution, like the logprobs."""
 
     token_ids: list[int]
     logprobs: list[float]
     prompt_logprobs: list[list[float]] = field(default_factory=list)
     verified: dict[int, Verified] = field(default_factory=dict)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    prompt_top_ids: list[list[list[int]]] = field(default_factory=list)
+    prompt_top_logprobs: list[list[list[float]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -46,6 +46,12 @@ class Req:
     emitted_len: int = 0  # output tokens already sent to the server
     # Logprobs of prompt tokens from ``prompt_logprob_start`` on, filled chunk by chunk.
     prompt_logprobs: list[float] = field(default_factory=list)
+    # When ``sampling.top_logprobs > 0``: per output (resp. scored prompt) token, the most likely
+    # ids and their raw logprobs; kept in step with ``output_ids`` by :meth:`append_output`.
+    output_top_ids: list[list[int]] = field(default_factory=list)
+    output_top_logprobs: list[list[float]] = field(default_factory=list)
+    prompt_top_ids: list[list[int]] = field(default_factory=list)
+    prompt_top_logprobs: list[list[float]] = field(default_factory=list)
     grammar: RequestGrammar | None = None  # set once its constraint compiled (None: free text)
     uid: int = field(default_factory=lambda: next(_uids))  # keys per-sequence engine caches
     ngrams: NgramIndex | None = None  # speculative drafts' index, made at its first decode step
@@ -81,6 +87,21 @@ class Req:
         nxt = self.prompt_logprob_start + len(self.prompt_logprobs)
         return nxt if nxt < self.prompt_len else None
 
+    def append_output(
+        self,
+        token_id: int,
+        logprob: float,
+        top_ids: list[int] | None = None,
+        top_logprobs: list[float] | None = None,
+    ) -> None:
+        """Append one generated token with its logprob (and its alternatives when the request
+        asks for them; a token that was not sampled here gets none)."""
+        self.output_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        if self.sampling.top_logprobs > 0:
+            self.output_top_ids.append(top_ids or [])
+            self.output_top_logprobs.append(top_logprobs or [])
+
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids ``[start, end)`` of prompt + output, without building the whole list."""
         n = len(self.input_ids)
@@ -94,7 +115,11 @@ class Req:
         """Set and return ``finish_reason`` after a token was appended: ``stop`` or ``length``."""
         s = self.sampling
         last = self.output_ids[-1]
-        if (not s.ignore_eos and last in eos_token_ids) or last in s.stop_token_ids:
+        # Before min_tokens EOS and stop ids are masked; one the grammar forced does not stop.
+        may_stop = len(self.output_ids) > s.min_tokens  # the last token's index >= min_tokens
+        if may_stop and (
+            (not s.ignore_eos and last in eos_token_ids) or last in s.stop_token_ids
+        ):
             self.finish_reason = "stop"
         elif self.grammar is not None and self.grammar.must_end():
             self.finish_reason = "stop"  # the grammar is complete; only a stop token could follow

@@ -149,8 +149,11 @@ class Scheduler:
         finished requests (freeing their pages) and hand prefill-only ones to the caller.
         Returns: one :class:`StepOutput` per sampled token."""
         reqs, chunks = batch.reqs, batch.chunk_lens
-        for i, logprobs in zip(batch.scored_rows, output.prompt_logprobs):
+        for j, (i, logprobs) in enumerate(zip(batch.scored_rows, output.prompt_logprobs)):
             reqs[i].prompt_logprobs.extend(logprobs)
+            if output.prompt_top_ids:
+                reqs[i].prompt_top_ids.extend(output.prompt_top_ids[j])
+                reqs[i].prompt_top_logprobs.extend(output.prompt_top_logprobs[j])
         for i, (r, n) in enumerate(zip(reqs, chunks)):
             if i in batch.drafts:
                 # KV is valid up to the last kept draft token; the rest of the chunk's slots are
@@ -160,11 +163,16 @@ class Scheduler:
             r.kv_len += n
             if n > 1:  # a prefill chunk (or jump-forward tokens): reusable by later prompts now
                 self.cache.cache_prefix(r)
-        return [
-            self._append_verified(reqs[i], output.verified[i]) if i in batch.drafts
-            else self._append_token(reqs[i], tok, lp)
-            for i, tok, lp in zip(batch.sample_rows, output.token_ids, output.logprobs)
-        ]
+        outs = []
+        for j, (i, tok, lp) in enumerate(
+            zip(batch.sample_rows, output.token_ids, output.logprobs)
+        ):
+            if i in batch.drafts:
+                outs.append(self._append_verified(reqs[i], output.verified[i]))
+                continue
+            top = (output.top_ids[j], output.top_logprobs[j]) if output.top_ids else None
+            outs.append(self._append_token(reqs[i], tok, lp, top))
+        return outs
 
     def _append_verified(self, req: Req, verified: Verified) -> StepOutput:
         """Append a running request's verified draft tokens and the token after them, up to the
@@ -172,8 +180,7 @@ class Scheduler:
         self.num_accepted_tokens += verified.accepted
         finished = False
         for tok, lp in zip(verified.tokens, verified.logprobs):
-            req.output_ids.append(tok)
-            req.output_logprobs.append(lp)
+            req.append_output(tok, lp)
             if req.grammar is not None and not req.grammar.accept(tok):
                 # The masks allowed only what the grammar accepts: a bug, as in _append_token.
                 logger.error("request %s: grammar refused verified token %d", req.rid, tok)
@@ -188,10 +195,15 @@ class Scheduler:
             self.free(req)
         return StepOutput(req, req.output_ids[-1], req.output_logprobs[-1], finished)
 
-    def _append_token(self, req: Req, token_id: int, logprob: float) -> StepOutput:
+    def _append_token(
+        self,
+        req: Req,
+        token_id: int,
+        logprob: float,
+        top: tuple[list[int], list[float]] | None = None,
+    ) -> StepOutput:
         was_waiting = req in self.waiting  # O(len(waiting)): only prefill rows get here
-        req.output_ids.append(token_id)
-        req.output_logprobs.append(logprob)
+        req.append_output(token_id, logprob, *(top or (None, None)))
         if req.grammar is not None and not req.grammar.accept(token_id):
             # The mask allowed only what the grammar accepts, so this is a bug; end the output
             # rather than emit text that breaks the constraint.
@@ -224,8 +236,8 @@ class Scheduler:
         forced = req.grammar.forced_tokens(limit=room)
         if not forced:
             return req.finish_reason is not None
-        req.output_ids.extend(forced)
-        req.output_logprobs.extend([0.0] * len(forced))  # chosen by the grammar: probability 1
+        for tok in forced:  # chosen by the grammar: probability 1, no alternatives
+            req.append_output(tok, 0.0)
         return req.check_finished(self.eos_token_ids) is not None
 
     def _schedule(self, drafts: dict[int, list[int]]) -> tuple[list[Req], list[int]]:
@@ -293,9 +305,12 @@ class Scheduler:
         them fit ``max_new_tokens``, and trimmed to the pages that are free without evicting
         or retracting anything (a draft is a bet; it never costs another request its pages).
         A constrained row's draft is cut where its grammar stops accepting it (its masks at
-        every drafted position are filled by the runner). Rows scoring prompt logprobs are not
-        drafted."""
-        if req.sampling.wants_prompt_logprobs:
+        every drafted position are filled by the runner). Rows scoring prompt logprobs, asking
+        for ``top_logprobs``, penalties, ``logit_bias`` or ``min_tokens`` are not drafted."""
+        s = req.sampling
+        # Penalties, biases and alternatives are per position of the output so far: those rows
+        # decode plainly (runner.penalties reads the token lists of one position per step).
+        if s.wants_prompt_logprobs or s.top_logprobs or s.has_penalties or s.min_tokens:
             return []
         room = req.sampling.max_new_tokens - len(req.output_ids) - 1
         if room <= 0:

@@ -146,6 +146,52 @@ def test_model_alias_and_sampling_fields(client, fake) -> None:
     )
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_penalty_fields_reach_the_engine(client, fake, path) -> None:
+    body = {"model": MODEL, "max_tokens": 5, "presence_penalty": 0.5, "frequency_penalty": -1,
+            "repetition_penalty": 1.2, "logit_bias": {"7": -100, "12": 3.5}, "min_tokens": 2,
+            "stop_token_ids": [9, 11], "ignore_eos": True}
+    body |= {"prompt": "x"} if path == C else {"messages": USER}
+    assert client.post(path, json=body).status_code == 200
+    s = fake.requests[-1][2]
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert s.logit_bias == {7: -100.0, 12: 3.5} and s.min_tokens == 2
+    assert s.stop_token_ids == [9, 11]  # ignore_eos drops EOS, not the request's own stop ids
+    assert s.top_logprobs == 0
+
+
+def test_top_logprobs_reach_the_engine(client, fake) -> None:
+    chat = {"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 4}
+    assert client.post(CH, json=chat).status_code == 200
+    assert fake.requests[-1][2].top_logprobs == 4
+    r = client.post(CH, json={**chat, "logprobs": False, "top_logprobs": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
+    assert fake.requests[-1][2].top_logprobs == 0
+    assert client.post(C, json={"model": MODEL, "prompt": "x", "logprobs": 3}).status_code == 200
+    assert fake.requests[-1][2].top_logprobs == 3
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_logprobs_cover_every_token_once(client, fake, path) -> None:
+    """Each chunk carries the logprobs of its own tokens: joined, they are the whole answer's
+    (legacy text offsets running on across chunks)."""
+    body = {"model": MODEL, "max_tokens": 12, "logprobs": True if path == CH else 2}
+    body |= {"messages": USER, "top_logprobs": 2} if path == CH else {"prompt": "x"}
+    full = client.post(path, json=body).json()["choices"][0]["logprobs"]
+    events = sse_events(client.post(path, json={**body, "stream": True}).text)
+    chunks = [e["choices"][0]["logprobs"] for e in events
+              if isinstance(e, dict) and e["choices"] and e["choices"][0]["logprobs"]]
+    assert len(chunks) > 1
+    if path == CH:
+        assert [t for c in chunks for t in c["content"]] == full["content"]
+        assert len(full["content"]) == 12 and all("bytes" in t for t in full["content"])
+    else:
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [x for c in chunks for x in c[key]] == full[key], key
+        assert len(full["tokens"]) == 12
+        assert full["text_offset"] == sorted(full["text_offset"])
+
+
 def test_ignore_eos_and_max_completion_tokens(client, fake) -> None:
     body = {"model": MODEL, "messages": USER, "ignore_eos": True, "max_completion_tokens": 40}
     r = client.post("/v1/chat/completions", json={**body, "max_tokens": 3})
@@ -237,7 +283,24 @@ BAD_REQUESTS = [
     (C, {"model": "gpt-4", "prompt": "hi"}, "model"),
     (C, {"model": MODEL}, "prompt"),
     (C, {"model": MODEL, "prompt": 5}, "prompt"),
-    (C, {"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+    (C, {"model": MODEL, "prompt": ["a", "b"], "stream": True}, "prompt"),
+    (C, {"model": MODEL, "prompt": ["a", 5]}, "prompt"),
+    (C, {"model": MODEL, "prompt": ["a"] * 65}, "prompt"),
+    (C, {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    (C, {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    (C, {"model": MODEL, "prompt": "hi", "logit_bias": {"5": "1"}}, "logit_bias"),
+    (C, {"model": MODEL, "prompt": "hi", "logit_bias": {"10000000": 1}}, "logit_bias"),
+    (C, {"model": MODEL, "prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+    (C, {"model": MODEL, "prompt": "hi", "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
+    (C, {"model": MODEL, "prompt": "hi", "min_tokens": -1}, "min_tokens"),
+    (C, {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    (C, {"model": MODEL, "prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
+    (C, {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    (C, {"model": MODEL, "prompt": "hi", "logprobs": 6}, "logprobs"),
+    (C, {"model": MODEL, "prompt": "hi", "echo": True, "stream": True}, "stream"),
+    (CH, {"model": MODEL, "messages": USER, "top_logprobs": 2}, "top_logprobs"),
+    (CH, {"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
     (C, {"model": MODEL, "prompt": ""}, "prompt"),
     (C, {"model": MODEL, "prompt": [10**7]}, "prompt"),
     (C, {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
@@ -250,6 +313,7 @@ BAD_REQUESTS = [
     (C, {"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p"),
     (C, {"model": MODEL, "prompt": "hi", "top_k": -2}, "top_k"),
     (C, {"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+    (C, {"model": MODEL, "prompt": "hi", "best_of": 2}, "best_of"),
     (C, {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     (C, {"model": MODEL, "prompt": "hi", "stop": 3}, "stop"),
     (C, {"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream"),
@@ -287,7 +351,8 @@ def test_bad_request_is_400_naming_the_field(
     r = client.post(path, json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["type"] == "invalid_request_error" and err["code"] is None
+    # A field the table refuses (server.fields) is "unsupported_parameter"; a bad value, None.
+    assert err["type"] == "invalid_request_error" and err["code"] in (None, "unsupported_parameter")
     assert err["param"] == param and param.split("[")[0] in err["message"]
     assert fake.requests == []  # nothing reached the engine
     good = {"model": MODEL, "prompt": "hi"} if path == C else {"model": MODEL, "messages": USER}

@@ -101,7 +101,7 @@ ASKING = {"store": True, "metadata": {"k": "v"}, "service_tier": "flex", "modali
           "audio": {"voice": "alloy", "format": "mp3"}, "prediction": {"type": "content",
           "content": "x"}, "web_search_options": {}, "verbosity": "low", "reasoning_effort": "low",
           "moderation": {"model": "m"}, "functions": [{"name": "f"}], "function_call": "auto",
-          "suffix": " end", "best_of": 2}
+          "suffix": " end", "best_of": 2, "n": 2}
 
 
 def refused(endpoint: str) -> list[str]:
