@@ -27,14 +27,19 @@ class SchemaCase:
 
 
 def _case(name: str, schema: Any, tests: list[dict[str, Any]]) -> SchemaCase:
-    # Instances are serialized with json.dumps defaults (", " and ": " separators), which both
-    # backends' default whitespace rules accept; key order is the data's own.
+    # Instances are serialized compactly (the grammars' default: no whitespace between tokens)
+    # with raw non-ASCII characters, as a model writes them; key order is the data's own.
     return SchemaCase(
         name=name,
         schema_text=json.dumps(schema),
-        valid=[json.dumps(t["data"]) for t in tests if t["valid"]],
-        invalid=[json.dumps(t["data"]) for t in tests if not t["valid"]],
+        valid=[compact_json(t["data"]) for t in tests if t["valid"]],
+        invalid=[compact_json(t["data"]) for t in tests if not t["valid"]],
     )
+
+
+def compact_json(data: Any) -> str:
+    """Returns: ``data`` as compact JSON (``,`` and ``:``, no whitespace), non-ASCII kept."""
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
 
 
 def load_suite_cases() -> list[SchemaCase]:
