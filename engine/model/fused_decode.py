@@ -44,8 +44,8 @@ def run_fused_decode_layers(
     model: torch.nn.Module, x: torch.Tensor, meta: object, pool: KVPool
 ) -> bool:
     """Run every decoder layer on ``x [T, hidden]`` (bfloat16, updated in place) if the step
-    qualifies: the model's C kernels are on, ``T <= kernels.decode_max_rows`` (3, or 128 with
-    the AVX512_BF16 tiles), every row decodes, the torch backend's decode cache serves the step
+    qualifies: the model's C kernels are on, ``T <= model.c_max_rows`` (the rows up to which its
+    kernel plan keeps the C products: ``engine.model.kernel_plan``), every row decodes, the torch backend's decode cache serves the step
     and its C attention kernel takes the heads.
     Returns whether it ran (else nothing was touched and the caller runs the layers).
 
@@ -62,7 +62,7 @@ def run_fused_decode_layers(
     cfg = model.config  # type: ignore[attr-defined]
     if plan is None or cache is None or cache.kt is None or cache.v is None:
         return False
-    if x.dtype != torch.bfloat16 or x.shape[0] > kernels.decode_max_rows or not x.is_contiguous():
+    if x.dtype != torch.bfloat16 or x.shape[0] > model.c_max_rows or not x.is_contiguous():
         return False
     if not CpuKernels.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
         return False

@@ -15,6 +15,7 @@ from splitserve.engine.attention.base import (
     default_attention_backend,
 )
 from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.kernel_plan import choose_product_plan
 from splitserve.engine.model.llama import LlamaForCausalLM, hf_weight_map
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -102,4 +103,9 @@ def load_model(
         raise ValueError(f"model folder {path} lacks tensors: {', '.join(missing[:5])}{more}")
     if engine.pack_weights:  # CPU bfloat16: oneDNN-packed projections (no-op elsewhere)
         model.pack_weights(engine.cpu_kernels)
+    if model.kernels is not None and model.head.packed is not None:
+        # Both C and oneDNN copies exist: which one serves each step size is measured here.
+        model.set_product_plan(
+            choose_product_plan(model, engine.kernels, model.kernels.decode_max_rows)
+        )
     return model.eval(), config
