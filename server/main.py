@@ -52,7 +52,7 @@ def run_api_server(
         max_inflight_per_worker=s.max_inflight_per_worker, curve=curve, metrics=metrics,
     )
     metrics.attach(client.pool)
-    app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids)
+    app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids, metrics)
     install_membership(app, client.pool)
     install_metrics(app, metrics)
     install_guard(app, config.security.api_key, s.max_body_bytes)

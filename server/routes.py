@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from splitserve.server.constraint_check import checked_pieces, partial_header
 from splitserve.server.disconnect import client_gone, unless_disconnected
 from splitserve.server.engine_client import BaseEngineClient
 from splitserve.server.errors import APIError, from_validation_errors, install_error_handlers
@@ -32,6 +33,7 @@ def create_app(
     model_name: str,
     context_len: int,
     eos_token_ids: list[int],
+    metrics: Any | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API for one model served through ``client``.
 
@@ -41,24 +43,34 @@ def create_app(
         model_name: the ``model`` clients must send (``"default"`` is accepted too).
         context_len: prompt + generated tokens may not exceed this.
         eos_token_ids: ids that end generation unless the request sets ``ignore_eos``.
+        metrics: the ``server.metrics.ServerMetrics`` whose violation counter the json_schema
+            safety net increments (None: not counted).
     """
     jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids)
     created = int(time.time())
     app = FastAPI(title="splitserve", version="0.1.0")
     install_error_handlers(app)
 
+    violations = None if metrics is None else metrics.constraint_violations
+
+    def pieces(job: Job) -> Any:
+        return checked_pieces(job, stream_text(client, tokenizer, job), violations)
+
     async def respond(request: Request, job: Job, stream: bool | None) -> Response:
         # stream_text runs inside the watched work: a disconnect cancels it there, and its
         # finally aborts the request on the workers.
+        headers = partial_header(job)
         if stream:
             sse = await unless_disconnected(
-                request, lambda: streaming_response(job, stream_text(client, tokenizer, job))
+                request, lambda: streaming_response(job, pieces(job))
             )
+            if sse is not None:
+                sse.headers.update(headers)
             return client_gone() if sse is None else sse
         body = await unless_disconnected(
-            request, lambda: full_response(job, stream_text(client, tokenizer, job), tokenizer)
+            request, lambda: full_response(job, pieces(job), tokenizer)
         )
-        return client_gone() if body is None else JSONResponse(body)
+        return client_gone() if body is None else JSONResponse(body, headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
