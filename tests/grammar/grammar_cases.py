@@ -87,6 +87,12 @@ class Counts:
     valid_accepted: int = 0
     invalid_total: int = 0
     invalid_rejected: int = 0
+    invalid_total_compiled: int = 0
+
+    @property
+    def invalid_accepted(self) -> int:
+        """Invalid instances of compiled schemas that the grammar let through."""
+        return self.invalid_total_compiled - self.invalid_rejected
 
     def as_tuple(self) -> tuple[int, int, int]:
         return (self.compiled, self.valid_accepted, self.invalid_rejected)
@@ -108,6 +114,7 @@ def check_case(
             counts.valid_accepted += 1
         else:
             failures.append(f"{case.name}: valid refused: {text[:80]}")
+    counts.invalid_total_compiled += len(case.invalid)
     for text in case.invalid:
         ids = tokenizer.encode(text, add_special_tokens=False)
         if matcher_accepts(compiled.create_matcher(), ids, stop):

@@ -71,7 +71,11 @@ def test_table_matches_measurement(
     assert importlib.metadata.version(PACKAGES[name]) == limits.version, (
         f"{name} upgraded: measure it again and update BACKEND_LIMITS"
     )
-    measured = {f: _measure(backends[name], tokenizer, f) for f in PROBES}
+    # outlines-core needs minutes for the untyped probes (a regex for any JSON value), and a
+    # feature wrongly called ignored or refused costs coverage only: its enforced claims, which
+    # soundness rests on, are measured; the rest was measured once (the table's comment).
+    probed = sorted(limits.enforced) if name == "outlines" else list(PROBES)
+    measured = {f: _measure(backends[name], tokenizer, f) for f in probed}
     wrong = {}
     for feature, verdict in measured.items():
         expected = ("enforced" if feature in limits.enforced
