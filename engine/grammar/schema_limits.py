@@ -43,7 +43,7 @@ BACKEND_LIMITS: dict[str, BackendLimits] = {
     "llguidance": BackendLimits(
         version="1.9.1",
         enforced=frozenset({
-            "$ref", "$ref_sibling", "additionalItems", "additionalProperties",
+            "$ref", "$ref_anchor", "$ref_sibling", "additionalItems", "additionalProperties",
             "additionalProperties_schema", "additionalProperties_with_patternProperties", "allOf",
             "anyOf", "array_untyped", "bounds_untyped", "const", "enum", "exclusiveMaximum",
             "exclusiveMaximum_number", "exclusiveMinimum", "exclusiveMinimum_number", "items",
@@ -56,7 +56,7 @@ BACKEND_LIMITS: dict[str, BackendLimits] = {
             "type", "type_list",
         }),
         refused=frozenset({
-            "$dynamicRef", "contains", "dependencies", "dependentRequired", "dependentSchemas",
+            "$dynamicRef", "$ref_external", "contains", "dependencies", "dependentRequired", "dependentSchemas",
             "if", "maxContains", "minContains", "not", "oneOf", "propertyNames",
             "unevaluatedItems", "unevaluatedProperties", "uniqueItems",
         }),
@@ -71,14 +71,29 @@ BACKEND_LIMITS: dict[str, BackendLimits] = {
             "maxItems", "maxLength", "maxProperties", "maximum", "maximum_number", "minItems",
             "minLength", "minProperties", "minimum", "minimum_number", "multipleOf",
             "oneOf_exclusive", "pattern", "patternProperties", "prefixItems", "properties",
-            "propertyNames", "required", "type", "type_list", "unevaluatedItems",
+            "required", "type", "type_list", "unevaluatedItems",
         }),
-        refused=frozenset({"additionalItems", "items_tuple", "properties_false"}),
+        # propertyNames: enforced for maxLength, refused for const/enum/false with a type,
+        # ignored without one (JSON-Schema-Test-Suite propertyNames#4): never trusted.
+        refused=frozenset({"additionalItems", "items_tuple", "properties_false", "propertyNames"}),
     ),
+    # Refused here is often "regex too complex" (OutlinesBackend.max_regex_len), not the keyword.
     "outlines": BackendLimits(
         version="0.2.14",
-        enforced=frozenset(),  # OUTLINES_MEASUREMENT
-        refused=frozenset(),
+        enforced=frozenset({
+            "$ref", "additionalProperties_schema", "anyOf", "const", "enum", "items",
+            "items_after_prefixItems", "maxItems", "maxLength", "maxLength_with_format",
+            "maxLength_with_pattern", "maximum_number", "minItems", "minLength",
+            "minLength_with_pattern", "minProperties", "minimum_number", "oneOf_exclusive",
+            "pattern", "prefixItems", "properties", "required", "type", "type_list",
+        }),
+        refused=frozenset({
+            "$dynamicRef", "additionalItems", "additionalProperties",
+            "additionalProperties_with_patternProperties", "allOf", "array_untyped",
+            "bounds_untyped", "if", "items_false", "items_tuple", "length_untyped", "not",
+            "object_untyped", "oneOf", "pattern_untyped", "properties_false", "unevaluatedItems",
+            "unevaluatedProperties",
+        }),
     ),
 }
 
@@ -187,6 +202,10 @@ def _feature(key: str, value: Any, schema: dict) -> str | None:
     if key == "if":
         return "if"
     if key == "$ref":
+        if not isinstance(value, str) or not value.startswith("#"):
+            return "$ref_external"  # another document (by URI, or relative to an $id)
+        if value != "#" and not value.startswith("#/"):
+            return "$ref_anchor"  # a plain-name fragment: an $anchor / $dynamicAnchor
         return "$ref_sibling" if _VALIDATING.intersection(schema) else "$ref"
     if key in _PLAIN:
         return key
