@@ -31,11 +31,15 @@ class BackendLimits:
         version: the package version the table was measured with.
         enforced: features the backend compiles and enforces.
         refused: features the backend refuses to compile (a ``GrammarError``).
+        refuses_itself: the backend refuses what it does not implement on every schema (it names
+            the keys), so a schema with a refused feature is still tried on it, not skipped: what
+            it compiles, it enforces (llguidance: MaskBench's 0 accepted-invalid, and ours).
     """
 
     version: str
     enforced: frozenset[str]
     refused: frozenset[str] = frozenset()
+    refuses_itself: bool = False
 
 
 # Measured with the SmolLM2-135M tokenizer and compact JSON (tests/grammar/test_schema_limits.py).
@@ -60,6 +64,7 @@ BACKEND_LIMITS: dict[str, BackendLimits] = {
             "if", "maxContains", "minContains", "not", "oneOf", "propertyNames",
             "unevaluatedItems", "unevaluatedProperties", "uniqueItems",
         }),
+        refuses_itself=True,
     ),
     "xgrammar": BackendLimits(
         version="0.2.9",
@@ -129,9 +134,10 @@ def ignored_keywords(backend: str, schema: Any) -> list[str]:
 
 
 def refused_keywords(backend: str, schema: Any) -> list[str]:
-    """Returns: where ``backend`` is known to refuse ``schema`` (it would fail to compile)."""
+    """Returns: where ``backend`` is known to refuse ``schema`` (it would fail to compile); empty
+    for a backend that ``refuses_itself`` (it is tried and says so)."""
     limits = BACKEND_LIMITS.get(backend)
-    if limits is None:
+    if limits is None or limits.refuses_itself:
         return []
     return [f"{k} at {p or '/'}" for f, k, p in features(schema) if f in limits.refused]
 
