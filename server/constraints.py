@@ -65,14 +65,14 @@ def constraint_plan(constraint: Constraint) -> ChainPlan:
 
 def _refuse_unenforceable(text: str) -> None:
     plan = plan_chain("json_schema", text, GRAMMAR_BACKEND.names, strict=True)
-    if plan.steps:
+    if plan.sound:
         return
     per_backend = "; ".join(
-        f"{name} ignores {', '.join(ignored)}" for name, ignored in plan.ignored_by_all.items()
+        f"{name}: {', '.join(items)}" for name, items in plan.ignored_by_all.items()
     )
     raise APIError(
         "response_format.json_schema.strict is true, but no grammar backend enforces every "
-        f"keyword of this schema ({per_backend or 'every backend refuses it'}): remove these "
+        f"keyword of this schema (not enforced, per backend: {per_backend}): remove these "
         "keywords or set strict to false (then the response carries an "
         "x-splitserve-constraint: partial header naming them)",
         param="response_format",

@@ -17,7 +17,11 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from splitserve.engine.grammar.schema_limits import ignored_keywords, refused_keywords
+from splitserve.engine.grammar.schema_limits import (
+    ignored_keywords,
+    known_refusals,
+    refused_keywords,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +34,9 @@ class ChainStep:
 
 @dataclass(frozen=True, slots=True)
 class ChainPlan:
-    """The steps to try in order, and ``ignored_by_all``: per backend that would compile the
-    schema, what it ignores, when no backend enforces all of it (empty otherwise)."""
+    """The steps to try in order, and ``ignored_by_all``: per backend, what it ignores or is
+    known to refuse, when no backend is known to compile and enforce all of it (empty
+    otherwise; a backend that refuses by itself may still be among the steps and compile it)."""
 
     steps: tuple[ChainStep, ...]
     ignored_by_all: dict[str, tuple[str, ...]]
@@ -42,10 +47,11 @@ class ChainPlan:
         return not self.ignored_by_all
 
     def best_partial(self) -> tuple[str, ...]:
-        """Returns: what the best unsound backend ignores (empty when the plan is sound)."""
+        """Returns: what the first unsound step ignores when no backend is known to enforce the
+        whole schema (the response's ``partial`` header), else empty."""
         if not self.ignored_by_all:
             return ()
-        return min(self.ignored_by_all.values(), key=len)
+        return next((step.ignored for step in self.steps if step.ignored), ())
 
 
 def plan_chain(
@@ -70,13 +76,18 @@ def plan_chain(
     except ValueError:
         return ChainPlan(tuple(ChainStep(b) for b in backends), {})
     sound, unsound = [], []
+    unenforced: dict[str, tuple[str, ...]] = {}  # per backend: what it ignores or refuses
     for name in backends:
         ignored = tuple(ignored_keywords(name, schema))
+        refused = tuple(f"{item} (refused)" for item in known_refusals(name, schema))
+        unenforced[name] = ignored + refused
         if ignored:
             unsound.append(ChainStep(name, ignored))
-        elif not refused_keywords(name, schema):
+        elif not refused_keywords(name, schema):  # refuses_itself backends are tried
             sound.append(ChainStep(name))
-    ignored_by_all = {} if sound else {step.backend: step.ignored for step in unsound}
+    # Statically, some backend compiles and enforces all of it: nothing to report.
+    clean = any(not items for items in unenforced.values())
+    ignored_by_all = {} if clean else unenforced
     if strict:
         return ChainPlan(tuple(sound), ignored_by_all)
     # After the sound ones (one may still fail to compile: a regex feature, a timeout), the

@@ -133,6 +133,15 @@ def ignored_keywords(backend: str, schema: Any) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def known_refusals(backend: str, schema: Any) -> list[str]:
+    """Returns: where ``backend`` refuses ``schema`` by the table, whether or not it
+    ``refuses_itself``."""
+    limits = BACKEND_LIMITS.get(backend)
+    if limits is None:
+        return []
+    return [f"{k} at {p or '/'}" for f, k, p in features(schema) if f in limits.refused]
+
+
 def refused_keywords(backend: str, schema: Any) -> list[str]:
     """Returns: where ``backend`` is known to refuse ``schema`` (it would fail to compile); empty
     for a backend that ``refuses_itself`` (it is tried and says so)."""

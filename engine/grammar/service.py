@@ -210,7 +210,7 @@ def kind_of(attempt: _Attempt) -> str:
 def _unenforceable_message(ignored_by_all: dict[str, tuple[str, ...]]) -> str:
     """Returns: the strict-mode refusal, naming what each backend would not enforce."""
     parts = [f"{name} does not enforce {'; '.join(ignored)}"
-             for name, ignored in ignored_by_all.items()]
+             for name, ignored in ignored_by_all.items() if ignored]
     return "no grammar backend enforces every keyword of this schema: " + " | ".join(parts)
 
 

@@ -119,12 +119,18 @@ def test_chain_puts_sound_backends_first() -> None:
     plan = plan_chain("json_schema", json.dumps({"type": "string", "pattern": "^a+$",
                                                  "maxLength": 2}), names)
     assert plan.sound and plan.steps[0].backend == "llguidance"
-    assert [s.backend for s in plan.steps if not s.ignored] == ["llguidance"]
-    # llguidance refuses uniqueItems, xgrammar ignores it: strict has no backend.
+    # xgrammar ignores maxLength next to pattern; outlines (measured) enforces it.
+    assert [(s.backend, s.ignored) for s in plan.steps] == [
+        ("llguidance", ()), ("outlines", ()), ("xgrammar", ("maxLength at /",))]
+    # llguidance refuses uniqueItems (it is still tried: it refuses by itself), xgrammar ignores
+    # it: strict keeps llguidance alone, and no backend is known to enforce it.
     unique = json.dumps({"type": "array", "uniqueItems": True})
-    assert plan_chain("json_schema", unique, names, strict=True).steps == ()
+    strict = plan_chain("json_schema", unique, names, strict=True)
+    assert [s.backend for s in strict.steps] == ["llguidance"] and not strict.sound
+    assert strict.ignored_by_all["llguidance"] == ("uniqueItems at / (refused)",)
+    assert strict.ignored_by_all["xgrammar"] == ("uniqueItems at /",)
     loose = plan_chain("json_schema", unique, names)
-    assert not loose.sound and loose.steps[0].backend == "xgrammar"
+    assert [s.backend for s in loose.steps][:2] == ["llguidance", "xgrammar"]
     assert loose.best_partial() == ("uniqueItems at /",)
     # Other kinds: the configured order.
     assert [s.backend for s in plan_chain("regex", "a+", names).steps] == names
@@ -161,7 +167,7 @@ def test_strict_service_never_compiles_on_an_unsound_backend(chain_service: Any)
     from splitserve.engine.grammar.options import CompileOptions
 
     unique = json.dumps({"type": "array", "uniqueItems": True})
-    with pytest.raises(GrammarError, match="xgrammar does not enforce uniqueItems at /"):
+    with pytest.raises(GrammarError, match="llguidance: .*uniqueItems"):
         chain_service.compile("json_schema", unique, CompileOptions(strict=True))
     loose = chain_service.compile("json_schema", unique)
     assert loose.backend_name == "xgrammar" and loose.ignored == ("uniqueItems at /",)
