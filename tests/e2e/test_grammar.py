@@ -271,6 +271,43 @@ def test_violation_counter_is_zero_after_the_module(grammar_cluster) -> None:
     assert sum(counts) == 0, [line for line in text.splitlines() if "violations" in line]
 
 
+ALL_SCHEMAS = sorted(p.relative_to(SCHEMA_DIR).as_posix() for p in SCHEMA_DIR.glob("*/*.json"))
+PROMPT_SCHEMA_CHARS = 1200  # the prompt shows at most this much of the schema; the grammar holds
+
+
+def test_share_finishing_within_256_tokens_compact_vs_flexible(grammar_cluster) -> None:
+    """Every schema copied in tests/data (70), non-strict, greedy, 256 tokens: every finished
+    output validates, and the share that finishes is printed for compact and free whitespace."""
+    schemas = [json.loads((SCHEMA_DIR / name).read_text()) for name in ALL_SCHEMAS]
+    assert len(schemas) >= 50
+    finished = {}
+    for flexible in (False, True):
+        calls = [
+            lambda s=s, flexible=flexible: _chat(
+                grammar_cluster,
+                "Reply with a short JSON instance of this JSON schema, nothing else:\n"
+                + json.dumps(s, separators=(",", ":"))[:PROMPT_SCHEMA_CHARS],
+                max_tokens=256, whitespace_flexible=flexible,
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "answer", "schema": s}},
+            )
+            for s in schemas
+        ]
+        done = 0
+        for name, schema, response in zip(ALL_SCHEMAS, schemas, _concurrently(calls)):
+            choice = _ok(response)
+            if choice["finish_reason"] != "stop":
+                continue
+            instance = json.loads(choice["message"]["content"])
+            validator = jsonschema.validators.validator_for(schema)(schema)
+            errors = [e.message for e in validator.iter_errors(instance)]
+            assert not errors, f"{name} (flexible={flexible}) breaks its schema: {errors[:3]}"
+            done += 1
+        finished[flexible] = done
+    print(f"\nfinished within 256 tokens: compact {finished[False]}/{len(schemas)}, "
+          f"free whitespace {finished[True]}/{len(schemas)}")
+
+
 def test_no_pages_leak_after_grammar_requests(grammar_cluster) -> None:
     # Runs last in the module: every constrained request above, failed ones included, is done.
     deadline = time.monotonic() + 10
