@@ -21,6 +21,10 @@ class Constraint(msgspec.Struct, frozen=True):
 
     kind: str
     text: str = ""
+    # json_schema: only a backend that enforces every keyword may compile it (else a 400).
+    strict: bool = False
+    # JSON kinds: free whitespace between tokens (the default is compact JSON).
+    whitespace_flexible: bool = False
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):

@@ -45,12 +45,17 @@ class IncrementalDetokenizer:
         self.token_ids.extend(token_ids)
         return self._emit(final=False)
 
-    def flush(self) -> str:
-        """Return whatever is still held back (an unfinished character decodes as "\\ufffd"),
-        as the full decode would show it. Call once, when the request ends."""
-        return self._emit(final=True)
+    def flush(self, cut: bool = False) -> str:
+        """Return whatever is still held back, as the full decode would show it (an unfinished
+        character decodes as "\\ufffd"). Call once, when the request ends.
 
-    def _emit(self, final: bool) -> str:
+        Args:
+            cut: the output was cut (``max_tokens``): an unfinished character at its end is
+                dropped rather than shown as "\\ufffd" (its bytes are a fragment, not text).
+        """
+        return self._emit(final=True, cut=cut)
+
+    def _emit(self, final: bool, cut: bool = False) -> str:
         if self._read_offset == len(self.token_ids):
             return ""
         prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
@@ -60,4 +65,6 @@ class IncrementalDetokenizer:
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.token_ids)
+        if cut:
+            new_text = new_text.rstrip(_REPLACEMENT)
         return new_text[len(prefix_text) :]

@@ -61,7 +61,7 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
             text = stops.feed(detok.push(ev.token_ids))
             if ev.finish_reason is not None:
                 engine_done = True
-                text += stops.feed(detok.flush())
+                text += stops.feed(detok.flush(cut=ev.finish_reason == "length"))
                 text += stops.flush()
                 yield Piece(text, "stop" if stops.stopped else ev.finish_reason, **span)
                 return

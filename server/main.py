@@ -61,7 +61,7 @@ def run_api_server(
     template = Path(s.chat_template).read_text() if s.chat_template else None
     chat = ChatRenderer(tokenizer, template, s.tool_call_parser)
     app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids,
-                     tenancy=tenancy, chat=chat)
+                     tenancy=tenancy, chat=chat, metrics=metrics)
     install_membership(app, client.pool)
     install_metrics(app, metrics)
     install_guard(app, keys, s.max_body_bytes)

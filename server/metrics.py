@@ -73,6 +73,10 @@ class ServerMetrics:
                                        registry=r)
         self.retries = Counter("splitserve_request_retries", "Requests re-run on other workers "
                                "after losing one before their first token", registry=r)
+        # A finished json_schema output that jsonschema refuses (server.constraint_check).
+        self.constraint_violations = Counter(
+            "splitserve_constraint_violations", "Finished json_schema outputs that broke their "
+            "schema, by the grammar backend the chain chose", ["backend"], registry=r)
         self.pool: Any = None
 
     def request_timer(self) -> RequestTimer:

@@ -81,6 +81,8 @@ class BaseGenerateRequest(BaseModel):
     regex: str | None = None  # the whole output matches this regular expression
     ebnf: str | None = None  # a GBNF grammar with a ``root`` rule (e.g. a SQL subset)
     choice: list[str] | None = Field(None, min_length=1)  # the output is exactly one of these
+    # Extension (llguidance's term): free whitespace between JSON tokens; default compact JSON.
+    whitespace_flexible: bool = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # Extension (vLLM's name): requests with different salts never share prefix-cache entries,

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from pydantic_core import from_json
 
 from splitserve.server.chat_template import ChatRenderer
+from splitserve.server.constraint_check import checked_pieces, partial_header
 from splitserve.server.disconnect import client_gone, unless_disconnected
 from splitserve.server.engine_client import BaseEngineClient
 from splitserve.server.errors import APIError, from_validation_errors, install_error_handlers
@@ -46,6 +47,7 @@ def create_app(
     eos_token_ids: list[int],
     chat: ChatRenderer | None = None,
     tenancy: Tenancy | None = None,
+    metrics: Any | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API for one model served through ``client``.
 
@@ -59,6 +61,8 @@ def create_app(
             limits; the namespace still follows the salt and the guard's tenant).
         chat: renders chat prompts and knows the tool-call format (default: the tokenizer's
             template, ``--tool-call-parser auto``).
+        metrics: the ``server.metrics.ServerMetrics`` whose violation counter the json_schema
+            safety net increments (None: not counted).
     """
     chat = chat or ChatRenderer(tokenizer)
     jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids, chat)
@@ -70,21 +74,29 @@ def create_app(
     app.add_middleware(RequestIdMiddleware)
     install_tokenize_routes(app, jobs, tokenizer, context_len)
 
+    violations = None if metrics is None else metrics.constraint_violations
+
+    def pieces(job: Job) -> Any:
+        return checked_pieces(job, stream_text(client, tokenizer, job), violations)
+
     async def respond(request: Request, job: Job, stream: bool | None) -> Response:
         logger.info("request %s: %s, %d prompt tokens, X-Request-Id %s", job.rid,
                     request.url.path, len(job.input_ids), request.state.request_id)
         # stream_text runs inside the watched work: a disconnect cancels it there, and its
         # finally aborts the request on the workers.
+        headers = partial_header(job)
         if stream:
             sse = await unless_disconnected(
                 request,
-                lambda: streaming_response(job, stream_text(client, tokenizer, job), speller),
+                lambda: streaming_response(job, pieces(job), speller),
             )
+            if sse is not None:
+                sse.headers.update(headers)
             return client_gone() if sse is None else sse
         body = await unless_disconnected(
-            request, lambda: full_response(job, stream_text(client, tokenizer, job), speller)
+            request, lambda: full_response(job, pieces(job), speller)
         )
-        return client_gone() if body is None else JSONResponse(body)
+        return client_gone() if body is None else JSONResponse(body, headers=headers)
 
     async def respond_all(request: Request, batch: list[Job]) -> Response:
         """Several prompts: their jobs run at once, the answer has one choice per prompt."""

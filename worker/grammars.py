@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.engine.grammar.base import CompiledGrammar
-from splitserve.engine.grammar.registry import create_grammar_service
+from splitserve.engine.grammar.options import CompileOptions
+from splitserve.engine.grammar.registry import DEFAULT_BACKEND, create_grammar_service
 from splitserve.engine.grammar.request_grammar import RequestGrammar
 from splitserve.engine.grammar.service import GrammarService
 from splitserve.engine.sched.request import Req
@@ -67,7 +68,10 @@ class WorkerGrammars:
         constraint = req.sampling.constraint
         if constraint is None:
             raise ValueError(f"request {req.rid} has no constraint")
-        future = self.service.submit(constraint.kind, constraint.text)  # type: ignore[arg-type]
+        options = CompileOptions(
+            whitespace_flexible=constraint.whitespace_flexible, strict=constraint.strict
+        )
+        future = self.service.submit(constraint.kind, constraint.text, options)  # type: ignore[arg-type]
         self._pending[req.rid] = (req, future)
 
     def is_pending(self, rid: str) -> bool:
@@ -109,7 +113,7 @@ def create_worker_grammars(
     vocab_size: int,
     eos_token_ids: list[int],
     jump_forward: bool = True,
-    default_backend: str = "xgrammar",
+    default_backend: str = DEFAULT_BACKEND,
 ) -> WorkerGrammars:
     """Load the model's tokenizer and build the compile service (``default_backend`` first,
     then the other registered backends).

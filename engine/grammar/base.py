@@ -12,6 +12,8 @@ from typing import Literal, get_args
 
 import torch
 
+from splitserve.engine.grammar.options import DEFAULT_OPTIONS, CompileOptions
+
 GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag"]
 GRAMMAR_KINDS: tuple[str, ...] = get_args(GrammarKind)
 
@@ -93,10 +95,17 @@ class BaseMatcher(ABC):
 
 
 class CompiledGrammar(ABC):
-    """An immutable compiled constraint, shared by every request that uses the same (kind, text)."""
+    """An immutable compiled constraint, shared by every request that uses the same (kind, text,
+    options).
+
+    ``ignored`` lists the schema keywords the backend compiled but does not enforce, as
+    ``"keyword at /json/pointer"`` (set by ``service.GrammarService`` from the measured limits in
+    ``schema_limits``; empty when the output is held to the whole constraint).
+    """
 
     backend_name: str
     vocab_size: int
+    ignored: tuple[str, ...] = ()
 
     @abstractmethod
     def create_matcher(self, max_rollback_tokens: int = 0) -> BaseMatcher:
@@ -121,7 +130,9 @@ class BaseGrammarBackend(ABC):
     vocab_size: int
 
     @abstractmethod
-    def compile(self, kind: GrammarKind, text: str) -> CompiledGrammar:
+    def compile(
+        self, kind: GrammarKind, text: str, options: CompileOptions = DEFAULT_OPTIONS
+    ) -> CompiledGrammar:
         """Compile one constraint.
 
         Args:
@@ -133,6 +144,8 @@ class BaseGrammarBackend(ABC):
                 "format": {...}}``: free text, tags with JSON-schema content, triggers; the
                 tool-call envelope, ``server.tools.grammar``).
             text: the constraint source.
+            options: whitespace between JSON tokens (``options.CompileOptions``); backends
+                ignore ``strict``, which the service applies.
 
         Returns:
             The compiled grammar.

@@ -21,6 +21,7 @@ from splitserve.engine.grammar.base import (
     GrammarKind,
 )
 from splitserve.engine.grammar.bitmask import bitmask_width
+from splitserve.engine.grammar.options import DEFAULT_OPTIONS, CompileOptions
 from splitserve.engine.grammar.sources import (
     JSON_OBJECT_SCHEMA,
     choices_to_regex,
@@ -127,8 +128,9 @@ class OutlinesBackend(BaseGrammarBackend):
         tokenizer: the Hugging Face tokenizer the model samples with.
         vocab_size: the model's logits width; defaults to ``len(tokenizer)``.
         stop_token_ids: tokens that end the output; defaults to the tokenizer's EOS.
-        whitespace_pattern: regex for whitespace between JSON tokens; None keeps outlines'
-            default (``[ ]?``: no whitespace or one space), which bounds the DFA's size.
+        whitespace_pattern: regex for whitespace between JSON tokens with
+            ``CompileOptions.whitespace_flexible``; None keeps outlines' default (``[ ]?``: no
+            whitespace or one space), which bounds the DFA's size. Without it, JSON is compact.
         max_regex_len: refuse regexes longer than this. Index building cannot be interrupted
             and grows steeply with the regex (a schema with untyped ``{}`` values becomes a 40 kB
             regex that takes over a minute), so such schemas fail fast instead of holding a
@@ -159,8 +161,10 @@ class OutlinesBackend(BaseGrammarBackend):
         self._vocabulary = outlines_core.Vocabulary(self._stop_token_ids[0], token_map)
         self._bitmask_width = bitmask_width(self.vocab_size)
 
-    def compile(self, kind: GrammarKind, text: str) -> OutlinesCompiled:
-        regex = self._to_regex(kind, text)
+    def compile(
+        self, kind: GrammarKind, text: str, options: CompileOptions = DEFAULT_OPTIONS
+    ) -> OutlinesCompiled:
+        regex = self._to_regex(kind, text, options)
         if self._max_regex_len is not None and len(regex) > self._max_regex_len:
             raise GrammarError(
                 f"{kind} constraint too complex for outlines-core: its regex has {len(regex)} "
@@ -173,7 +177,7 @@ class OutlinesBackend(BaseGrammarBackend):
             raise GrammarError(_describe(kind, text, str(exc))) from exc
         return OutlinesCompiled(index, regex, self.vocab_size, self._stop_token_ids)
 
-    def _to_regex(self, kind: GrammarKind, text: str) -> str:
+    def _to_regex(self, kind: GrammarKind, text: str, options: CompileOptions) -> str:
         """Returns: the regex for a constraint. Raises: GrammarError if it has none."""
         if kind == "regex":
             return text
@@ -194,7 +198,9 @@ class OutlinesBackend(BaseGrammarBackend):
         schema_text = JSON_OBJECT_SCHEMA if kind == "json_object" else text
         parse_json_schema(schema_text)
         try:
-            return build_regex_from_schema(schema_text, self._whitespace_pattern)
+            # "" between tokens: compact JSON (outlines joins its separators with this pattern).
+            whitespace = self._whitespace_pattern if options.whitespace_flexible else ""
+            return build_regex_from_schema(schema_text, whitespace)
         except Exception as exc:  # ValueError naming the unsupported keyword/type
             raise GrammarError(f"unsupported or invalid JSON schema: {exc}") from exc
 

@@ -1,6 +1,11 @@
-"""Compiles constraints off the scheduler thread, caches them, and falls back between backends.
+"""Compiles constraints off the scheduler thread, caches them, and walks the backend chain.
 
-A scheduler calls ``submit(kind, text)`` when a constrained request arrives and keeps the
+The chain for each constraint comes from ``chain.plan_chain``: sound backends first (those that
+enforce every keyword of a JSON schema, from the measured ``schema_limits``), then, unless
+``CompileOptions.strict``, the others; the grammar that compiles records what its backend ignores
+(``CompiledGrammar.ignored``).
+
+A scheduler calls ``submit(kind, text, options)`` when a constrained request arrives and keeps the
 returned future with the request. Each step it checks ``future.done()``: requests whose grammar
 is still compiling simply stay waiting, so they never block the rest of the batch. When done,
 ``future.result()`` is the ``CompiledGrammar`` (make one matcher per request from it) or raises
@@ -9,6 +14,7 @@ is still compiling simply stay waiting, so they never block the rest of the batc
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -21,27 +27,35 @@ from splitserve.engine.grammar.base import (
     GrammarError,
     GrammarKind,
 )
+from splitserve.engine.grammar.chain import ChainStep, plan_chain
+from splitserve.engine.grammar.options import DEFAULT_OPTIONS, CompileOptions
 
-CacheKey = tuple[str, str]
+logger = logging.getLogger(__name__)
+
+CacheKey = tuple[str, str, CompileOptions]
 
 
 class _Attempt:
     """One request's walk down the backend chain; collects each backend's failure reason."""
 
-    def __init__(self, key: CacheKey, result: Future[CompiledGrammar]) -> None:
+    def __init__(
+        self, key: CacheKey, result: Future[CompiledGrammar], steps: Sequence[ChainStep]
+    ) -> None:
         self.key = key
         self.result = result
+        self.steps = list(steps)
         self.errors: list[str] = []
         self.lock = threading.Lock()
         self.backend_index = 0
 
 
 class GrammarService:
-    """Thread-pool compilation with a (kind, text) cache, a timeout and a backend fallback chain.
+    """Thread-pool compilation with a (kind, text, options) cache, a timeout and the backend chain.
 
     Args:
-        backends: tried in order (default backend first); a constraint that the first cannot
-            compile (error or timeout) is tried on the next.
+        backends: the configured order (default backend first); ``chain.plan_chain`` reorders
+            them per constraint, and a constraint that one cannot compile (error or timeout) is
+            tried on the next.
         timeout_s: seconds each backend gets for one compile. A timed-out compile thread cannot
             be killed; its late result is dropped and the next backend is tried.
         num_threads: compile threads (xgrammar and outlines-core release the GIL while compiling).
@@ -59,26 +73,32 @@ class GrammarService:
         if not backends:
             raise ValueError("GrammarService needs at least one backend")
         self.backends = list(backends)
+        self._by_name = {b.name: b for b in self.backends}
         self.timeout_s = timeout_s
         self.max_cache_entries = max_cache_entries
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[CacheKey, Future[CompiledGrammar]] = OrderedDict()
         self._cache_lock = threading.Lock()
 
-    def submit(self, kind: GrammarKind, text: str) -> Future[CompiledGrammar]:
+    def submit(
+        self, kind: GrammarKind, text: str, options: CompileOptions = DEFAULT_OPTIONS
+    ) -> Future[CompiledGrammar]:
         """Start compiling (or find the cached compile of) a constraint; never blocks on it.
 
         Args:
             kind: one of ``GRAMMAR_KINDS``.
             text: the constraint source (for ``json_object`` it is ignored).
+            options: whitespace and strictness (``options.CompileOptions``).
 
         Returns:
-            A future that resolves to a ``CompiledGrammar`` or fails with ``GrammarError``. The
-            same (kind, text) returns the same future, so its result is the same object.
+            A future that resolves to a ``CompiledGrammar`` or fails with ``GrammarError`` (under
+            ``options.strict``, also when no backend enforces the whole schema: the message names
+            each keyword and its JSON pointer). The same (kind, text, options) returns the same
+            future, so its result is the same object.
         """
         if kind == "json_object":
             text = ""  # one cache entry, whatever the caller passed
-        key = (kind, text)
+        key = (kind, text, options)
         with self._cache_lock:
             cached = self._cache.get(key)
             if cached is not None:
@@ -93,21 +113,29 @@ class GrammarService:
                 GrammarError(f"unknown constraint kind {kind!r}; expected one of {GRAMMAR_KINDS}")
             )
             return result
-        self._try_next_backend(_Attempt(key, result))
+        plan = plan_chain(kind, text, [b.name for b in self.backends], strict=options.strict)
+        if not plan.steps:
+            result.set_exception(GrammarError(_unenforceable_message(plan.ignored_by_all)))
+            return result
+        self._try_next_backend(_Attempt(key, result, plan.steps))
         return result
 
-    def compile(self, kind: GrammarKind, text: str) -> CompiledGrammar:
-        """Blocking ``submit(kind, text).result()``, for tests and tools (not the scheduler loop).
+    def compile(
+        self, kind: GrammarKind, text: str, options: CompileOptions = DEFAULT_OPTIONS
+    ) -> CompiledGrammar:
+        """Blocking ``submit(...).result()``, for tests and tools (not the scheduler loop).
 
         Raises:
             GrammarError: if no backend can compile the constraint in time.
         """
-        return self.submit(kind, text).result()
+        return self.submit(kind, text, options).result()
 
-    def is_cached(self, kind: GrammarKind, text: str) -> bool:
-        """Returns: True if (kind, text) has a finished, successful compile in the cache."""
+    def is_cached(
+        self, kind: GrammarKind, text: str, options: CompileOptions = DEFAULT_OPTIONS
+    ) -> bool:
+        """Returns: True if the constraint has a finished, successful compile in the cache."""
         with self._cache_lock:
-            future = self._cache.get((kind, "" if kind == "json_object" else text))
+            future = self._cache.get((kind, "" if kind == "json_object" else text, options))
         return future is not None and future.done() and future.exception() is None
 
     def shutdown(self) -> None:
@@ -116,13 +144,14 @@ class GrammarService:
 
     def _try_next_backend(self, attempt: _Attempt) -> None:
         """Run the chain's next backend on the pool, with a timer for its timeout."""
-        if attempt.backend_index >= len(self.backends):
+        if attempt.backend_index >= len(attempt.steps):
             self._fail(attempt)
             return
-        backend = self.backends[attempt.backend_index]
+        step = attempt.steps[attempt.backend_index]
+        backend = self._by_name[step.backend]
         index = attempt.backend_index
-        kind, text = attempt.key
-        job = self._pool.submit(backend.compile, kind, text)  # type: ignore[arg-type]
+        kind, text, options = attempt.key
+        job = self._pool.submit(backend.compile, kind, text, options)  # type: ignore[arg-type]
         timer = threading.Timer(self.timeout_s, self._on_timeout, args=(attempt, index, backend))
         timer.daemon = True
         timer.start()
@@ -142,7 +171,13 @@ class GrammarService:
                 return  # this backend already timed out; its late result is dropped
             error = GrammarError("compile cancelled") if job.cancelled() else job.exception()
             if error is None:
-                attempt.result.set_result(job.result())
+                compiled = job.result()
+                ignored = attempt.steps[index].ignored
+                if ignored:
+                    compiled.ignored = ignored
+                    logger.warning("%s compiled %s with keywords not enforced: %s",
+                                   backend.name, kind_of(attempt), "; ".join(ignored))
+                attempt.result.set_result(compiled)
                 return
             attempt.errors.append(f"{backend.name}: {_reason(error)}")
             attempt.backend_index += 1
@@ -162,9 +197,21 @@ class GrammarService:
             with self._cache_lock:
                 if self._cache.get(attempt.key) is attempt.result:
                     del self._cache[attempt.key]
-        kind = attempt.key[0]
+        kind = kind_of(attempt)
         message = f"cannot compile {kind} constraint: " + "; ".join(attempt.errors)
         attempt.result.set_exception(GrammarError(message))
+
+
+def kind_of(attempt: _Attempt) -> str:
+    """Returns: the attempt's constraint kind (for log lines)."""
+    return attempt.key[0]
+
+
+def _unenforceable_message(ignored_by_all: dict[str, tuple[str, ...]]) -> str:
+    """Returns: the strict-mode refusal, naming what each backend would not enforce."""
+    parts = [f"{name} does not enforce {'; '.join(ignored)}"
+             for name, ignored in ignored_by_all.items() if ignored]
+    return "no grammar backend enforces every keyword of this schema: " + " | ".join(parts)
 
 
 def _reason(error: BaseException) -> str:

@@ -14,6 +14,12 @@ from splitserve.engine.grammar.base import (
     GrammarError,
     GrammarKind,
 )
+from splitserve.engine.grammar.options import (
+    COMPACT_ITEM_SEPARATOR,
+    COMPACT_KEY_SEPARATOR,
+    DEFAULT_OPTIONS,
+    CompileOptions,
+)
 from splitserve.engine.grammar.sources import (
     JSON_OBJECT_SCHEMA,
     choices_to_ebnf,
@@ -84,10 +90,9 @@ class XGrammarBackend(BaseGrammarBackend):
         stop_token_ids: tokens that end the output (allowed only where the grammar may end);
             defaults to the tokenizer's EOS.
         max_threads: threads xgrammar uses inside one compile.
-        any_whitespace: allow any JSON whitespace between tokens; if False, only the separators
-            ``json.dumps`` uses by default (``", "`` and ``": "``).
-        max_whitespace_cnt: with ``any_whitespace``, at most this many whitespace characters in a
-            row, so a model cannot loop on newlines forever.
+        max_whitespace_cnt: with ``CompileOptions.whitespace_flexible``, at most this many
+            whitespace characters in a row, so a model cannot loop on newlines forever. Without
+            it, JSON is compact (``,`` and ``:``, no whitespace).
         strict_mode: if True, objects without ``additionalProperties`` admit no extra keys
             (tighter outputs, but valid instances with extra keys are refused).
     """
@@ -100,7 +105,6 @@ class XGrammarBackend(BaseGrammarBackend):
         vocab_size: int | None = None,
         stop_token_ids: list[int] | None = None,
         max_threads: int = 2,
-        any_whitespace: bool = True,
         max_whitespace_cnt: int | None = 20,
         strict_mode: bool = False,
     ) -> None:
@@ -116,28 +120,38 @@ class XGrammarBackend(BaseGrammarBackend):
             stop_token_ids=stops,
         )
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=max_threads)
-        self._json_options = {
-            "any_whitespace": any_whitespace,
-            "max_whitespace_cnt": max_whitespace_cnt if any_whitespace else None,
-            "strict_mode": strict_mode,
-        }
+        self._max_whitespace_cnt = max_whitespace_cnt
+        self._strict_mode = strict_mode
 
-    def compile(self, kind: GrammarKind, text: str) -> XGrammarCompiled:
+    def compile(
+        self, kind: GrammarKind, text: str, options: CompileOptions = DEFAULT_OPTIONS
+    ) -> XGrammarCompiled:
         try:
-            compiled = self._compile(kind, text)
+            compiled = self._compile(kind, text, options)
         except GrammarError:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with C++ context
             raise GrammarError(_describe(kind, text, clean_backend_message(str(exc)))) from exc
         return XGrammarCompiled(compiled, self.vocab_size)
 
-    def _compile(self, kind: GrammarKind, text: str) -> xgr.CompiledGrammar:
+    def _json_options(self, options: CompileOptions) -> dict[str, Any]:
+        if options.whitespace_flexible:
+            return {"any_whitespace": True, "max_whitespace_cnt": self._max_whitespace_cnt}
+        return {"any_whitespace": False,
+                "separators": (COMPACT_ITEM_SEPARATOR, COMPACT_KEY_SEPARATOR)}
+
+    def _compile(
+        self, kind: GrammarKind, text: str, options: CompileOptions
+    ) -> xgr.CompiledGrammar:
         if kind == "json_schema":
             parse_json_schema(text)  # a clear message for plain JSON syntax errors
-            return self._compiler.compile_json_schema(text, **self._json_options)
+            return self._compiler.compile_json_schema(
+                text, strict_mode=self._strict_mode, **self._json_options(options)
+            )
         if kind == "json_object":
-            options = {**self._json_options, "strict_mode": False}
-            return self._compiler.compile_json_schema(JSON_OBJECT_SCHEMA, **options)
+            return self._compiler.compile_json_schema(
+                JSON_OBJECT_SCHEMA, strict_mode=False, **self._json_options(options)
+            )
         if kind == "regex":
             return self._compiler.compile_regex(text)
         if kind == "ebnf":

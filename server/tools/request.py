@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.engine.grammar.schema_limits import unenforced_keywords
+from splitserve.engine.grammar.schema_limits import ignored_keywords, known_refusals
 from splitserve.ipc.messages import Constraint
 from splitserve.server.errors import APIError
 from splitserve.server.protocol import ChatCompletionRequest, NamedToolChoice
@@ -83,7 +83,9 @@ def tool_request(req: ChatCompletionRequest, fmt: ToolCallFormat,
 
 
 def _refuse_unenforceable(schema: dict[str, Any], param: str) -> None:
-    unenforced = unenforced_keywords(schema)
+    # Tool calls compile as xgrammar structural tags (engine.grammar.chain routes them there):
+    # its measured limits (engine.grammar.schema_limits) say what it would not enforce.
+    unenforced = ignored_keywords("xgrammar", schema) + known_refusals("xgrammar", schema)
     if unenforced:
         raise APIError(
             f"{param}: the function is strict, but the grammar cannot enforce "

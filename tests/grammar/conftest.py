@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from splitserve.engine.grammar import BaseGrammarBackend, CompiledGrammar, GrammarService
+from splitserve.engine.grammar.llguidance_backend import LLGuidanceBackend
 from splitserve.engine.grammar.outlines_backend import OutlinesBackend
 from splitserve.engine.grammar.xgrammar_backend import XGrammarBackend
 
@@ -18,23 +19,30 @@ def xgrammar_backend(tokenizer: Any) -> XGrammarBackend:
 
 
 @pytest.fixture(scope="session")
+def llguidance_backend(tokenizer: Any) -> LLGuidanceBackend:
+    return LLGuidanceBackend(tokenizer)
+
+
+@pytest.fixture(scope="session")
 def outlines_backend(tokenizer: Any) -> OutlinesBackend:
     return OutlinesBackend(tokenizer)
 
 
 @pytest.fixture(scope="session")
 def backends(
-    xgrammar_backend: XGrammarBackend, outlines_backend: OutlinesBackend
+    llguidance_backend: LLGuidanceBackend,
+    xgrammar_backend: XGrammarBackend,
+    outlines_backend: OutlinesBackend,
 ) -> dict[str, BaseGrammarBackend]:
-    return {"xgrammar": xgrammar_backend, "outlines": outlines_backend}
+    return {"llguidance": llguidance_backend, "xgrammar": xgrammar_backend,
+            "outlines": outlines_backend}
 
 
 @pytest.fixture(scope="session")
-def chain_service(
-    xgrammar_backend: XGrammarBackend, outlines_backend: OutlinesBackend
-) -> GrammarService:
-    """The production order: xgrammar, then outlines. Shares the backends (and xgrammar's cache)."""
-    service = GrammarService([xgrammar_backend, outlines_backend], timeout_s=120.0)
+def chain_service(backends: dict[str, BaseGrammarBackend]) -> GrammarService:
+    """The production chain (registry order: llguidance, xgrammar, outlines), sharing the
+    session's backends (and xgrammar's compile cache)."""
+    service = GrammarService(list(backends.values()), timeout_s=120.0)
     yield service
     service.shutdown()
 

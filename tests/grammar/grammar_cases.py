@@ -27,14 +27,19 @@ class SchemaCase:
 
 
 def _case(name: str, schema: Any, tests: list[dict[str, Any]]) -> SchemaCase:
-    # Instances are serialized with json.dumps defaults (", " and ": " separators), which both
-    # backends' default whitespace rules accept; key order is the data's own.
+    # Instances are serialized compactly (the grammars' default: no whitespace between tokens)
+    # with raw non-ASCII characters, as a model writes them; key order is the data's own.
     return SchemaCase(
         name=name,
         schema_text=json.dumps(schema),
-        valid=[json.dumps(t["data"]) for t in tests if t["valid"]],
-        invalid=[json.dumps(t["data"]) for t in tests if not t["valid"]],
+        valid=[compact_json(t["data"]) for t in tests if t["valid"]],
+        invalid=[compact_json(t["data"]) for t in tests if not t["valid"]],
     )
+
+
+def compact_json(data: Any) -> str:
+    """Returns: ``data`` as compact JSON (``,`` and ``:``, no whitespace), non-ASCII kept."""
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
 
 
 def load_suite_cases() -> list[SchemaCase]:
@@ -82,6 +87,12 @@ class Counts:
     valid_accepted: int = 0
     invalid_total: int = 0
     invalid_rejected: int = 0
+    invalid_total_compiled: int = 0
+
+    @property
+    def invalid_accepted(self) -> int:
+        """Invalid instances of compiled schemas that the grammar let through."""
+        return self.invalid_total_compiled - self.invalid_rejected
 
     def as_tuple(self) -> tuple[int, int, int]:
         return (self.compiled, self.valid_accepted, self.invalid_rejected)
@@ -103,6 +114,7 @@ def check_case(
             counts.valid_accepted += 1
         else:
             failures.append(f"{case.name}: valid refused: {text[:80]}")
+    counts.invalid_total_compiled += len(case.invalid)
     for text in case.invalid:
         ids = tokenizer.encode(text, add_special_tokens=False)
         if matcher_accepts(compiled.create_matcher(), ids, stop):

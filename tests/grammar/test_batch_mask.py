@@ -29,13 +29,13 @@ def _grammar(backend: Any, tokenizer: Any, kind: str, text: str, prefix: str) ->
     return grammar
 
 
-@pytest.fixture(params=["xgrammar", "outlines"])
+@pytest.fixture(params=["llguidance", "xgrammar", "outlines"])
 def grammars(request, backends, tokenizer) -> list[RequestGrammar]:
     backend = backends[request.param]
     return [
         _grammar(backend, tokenizer, "regex", IPV4, "19"),
         _grammar(backend, tokenizer, "json_schema", SCHEMA, ""),  # only "{" and whitespace
-        _grammar(backend, tokenizer, "json_schema", SCHEMA, '{"story": "Once upon'),  # open text
+        _grammar(backend, tokenizer, "json_schema", SCHEMA, '{"story":"Once upon'),  # open text
         _grammar(backend, tokenizer, "choice", json.dumps(["yes", "no"]), "yes"),  # EOS only
     ]
 

@@ -38,35 +38,35 @@ CASES: list[tuple[str, str, list[str], list[str], tuple[str, ...]]] = [
         IPV4,
         ["192.168.0.1", "8.8.8.8"],
         ["256.1.1.1", "1.2.3", "1.2.3.4.5"],
-        ("xgrammar", "outlines"),
+        ("llguidance", "xgrammar", "outlines"),
     ),
     (
         "regex",
         ISO_DATE,
         ["2024-02-29", "1999-12-31"],
         ["2024-13-01", "24-01-01", "2024-1-1"],
-        ("xgrammar", "outlines"),
+        ("llguidance", "xgrammar", "outlines"),
     ),
     (
         "choice",
         CHOICES,
         ["yes", "maybe later", 'say "hi"'],
         ["ye", "yesno", "Yes"],
-        ("xgrammar", "outlines"),
+        ("llguidance", "xgrammar", "outlines"),
     ),
     (
         "json_object",
         "",
-        ['{"a": 1, "b": [true, null]}', "{}"],
-        ["[1, 2]", '"x"', '{"a": }'],
-        ("xgrammar", "outlines"),
+        ['{"a":1,"b":[true,null]}', "{}"],  # compact JSON: the default
+        ["[1, 2]", '"x"', '{"a": }', '{"a": 1}'],
+        ("llguidance", "xgrammar", "outlines"),
     ),
     (
         "ebnf",
         SQL_EBNF,
         ["SELECT * FROM users;", "SELECT id, name FROM t WHERE age >= 18 AND name = 'bob'"],
         ["SELECT FROM t", "select * from t", "SELECT * FROM t WHERE"],
-        ("xgrammar",),
+        ("llguidance", "xgrammar"),
     ),
 ]
 CASE_IDS = [f"{c[0]}-{i}" for i, c in enumerate(CASES)]
@@ -76,7 +76,7 @@ def _params() -> list[Any]:
     return [
         pytest.param(name, case, id=f"{name}-{cid}")
         for case, cid in zip(CASES, CASE_IDS)
-        for name in ("xgrammar", "outlines")
+        for name in ("llguidance", "xgrammar", "outlines")
         if name in case[4]
     ]
 
@@ -126,7 +126,7 @@ def test_bitmask_allows_each_next_token(
     assert bool((bitmask[0] == -1).all()) and bool((bitmask[2] == -1).all())
 
 
-@pytest.mark.parametrize("name", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("name", ["llguidance", "xgrammar", "outlines"])
 def test_rollback_copy_reset(
     name: str, backends: dict[str, BaseGrammarBackend], tokenizer: Any
 ) -> None:

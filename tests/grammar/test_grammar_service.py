@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,7 @@ class _HeldBackend(BaseGrammarBackend):
         self.calls = 0
         self.finished = 0
 
-    def compile(self, kind: GrammarKind, text: str) -> CompiledGrammar:
+    def compile(self, kind: GrammarKind, text: str, options: Any = None) -> CompiledGrammar:
         self.calls += 1
         # Bounded, so that a test that fails never leaves a compile thread behind for long.
         self.release.wait(30.0)
@@ -54,7 +55,7 @@ class _HeldBackend(BaseGrammarBackend):
         ("json_schema", '{"type": "object", "properties": ', "JSON schema syntax error"),
         ("json_schema", '{"type": "strin"}', "strin"),
         ("regex", "[a-", "regex"),
-        ("ebnf", 'root ::= "a" | ', "EBNF"),
+        ("ebnf", 'root ::= "a" (', "EBNF"),
         ("ebnf", 'rot ::= "a"', "root"),
         ("choice", "[]", "non-empty JSON list"),
         ("choice", "yes", "JSON list of strings"),

@@ -79,3 +79,48 @@ def test_work_per_token_is_bounded(tokenizer) -> None:
     assert "".join(pieces) == MULTIBYTE * 30
     # O(window), not O(output): no decode ever sees more than a few tokens.
     assert max(recorder.window_lens) <= 8 < len(ids)
+
+
+def test_cut_inside_a_character_drops_the_fragment(tokenizer) -> None:
+    # An output cut at max_tokens part-way through a multi-byte character (issue 17, item 6).
+    ids = tokenizer.encode(MULTIBYTE, add_special_tokens=False)
+    cuts = [n for n in range(1, len(ids))
+            if tokenizer.decode(ids[:n], skip_special_tokens=True).endswith("\ufffd")]
+    assert cuts, "the sample must split some character over tokens"
+    for n in cuts:
+        det = IncrementalDetokenizer(tokenizer)
+        text = det.push(ids[:n]) + det.flush(cut=True)
+        full = tokenizer.decode(ids[:n], skip_special_tokens=True)
+        assert text == full.rstrip("\ufffd") and not text.endswith("\ufffd"), n
+        uncut = IncrementalDetokenizer(tokenizer)
+        assert uncut.push(ids[:n]) + uncut.flush() == full  # a finished output shows it all
+
+
+def test_stream_text_at_a_length_cut_has_no_replacement_char(tokenizer) -> None:
+    import anyio
+
+    from splitserve.ipc.messages import SamplingParams
+    from splitserve.server.engine_client import TokenEvent
+    from splitserve.server.formatter import ResponseFormatter, Usage
+    from splitserve.server.generation import stream_text
+    from splitserve.server.job import Job
+
+    ids = tokenizer.encode("ok 🚀", add_special_tokens=False)
+    cut = next(n for n in range(1, len(ids))
+               if tokenizer.decode(ids[:n]).endswith("\ufffd"))
+
+    class Client:
+        async def generate(self, rid, input_ids, sampling, cache_namespace=None):
+            for i, token in enumerate(ids[:cut]):
+                yield TokenEvent([token], [0.0], "length" if i == cut - 1 else None)
+
+        async def abort(self, rid):
+            pass
+
+    job = Job("r", [1], SamplingParams(), [], ResponseFormatter("r", 0, "m", False, False),
+              Usage(1))
+
+    async def main() -> str:
+        return "".join([p.text async for p in stream_text(Client(), tokenizer, job)])
+
+    assert anyio.run(main) == "ok "

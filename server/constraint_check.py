@@ -1,0 +1,121 @@
+"""The safety net under the grammar: every finished ``json_schema`` output is validated with
+``jsonschema`` (the draft the schema declares, 2020-12 by default; ``format`` is an annotation,
+as the spec has it) before it reaches the client.
+
+A violation means a backend let through what it should have refused: it is logged with the
+schema's hash, counted in ``splitserve_constraint_violations_total{backend}``, and under
+``strict`` the request fails (500, ``constraint_violation``) instead of answering a
+valid-looking 200. Outputs cut by ``max_tokens`` are not finished, so they are not checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jsonschema
+
+from splitserve.server.constraints import constraint_plan
+from splitserve.server.errors import APIError
+from splitserve.server.generation import Piece
+from splitserve.server.job import Job
+
+logger = logging.getLogger(__name__)
+
+PARTIAL_HEADER = "x-splitserve-constraint"
+
+
+def schema_hash(text: str) -> str:
+    """Returns: the first 16 hex digits of the SHA-256 of the schema text (a log key)."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def partial_header(job: Job) -> dict[str, str]:
+    """Returns: ``{PARTIAL_HEADER: "partial; ignored=..."}`` when no backend enforces the whole
+    of ``job``'s non-strict schema (the keywords its backend ignores, ``keyword@/pointer``,
+    comma-separated), else ``{}``."""
+    constraint = job.sampling.constraint
+    if constraint is None or constraint.kind != "json_schema":
+        return {}
+    ignored = constraint_plan(constraint).best_partial()
+    if not ignored:
+        return {}
+    names = ",".join(item.replace(" at ", "@") for item in ignored)
+    return {PARTIAL_HEADER: f"partial; ignored={names}"}
+
+
+def violation(schema_text: str, output: str) -> str | None:
+    """Check one finished output.
+
+    Args:
+        schema_text: the schema as JSON.
+        output: the generated text.
+
+    Returns:
+        None when ``output`` is JSON that validates, else what is wrong (first error).
+    """
+    schema = json.loads(schema_text)
+    try:
+        instance = json.loads(output)
+    except ValueError as exc:
+        return f"not JSON: {exc}"
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    error = jsonschema.exceptions.best_match(cls(schema).iter_errors(instance))
+    if error is None:
+        return None
+    return f"{error.message} at /{'/'.join(str(p) for p in error.absolute_path)}"
+
+
+async def checked_pieces(
+    job: Job, pieces: AsyncIterator[Piece], violations: Any | None
+) -> AsyncIterator[Piece]:
+    """``pieces``, with the last one held until the whole output has been validated.
+
+    Args:
+        job: the job the pieces belong to.
+        pieces: from ``server.generation.stream_text``.
+        violations: a Prometheus counter with a ``backend`` label, or None.
+
+    Raises:
+        APIError: 500 ``constraint_violation`` when a strict schema's output does not validate.
+    """
+    constraint = job.sampling.constraint
+    if constraint is None or constraint.kind != "json_schema":
+        async for piece in pieces:
+            yield piece
+        return
+    # A stop string may cut the JSON short of its end; such an output is not finished.
+    if job.stop:
+        async for piece in pieces:
+            yield piece
+        return
+    parts: list[str] = []
+    try:
+        async for piece in pieces:
+            parts.append(piece.text)
+            if piece.finish_reason == "stop":
+                _check(job, constraint, "".join(parts), violations)
+            yield piece
+    finally:
+        await pieces.aclose()  # type: ignore[attr-defined]
+
+
+def _check(job: Job, constraint: Any, output: str, violations: Any | None) -> None:
+    problem = violation(constraint.text, output)
+    if problem is None:
+        return
+    steps = constraint_plan(constraint).steps
+    backend = steps[0].backend if steps else "none"
+    logger.error("constraint violation: request %s, schema %s, backend %s: %s",
+                 job.rid, schema_hash(constraint.text), backend, problem)
+    if violations is not None:
+        violations.labels(backend).inc()
+    if constraint.strict:
+        raise APIError(
+            f"the output broke its strict json_schema ({problem}); this is a bug in the grammar "
+            "backend, logged with the schema's hash",
+            status_code=500, code="constraint_violation",
+        )
