@@ -128,7 +128,7 @@ class ModelConfig:
             context_len=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma3")),
             attention_bias=qkv_bias,
-            o_proj_bias=llama_bias or (family == "gemma3" and qkv_bias),
+            o_proj_bias=llama_bias or (family in ("qwen3", "qwen3_moe", "gemma3") and qkv_bias),
             mlp_bias=bool(cfg.get("mlp_bias", False)) and is_llama,
             layer_windows=_parse_layer_windows(cfg, arch.name, family, num_layers),
             eos_token_ids=eos,
@@ -268,15 +268,16 @@ def _moe_fields(config: ModelConfig, cfg: dict[str, Any]) -> None:
 
 
 def _phi3_fields(config: ModelConfig, cfg: dict[str, Any]) -> None:
-    """Phi-3: ``su``/``yarn`` rope types mean LongRoPE (as transformers reads them), whose
-    ``original_max_position_embeddings`` may sit at the top level."""
+    """Phi-3: ``su``/``yarn`` rope types mean LongRoPE (as transformers reads them), and the
+    top-level ``original_max_position_embeddings`` is LongRoPE's."""
     scaling = config.rope_scaling
     if scaling is None:
         return
     if scaling["rope_type"] in ("su", "yarn"):
         scaling["rope_type"] = "longrope"
     if scaling["rope_type"] == "longrope":
-        scaling.setdefault(
-            "original_max_position_embeddings",
-            cfg.get("original_max_position_embeddings", config.context_len),
-        )
+        # The top-level value wins over the rope dict's, as in transformers' Phi3Config.
+        top = cfg.get("original_max_position_embeddings")
+        if top is not None:
+            scaling["original_max_position_embeddings"] = top
+        scaling.setdefault("original_max_position_embeddings", config.context_len)

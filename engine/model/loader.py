@@ -150,13 +150,22 @@ def _fill(model: DecoderLM, wanted: dict, tensors: Tensors, source: str) -> None
     """Copy every wanted tensor into its parameter slice.
 
     Raises:
-        ValueError: a tensor of the wrong shape, or wanted tensors absent from ``source``.
+        ValueError: a tensor of the wrong shape, wanted tensors absent from ``source``, or
+            weights in ``source`` that no parameter takes.
     """
     params = dict(model.named_parameters())
     filled: set[str] = set()
+    unused: list[str] = []
     for name, where, load in tensors:
         if name not in wanted:
-            continue  # e.g. a tied lm_head.weight, rotary inv_freq buffers
+            # A weight or bias we have no place for is a feature we do not implement: refuse
+            # rather than serve without it. (A tied lm_head.weight, or a buffer such as rotary
+            # inv_freq, is fine to skip.)
+            if name.endswith((".weight", ".bias")) and not (
+                name == "lm_head.weight" and model.lm_head is None
+            ):
+                unused.append(where)
+            continue
         ours, index = wanted[name]
         target = params[ours].data[index]
         tensor = load()
@@ -166,6 +175,12 @@ def _fill(model: DecoderLM, wanted: dict, tensors: Tensors, source: str) -> None
             )
         target.copy_(tensor)
         filled.add(name)
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        raise ValueError(
+            f"{source} holds weights this architecture's model has no place for (a feature "
+            f"not implemented): {'; '.join(unused[:3])}{more}"
+        )
     missing = sorted(set(wanted) - filled)
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
