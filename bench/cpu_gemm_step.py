@@ -1,5 +1,5 @@
 """Whole decode steps with the C tiles (``gemm_bf16.c``) against oneDNN, in one process: steps
-alternate between the two (the C kernels' ``decode_max_rows`` switched between the tiles' limit
+alternate between the two (the model's kernel plan switched between the tiles' limit
 and the skinny kernel's, which is main's behaviour), so a noisy neighbour on this shared machine
 hits both alike. Prints each side's median step and the median of the paired ratios.
 
@@ -19,6 +19,7 @@ from profile_decode import build
 
 from splitserve.engine.kernels.cpu.bindings import SKINNY_MAX_ROWS
 from splitserve.engine.kernels.cpu.build import load_cpu_kernels
+from splitserve.engine.model.kernel_plan import ProductPlan
 
 
 def main() -> None:
@@ -38,18 +39,18 @@ def main() -> None:
         resolve_model(args.model), default_dtype()[0], args.batch, args.prompt_len,
         1000, args.min_prompt_len,
     )
+    model = core.runner.model
     modes = {"oneDNN": SKINNY_MAX_ROWS, "C tiles": tiles_rows}
     times: dict[str, list[float]] = {name: [] for name in modes}
     print(f"load average at start: {os.getloadavg()}")
     for i in range(args.pairs + 2):
         order = list(modes) if i % 2 == 0 else list(reversed(modes))
         for name in order:
-            kernels.decode_max_rows = modes[name]
+            model.set_product_plan(ProductPlan(modes[name], modes[name], name))
             t0 = time.perf_counter()
             core.step()
             if i >= 2:  # the first two pairs warm up
                 times[name].append(time.perf_counter() - t0)
-    kernels.decode_max_rows = tiles_rows
     print(f"load average at end: {os.getloadavg()}")
     base = times["oneDNN"]
     ratios = [a / b for a, b in zip(base, times["C tiles"], strict=True)]

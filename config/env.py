@@ -11,6 +11,7 @@ looks at the environment: it gets its switches from :class:`splitserve.config.En
 ``SPLITSERVE_PACK_WEIGHTS``     ``engine.pack_weights`` default (``0``: plain ``F.linear``)
 ``SPLITSERVE_FUSED_DECODE``     ``engine.fused_decode`` default (``0``: per-op decode layers)
 ``SPLITSERVE_DECODE_KV_CACHE``  ``engine.decode_kv_cache`` default (``0``: gather from the pool)
+``SPLITSERVE_KERNELS``          ``engine.kernels`` default (``auto`` | ``c`` | ``torch`` | a file)
 ``SPLITSERVE_API_KEY``          ``security.api_key`` default (keeps the key out of ``ps``)
 ``SPLITSERVE_CACHE``            the cache folder (default ``~/.cache/splitserve``): converted
                                 models, compiled C kernels
@@ -31,6 +32,7 @@ CPU_KERNELS = "SPLITSERVE_CPU_KERNELS"
 PACK_WEIGHTS = "SPLITSERVE_PACK_WEIGHTS"
 FUSED_DECODE = "SPLITSERVE_FUSED_DECODE"
 DECODE_KV_CACHE = "SPLITSERVE_DECODE_KV_CACHE"
+KERNELS = "SPLITSERVE_KERNELS"
 API_KEY = "SPLITSERVE_API_KEY"
 CACHE = "SPLITSERVE_CACHE"
 CPU_AFFINITY = "SPLITSERVE_CPU_AFFINITY"  # "0,1": CPUs a child pins itself to at start-up

@@ -100,6 +100,9 @@ ENGINE_FLAGS = (
          "before each forward pass, not on a thread during it", const=False),
     Flag("--disable-cuda-graph", "engine.cuda_graph", "run decode steps eagerly on CUDA",
          const=False),
+    Flag("--kernels", "engine.kernels", "decode-step products: auto (C or oneDNN per step "
+         "size, timed once per machine and cached), c, torch (oneDNN only), or a plan file "
+         "($SPLITSERVE_KERNELS sets the default)"),
     Flag("--disable-cpu-kernels", "engine.cpu_kernels", "no C kernels on CPU bfloat16: torch "
          "ops only ($SPLITSERVE_CPU_KERNELS=0)", const=False),
     Flag("--disable-weight-packing", "engine.pack_weights", "keep only the parameters on CPU "

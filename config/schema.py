@@ -10,6 +10,7 @@ CPUs) and ``security``. ``WorkerConfig`` is one worker process: its identity plu
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -56,6 +57,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pack_weights: bool = msgspec.field(default_factory=lambda: env.switch(env.PACK_WEIGHTS))
     fused_decode: bool = msgspec.field(default_factory=lambda: env.switch(env.FUSED_DECODE))
     decode_kv_cache: bool = msgspec.field(default_factory=lambda: env.switch(env.DECODE_KV_CACHE))
+    # Decode-step products: "auto" (C or oneDNN per step size, timed once per machine), "c",
+    # "torch" (oneDNN only), or a plan file (engine.model.kernel_plan).
+    kernels: str = msgspec.field(default_factory=lambda: env.text(env.KERNELS, "auto"))
 
     def check(self) -> None:
         """Raises: ValueError naming the first field out of range or not a registered name."""
@@ -68,6 +72,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for field in ("page_size", "kv_cache_mb", "max_batch_tokens", "max_running"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be at least 1, not {getattr(self, field)}")
+        if self.kernels not in ("auto", "c", "torch") and not Path(self.kernels).is_file():
+            raise ValueError(f"kernels: {self.kernels!r} is not auto, c, torch or a plan file")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be positive, not {self.transfer_timeout_s}")
 

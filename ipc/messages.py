@@ -179,6 +179,8 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     kv_pool_bytes: int = 0
     decode_cache_bytes: int = 0
     weight_bytes: int = 0
+    # Which kernel serves the decode-step products (engine.model.kernel_plan), in words.
+    kernel_plan: str = ""
 
 
 # ---- decode <-> prefill (KV transfer control) ----------------------------------------------

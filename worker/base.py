@@ -367,4 +367,5 @@ class BaseWorker:
             kv_pool_bytes=self.pool.buffer.numel() * self.pool.buffer.element_size(),
             decode_cache_bytes=model.attn_backend.cache_bytes(),
             weight_bytes=model.weight_bytes(),
+            kernel_plan=model.kernel_plan.summary() if model.kernel_plan else "",
         )

@@ -20,6 +20,7 @@ from splitserve.engine.kernels.cpu.bindings import CpuKernels
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.fused_decode import run_fused_decode_layers
+from splitserve.engine.model.kernel_plan import ProductPlan
 from splitserve.engine.model.layers import Embedding, GatedMLP, Linear, LMHead, RMSNorm, can_pack
 from splitserve.engine.model.rope import RotaryEmbedding, StepRope
 
@@ -81,6 +82,8 @@ class DecoderLM(nn.Module):
         # (engine/model/fused_decode.py, which reads the packed weights through an address
         # table made on first use).
         self.kernels: CpuKernels | None = None
+        self.c_max_rows = 0  # decode steps up to this many rows take the C products
+        self.kernel_plan: ProductPlan | None = None
         self.fused_decode = fused_decode
         self._fused_layer_ptrs: torch.Tensor | None = None
         self.layers: nn.ModuleList
@@ -111,11 +114,24 @@ class DecoderLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack(use_cpu_kernels)
         self.kernels = self.head.pack(use_cpu_kernels)
+        self.c_max_rows = self.kernels.decode_max_rows if self.kernels is not None else 0
         self._fused_layer_ptrs = None  # the old packed weights are gone
         for module in self.modules():
             if isinstance(module, RMSNorm | GatedMLP):
                 module.kernels = self.kernels
         return True
+
+    def set_product_plan(self, plan: ProductPlan) -> None:
+        """Use the C products for decode steps of at most ``plan.layer_rows`` rows in every
+        layer (and the fused decode path) and ``plan.head_rows`` in the LM head, oneDNN above
+        (``engine.model.kernel_plan``). Needs :meth:`pack_weights` first."""
+        limit = self.kernels.decode_max_rows if self.kernels is not None else 0
+        self.kernel_plan = plan
+        self.c_max_rows = min(plan.layer_rows, limit)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.c_max_rows = self.c_max_rows
+        self.head.c_max_rows = min(plan.head_rows, limit)
 
     def weight_bytes(self) -> int:
         """Bytes of the parameters plus the packed copies :meth:`pack_weights` made (oneDNN's

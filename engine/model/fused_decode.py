@@ -46,9 +46,10 @@ def run_fused_decode_layers(
     """Run every decoder layer on ``x [T, hidden]`` (bfloat16, updated in place) if the step
     qualifies: the model's layers are the ones the C loop implements (the Llama family's, which
     says so with ``supports_fused_decode``; Qwen3's q/k norms, Gemma 3's norms and GELU, and
-    per-layer windows are not), the model's C kernels are on, ``T <= kernels.decode_max_rows`` (3, or 128 with
-    the AVX512_BF16 tiles), every row decodes, the torch backend's decode cache serves the step
-    and its C attention kernel takes the heads.
+    per-layer windows are not), the model's C kernels are on, ``T <= model.c_max_rows`` (the rows
+    up to which its kernel plan keeps the C products: ``engine.model.kernel_plan``), every row
+    decodes, the torch backend's decode cache serves the step and its C attention kernel takes
+    the heads.
     Returns whether it ran (else nothing was touched and the caller runs the layers).
 
     Raises:
@@ -66,7 +67,7 @@ def run_fused_decode_layers(
     cfg = model.config  # type: ignore[attr-defined]
     if plan is None or cache is None or cache.kt is None or cache.v is None:
         return False
-    if x.dtype != torch.bfloat16 or x.shape[0] > kernels.decode_max_rows or not x.is_contiguous():
+    if x.dtype != torch.bfloat16 or x.shape[0] > model.c_max_rows or not x.is_contiguous():
         return False
     if not CpuKernels.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
         return False

@@ -63,9 +63,11 @@ class Linear(nn.Module):
         self.weight = empty_parameter(out_features, in_features, dtype=dtype)
         self.bias = empty_parameter(out_features, dtype=dtype) if bias else None
         self.packed: torch.Tensor | None = None  # set by pack(); not a parameter
-        # Set by pack() too: the C kernels for decode steps and the weight in their layout.
+        # Set by pack() too: the C kernels for decode steps and the weight in their layout,
+        # used for steps of at most c_max_rows rows (the model's kernel plan sets it).
         self.kernels: CpuKernels | None = None
         self.decode_packed: torch.Tensor | None = None
+        self.c_max_rows = 0
 
     def pack(self, use_cpu_kernels: bool = True) -> None:
         """Pre-pack the weight for oneDNN if :func:`can_pack` (call after loading; the plain
@@ -74,6 +76,7 @@ class Linear(nn.Module):
         if can_pack(self.weight):
             self.packed = pack_weight(self.weight.data)
         self.kernels, self.decode_packed = pack_decode(self.weight, use_cpu_kernels)
+        self.c_max_rows = self.kernels.decode_max_rows if self.kernels is not None else 0
 
     def packed_bytes(self) -> int:
         """Bytes of the packed copies (a oneDNN copy counted as the weight's size: its storage
@@ -82,10 +85,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, in]`` -> ``[T, out]``."""
-        if self.decode_packed is not None and x.dim() == 2:
+        if self.decode_packed is not None and x.dim() == 2 and x.shape[0] <= self.c_max_rows:
             assert self.kernels is not None
-            if x.shape[0] <= self.kernels.decode_max_rows:
-                return self.kernels.linear_decode(x.contiguous(), self.decode_packed, self.bias)
+            return self.kernels.linear_decode(x.contiguous(), self.decode_packed, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -101,12 +103,14 @@ class LMHead:
         self.packed: torch.Tensor | None = None
         self.kernels: CpuKernels | None = None
         self.decode_packed: torch.Tensor | None = None
+        self.c_max_rows = 0
 
     def pack(self, use_cpu_kernels: bool = True) -> CpuKernels | None:
         """Pack like :meth:`Linear.pack`; returns the C kernels when they serve."""
         if can_pack(self.weight):
             self.packed = pack_weight(self.weight.data)
         self.kernels, self.decode_packed = pack_decode(self.weight, use_cpu_kernels)
+        self.c_max_rows = self.kernels.decode_max_rows if self.kernels is not None else 0
         return self.kernels
 
     def packed_bytes(self) -> int:
@@ -116,7 +120,7 @@ class LMHead:
         if h.shape[0] == 0:  # a step of prompt chunks that finish no prompt samples nothing
             return h.new_empty(0, self.weight.shape[0], dtype=torch.float32)
         kernels, packed = self.kernels, self.decode_packed
-        if kernels is not None and packed is not None and h.shape[0] <= kernels.decode_max_rows:
+        if kernels is not None and packed is not None and h.shape[0] <= self.c_max_rows:
             return kernels.linear_decode(h.contiguous(), packed, None).float()
         if self.packed is not None:
             return packed_linear(h, self.packed, None).float()

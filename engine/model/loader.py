@@ -25,6 +25,7 @@ from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.gguf.config import hf_config
 from splitserve.engine.model.gguf.reader import GGUFFile, open_gguf
 from splitserve.engine.model.gguf.tensors import iter_tensors
+from splitserve.engine.model.kernel_plan import choose_product_plan
 from splitserve.engine.model.registry import get_architecture
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -143,6 +144,11 @@ def load_model(
     _fill(model, model_cls.weight_map(config), tensors, source)
     if engine.pack_weights:  # CPU bfloat16: oneDNN-packed projections (no-op elsewhere)
         model.pack_weights(engine.cpu_kernels)
+    if model.kernels is not None and model.head.packed is not None:
+        # Both C and oneDNN copies exist: which one serves each step size is measured here.
+        model.set_product_plan(
+            choose_product_plan(model, engine.kernels, model.kernels.decode_max_rows)
+        )
     return model.eval(), config
 
 

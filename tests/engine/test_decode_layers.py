@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from splitserve.config import EngineConfig
 from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.kv_pool import KVPool
 
@@ -22,7 +23,8 @@ def test_fused_decode_layers_equal_the_per_op_path(model_path, monkeypatch, num_
     from splitserve.ipc.messages import SamplingParams
     from tests.engine_core import make_core
 
-    model, cfg = load_model(model_path, dtype=torch.bfloat16)
+    # C products at every step size this test runs (the fused path needs them).
+    model, cfg = load_model(model_path, dtype=torch.bfloat16, engine=EngineConfig(kernels="c"))
     calls = {"ran": 0}
     real = decode_layers.run_fused_decode_layers
 

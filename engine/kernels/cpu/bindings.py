@@ -67,6 +67,7 @@ class CpuKernels:
         self.has_gemm = bool(lib.gemm_packed_bf16_available())
         # Rows up to which linear_decode runs (beyond: oneDNN on its own packed copy).
         self.decode_max_rows = GEMM_MAX_ROWS if self.has_gemm else SKINNY_MAX_ROWS
+        self.library_path = str(getattr(lib, "_name", ""))  # its build digest keys kernel plans
 
     def rms_norm(
         self,

@@ -1,0 +1,241 @@
+"""Capacity planner: how many prefill and decode workers (or colocated ones) serve a workload at
+the most goodput under TTFT and ITL SLOs, from step costs measured on this machine (DistServe's
+placement question, answered by simulation: ``pd_sim``).
+
+    # 1. measure the engine's step costs here, at 1 and 2 threads per worker (~2 minutes, once)
+    python bench/plan_pd.py measure --threads 1 2 --out bench/results/pd_profile.json
+    # 2. plan: every split of 4 cores, ShareGPT-like requests, SLOs TTFT 2 s / ITL 200 ms
+    python bench/plan_pd.py plan --profile bench/results/pd_profile.json --cores 4 \\
+        --workload sharegpt --slo ttft:2000 itl:200
+    # 3. check the model against a real run of bench/serving.py with --request-rate
+    python bench/plan_pd.py compare --profile bench/results/pd_profile.json \\
+        --results bench/results/<run>/results.json
+
+``plan`` reports, for each cluster shape, the largest Poisson request rate at which at least
+``--attainment`` (default 90%) of requests meet every SLO (the goodput DistServe maximises),
+per worker core; a shape of ``P`` prefill + ``D`` decode workers uses ``P + D`` cores at one
+thread each, a colocated worker ``k`` cores at ``k`` threads. Each worker's step times come
+from the profile measured at its thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+from common import DATA_DIR, SEED, add_data_argument, load_prompts, resolve_model
+from pd_sim import ClusterShape, StepModel, simulate
+from serving_metrics import meets_slos, parse_slos, summarize
+
+WORKLOADS = ("sharegpt", "gsm8k", "long")
+
+
+def cpu_line() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                 if ln.startswith("model name")), "unknown CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
+                  if ln.startswith("flags")), [])
+    keep = [f for f in flags if f.startswith(("amx", "avx512_bf16", "avx512f", "avx2"))]
+    return f"{name} ({', '.join(keep)})"
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+
+
+def workload(kind: str, num: int, args: argparse.Namespace) -> list[tuple[int, int]]:
+    """``num`` (prompt tokens, output tokens) pairs, seeded: ``sharegpt`` (first user turns,
+    truncated to ``--max-input-len``, ``--output-len`` out), ``gsm8k`` (a 5-shot prefix of
+    ~700 tokens plus a question, 128 out) or ``long`` (2k-4k tokens, 64 out)."""
+    rng = random.Random(SEED)
+    if kind == "sharegpt":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
+        prompts = load_prompts(tok, num, args.max_input_len, data=args.data)
+        return [(len(p), args.output_len) for p in prompts]
+    if kind == "gsm8k":
+        return [(700 + rng.randint(40, 120), 128) for _ in range(num)]
+    return [(rng.randint(2000, 4000), 64) for _ in range(num)]
+
+
+def arrivals(num: int, rate: float, seed: int = SEED) -> list[float]:
+    """Poisson arrival times, as ``bench/serving.py`` draws them (same seed, same numbers)."""
+    if math.isinf(rate):
+        return [0.0] * num
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(num):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# ---- profiles ----------------------------------------------------------------------------------
+
+
+def load_profile(path: Path) -> dict[int, StepModel]:
+    data = json.loads(path.read_text())
+    return {int(k): StepModel(**v["model"]) for k, v in data["threads"].items()}
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+    import torch
+    from pd_profile import profile
+
+    from splitserve.config import EngineConfig
+    from splitserve.engine.kernels.cpu.features import resolve_dtype
+    from splitserve.engine.model.loader import load_model
+
+    dtype = resolve_dtype(args.dtype)[0]
+    out: dict = {"cpu": cpu_line(), "dtype": dtype, "threads": {}}
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        # Load at this thread count: the kernel plan (engine.model.kernel_plan) depends on it.
+        model, cfg = load_model(resolve_model(args.model), getattr(torch, dtype),
+                                engine=EngineConfig(dtype=dtype))
+        fitted, raw = profile(model, cfg, dtype, threads)
+        out["threads"][str(threads)] = {"model": {k: getattr(fitted, k) for k in (
+            "d0", "d_row", "d_ctx", "p0", "p_tok", "p_pair", "threads")}, "samples": raw}
+        print(f"{threads} thread(s): decode {fitted.d0 * 1e3:.2f} ms + {fitted.d_row * 1e3:.3f} "
+              f"ms/row + {fitted.d_ctx * 1e6:.3f} us/ctx token; prefill {fitted.p0 * 1e3:.2f} ms "
+              f"+ {fitted.p_tok * 1e3:.3f} ms/token + {fitted.p_pair * 1e9:.3f} ns/pair "
+              f"(fit max error: decode {raw['max_rel_error_decode']:.0%}, prefill "
+              f"{raw['max_rel_error_prefill']:.0%})", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    print(f"profile of {out['cpu']} in {args.out}")
+    return 0
+
+
+# ---- planning ----------------------------------------------------------------------------------
+
+
+def shapes_for(cores: int, profiles: dict[int, StepModel]) -> list[tuple[ClusterShape, int, int]]:
+    """``(shape, prefill threads, decode threads)`` for every way to spend ``cores``: P+D
+    workers at one thread, colocated workers at every thread count the profile has."""
+    out = []
+    if 1 in profiles:
+        for p in range(1, cores):
+            out.append((ClusterShape(num_prefill=p, num_decode=cores - p), 1, 1))
+    for t in sorted(profiles):
+        if cores % t == 0:
+            out.append((ClusterShape(num_colocated=cores // t), t, t))
+    return out
+
+
+def attainment(reqs: list[tuple[float, int, int]], shape: ClusterShape,
+               profiles: dict[int, StepModel], pt: int, dt: int, slos: dict) -> float:
+    outs = simulate(reqs, shape, profiles[pt], profiles[dt])
+    return sum(meets_slos(o, slos) for o in outs) / len(outs)
+
+
+def max_rate(lengths: list[tuple[int, int]], shape: ClusterShape, profiles, pt: int, dt: int,
+             slos: dict, target: float) -> float:
+    """The largest Poisson rate (req/s, to 2%) whose SLO attainment is at least ``target``."""
+    def ok(rate: float) -> bool:
+        starts = arrivals(len(lengths), rate)
+        reqs = [(s, p, o) for s, (p, o) in zip(starts, lengths)]
+        return attainment(reqs, shape, profiles, pt, dt, slos) >= target
+
+    lo, hi = 0.0, 1.0
+    while ok(hi) and hi < 1e4:
+        lo, hi = hi, hi * 2
+    while hi - lo > 0.02 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    profiles = load_profile(args.profile)
+    slos = parse_slos(args.slo)
+    lengths = workload(args.workload, args.num_requests, args)
+    print(f"{cpu_line()}; workload {args.workload}: {len(lengths)} requests, mean prompt "
+          f"{sum(p for p, _ in lengths) / len(lengths):.0f} tokens; SLOs "
+          f"{', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in slos.items())}; attainment "
+          f">= {args.attainment:.0%}; {args.cores} cores")
+    rows = []
+    for shape, pt, dt in shapes_for(args.cores, profiles):
+        shape = ClusterShape(shape.num_prefill, shape.num_decode, shape.num_colocated,
+                             args.max_batch_tokens, args.max_running)
+        rate = max_rate(lengths, shape, profiles, pt, dt, slos, args.attainment)
+        rows.append((rate, shape.describe(), pt))
+        print(f"  {shape.describe():>12} ({pt} thread(s) per worker): goodput {rate:6.2f} req/s, "
+              f"{rate / args.cores:6.3f} req/s per core", flush=True)
+    best = max(rows)
+    print(f"best: {best[1]} at {best[0]:.2f} req/s")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Simulate each ``--request-rate`` run of a ``bench/serving.py`` results file on the same
+    prompts and arrivals, and print simulated vs measured goodput and p99 ITL."""
+    profiles = load_profile(args.profile)
+    res = json.loads(args.results.read_text())
+    cfg = res["config"]
+    ns = argparse.Namespace(model=cfg.get("model"), max_input_len=cfg["max_input_len"],
+                            output_len=cfg["output_len"], data=Path(cfg.get("data") or DATA_DIR))
+    lengths = workload(cfg["dataset"], cfg["num_prompts"], ns)
+    slos = {k: v / 1e3 for k, v in (res["runs"][0]["summary"].get("slos_ms") or {}).items()}
+    print(cpu_line())
+    for run in res["runs"]:
+        if run["load_kind"] != "request_rate":
+            print(f"  skip {run['target']} {run['load']}: closed-loop loads are not simulated")
+            continue
+        mode = run["target"].split()[-1]
+        cores = args.cores
+        if mode == "colocated":
+            shape, pt, dt = ClusterShape(num_colocated=1), cores, cores
+        else:
+            shape, pt, dt = ClusterShape(1, 1), cores // 2, cores // 2
+        starts = arrivals(len(lengths), float(run["load_value"]))
+        outs = simulate([(s, p, o) for s, (p, o) in zip(starts, lengths)], shape,
+                        profiles[pt], profiles[dt])
+        sim = summarize(outs, max(o.start + o.latency for o in outs), slos)
+        real = run["summary"]
+        for key, label in (("goodput", "goodput req/s"), ("itl_ms", "ITL p99 ms"),
+                           ("ttft_ms", "TTFT p50 ms")):
+            s = sim[key]["p99" if key == "itl_ms" else "p50"] if key != "goodput" else sim[key]
+            r = real[key]["p99" if key == "itl_ms" else "p50"] if key != "goodput" else real[key]
+            print(f"  {run['target']:>26} {run['load']:>8} {label:>14}: simulated {s:9.2f} "
+                  f"measured {r:9.2f} ({s / r if r else float('nan'):.2f}x)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("measure", help="measure step costs here and fit the step model")
+    m.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    m.add_argument("--model", default=None)
+    m.add_argument("--dtype", default="auto")
+    m.add_argument("--out", type=Path, default=Path("bench/results/pd_profile.json"))
+    p = sub.add_parser("plan", help="goodput of every cluster shape for a workload")
+    c = sub.add_parser("compare", help="simulate a bench/serving.py --request-rate run")
+    for q in (p, c):
+        q.add_argument("--profile", type=Path, default=Path("bench/results/pd_profile.json"))
+        q.add_argument("--cores", type=int, default=2)
+    p.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
+    p.add_argument("--num-requests", type=int, default=300)
+    p.add_argument("--slo", nargs="*", default=["ttft:2000", "itl:200"], metavar="KIND:MS")
+    p.add_argument("--attainment", type=float, default=0.9)
+    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--model", default=None)
+    p.add_argument("--max-input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    add_data_argument(p)
+    c.add_argument("--results", type=Path, required=True)
+    args = ap.parse_args(argv)
+    return {"measure": cmd_measure, "plan": cmd_plan, "compare": cmd_compare}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Which kernel runs a decode step's matrix products, chosen by timing them on this machine.
+
+Our C products (``gemv.c`` at 1-2 rows, the AVX512-BF16 register tiles of ``gemm_bf16.c`` from
+3 rows) beat oneDNN on CPUs without AMX (Zen 4: 1.7-2x at 4-8 rows, 1.2x at 32), and lose to
+oneDNN's AMX kernels on Sapphire/Emerald Rapids from a few rows on (measured here: 3.7x slower
+at 32 rows). Nothing but a measurement tells which machine one is on, so at start-up the worker
+times both on the model's own packed weights, at the row counts a decode step can have, and
+keeps the C products for steps of at most :attr:`ProductPlan.layer_rows` rows (the decoder
+layers' products, and the fused one-call decode path, which uses them) and
+:attr:`ProductPlan.head_rows` rows (the vocab projection). The C attention, norms and RoPE
+kernels are used wherever they apply either way: they beat torch on every CPU measured.
+
+The choice is cached per CPU model, CPU flags, torch version, thread count, C library build and
+product shapes under ``$SPLITSERVE_CACHE/kernel_plans/``, so the timing (about a second for the
+default model) runs once per machine. ``EngineConfig.kernels`` (``--kernels``) forces it:
+``auto`` (measure), ``c`` (C products up to the tiles' limit, 128 rows), ``torch`` (oneDNN for
+every product), or the path of a plan file written by an earlier run.
+
+Following oneDNN's and Triton's practice of choosing a kernel by timing it on the machine at
+hand (Triton's ``autotune``), with the decision rule kept to one crossover per product group
+because the dispatch is a threshold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from splitserve.config import env
+from splitserve.engine.model.layers import Linear, packed_linear
+
+logger = logging.getLogger(__name__)
+
+# Row counts a decode step is timed at (the scheduler's steps have any count up to max_running).
+BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+REPEATS = 7  # timed calls per (bucket, kernel); the fastest is kept
+KERNEL_CHOICES = ("auto", "c", "torch")  # or a plan file's path
+
+
+@dataclass(frozen=True, slots=True)
+class ProductPlan:
+    """C products for decode steps of at most ``layer_rows`` rows in the decoder layers and
+    ``head_rows`` in the vocab projection; oneDNN above (0: never C). ``table``: the timings
+    it came from, ``(rows, layers C, layers oneDNN, head C, head oneDNN)`` in microseconds per
+    step (every layer's products), empty when forced. ``source`` says where it came from."""
+
+    layer_rows: int
+    head_rows: int
+    source: str
+    table: tuple[tuple[int, float, float, float, float], ...] = ()
+
+    def summary(self) -> str:
+        return (f"C products for decode steps of <= {self.layer_rows} rows (LM head <= "
+                f"{self.head_rows}), oneDNN above ({self.source})")
+
+    def lines(self) -> list[str]:
+        """The summary, then one line per timed bucket."""
+        out = [self.summary()]
+        for rows, lc, lo, hc, ho in self.table:
+            out.append(f"  {rows:4d} rows: layers C {lc / 1e3:7.2f} ms, oneDNN {lo / 1e3:7.2f} ms; "
+                       f"head C {hc / 1e3:6.2f} ms, oneDNN {ho / 1e3:6.2f} ms")
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str, source: str) -> ProductPlan:
+        """Raises: ValueError: not a plan."""
+        try:
+            d = json.loads(text)
+            table = tuple(tuple(row) for row in d.get("table", ()))
+            return cls(int(d["layer_rows"]), int(d["head_rows"]), source, table)  # type: ignore[arg-type]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a kernel plan: {exc}") from exc
+
+
+TIE = 1.05  # C within 5% of oneDNN counts as a win: the fused one-call path needs C products
+
+
+def crossover(c_us: list[float], onednn_us: list[float], buckets: tuple[int, ...]) -> int:
+    """The largest bucket up to which C is within :data:`TIE` of oneDNN at every measured
+    bucket (0 when it loses at the first): the dispatch is one threshold, so a later win after
+    a loss does not count."""
+    rows = 0
+    for b, c, o in zip(buckets, c_us, onednn_us):
+        if c > o * TIE:
+            break
+        rows = b
+    return rows
+
+
+def _best_pair_us(a: Callable[[], object], b: Callable[[], object]) -> tuple[float, float]:
+    """The fastest of :data:`REPEATS` calls of each, in microseconds, alternating ``a`` and
+    ``b`` so that both see the same machine: on a shared machine a slow call is interference,
+    never the kernel, so the minimum is the estimate (as ``timeit`` recommends)."""
+    a(), b()  # warm: first-touch allocations, oneDNN's primitive cache
+    ta, tb = [], []
+    for _ in range(REPEATS):
+        for fn, times in ((a, ta), (b, tb)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return min(ta) * 1e6, min(tb) * 1e6
+
+
+def measure(model: torch.nn.Module, max_rows: int) -> ProductPlan:
+    """Time one decoder layer's products (scaled to every layer) and the LM head, C against
+    oneDNN, at each bucket up to ``max_rows``, on the model's packed weights, with the current
+    torch thread count. Stops once C has lost at two buckets in a row for both groups."""
+    layer = [m for m in model.layers[0].modules() if isinstance(m, Linear)]  # type: ignore[attr-defined]
+    num_layers = len(model.layers)  # type: ignore[attr-defined]
+    head = model.head  # type: ignore[attr-defined]
+    kernels = head.kernels
+    buckets = tuple(b for b in BUCKETS if b <= max_rows)
+    gen = torch.Generator().manual_seed(0)
+    table = []
+    losses = 0
+    for rows in buckets:
+        xs = [torch.randn(rows, m.weight.shape[1], generator=gen).bfloat16() for m in layer]
+        h = torch.randn(rows, head.weight.shape[1], generator=gen).bfloat16()
+
+        def layer_c(xs=xs) -> None:
+            for m, x in zip(layer, xs):
+                kernels.linear_decode(x, m.decode_packed, m.bias)
+
+        def layer_onednn(xs=xs) -> None:
+            for m, x in zip(layer, xs):
+                packed_linear(x, m.packed, m.bias)
+
+        lc, lo = (t * num_layers for t in _best_pair_us(layer_c, layer_onednn))
+        hc, ho = _best_pair_us(lambda h=h: kernels.linear_decode(h, head.decode_packed, None),
+                               lambda h=h: packed_linear(h, head.packed, None))
+        table.append((rows, lc, lo, hc, ho))
+        losses = losses + 1 if (lc > lo * TIE and hc > ho * TIE) else 0
+        if losses == 2:
+            break
+    timed = tuple(r for r, *_ in table)
+    layer_rows = crossover([t[1] for t in table], [t[2] for t in table], timed)
+    head_rows = crossover([t[3] for t in table], [t[4] for t in table], timed)
+    return ProductPlan(layer_rows, head_rows, "measured", tuple(table))
+
+
+def _cache_key(model: torch.nn.Module, max_rows: int) -> str:
+    """What the timings depend on: the CPU, torch, threads, the C build and the shapes."""
+    cpu = b""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            cpu = b"".join(line for line in f if line.startswith((b"model name", b"flags")))
+    except OSError:
+        pass
+    shapes = [tuple(m.weight.shape) for m in model.layers[0].modules() if isinstance(m, Linear)]  # type: ignore[attr-defined]
+    parts = [cpu.decode(errors="replace"), torch.__version__, str(torch.get_num_threads()),
+             str(getattr(model.head.kernels, "library_path", "")), str(shapes),  # type: ignore[attr-defined]
+             str(tuple(model.head.weight.shape)), str(len(model.layers)), str(max_rows)]  # type: ignore[attr-defined]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+
+
+def choose_product_plan(model: torch.nn.Module, choice: str, max_rows: int) -> ProductPlan:
+    """The plan for ``model`` (packed for the C kernels and oneDNN) under ``choice``
+    (:data:`KERNEL_CHOICES` or a plan file). ``max_rows``: the C products' limit on this CPU.
+
+    Raises:
+        ValueError: a ``choice`` that is neither a known name nor a readable plan file.
+    """
+    if choice == "c":
+        return ProductPlan(max_rows, max_rows, "forced: --kernels c")
+    if choice == "torch":
+        return ProductPlan(0, 0, "forced: --kernels torch")
+    if choice != "auto":
+        path = Path(choice)
+        try:
+            return ProductPlan.from_json(path.read_text(), f"file {path}")
+        except OSError as exc:
+            raise ValueError(f"--kernels {choice}: not auto|c|torch and not a readable plan "
+                             f"file ({exc})") from exc
+    cached = env.cache_dir() / "kernel_plans" / f"{_cache_key(model, max_rows)}.json"
+    if cached.exists():
+        try:
+            return ProductPlan.from_json(cached.read_text(), f"measured earlier, {cached}")
+        except ValueError:
+            pass  # a torn or foreign file: measure again
+    t0 = time.perf_counter()
+    plan = measure(model, max_rows)
+    took = time.perf_counter() - t0
+    plan = ProductPlan(plan.layer_rows, plan.head_rows, f"measured in {took:.1f} s", plan.table)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=cached.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(plan.to_json())
+    os.replace(tmp, cached)  # atomic: workers starting together may race
+    for line in plan.lines():
+        logger.warning("kernel choice: %s", line)
+    return plan

@@ -1,0 +1,124 @@
+"""The decode products' kernel, chosen by measurement (``engine.model.kernel_plan``): the
+crossover rule, forced and file plans, the per-machine cache, that the plan decides which
+kernel each step size takes, and that a chosen path gives the same bits as forcing it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitserve.config import EngineConfig
+from splitserve.engine.kernels.cpu.build import load_cpu_kernels
+from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.model import kernel_plan
+from splitserve.engine.model.kernel_plan import ProductPlan, choose_product_plan, crossover
+from splitserve.engine.model.layers import Linear, can_pack, packed_linear
+from splitserve.engine.sched.request import Req
+from splitserve.ipc.messages import SamplingParams
+from tests.engine_core import make_core
+
+kernels = load_cpu_kernels()
+needs_both = pytest.mark.skipif(
+    kernels is None or not can_pack(torch.empty(1, 1, dtype=torch.bfloat16)),
+    reason="needs the C kernels and oneDNN bf16 packing",
+)
+
+
+def test_crossover_is_the_last_bucket_of_the_first_run_of_wins() -> None:
+    b = (1, 2, 4, 8)
+    assert crossover([1, 1, 1, 1], [2, 2, 2, 2], b) == 8
+    assert crossover([1, 1, 3, 1], [2, 2, 2, 2], b) == 2  # a win after a loss does not count
+    assert crossover([3, 1, 1, 1], [2, 2, 2, 2], b) == 0
+    assert crossover([1.04, 2], [1.0, 1.0], (1, 2)) == 1  # within the tie margin: C
+
+
+def test_forced_and_file_plans(tmp_path) -> None:
+    assert choose_product_plan(None, "c", 128) == ProductPlan(128, 128, "forced: --kernels c")
+    assert choose_product_plan(None, "torch", 128).layer_rows == 0
+    plan = ProductPlan(6, 2, "x", ((1, 1.0, 2.0, 3.0, 4.0),))
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    got = choose_product_plan(None, str(path), 128)
+    assert (got.layer_rows, got.head_rows, got.table) == (6, 2, plan.table)
+    with pytest.raises(ValueError, match="not auto"):
+        choose_product_plan(None, str(tmp_path / "missing.json"), 128)
+    with pytest.raises(ValueError, match="kernels"):
+        EngineConfig(kernels="fastest").check()
+
+
+@needs_both
+def test_plan_decides_which_kernel_serves_each_step_size() -> None:
+    torch.manual_seed(0)
+    lin = Linear(64, 96, True, torch.bfloat16)
+    lin.weight.data.copy_(torch.randn(96, 64))
+    lin.bias.data.copy_(torch.randn(96))
+    lin.pack()
+    lin.c_max_rows = 4
+    for rows in (1, 4, 5, 32):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        want = (kernels.linear_decode(x, lin.decode_packed, lin.bias) if rows <= 4
+                else packed_linear(x, lin.packed, lin.bias))
+        assert torch.equal(lin(x), want), rows
+
+
+@pytest.fixture(scope="module")
+def bf16_model(model_path):
+    from splitserve.engine.model.loader import load_model
+
+    return load_model(model_path, dtype=torch.bfloat16, engine=EngineConfig(kernels="c"))
+
+
+@needs_both
+def test_auto_measures_once_per_machine_and_caches(bf16_model, tmp_path, monkeypatch) -> None:
+    model, _ = bf16_model
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path))
+    calls = []
+    real = kernel_plan.measure
+    monkeypatch.setattr(kernel_plan, "measure", lambda m, r: calls.append(r) or real(m, r))
+    first = choose_product_plan(model, "auto", 8)
+    again = choose_product_plan(model, "auto", 8)
+    assert calls == [8]  # the second start reads the cached choice
+    assert (again.layer_rows, again.head_rows, again.table) == (
+        first.layer_rows, first.head_rows, first.table)
+    assert {r for r, *_ in first.table} <= {1, 2, 3, 4, 6, 8}
+    assert all(t > 0 for row in first.table for t in row[1:])
+    assert "cached" in again.source or "earlier" in again.source
+    assert len(list((tmp_path / "kernel_plans").glob("*.json"))) == 1
+
+
+def _generate(model, cfg, plan: ProductPlan) -> list[tuple[list[int], list[float]]]:
+    model.set_product_plan(plan)
+    model.attn_backend.decode_cache = None
+    pool = KVPool(cfg.kv_layout(16, "bfloat16"), 96)
+    core = make_core(model, pool, cfg.eos_token_ids, max_batch_tokens=1024, max_running=4)
+    g = torch.Generator().manual_seed(3)
+    # One prefill step of > 128 rows (oneDNN under every plan), then decode steps of 4 rows.
+    reqs = [Req(str(i), torch.randint(100, 40000, (150 + 7 * i,), generator=g).tolist(),
+                SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
+            for i in range(4)]
+    for r in reqs:
+        core.scheduler.add(r)
+    while core.scheduler.has_work:
+        core.step()
+    return [(r.output_ids, r.output_logprobs) for r in reqs]
+
+
+@needs_both
+def test_a_chosen_path_gives_the_bits_of_the_forced_one(bf16_model) -> None:
+    """Decode steps of 4 rows: a plan whose crossover is above 4 must equal forcing C, one below
+    must equal forcing oneDNN, tokens and logprobs bit for bit (whatever the timing chose)."""
+    model, cfg = bf16_model
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        forced_c = _generate(model, cfg, ProductPlan(128, 128, "c"))
+        layers_onednn = _generate(model, cfg, ProductPlan(0, 128, "layers oneDNN"))
+        head_onednn = _generate(model, cfg, ProductPlan(128, 0, "head oneDNN"))
+        # Each group's kernel changes the bits (so the equalities below can fail).
+        assert forced_c != layers_onednn and forced_c != head_onednn
+        assert _generate(model, cfg, ProductPlan(8, 8, "chose C at 4 rows")) == forced_c
+        assert _generate(model, cfg, ProductPlan(2, 128, "chose oneDNN at 4 rows")) == layers_onednn
+        assert _generate(model, cfg, ProductPlan(128, 3, "head oneDNN at 4 rows")) == head_onednn
+    finally:
+        torch.set_num_threads(before)
+        model.set_product_plan(ProductPlan(128, 128, "c"))
