@@ -95,7 +95,10 @@ def _chat(cluster: Cluster, messages: list[dict]) -> dict:
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_gguf_served_equals_transformers(served: Served, mode: str) -> None:
     shape = {"colocated": True} if mode == "colocated" else {"num_prefill": 1, "num_decode": 1}
-    config = serve_config(served.folder, kv_cache_mb=64, threads_per_worker=1, **shape)
+    # A worker stepping a 0.5B float32 model on a starved CPU can miss heartbeats for seconds
+    # (seen: the colocated run's first request got 503 at load 27 on 2 cores): allow a minute.
+    config = serve_config(served.folder, kv_cache_mb=64, threads_per_worker=1,
+                          dead_after_s=60.0, **shape)
     cluster = Cluster(config).start(timeout_s=START_TIMEOUT_S)
     try:
         models = httpx.get(config.url + "/v1/models", timeout=10).json()
