@@ -85,7 +85,7 @@ def _origins(items: list[str]) -> list[str]:
 
 
 ENGINE_FLAGS = (
-    Flag("--model", "engine.model", "Hugging Face model folder (default: SmolLM2-135M-Instruct)"),
+    Flag("--model", "engine.model", "Hugging Face model folder or .gguf file (default: SmolLM2-135M-Instruct)"),
     Flag("--dtype", "engine.dtype", "auto: bfloat16 on CPUs with AMX/avx512_bf16 (and CUDA), "
          "else float32", choices=DTYPES),
     Flag("--device", "engine.device", "where models and KV pools live; cuda uses the Triton "

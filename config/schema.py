@@ -39,7 +39,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     and ``kv_transfer`` (the KV handshake refuses a mismatch).
     """
 
-    model: str = ""  # a Hugging Face model folder ("": the default model, resolved by the CLI)
+    model: str = ""  # a Hugging Face model folder or .gguf file ("": the default model; the CLI resolves it)
     dtype: str = "auto"
     device: str = msgspec.field(default_factory=lambda: env.text(env.DEVICE, "cpu"))
     page_size: int = 16  # tokens per KV page

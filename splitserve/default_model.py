@@ -92,20 +92,29 @@ def convert_gguf(src: Path, target: Path) -> Path:
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """``--model`` value to a folder: None means the default model.
+    """``--model`` value to a folder: None means the default model; a ``.gguf`` file becomes
+    its folder under the cache (``engine.model.gguf.folder``: config and tokenizer from its
+    metadata, weights read from the file itself).
 
     Raises:
-        FileNotFoundError: the folder or one of its required files is missing.
+        FileNotFoundError: the folder, the file or one of the folder's required files is missing.
+        ValueError: a GGUF file that cannot be served (its path and the cause in the message).
     """
     if model is None:
         return ensure_default_model()
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" and not path.is_dir():
+        if not path.is_file():
+            raise FileNotFoundError(f"--model {model}: no such file")
+        from splitserve.engine.model.gguf.folder import resolve_gguf
+
+        return resolve_gguf(path, cache_dir())
     if not path.is_dir():
         raise FileNotFoundError(f"--model {model}: no such folder")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"--model {model}: config.json missing")
-    if not any(path.glob("*.safetensors")):
-        raise FileNotFoundError(f"--model {model}: no *.safetensors weights")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.gguf")):
+        raise FileNotFoundError(f"--model {model}: no *.safetensors (or *.gguf) weights")
     if not ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):
         raise FileNotFoundError(f"--model {model}: tokenizer files missing")
     return path

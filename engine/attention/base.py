@@ -4,7 +4,9 @@ A model forward calls :meth:`BaseAttentionBackend.prepare` once per batch (index
 shared by every layer), then :meth:`BaseAttentionBackend.forward` once per layer. ``forward``
 first stores the new tokens' K/V in the pool, then lets every new token at position ``p`` attend to
 its own sequence's keys ``0..p`` (cached prefix plus the new tokens, causal), optionally limited to
-a sliding window of the last ``sliding_window`` positions.
+a sliding window of the last ``W`` positions (keys ``p - W < j <= p``). The window may differ per
+layer (Gemma 3 interleaves windowed layers with global ones): ``sliding_window`` is then one
+entry per layer, normalized by :func:`layer_windows`.
 
 Backends are chosen by name (``splitserve.config.registry.ATTENTION``): ``torch``
 (:mod:`~splitserve.engine.attention.torch_backend`) and ``triton``
@@ -16,6 +18,7 @@ never import Triton). A backend that can be captured in a CUDA graph says so wit
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,6 +26,26 @@ import torch
 from splitserve.config.registry import ATTENTION
 from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kv_pool import KVPool
+
+# One window for every layer (None: no window), or one entry per layer.
+SlidingWindows = int | None | Sequence[int | None]
+
+
+def layer_windows(sliding_window: SlidingWindows, num_layers: int) -> tuple[int | None, ...]:
+    """The window of each of ``num_layers`` layers (None: attends to every earlier key).
+
+    Raises:
+        ValueError: a per-layer sequence of the wrong length, or a window below 1.
+    """
+    if sliding_window is None or isinstance(sliding_window, int):
+        windows: tuple[int | None, ...] = (sliding_window,) * num_layers
+    else:
+        windows = tuple(sliding_window)
+        if len(windows) != num_layers:
+            raise ValueError(f"{len(windows)} sliding windows for {num_layers} layers")
+    if any(w is not None and w < 1 for w in windows):
+        raise ValueError(f"sliding windows must be at least 1, got {windows}")
+    return windows
 
 
 class BaseAttentionBackend(ABC):
@@ -34,13 +57,14 @@ class BaseAttentionBackend(ABC):
         return 0
 
     @abstractmethod
-    def prepare(self, batch: ForwardBatch, pool: KVPool, sliding_window: int | None) -> Any:
+    def prepare(self, batch: ForwardBatch, pool: KVPool, sliding_window: SlidingWindows) -> Any:
         """Build what every layer of one forward over ``batch`` needs (index tensors, masks).
 
         Args:
             batch: the step's inputs.
             pool: the KV pool the batch's page ids index.
-            sliding_window: attend only to the last ``sliding_window`` positions, or None.
+            sliding_window: attend only to the last ``sliding_window`` positions, or None; or
+                one such entry per layer of the pool (:func:`layer_windows`).
 
         Returns:
             Backend-specific metadata, passed unchanged to :meth:`forward`.
@@ -81,7 +105,7 @@ class BaseAttentionBackend(ABC):
         batch: ForwardBatch,
         seq_lens: torch.Tensor,
         pool: KVPool,
-        sliding_window: int | None,
+        sliding_window: SlidingWindows,
         max_seq_len: int,
     ) -> Any:
         """Metadata for a decode-only ``batch`` of caller-owned static tensors, reusable across
@@ -93,7 +117,7 @@ class BaseAttentionBackend(ABC):
             seq_lens: ``[B]`` int32 KV length per row (new token included), updated in place
                 before each step.
             pool: the KV pool.
-            sliding_window: attend only to the last ``sliding_window`` positions, or None.
+            sliding_window: as for :meth:`prepare` (one window, or one per layer).
             max_seq_len: the longest KV length a step may have (fixes the kernel's work split).
 
         Raises:

@@ -18,6 +18,7 @@ returns None and the caller gathers from the pool instead. With no decode rows i
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,8 @@ class DecodePlan:
         is_identity: ``slots == arange(Bd)`` and ``num_slots == Bd``: no scatter/gather of q/out.
         num_keys: key positions the products read: the cache's whole capacity, so that each
             layer's ``kt``/``v`` of the first ``num_slots`` slots is one contiguous block.
-        bias: ``[num_slots * Hkv, 1, num_keys]`` additive mask (see ``decode_bias``).
+        biases: per sliding window the step's layers use (None: no window), the
+            ``[num_slots * Hkv, 1, num_keys]`` additive mask (see ``decode_bias``).
         kt_index: ``[Bd * Hkv * D]`` int64 flat indices of the new tokens' keys in one layer's
             ``kt`` (flattened), in ``k [Bd, Hkv, D]`` order.
         v_index: ``[Bd * Hkv]`` int64 row indices of the new tokens' values in one layer's ``v``
@@ -57,19 +59,17 @@ class DecodePlan:
         lens: ``[Bd]`` int64 KV length of each row after the step (for the C kernels, which
             read and write each row's slot directly and need no mask).
         positions: ``[Bd]`` int64 position of each row's new token (``lens - 1``).
-        window: sliding window, or None.
     """
 
     slots: torch.Tensor
     num_slots: int
     is_identity: bool
     num_keys: int
-    bias: torch.Tensor
+    biases: dict[int | None, torch.Tensor]
     kt_index: torch.Tensor
     v_index: torch.Tensor
     lens: torch.Tensor
     positions: torch.Tensor
-    window: int | None
 
 
 class DecodeKVCache:
@@ -104,7 +104,11 @@ class DecodeKVCache:
         self._layers_left = 0
 
     def plan(
-        self, seq_ids: list[int], lens: list[int], pages: torch.Tensor, window: int | None
+        self,
+        seq_ids: list[int],
+        lens: list[int],
+        pages: torch.Tensor,
+        window: int | None | Iterable[int | None],
     ) -> DecodePlan | None:
         """Assign slots for one step's decode rows, copy stale rows in from the pool (all layers
         at once) and build the step's indices and mask. Call before the step's first layer.
@@ -113,7 +117,8 @@ class DecodeKVCache:
             seq_ids: ``Bd`` sequence ids, unique and stable while a sequence lives.
             lens: ``Bd`` KV lengths after the step (the new token sits at ``lens[i] - 1``).
             pages: ``[Bd, P]`` int64 page ids of each row (``P`` pages cover the longest row).
-            window: sliding window, or None.
+            window: sliding window, or None; or every distinct window of the step's layers
+                (a mask is built for each).
 
         Returns:
             The plan, or None when the cache would exceed ``max_bytes`` or ``seq_ids`` repeat
@@ -145,7 +150,8 @@ class DecodeKVCache:
         for i in stale:
             self._fill(slots[i], lens[i] - 1, pages[i])
         self._layers_left = self.num_layers
-        return self._build_plan(slots, num_slots, window)
+        windows = [window] if window is None or isinstance(window, int) else list(window)
+        return self._build_plan(slots, num_slots, windows)
 
     def append(self, layer: int, plan: DecodePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' ``k``/``v [Bd, Hkv, D]`` of ``layer``."""
@@ -248,7 +254,9 @@ class DecodeKVCache:
             g[:, :, 1].permute(1, 3, 0, 2, 4)
         )
 
-    def _build_plan(self, slots: list[int], num_slots: int, window: int | None) -> DecodePlan:
+    def _build_plan(
+        self, slots: list[int], num_slots: int, windows: list[int | None]
+    ) -> DecodePlan:
         assert self.kt is not None
         dev, hkv, d, cap = self.device, self.hkv, self.d, self.kt.shape[4]
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
@@ -262,10 +270,12 @@ class DecodeKVCache:
             num_slots=num_slots,
             is_identity=num_slots == len(slots) and slots == list(range(num_slots)),
             num_keys=cap,
-            bias=decode_bias(slot_lens, cap, hkv, window, self.dtype, dev),
+            biases={
+                w: decode_bias(slot_lens, cap, hkv, w, self.dtype, dev)
+                for w in dict.fromkeys(windows)
+            },
             kt_index=kt_index.flatten(),
             v_index=v_index.flatten(),
             lens=pos + 1,
             positions=pos,
-            window=window,
         )

@@ -6,12 +6,12 @@ for CPU bfloat16 (decode rows and prefill extends) and a contiguous decode KV ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.attention.base import BaseAttentionBackend
+from splitserve.engine.attention.base import BaseAttentionBackend, SlidingWindows, layer_windows
 from splitserve.engine.attention.decode_attention import (
     GatherWorkspace,
     attend,
@@ -33,37 +33,40 @@ class _Extend:
     extend_len: int
     seq_len: int
     pages: torch.Tensor  # [pages_for(seq_len)] int64
-    window: int | None  # sliding window, None = none
-    # SDPA's [extend_len, seq_len] bool mask (True = attend; None = plain causal), built on the
-    # first layer that needs it: the C kernel takes ``window`` instead.
-    sdpa_mask: torch.Tensor | None = None
-    sdpa_mask_built: bool = False
+    # SDPA's [extend_len, seq_len] bool mask per sliding window (True = attend; None = plain
+    # causal), built on the first layer with that window that needs it: the C kernel takes the
+    # window instead.
+    sdpa_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
-    def mask(self) -> torch.Tensor | None:
-        if not self.sdpa_mask_built:
-            self.sdpa_mask = _extend_mask(
-                self.extend_len, self.seq_len, self.window, self.pages.device
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        if window not in self.sdpa_masks:
+            self.sdpa_masks[window] = _extend_mask(
+                self.extend_len, self.seq_len, window, self.pages.device
             )
-            self.sdpa_mask_built = True
-        return self.sdpa_mask
+        return self.sdpa_masks[window]
 
 
 @dataclass(slots=True)
 class TorchAttentionMetadata:
-    """Decode rows (one new token) go through one batched call; the rest are looped."""
+    """Decode rows (one new token) go through one batched call; the rest are looped.
+
+    Masks are kept per distinct sliding window (``windows`` has each layer's): a model whose
+    layers alternate between a window and none builds two of each, not one per layer.
+    """
 
     batch: ForwardBatch
+    windows: tuple[int | None, ...]  # each layer's sliding window (None: none)
     decode_tokens: torch.Tensor | None  # [Bd] token indices into T; None when no decode rows
     decode_pages: torch.Tensor | None  # [Bd, P] int64 page ids
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, P * page_size] bool, None = attend to all
+    # [Bd, 1, 1, P * page_size] bool per window, None = attend to all (float32 SDPA path).
+    decode_masks: dict[int | None, torch.Tensor | None]
     extends: list[_Extend]
     is_decode_only: bool
-    # Head-major path (bfloat16): the step's mask, and the decode cache's plan when it serves.
-    decode_bias: torch.Tensor | None = None  # [Bd * Hkv, 1, P * page_size] (gather path)
+    # Head-major path (bfloat16): the step's masks, and the decode cache's plan when it serves.
+    decode_biases: dict[int | None, torch.Tensor] | None = None  # [Bd * Hkv, 1, P * ps] (gather)
     decode_plan: DecodePlan | None = None
-    # The C decode kernel (gather path): each row's KV length, and the window.
+    # The C decode kernel (gather path): each row's KV length.
     decode_lens: torch.Tensor | None = None  # [Bd] int64
-    sliding_window: int | None = None
 
 
 # Decode rows attend head-major (decode_attention.attend) in bfloat16: three batched ops per
@@ -98,10 +101,12 @@ class TorchAttentionBackend(BaseAttentionBackend):
         self._kernels_checked = False
 
     def prepare(
-        self, batch: ForwardBatch, pool: KVPool, sliding_window: int | None
+        self, batch: ForwardBatch, pool: KVPool, sliding_window: SlidingWindows
     ) -> TorchAttentionMetadata:
         device = batch.input_ids.device
         ps = pool.page_size
+        windows = layer_windows(sliding_window, pool.layout.num_layers)
+        distinct = list(dict.fromkeys(windows))
         dec_rows, dec_tok, extends = [], [], []
         start = 0
         for i, (n, seq_len) in enumerate(zip(batch.extend_lens, batch.seq_lens, strict=True)):
@@ -110,10 +115,10 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 dec_tok.append(start)
             elif n > 1:
                 pages = batch.page_table[i, : pages_for(seq_len, ps)]
-                extends.append(_Extend(start, n, seq_len, pages, sliding_window))
+                extends.append(_Extend(start, n, seq_len, pages))
             start += n
         meta = TorchAttentionMetadata(
-            batch, None, None, None, extends, len(dec_rows) == len(batch.extend_lens)
+            batch, windows, None, None, {}, extends, len(dec_rows) == len(batch.extend_lens)
         )
         if not dec_rows:
             if self.decode_cache is not None:
@@ -128,20 +133,23 @@ class TorchAttentionBackend(BaseAttentionBackend):
             meta.decode_pages = batch.page_table[rows, :num_pages]
             meta.decode_tokens = torch.tensor(dec_tok, dtype=torch.long, device=device)
         if not _use_head_major(pool.buffer.dtype):
-            meta.decode_mask = _decode_mask(lens, num_pages * ps, sliding_window, device)
+            meta.decode_masks = {
+                w: _decode_mask(lens, num_pages * ps, w, device) for w in distinct
+            }
             return meta
         cache = self._decode_cache_for(pool, batch)
         if cache is not None:
             ids = [batch.seq_ids[i] for i in dec_rows]  # type: ignore[index]
-            meta.decode_plan = cache.plan(ids, lens, meta.decode_pages, sliding_window)
+            meta.decode_plan = cache.plan(ids, lens, meta.decode_pages, distinct)
         if self._kernels_for(pool) is not None:
-            meta.sliding_window = sliding_window
             meta.decode_lens = torch.tensor(lens, dtype=torch.long, device=device)
         if meta.decode_plan is None:
-            meta.decode_bias = decode_bias(
-                lens, num_pages * ps, pool.layout.num_kv_heads, sliding_window,
-                pool.buffer.dtype, device,
-            )
+            meta.decode_biases = {
+                w: decode_bias(
+                    lens, num_pages * ps, pool.layout.num_kv_heads, w, pool.buffer.dtype, device
+                )
+                for w in distinct
+            }
         return meta
 
     def cache_bytes(self) -> int:
@@ -195,7 +203,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
         for e in meta.extends:
             end = e.start + e.extend_len
             out[e.start : end] = self._extend(
-                q[e.start : end], k[e.start : end], v[e.start : end], e, layer, pool, scale
+                q[e.start : end], k[e.start : end], v[e.start : end], e, layer, pool, scale,
+                meta.windows,
             )
         return out
 
@@ -236,13 +245,14 @@ class TorchAttentionBackend(BaseAttentionBackend):
         pages = meta.decode_pages
         if _use_head_major(pool.buffer.dtype):
             return self._decode_head_major(q, k, v, layer, meta, pool, scale)
+        mask = meta.decode_masks[meta.windows[layer]]
         # [Bd * P, page_size * Hkv * D] -> [Bd, S, Hkv, D] -> [Bd, Hkv, S, D]
         kc = _gather(pool.k_pages(layer), pages).view(bd, -1, hkv, d).transpose(1, 2).to(q.dtype)
         vc = _gather(pool.v_pages(layer), pages).view(bd, -1, hkv, d).transpose(1, 2).to(q.dtype)
         # GQA without repeating K/V: the G query heads sharing a KV head become G "query rows"
         # of that head (all at the same position, so one [S] mask serves them all).
         qg = q.reshape(bd, hkv, hq // hkv, d)
-        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.decode_mask, scale=scale)
+        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=scale)
         return o.reshape(bd, hq, d)
 
     def _decode_head_major(
@@ -260,12 +270,13 @@ class TorchAttentionBackend(BaseAttentionBackend):
         ``appended``: the new K/V are already in the cache (``_append_with_kernel``)."""
         dtype = pool.buffer.dtype
         qc = q.to(dtype)
+        window = meta.windows[layer]
         plan, cache = meta.decode_plan, self.decode_cache
         kern = self._kernels_for(pool, q.shape[1])
         if kern is not None and (qc.stride(2) != 1 or qc.stride(1) != qc.shape[2]):
             qc = qc.contiguous()
         if plan is None or cache is None:
-            assert meta.decode_pages is not None and meta.decode_bias is not None
+            assert meta.decode_pages is not None and meta.decode_biases is not None
             kt, vv = gather_head_major(pool, layer, meta.decode_pages, self.workspace, dtype)
             if kern is not None:
                 assert meta.decode_lens is not None
@@ -273,24 +284,23 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 kt, vv = kt.view(r, hkv, d, -1), vv.view(r, hkv, -1, d)
                 slots = torch.arange(r, device=qc.device)
                 out = torch.empty(qc.shape, dtype=dtype, device=qc.device)
-                kern.decode_attention(
-                    qc, kt, vv, slots, meta.decode_lens, meta.sliding_window, scale, out
-                )
+                kern.decode_attention(qc, kt, vv, slots, meta.decode_lens, window, scale, out)
                 return out.to(q.dtype)
-            return attend(qc, kt, vv, meta.decode_bias, scale).to(q.dtype)
+            return attend(qc, kt, vv, meta.decode_biases[window], scale).to(q.dtype)
         if not appended:
             cache.append(layer, plan, k, v)
         if kern is not None:
             kt, vv = cache.slot_views(layer)
             out = torch.empty(qc.shape, dtype=dtype, device=qc.device)
-            kern.decode_attention(qc, kt, vv, plan.slots, plan.lens, plan.window, scale, out)
+            kern.decode_attention(qc, kt, vv, plan.slots, plan.lens, window, scale, out)
             return out.to(q.dtype)
         kt, vv = cache.views(layer, plan)
+        bias = plan.biases[window]
         if plan.is_identity:
-            return attend(qc, kt, vv, plan.bias, scale).to(q.dtype)
+            return attend(qc, kt, vv, bias, scale).to(q.dtype)
         # Rows sit at their slots; free slots in between compute rows that are dropped.
         qs = qc.new_zeros(plan.num_slots, *qc.shape[1:]).index_copy_(0, plan.slots, qc)
-        out = attend(qs, kt, vv, plan.bias, scale)
+        out = attend(qs, kt, vv, bias, scale)
         return out.index_select(0, plan.slots).to(q.dtype)
 
     def _extend(
@@ -302,10 +312,13 @@ class TorchAttentionBackend(BaseAttentionBackend):
         layer: int,
         pool: KVPool,
         scale: float,
+        windows: tuple[int | None, ...],
     ) -> torch.Tensor:
         """One sequence's ``q [n, Hq, D]`` against its whole KV -> ``[n, Hq, D]``: the C flash
-        kernel on CPU bfloat16 (it reads the pool, where ``k``/``v`` already are), else SDPA."""
+        kernel on CPU bfloat16 (it reads the pool, where ``k``/``v`` already are), else SDPA;
+        ``windows[layer]`` is the layer's sliding window."""
         kern = self._kernels_for(pool, q.shape[1])
+        window = windows[layer]
         if (
             kern is not None and kern.has_gemm  # the kernel needs AVX512-BF16, as the tiles do
             and q.dtype == torch.bfloat16 and pool.buffer.is_contiguous()
@@ -313,7 +326,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
             if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
                 q = q.contiguous()
             pages = e.pages.contiguous()  # a row of the page table: already, in practice
-            out = kern.extend_attention(q, pool.buffer, layer, pages, e.seq_len, e.window, scale)
+            out = kern.extend_attention(q, pool.buffer, layer, pages, e.seq_len, window, scale)
             if out is not None:
                 return out
         if e.seq_len == e.extend_len:
@@ -324,7 +337,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
             shape = (-1, k.shape[1], k.shape[2])
             kc = _gather(pool.k_pages(layer), e.pages).view(shape)[: e.seq_len].to(q.dtype)
             vc = _gather(pool.v_pages(layer), e.pages).view(shape)[: e.seq_len].to(q.dtype)
-        mask = e.mask()
+        mask = e.mask(window)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             kc.transpose(0, 1).unsqueeze(0),
@@ -385,7 +398,7 @@ def paged_attention(
     batch: ForwardBatch,
     pool: KVPool,
     scale: float,
-    sliding_window: int | None = None,
+    sliding_window: SlidingWindows = None,
 ) -> torch.Tensor:
     """One-shot torch paged attention (prepare + forward); see :class:`BaseAttentionBackend`.
 

@@ -44,9 +44,12 @@ def run_fused_decode_layers(
     model: torch.nn.Module, x: torch.Tensor, meta: object, pool: KVPool
 ) -> bool:
     """Run every decoder layer on ``x [T, hidden]`` (bfloat16, updated in place) if the step
-    qualifies: the model's C kernels are on, ``T <= model.c_max_rows`` (the rows up to which its
-    kernel plan keeps the C products: ``engine.model.kernel_plan``), every row decodes, the torch backend's decode cache serves the step
-    and its C attention kernel takes the heads.
+    qualifies: the model's layers are the ones the C loop implements (the Llama family's, which
+    says so with ``supports_fused_decode``; Qwen3's q/k norms, Gemma 3's norms and GELU, and
+    per-layer windows are not), the model's C kernels are on, ``T <= model.c_max_rows`` (the rows
+    up to which its kernel plan keeps the C products: ``engine.model.kernel_plan``), every row
+    decodes, the torch backend's decode cache serves the step and its C attention kernel takes
+    the heads.
     Returns whether it ran (else nothing was touched and the caller runs the layers).
 
     Raises:
@@ -58,6 +61,8 @@ def run_fused_decode_layers(
         return False
     if not isinstance(meta, TorchAttentionMetadata) or not meta.is_decode_only:
         return False
+    if not getattr(model, "supports_fused_decode", False) or len(set(meta.windows)) != 1:
+        return False  # the C layer loop is Llama's layer, with one window for every layer
     plan, cache = meta.decode_plan, backend.decode_cache
     cfg = model.config  # type: ignore[attr-defined]
     if plan is None or cache is None or cache.kt is None or cache.v is None:
@@ -78,7 +83,7 @@ def run_fused_decode_layers(
     buf, batch = pool.buffer, meta.batch
     rc = kernels.decode_layers(
         ptrs, x, cfg, model.rope, batch.positions, buf, batch.out_page_ids,  # type: ignore[attr-defined]
-        batch.out_offsets, kt, v, slots, positions, plan.lens, plan.window,
+        batch.out_offsets, kt, v, slots, positions, plan.lens, meta.windows[0],
     )
     if rc != 0:
         raise RuntimeError(f"fused decode layers failed (code {rc})")

@@ -1,4 +1,4 @@
-"""Building blocks shared by the model files: linear, RMSNorm, gated SiLU MLP.
+"""Building blocks shared by the model files: linear, RMSNorm, gated MLP, embedding, LM head.
 
 Parameters are created uninitialized (``torch.empty``): the loader fills every one of them, and
 random init of a large model would cost seconds for nothing.
@@ -14,7 +14,8 @@ from splitserve.engine.kernels.cpu.bindings import CpuKernels
 from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 
 
-def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+def empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialized, frozen parameter of ``shape`` (the loader fills it)."""
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
@@ -59,8 +60,8 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = _empty(out_features, in_features, dtype=dtype)
-        self.bias = _empty(out_features, dtype=dtype) if bias else None
+        self.weight = empty_parameter(out_features, in_features, dtype=dtype)
+        self.bias = empty_parameter(out_features, dtype=dtype) if bias else None
         self.packed: torch.Tensor | None = None  # set by pack(); not a parameter
         # Set by pack() too: the C kernels for decode steps and the weight in their layout,
         # used for steps of at most c_max_rows rows (the model's kernel plan sets it).
@@ -136,7 +137,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = _empty(hidden_size, dtype=dtype)
+        self.weight = empty_parameter(hidden_size, dtype=dtype)
         self.eps = eps
         self.kernels: CpuKernels | None = None  # the C kernel for bfloat16 on CPU, when set
 
@@ -164,11 +165,31 @@ class RMSNorm(nn.Module):
         return self(res), res
 
 
-class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``gate_up_proj``."""
+ACTIVATIONS = {
+    "silu": F.silu,
+    # GELU with the tanh approximation: transformers' "gelu_pytorch_tanh" (Gemma).
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype) -> None:
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up fused into one ``gate_up_proj``;
+    ``act`` is SiLU (the C kernel serves it in bfloat16 on CPU) or another of
+    :data:`ACTIVATIONS`.
+
+    Raises:
+        ValueError: an activation not in :data:`ACTIVATIONS`.
+    """
+
+    def __init__(
+        self, hidden: int, intermediate: int, bias: bool, dtype: torch.dtype,
+        activation: str = "silu",
+    ) -> None:
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {activation!r}; supported: {sorted(ACTIVATIONS)}")
+        self.activation = activation
+        self.act = ACTIVATIONS[activation]
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype)
         self.down_proj = Linear(intermediate, hidden, bias, dtype)
@@ -177,10 +198,13 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``."""
         gate_up = self.gate_up_proj(x)
-        if self.kernels is not None and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2:
+        if (
+            self.kernels is not None and self.activation == "silu"
+            and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2
+        ):
             return self.down_proj(self.kernels.silu_mul(gate_up.contiguous()))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Embedding(nn.Module):
@@ -188,7 +212,7 @@ class Embedding(nn.Module):
 
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = _empty(vocab_size, hidden, dtype=dtype)
+        self.weight = empty_parameter(vocab_size, hidden, dtype=dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [T]`` int64 -> ``[T, hidden]``."""

@@ -1,8 +1,14 @@
-"""Load a Hugging Face safetensors model folder into :class:`LlamaForCausalLM`."""
+"""Load a model: a Hugging Face safetensors folder, a GGUF file, or a folder made for one
+(``engine.model.gguf.folder``), into the family's model class (``engine.model.registry``).
+
+Every source yields checkpoint tensors under their HF names; the family's ``weight_map`` says
+which parameter slice each fills. Tensors are converted to the serving dtype while copying.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -14,11 +20,17 @@ from splitserve.engine.attention.base import (
     create_attention_backend,
     default_attention_backend,
 )
+from splitserve.engine.model.base import DecoderLM
 from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.gguf.config import hf_config
+from splitserve.engine.model.gguf.reader import GGUFFile, open_gguf
+from splitserve.engine.model.gguf.tensors import iter_tensors
 from splitserve.engine.model.kernel_plan import choose_product_plan
-from splitserve.engine.model.llama import LlamaForCausalLM, hf_weight_map
+from splitserve.engine.model.registry import get_architecture
 
 INDEX_FILE = "model.safetensors.index.json"
+# (HF name, a description for errors, load the tensor)
+Tensors = Iterator[tuple[str, str, Callable[[], torch.Tensor]]]
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -43,18 +55,58 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+def gguf_in_folder(path: Path) -> Path | None:
+    """The folder's GGUF weights file (``*.gguf``), or None; a folder with several is refused.
+
+    Raises:
+        ValueError: more than one ``*.gguf`` file.
+    """
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        raise ValueError(f"model folder {path} holds several GGUF files: {[f.name for f in found]}")
+    return found[0] if found else None
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` of a model folder or a ``.gguf`` file (from its metadata).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``, or a folder without ``config.json``.
+        ValueError: an unsupported architecture or feature, or a bad GGUF file (``GGUFError``).
+    """
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelConfig.from_hf(hf_config(open_gguf(path)))
+    return ModelConfig.from_dir(path)
+
+
+def _safetensors(files: list[Path]) -> Tensors:
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f"{file.name}: tensor {name}", lambda f=f, name=name: f.get_tensor(name)
+
+
+def _gguf(gguf: GGUFFile, config: ModelConfig) -> Tensors:
+    for t in iter_tensors(gguf, config.num_heads, config.num_kv_heads):
+        where = f"{gguf.path.name}: tensor {t.gguf_name} ({t.tensor_type}, as {t.hf_name})"
+        yield t.hf_name, where, t.load
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attn_backend: BaseAttentionBackend | None = None,
     engine: EngineConfig | None = None,
-) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model for ``path`` and fill it from its safetensors weights.
+) -> tuple[DecoderLM, ModelConfig]:
+    """Build the model for ``path`` and fill it from its weights.
 
     Args:
-        path: folder with ``config.json`` and ``*.safetensors`` (single file or sharded + index).
-        dtype: serving dtype (weights are converted while copying).
+        path: a folder with ``config.json`` and ``*.safetensors`` (single file or sharded +
+            index) or one ``*.gguf`` weights file, or a ``.gguf`` file itself (config from its
+            metadata).
+        dtype: serving dtype (weights are converted, GGUF ones de-quantized, while copying).
         device: where parameters live.
         attn_backend: attention implementation; default ``engine.attention`` (``auto``: Triton
             on CUDA, torch elsewhere).
@@ -66,41 +118,30 @@ def load_model(
 
     Raises:
         FileNotFoundError: folder, ``config.json`` or a weights file missing.
-        ValueError: unsupported architecture, or a tensor the model needs is missing or misshapen.
+        ValueError: unsupported architecture, a bad GGUF file (``GGUFError``, naming the file
+            and the cause), or a tensor the model needs is missing or misshapen.
     """
     path = Path(path)
-    config = ModelConfig.from_dir(path)
-    files = weight_files(path)
+    gguf_file = path if path.is_file() and path.suffix == ".gguf" else None
+    if gguf_file is None and path.is_dir():
+        gguf_file = gguf_in_folder(path)
+    config = read_config(path)
+    if gguf_file is not None:
+        tensors, source = _gguf(open_gguf(gguf_file), config), str(gguf_file)
+    else:
+        tensors, source = _safetensors(weight_files(path)), f"model folder {path}"
     engine = engine or EngineConfig()
     if attn_backend is None:
         name = default_attention_backend(device, engine.attention)
         options = {"use_decode_cache": engine.decode_kv_cache,
                    "use_cpu_kernels": engine.cpu_kernels} if name == "torch" else {}
         attn_backend = create_attention_backend(name, **options)
+    model_cls = get_architecture(config.architecture).model_class()
     with torch.device(device):
-        model = LlamaForCausalLM(config, dtype, attn_backend, fused_decode=engine.fused_decode)
-    model.rope.to(device)
-    params = dict(model.named_parameters())
-    wanted = hf_weight_map(config)
-    filled: set[str] = set()
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name not in wanted:
-                    continue  # e.g. a tied lm_head.weight, rotary inv_freq buffers
-                ours, row, rows = wanted[name]
-                tensor = f.get_tensor(name)
-                target = params[ours].data[row : row + rows]
-                if tensor.shape != target.shape:
-                    raise ValueError(
-                        f"{file.name}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-                    )
-                target.copy_(tensor)
-                filled.add(name)
-    missing = sorted(set(wanted) - filled)
-    if missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ValueError(f"model folder {path} lacks tensors: {', '.join(missing[:5])}{more}")
+        model = model_cls(config, dtype, attn_backend, fused_decode=engine.fused_decode)
+    for table in model.rotary_tables():
+        table.to(device)
+    _fill(model, model_cls.weight_map(config), tensors, source)
     if engine.pack_weights:  # CPU bfloat16: oneDNN-packed projections (no-op elsewhere)
         model.pack_weights(engine.cpu_kernels)
     if model.kernels is not None and model.head.packed is not None:
@@ -109,3 +150,44 @@ def load_model(
             choose_product_plan(model, engine.kernels, model.kernels.decode_max_rows)
         )
     return model.eval(), config
+
+
+def _fill(model: DecoderLM, wanted: dict, tensors: Tensors, source: str) -> None:
+    """Copy every wanted tensor into its parameter slice.
+
+    Raises:
+        ValueError: a tensor of the wrong shape, wanted tensors absent from ``source``, or
+            weights in ``source`` that no parameter takes.
+    """
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    unused: list[str] = []
+    for name, where, load in tensors:
+        if name not in wanted:
+            # A weight or bias we have no place for is a feature we do not implement: refuse
+            # rather than serve without it. (A tied lm_head.weight, or a buffer such as rotary
+            # inv_freq, is fine to skip.)
+            if name.endswith((".weight", ".bias")) and not (
+                name == "lm_head.weight" and model.lm_head is None
+            ):
+                unused.append(where)
+            continue
+        ours, index = wanted[name]
+        target = params[ours].data[index]
+        tensor = load()
+        if tensor.shape != target.shape:
+            raise ValueError(
+                f"{where} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        filled.add(name)
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        raise ValueError(
+            f"{source} holds weights this architecture's model has no place for (a feature "
+            f"not implemented): {'; '.join(unused[:3])}{more}"
+        )
+    missing = sorted(set(wanted) - filled)
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"{source} lacks tensors: {', '.join(missing[:5])}{more}")

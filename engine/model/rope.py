@@ -4,9 +4,18 @@ The first and second halves of each head are the two coordinates of every rotate
 ``x = [x1, x2]``: ``out = [x1*cos - x2*sin, x2*cos + x1*sin]``. The cos/sin table is built once for
 every position up to ``context_len`` in float32 (half width, ``[context_len, head_dim // 2]``).
 
-Scaling types: ``default``, ``linear``, ``llama3``, ``yarn`` and ``dynamic`` (NTK). Dynamic NTK
-only changes frequencies past ``max_position_embeddings``, which is where our table ends, so inside
-the context it equals the default (as in transformers).
+Scaling types: ``default``, ``linear``, ``llama3``, ``yarn``, ``dynamic`` (NTK) and ``longrope``
+(Phi-3). Dynamic NTK only changes frequencies past ``max_position_embeddings``, which is where our
+table ends, so inside the context it equals the default (as in transformers).
+
+LongRoPE (Ding et al., 2024, as Phi-3 uses it) has two sets of per-frequency factors: ``short``
+for the original context, ``long`` beyond it, and multiplies cos/sin by an attention factor.
+transformers picks the set per forward call from the longest position in it; here the set is
+picked per position (``long`` from ``original_max_position_embeddings`` on), so a token's keys do
+not depend on what else runs or what is cached: this equals transformers' incremental decoding
+(each step's new token) and its prefill of any prompt within the original context, and differs
+from it only for a prompt longer than the original context prefilled in one call (transformers
+then rotates its early tokens with the long factors too).
 """
 
 from __future__ import annotations
@@ -41,8 +50,33 @@ def inv_freq_and_scale(
     if rope_type == "yarn":
         return _yarn(dim, theta, scaling, context_len)
     raise ValueError(
-        f"unsupported rope_type {rope_type!r} (default, linear, llama3, yarn, dynamic)"
+        f"unsupported rope_type {rope_type!r} (default, linear, llama3, yarn, dynamic, longrope)"
     )
+
+
+def longrope_freqs(
+    head_dim: int, theta: float, s: dict[str, Any], context_len: int
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE's angles ``[context_len, head_dim // 2]`` float32 (short factors before
+    ``original_max_position_embeddings``, long ones from there) and the cos/sin factor.
+
+    Raises:
+        ValueError: a factor list whose length is not ``head_dim // 2``.
+    """
+    orig = s["original_max_position_embeddings"]
+    factor = s.get("factor") or context_len / orig
+    attn = s.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    pos = torch.arange(context_len, dtype=torch.float32)
+    freqs = []
+    for name, span in (("short_factor", pos[:orig]), ("long_factor", pos[orig:])):
+        ext = torch.tensor(s[name], dtype=torch.float32)
+        if ext.numel() != head_dim // 2:
+            raise ValueError(f"longrope {name} has {ext.numel()} entries, expected {head_dim // 2}")
+        freqs.append(torch.outer(span, 1.0 / (ext * theta**shape)))
+    return torch.cat(freqs), float(attn)
 
 
 def _llama3(inv: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -99,9 +133,13 @@ class RotaryEmbedding:
     def __init__(
         self, head_dim: int, theta: float, scaling: dict[str, Any] | None, context_len: int
     ) -> None:
-        inv, attn_scale = inv_freq_and_scale(head_dim, theta, scaling, context_len)
-        pos = torch.arange(context_len, dtype=torch.float32)
-        freqs = torch.outer(pos, inv)
+        if (scaling or {}).get("rope_type") == "longrope":
+            assert scaling is not None
+            freqs, attn_scale = longrope_freqs(head_dim, theta, scaling, context_len)
+        else:
+            inv, attn_scale = inv_freq_and_scale(head_dim, theta, scaling, context_len)
+            pos = torch.arange(context_len, dtype=torch.float32)
+            freqs = torch.outer(pos, inv)
         self.context_len = context_len
         self.cos = freqs.cos() * attn_scale  # [context_len, head_dim // 2] float32
         self.sin = freqs.sin() * attn_scale

@@ -161,7 +161,7 @@ class DecodeGraphRunner:
         )
         seq_lens = torch.ones(size, dtype=torch.int32, device=dev)
         meta = self.model.attn_backend.decode_metadata(
-            batch, seq_lens, self.pool, self.model.config.sliding_window, self.context_len
+            batch, seq_lens, self.pool, self.model.config.layer_windows, self.context_len
         )
         captured = _Captured(batch, seq_lens, meta, None, None)
         if not self.capture:

@@ -33,7 +33,7 @@ def test_fused_decode_layers_equal_the_per_op_path(model_path, monkeypatch, num_
         calls["ran"] += ran
         return ran
 
-    monkeypatch.setattr("splitserve.engine.model.llama.run_fused_decode_layers", counting)
+    monkeypatch.setattr("splitserve.engine.model.base.run_fused_decode_layers", counting)
 
     def run(fused: bool) -> list[tuple[list[int], list[float]]]:
         model.fused_decode = fused

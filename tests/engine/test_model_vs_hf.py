@@ -1,4 +1,7 @@
-"""Our paged Llama-family model against transformers on tiny random models (float32).
+"""Our paged models against transformers on tiny random models (float32): the Llama family
+(Llama, Qwen2, Mistral) and Qwen3, Qwen3-MoE (3 of 8 experts per token, a dense layer too),
+Gemma 3 (a windowed and a global layer, their own RoPE bases, logit soft-capping) and Phi-3
+(LongRoPE), each through prefill, prefill over a cached prefix, decode and a mixed batch.
 
 Our model runs on ``$SPLITSERVE_DEVICE`` (default cpu; on cuda the loader picks the Triton
 attention backend); transformers stays on CPU.
@@ -9,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -63,6 +67,29 @@ CASES = {
         },
     ),
     "mistral_window": ("MistralConfig", {"sliding_window": 6}),
+    "qwen3": ("Qwen3Config", {"head_dim": 24, "attention_bias": True}),
+    # Layer 0 global, layer 1 windowed: per-layer windows outside Gemma too.
+    "qwen3_window": ("Qwen3Config", {"use_sliding_window": True, "sliding_window": 5,
+                                     "max_window_layers": 1}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 3,
+                                     "moe_intermediate_size": 40, "norm_topk_prob": True,
+                                     "mlp_only_layers": [1], "head_dim": 16}),
+    "gemma3": ("Gemma3TextConfig", {
+        "head_dim": 32, "query_pre_attn_scalar": 20, "sliding_window": 5,
+        "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": 8.0,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    }),
+    # LongRoPE within the original context (the factors and the attention factor apply);
+    # crossing it is test_longrope_decode_past_original_context.
+    "phi3_longrope": ("Phi3Config", {
+        "pad_token_id": 0, "eos_token_id": 1, "original_max_position_embeddings": 64,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [2.0 + 0.5 * i for i in range(8)],
+    }}),
 }
 
 
@@ -79,6 +106,8 @@ def tiny(request, tmp_path_factory):
         for name, p in hf.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("mlp.gate.weight"):  # the router: spread its choices
+                p.copy_(torch.randn_like(p))
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     model, cfg = load_model(path, torch.float32, DEVICE)
@@ -239,9 +268,10 @@ def test_loader_missing_files(tiny, tmp_path: Path) -> None:
     hf.save_pretrained(tmp_path)
     weights = tmp_path / "model.safetensors"
     tensors = load_file(weights)
-    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    gone = max(k for k in tensors if k.startswith("model.layers.1.self_attn."))
+    del tensors[gone]
     save_file(tensors, weights, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
+    with pytest.raises(ValueError, match=re.escape(gone)):
         load_model(tmp_path)
     weights.unlink()
     with pytest.raises(FileNotFoundError, match="safetensors"):
@@ -255,3 +285,30 @@ def test_sharded_checkpoint(tiny, tmp_path: Path) -> None:
     sharded, _ = load_model(tmp_path, device=DEVICE)
     for (name, a), (_, b) in zip(model.named_parameters(), sharded.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_longrope_decode_past_original_context(tmp_path: Path) -> None:
+    """Phi-3 LongRoPE across ``original_max_position_embeddings`` (16): a prompt inside it, then
+    decode steps past it, against transformers decoding with its KV cache (each step's token
+    rotated with the long factors once its position reaches 16, as ours are)."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf_cfg = transformers.Phi3Config(**{**COMMON, **CASES["phi3_longrope"][1],
+                                        "original_max_position_embeddings": 16})
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager").eval()
+    hf.save_pretrained(tmp_path)
+    model, cfg = load_model(tmp_path, torch.float32, DEVICE)
+    ids = tokens(24, 7)
+    run = Runner(model, cfg)
+    pages = run.pages(24)
+    with torch.no_grad():
+        out = hf(torch.tensor([ids[:12]]), use_cache=True)
+        torch.testing.assert_close(run.step([ids[:12]], [0], [pages])[0], out.logits[0, -1],
+                                   atol=ATOL, rtol=0)
+        past = out.past_key_values
+        for pos in range(12, 24):
+            out = hf(torch.tensor([[ids[pos]]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            ours = run.step([[ids[pos]]], [pos], [pages])[0]
+            torch.testing.assert_close(ours, out.logits[0, -1], atol=ATOL, rtol=0)

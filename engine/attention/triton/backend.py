@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.attention.base import BaseAttentionBackend
+from splitserve.engine.attention.base import BaseAttentionBackend, SlidingWindows, layer_windows
 from splitserve.engine.attention.triton.decode import choose_num_splits, decode_attention
 from splitserve.engine.attention.triton.extend import extend_attention
 from splitserve.engine.forward_batch import ForwardBatch
@@ -56,7 +56,7 @@ class TritonAttentionMetadata:
     batch: ForwardBatch
     decode: _DecodeRows | None
     extend: _ExtendRows | None
-    window: int | None
+    windows: tuple[int | None, ...]  # each layer's sliding window (None: none)
     upcast: bool  # float32 arithmetic (the interpreter cannot do bfloat16 math)
 
 
@@ -66,7 +66,7 @@ class TritonAttentionBackend(BaseAttentionBackend):
     supports_cuda_graphs = True
 
     def prepare(
-        self, batch: ForwardBatch, pool: KVPool, sliding_window: int | None
+        self, batch: ForwardBatch, pool: KVPool, sliding_window: SlidingWindows
     ) -> TritonAttentionMetadata:
         dec_tok: list[int] = []
         dec_rows: list[int] = []
@@ -85,7 +85,8 @@ class TritonAttentionBackend(BaseAttentionBackend):
             return torch.tensor(xs, dtype=dtype, device=device)
 
         meta = TritonAttentionMetadata(
-            batch, None, None, sliding_window, os.environ.get("TRITON_INTERPRET") == "1"
+            batch, None, None, layer_windows(sliding_window, pool.layout.num_layers),
+            os.environ.get("TRITON_INTERPRET") == "1",
         )
         if dec_rows:
             lens = [batch.seq_lens[i] for i in dec_rows]
@@ -111,7 +112,7 @@ class TritonAttentionBackend(BaseAttentionBackend):
         batch: ForwardBatch,
         seq_lens: torch.Tensor,
         pool: KVPool,
-        sliding_window: int | None,
+        sliding_window: SlidingWindows,
         max_seq_len: int,
     ) -> TritonAttentionMetadata:
         """See :meth:`BaseAttentionBackend.decode_metadata`; the split count is fixed by
@@ -122,7 +123,7 @@ class TritonAttentionBackend(BaseAttentionBackend):
             batch,
             _DecodeRows(rows, rows, seq_lens, splits),
             None,
-            sliding_window,
+            layer_windows(sliding_window, pool.layout.num_layers),
             os.environ.get("TRITON_INTERPRET") == "1",
         )
 
@@ -146,13 +147,13 @@ class TritonAttentionBackend(BaseAttentionBackend):
             d = meta.decode
             decode_attention(
                 q, kp, vp, out, batch.page_table, d.tok_idx, d.rows, d.seq_lens,
-                d.num_splits, scale, meta.window, meta.upcast,
+                d.num_splits, scale, meta.windows[layer], meta.upcast,
             )  # fmt: skip
         if meta.extend is not None:
             e = meta.extend
             extend_attention(
                 q, kp, vp, out, batch.page_table, e.tok_start, e.extend_lens, e.seq_lens,
-                e.rows, e.max_extend_len, scale, meta.window, meta.upcast,
+                e.rows, e.max_extend_len, scale, meta.windows[layer], meta.upcast,
             )  # fmt: skip
         return out
 

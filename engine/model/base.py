@@ -1,0 +1,207 @@
+"""What every model family shares: the step (embed, layers over the paged pool, final norm, vocab
+projection of the scored rows), weight packing for the CPU kernels, and the weight-name map's form.
+
+A family file (``llama.py``, ``qwen3.py``, ``gemma3.py``, ``phi3.py``, ``qwen3_moe.py``) builds its
+layers in ``__init__`` and says what differs by overriding the small hooks: :meth:`embed`,
+:meth:`step_ropes`, :meth:`compute_logits`, and :meth:`weight_map` (checkpoint tensor names ->
+where they go). Families are found by ``engine.model.registry``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from splitserve.engine.attention.base import BaseAttentionBackend, create_attention_backend
+from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.engine.kernels.cpu.bindings import CpuKernels
+from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.fused_decode import run_fused_decode_layers
+from splitserve.engine.model.kernel_plan import ProductPlan
+from splitserve.engine.model.layers import Embedding, GatedMLP, Linear, LMHead, RMSNorm, can_pack
+from splitserve.engine.model.rope import RotaryEmbedding, StepRope
+
+# Where one checkpoint tensor goes: (our parameter's name, the index into that parameter's data
+# it fills: a tuple of ints and slices, e.g. ``(slice(q, q + kv),)`` for k's rows of the fused
+# qkv weight, or ``(3, slice(0, inter))`` for expert 3's gate rows of a stacked expert weight).
+WeightSlot = tuple[str, tuple[Any, ...]]
+WeightMap = dict[str, WeightSlot]
+
+
+def rows(start: int, count: int) -> tuple[slice]:
+    """The index of ``count`` rows from ``start`` (a :data:`WeightSlot`'s second half)."""
+    return (slice(start, start + count),)
+
+
+class DecoderLM(nn.Module):
+    """A decoder-only causal LM over a paged KV pool.
+
+    Subclasses set ``embed_tokens``, ``layers`` (each called as ``layer(x, rope, backend, meta,
+    pool)``), ``norm`` and ``lm_head`` (None when tied) in their ``__init__``, then call
+    :meth:`_finish_init`.
+
+    Args:
+        config: parsed model config.
+        dtype: parameter and activation dtype (float32 or bfloat16); logits are always float32.
+        attn_backend: paged attention implementation; default the torch backend.
+        fused_decode: run small decode-only steps' layers in one C call when the C kernels are
+            packed and the family's layers are the ones that call implements
+            (``supports_fused_decode``); False keeps the per-op path.
+
+    Parameters are uninitialized until :func:`splitserve.engine.model.loader.load_model` fills
+    them, which then calls :meth:`pack_weights`.
+    """
+
+    supports_fused_decode = False  # the C layer loop (fused_decode.py) is Llama's layer
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        attn_backend: BaseAttentionBackend | None = None,
+        fused_decode: bool = True,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.attn_backend = attn_backend or create_attention_backend("torch")
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, False, dtype)
+        )
+        self.rope = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.context_len
+        )
+        # The C kernels once packed (CPU bfloat16): RoPE here, norms and MLPs in their modules,
+        # and (where the family allows) all layers of a small decode-only step in one call
+        # (engine/model/fused_decode.py, which reads the packed weights through an address
+        # table made on first use).
+        self.kernels: CpuKernels | None = None
+        self.c_max_rows = 0  # decode steps up to this many rows take the C products
+        self.kernel_plan: ProductPlan | None = None
+        self.fused_decode = fused_decode
+        self._fused_layer_ptrs: torch.Tensor | None = None
+        self.layers: nn.ModuleList
+        self.norm: nn.Module
+
+    def _finish_init(self) -> None:
+        # The vocab projection of scored rows (over the tied embedding table or lm_head).
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.head = LMHead(head)
+
+    def rotary_tables(self) -> list[RotaryEmbedding]:
+        """Every RoPE table the model holds (moved with the model by :meth:`to`)."""
+        return [self.rope]
+
+    @staticmethod
+    def weight_map(config: ModelConfig) -> WeightMap:
+        """Every checkpoint (HF) tensor name the model needs -> its :data:`WeightSlot`."""
+        raise NotImplementedError
+
+    def pack_weights(self, use_cpu_kernels: bool = True) -> bool:
+        """Pre-pack every projection for oneDNN (CPU bfloat16 only; see ``layers.pack_weight``)
+        and, with ``use_cpu_kernels``, for the C kernels, which then also serve the norms, RoPE
+        and SiLU-multiply (``engine.kernels.cpu``). Call after the weights are loaded and the
+        model is on its device. Returns whether it packed."""
+        if not can_pack(self.head.weight):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack(use_cpu_kernels)
+        self.kernels = self.head.pack(use_cpu_kernels)
+        self.c_max_rows = self.kernels.decode_max_rows if self.kernels is not None else 0
+        self._fused_layer_ptrs = None  # the old packed weights are gone
+        for module in self.modules():
+            if isinstance(module, RMSNorm | GatedMLP):
+                module.kernels = self.kernels
+        return True
+
+    def set_product_plan(self, plan: ProductPlan) -> None:
+        """Use the C products for decode steps of at most ``plan.layer_rows`` rows in every
+        layer (and the fused decode path) and ``plan.head_rows`` in the LM head, oneDNN above
+        (``engine.model.kernel_plan``). Needs :meth:`pack_weights` first."""
+        limit = self.kernels.decode_max_rows if self.kernels is not None else 0
+        self.kernel_plan = plan
+        self.c_max_rows = min(plan.layer_rows, limit)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.c_max_rows = self.c_max_rows
+        self.head.c_max_rows = min(plan.head_rows, limit)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the parameters plus the packed copies :meth:`pack_weights` made (oneDNN's
+        blocked layout and the C kernels' layout: up to 3x the parameters on CPU bfloat16)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        return total + sum(m.packed_bytes() for m in linears) + self.head.packed_bytes()
+
+    def to(self, device: torch.device | str) -> DecoderLM:  # type: ignore[override]
+        """Move parameters and the RoPE tables (not module buffers, to keep them float32)."""
+        super().to(device)
+        for table in self.rotary_tables():
+            table.to(device)
+        return self
+
+    # ---- the hooks a family overrides ----------------------------------------------------------
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids [T]`` int64 -> ``[T, hidden]`` in the model dtype."""
+        return self.embed_tokens(input_ids)
+
+    def step_ropes(
+        self, positions: torch.Tensor, max_position: int | None
+    ) -> list[StepRope]:
+        """One :class:`StepRope` per layer for this step (the same object for every layer that
+        shares a table).
+
+        Raises:
+            ValueError: a position past the context length.
+        """
+        rope = self.rope.for_step(positions, self.dtype, max_position, self.kernels)
+        return [rope] * len(self.layers)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``h [N, hidden]`` (final-normed) -> float32 logits ``[N, vocab]``."""
+        return self.head(h)
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: ForwardBatch,
+        pool: KVPool,
+        return_hidden: bool = False,
+        meta: object | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Run one step: extend every sequence's KV in ``pool`` and score ``batch.logit_indices``.
+
+        Args:
+            batch: the step's tokens, positions and page mapping.
+            pool: KV pool whose layout matches ``config.kv_layout``.
+            return_hidden: also return the final-normed hidden states of the scored tokens.
+            meta: attention metadata built ahead for ``batch`` (CUDA-graph capture builds it
+                from static buffers: ``engine.runner.cuda_graph``); None builds it here.
+
+        Returns:
+            ``logits [N, vocab]`` float32 for the ``N`` tokens in ``batch.logit_indices``, or
+            ``(logits, hidden [N, hidden_size] in model dtype)`` when ``return_hidden``.
+        """
+        x = self.embed(batch.input_ids)
+        # Positions end at seq_len - 1: the bound check needs no read of the positions tensor.
+        max_position = max(batch.seq_lens) - 1 if batch.seq_lens else None
+        ropes = self.step_ropes(batch.positions, max_position)
+        if meta is None:
+            meta = self.attn_backend.prepare(batch, pool, self.config.layer_windows)
+        if not (self.fused_decode and run_fused_decode_layers(self, x, meta, pool)):
+            for layer, rope in zip(self.layers, ropes, strict=True):
+                x = layer(x, rope, self.attn_backend, meta, pool)
+        # The norm is per row, so only the scored rows need it (and the vocab projection).
+        h = self.norm(x[batch.logit_indices])
+        logits = self.compute_logits(h)
+        return (logits, h) if return_hidden else logits

