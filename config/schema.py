@@ -27,6 +27,7 @@ from splitserve.config.registry import (
 
 DTYPES = ("auto", "float32", "bfloat16")  # "auto" is resolved once, by the CLI (kernels.cpu.features)
 DEVICES = ("cpu", "cuda")
+QUANTIZATIONS = ("none", "int8")  # weight-only, at load (engine.model.quant)
 ATTENTION_CHOICES = ("auto", *ATTENTION.names)  # auto: torch on CPU, triton on CUDA
 
 
@@ -60,11 +61,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Decode-step products: "auto" (C or oneDNN per step size, timed once per machine), "c",
     # "torch" (oneDNN only), or a plan file (engine.model.kernel_plan).
     kernels: str = msgspec.field(default_factory=lambda: env.text(env.KERNELS, "auto"))
+    # Weights quantized at load: "int8" (per-output-channel; engine.model.quant), "none".
+    quantization: str = "none"
 
     def check(self) -> None:
         """Raises: ValueError naming the first field out of range or not a registered name."""
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
+        _choice("quantization", self.quantization, QUANTIZATIONS)
         _choice("attention", self.attention, ATTENTION_CHOICES)
         for field, registry in (("kv_transfer", KV_TRANSFER), ("prefix_cache", PREFIX_CACHE),
                                 ("grammar_backend", GRAMMAR_BACKEND)):
