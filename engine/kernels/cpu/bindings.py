@@ -159,7 +159,7 @@ class CpuKernels:
         caller (:mod:`splitserve.engine.model.fused_decode`) checks that it applies.
 
         Args:
-            ptrs: ``[L * 10]`` int64 per-layer weight addresses (``decode_layers.layer_pointers``).
+            ptrs: ``[L * 14]`` int64 per-layer weight addresses (``decode_layers.layer_pointers``).
             x: ``[M, hidden]`` bfloat16 contiguous hidden states, updated in place.
             cfg: the ``ModelConfig`` (sizes, ``rms_norm_eps``).
             rope: the model's ``RotaryEmbedding`` (float32 tables).
@@ -176,7 +176,7 @@ class CpuKernels:
         """
         m, hid = x.shape
         return self._layers(
-            ptrs.numel() // 10, ptrs.data_ptr(), x.data_ptr(), m, hid, cfg.num_heads,
+            ptrs.numel() // 14, ptrs.data_ptr(), x.data_ptr(), m, hid, cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
             cfg.head_dim**-0.5, window or 0, positions.data_ptr(), rope.cos.data_ptr(),
             rope.sin.data_ptr(), pool_buffer.data_ptr(), pool_buffer.stride(1),
