@@ -243,8 +243,10 @@ def open_target(spec: tuple[str, str], args: argparse.Namespace) -> Iterator[Tar
         name, url = parse_base_url(value)
         ctx = nullcontext(url)
     else:
-        name = f"splitserve {value}"
+        value, _, quantization = value.partition(":")
+        name = f"splitserve {value}" + (f" {quantization}" if quantization else "")
         kw: dict[str, Any] = {
+            "quantization": quantization or "none",
             "max_running": args.max_running,
             "threads_per_worker": args.threads_per_worker,
             "cuda_graph": not args.disable_cuda_graph,
@@ -347,8 +349,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--launch",
         action="append",
         default=[],
-        choices=["disaggregated", "colocated"],
-        help="start a local splitserve cluster",
+        choices=[f"{m}{q}" for m in ("disaggregated", "colocated") for q in ("", ":int8")],
+        help="start a local splitserve cluster (MODE:int8: with --quantization int8)",
     )
     t.add_argument(
         "--hf-static",

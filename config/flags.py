@@ -24,6 +24,7 @@ from splitserve.config.schema import (
     ATTENTION_CHOICES,
     DEVICES,
     DTYPES,
+    QUANTIZATIONS,
     SPECULATIVE_CHOICES,
     ServeConfig,
 )
@@ -88,6 +89,9 @@ ENGINE_FLAGS = (
     Flag("--model", "engine.model", "Hugging Face model folder or .gguf file (default: SmolLM2-135M-Instruct)"),
     Flag("--dtype", "engine.dtype", "auto: bfloat16 on CPUs with AMX/avx512_bf16 (and CUDA), "
          "else float32", choices=DTYPES),
+    Flag("--quantization", "engine.quantization", "weights quantized at load: int8 "
+         "(weight-only, one scale per output channel; AVX512-VNNI decode products), or none",
+         choices=QUANTIZATIONS),
     Flag("--device", "engine.device", "where models and KV pools live; cuda uses the Triton "
          "attention kernels and CUDA graphs ($SPLITSERVE_DEVICE sets the default)", choices=DEVICES),
     Flag("--page-size", "engine.page_size", "tokens per KV page"),

@@ -28,6 +28,7 @@ from splitserve.config.registry import (
 
 DTYPES = ("auto", "float32", "bfloat16")  # "auto" is resolved once, by the CLI (kernels.cpu.features)
 DEVICES = ("cpu", "cuda")
+QUANTIZATIONS = ("none", "int8")  # weight-only, at load (engine.model.quant)
 ATTENTION_CHOICES = ("auto", *ATTENTION.names)  # auto: torch on CPU, triton on CUDA
 SPECULATIVE_CHOICES = ("none", "ngram")
 
@@ -69,11 +70,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     speculative: str = "none"
     num_speculative_tokens: int = 4
     speculative_max_running: int = 4
+    # Weights quantized at load: "int8" (per-output-channel; engine.model.quant), "none".
+    quantization: str = "none"
 
     def check(self) -> None:
         """Raises: ValueError naming the first field out of range or not a registered name."""
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
+        _choice("quantization", self.quantization, QUANTIZATIONS)
         _choice("attention", self.attention, ATTENTION_CHOICES)
         _choice("speculative", self.speculative, SPECULATIVE_CHOICES)
         for field in ("num_speculative_tokens", "speculative_max_running"):

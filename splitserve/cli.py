@@ -108,6 +108,14 @@ def _resolve_engine(config: ServeConfig | WorkerConfig, report: bool = False) ->
     e.dtype, why = resolve_dtype(e.dtype, e.device)
     if report:
         print(f"splitserve: dtype {e.dtype} ({why})", file=sys.stderr, flush=True)
+    if report and e.quantization != "none":
+        from splitserve.engine.kernels.cpu.features import cpu_flags
+
+        vnni = "avx512_vnni" in cpu_flags() and e.device == "cpu" and e.dtype == "bfloat16"
+        how = ("AVX512-VNNI C products for decode steps" if vnni else
+               "no int8 kernel here (needs CPU bfloat16 with avx512_vnni): the de-quantized "
+               "weights serve, no faster than unquantized")
+        print(f"splitserve: quantization {e.quantization} ({how})", file=sys.stderr, flush=True)
 
 
 def serve_config(args: argparse.Namespace, colocated: bool) -> ServeConfig:

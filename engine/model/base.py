@@ -121,6 +121,24 @@ class DecoderLM(nn.Module):
                 module.kernels = self.kernels
         return True
 
+    def quantize_weights(self, scheme: str) -> None:
+        """Quantize the decoder layers' projections and the LM head in place
+        (``engine.model.quant``; ``scheme``: ``EngineConfig.quantization``, "none" does
+        nothing). Call after loading, before :meth:`pack_weights`. Projections that are not
+        :class:`Linear` (a mixture of experts' stacked expert weights) stay as loaded.
+
+        Raises:
+            ValueError: an unknown scheme.
+        """
+        if scheme == "none":
+            return
+        if scheme != "int8":
+            raise ValueError(f"unknown quantization {scheme!r}")
+        for module in self.layers.modules():
+            if isinstance(module, Linear):
+                module.quantize_int8()
+        self.head.quantize_int8()
+
     def set_product_plan(self, plan: ProductPlan) -> None:
         """Use the C products for decode steps of at most ``plan.layer_rows`` rows in every
         layer (and the fused decode path) and ``plan.head_rows`` in the LM head, oneDNN above

@@ -19,9 +19,10 @@ from splitserve.engine.model.layers import Linear
 
 
 def layer_pointers(model: torch.nn.Module) -> torch.Tensor | None:
-    """``[L * 10]`` int64 addresses of every layer's norm weights, packed projections and
-    biases (0 when absent), in ``decode_layers.c``'s order; None if a projection has no
-    decode-packed weight. The tensors stay owned by the model (they never move after packing).
+    """``[L * 14]`` int64 addresses of every layer's norm weights and, per projection, its
+    packed weight, bias and int8 scales (0 when absent: a bfloat16 weight), in
+    ``decode_layers.c``'s order; None if a projection has no C decode weight. The tensors stay
+    owned by the model (they never move after packing).
     """
     ptrs: list[int] = []
     for layer in model.layers:  # type: ignore[attr-defined]
@@ -31,10 +32,15 @@ def layer_pointers(model: torch.nn.Module) -> torch.Tensor | None:
             layer.post_attention_layernorm.weight, mlp.gate_up_proj, mlp.down_proj,
         ):
             if isinstance(item, Linear):
-                if item.decode_packed is None:
+                if item.kernels is None:
                     return None
-                w = item.decode_packed
-                ptrs += [w.data_ptr(), 0 if item.bias is None else item.bias.data_ptr()]
+                w, scales = item.decode_packed, None
+                if item.int8 is not None:  # --quantization int8: gemm_w8.c's weight
+                    w, scales = item.int8.packed, item.int8.scales
+                if w is None:
+                    return None
+                ptrs += [w.data_ptr(), 0 if item.bias is None else item.bias.data_ptr(),
+                         0 if scales is None else scales.data_ptr()]
             else:
                 ptrs.append(item.data_ptr())
     return torch.tensor(ptrs, dtype=torch.int64)

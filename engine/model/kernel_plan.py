@@ -120,7 +120,6 @@ def measure(model: torch.nn.Module, max_rows: int) -> ProductPlan:
     layer = [m for m in model.layers[0].modules() if isinstance(m, Linear)]  # type: ignore[attr-defined]
     num_layers = len(model.layers)  # type: ignore[attr-defined]
     head = model.head  # type: ignore[attr-defined]
-    kernels = head.kernels
     buckets = tuple(b for b in BUCKETS if b <= max_rows)
     gen = torch.Generator().manual_seed(0)
     table = []
@@ -131,14 +130,14 @@ def measure(model: torch.nn.Module, max_rows: int) -> ProductPlan:
 
         def layer_c(xs=xs) -> None:
             for m, x in zip(layer, xs):
-                kernels.linear_decode(x, m.decode_packed, m.bias)
+                m.c_product(x)  # bfloat16 or int8 weights (--quantization)
 
         def layer_onednn(xs=xs) -> None:
             for m, x in zip(layer, xs):
                 packed_linear(x, m.packed, m.bias)
 
         lc, lo = (t * num_layers for t in _best_pair_us(layer_c, layer_onednn))
-        hc, ho = _best_pair_us(lambda h=h: kernels.linear_decode(h, head.decode_packed, None),
+        hc, ho = _best_pair_us(lambda h=h: head.c_product(h),
                                lambda h=h: packed_linear(h, head.packed, None))
         table.append((rows, lc, lo, hc, ho))
         losses = losses + 1 if (lc > lo * TIE and hc > ho * TIE) else 0
@@ -158,10 +157,13 @@ def _cache_key(model: torch.nn.Module, max_rows: int) -> str:
             cpu = b"".join(line for line in f if line.startswith((b"model name", b"flags")))
     except OSError:
         pass
-    shapes = [tuple(m.weight.shape) for m in model.layers[0].modules() if isinstance(m, Linear)]  # type: ignore[attr-defined]
+    # The shapes, and whether the C products read int8 weights (--quantization int8).
+    shapes = [(tuple(m.weight.shape), m.int8 is not None)
+              for m in model.layers[0].modules() if isinstance(m, Linear)]  # type: ignore[attr-defined]
     parts = [cpu.decode(errors="replace"), torch.__version__, str(torch.get_num_threads()),
              str(getattr(model.head.kernels, "library_path", "")), str(shapes),  # type: ignore[attr-defined]
-             str(tuple(model.head.weight.shape)), str(len(model.layers)), str(max_rows)]  # type: ignore[attr-defined]
+             str(tuple(model.head.weight.shape)), str(model.head.int8 is not None),  # type: ignore[attr-defined]
+             str(len(model.layers)), str(max_rows)]  # type: ignore[attr-defined]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from splitserve.engine.kernels.cpu.bindings import CpuKernels
 from splitserve.engine.kernels.cpu.build import load_cpu_kernels
+from splitserve.engine.model.quant import Int8Weight, quantize_weight_int8
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -38,6 +39,15 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 32) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` with a weight from :func:`pack_weight`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def int8_kernels(weight: torch.Tensor, use_cpu_kernels: bool = True) -> CpuKernels | None:
+    """The C kernels for int8 decode products of a weight served in bfloat16 on CPU, or None
+    (kernels off, not built, or no AVX512-VNNI: the de-quantized weight serves then)."""
+    if not use_cpu_kernels or not can_pack(weight):
+        return None
+    kernels = load_cpu_kernels()
+    return kernels if kernels is not None and kernels.has_w8 else None
 
 
 def pack_decode(
@@ -68,26 +78,45 @@ class Linear(nn.Module):
         self.kernels: CpuKernels | None = None
         self.decode_packed: torch.Tensor | None = None
         self.c_max_rows = 0
+        self.int8: Int8Weight | None = None  # set by quantize_int8(): the C products' weight
+
+    def quantize_int8(self) -> None:
+        """Weight-only int8 (``engine.model.quant``): the weight becomes its de-quantized
+        value; decode steps then take the int8 C products. Call after loading, before pack."""
+        self.int8 = quantize_weight_int8(self.weight.data)
 
     def pack(self, use_cpu_kernels: bool = True) -> None:
         """Pre-pack the weight for oneDNN if :func:`can_pack` (call after loading; the plain
         weight stays, for anything that reads parameters), and for the C decode products (steps
-        of at most ``kernels.decode_max_rows`` rows) when ``use_cpu_kernels`` and they build."""
+        of at most ``kernels.decode_max_rows`` rows) when ``use_cpu_kernels`` and they build:
+        the int8 ones after :meth:`quantize_int8`, else the bfloat16 ones."""
         if can_pack(self.weight):
             self.packed = pack_weight(self.weight.data)
-        self.kernels, self.decode_packed = pack_decode(self.weight, use_cpu_kernels)
+        if self.int8 is not None:
+            self.kernels = int8_kernels(self.weight, use_cpu_kernels)
+        else:
+            self.kernels, self.decode_packed = pack_decode(self.weight, use_cpu_kernels)
         self.c_max_rows = self.kernels.decode_max_rows if self.kernels is not None else 0
 
     def packed_bytes(self) -> int:
         """Bytes of the packed copies (a oneDNN copy counted as the weight's size: its storage
-        is opaque to torch)."""
-        return (_bytes(self.weight) if self.packed is not None else 0) + _bytes(self.decode_packed)
+        is opaque to torch) and of the int8 weight."""
+        int8 = self.int8.nbytes if self.int8 is not None else 0
+        return (_bytes(self.weight) if self.packed is not None else 0) + _bytes(
+            self.decode_packed) + int8
+
+    def c_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The C decode product on ``x [T, in]`` bfloat16 (``kernels`` set by :meth:`pack`):
+        int8 weights after :meth:`quantize_int8`, else the bfloat16 pair layout."""
+        assert self.kernels is not None
+        if self.int8 is not None:
+            return self.kernels.linear_w8(x, self.int8.packed, self.int8.scales, self.bias)
+        return self.kernels.linear_decode(x, self.decode_packed, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, in]`` -> ``[T, out]``."""
-        if self.decode_packed is not None and x.dim() == 2 and x.shape[0] <= self.c_max_rows:
-            assert self.kernels is not None
-            return self.kernels.linear_decode(x.contiguous(), self.decode_packed, self.bias)
+        if self.kernels is not None and x.dim() == 2 and x.shape[0] <= self.c_max_rows:
+            return self.c_product(x.contiguous())
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -96,7 +125,8 @@ class Linear(nn.Module):
 class LMHead:
     """The vocab projection ``h [N, hidden] -> float32 logits [N, vocab]`` over ``weight``
     (the LM head, or the tied embedding table), with the same packed paths as :class:`Linear`:
-    the C kernel for small decode steps, oneDNN's packed copy, else ``F.linear``."""
+    the C kernel for small decode steps (int8 after :meth:`quantize_int8`), oneDNN's packed
+    copy, else ``F.linear``."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
@@ -104,24 +134,39 @@ class LMHead:
         self.kernels: CpuKernels | None = None
         self.decode_packed: torch.Tensor | None = None
         self.c_max_rows = 0
+        self.int8: Int8Weight | None = None
+        self.bias = None  # for c_product's signature: a vocab projection has none
+
+    def quantize_int8(self) -> None:
+        """Like :meth:`Linear.quantize_int8`, on a copy: a tied head shares the embedding table,
+        which stays unquantized (a lookup reads one row per token)."""
+        self.weight = self.weight.detach().clone()
+        self.int8 = quantize_weight_int8(self.weight)
 
     def pack(self, use_cpu_kernels: bool = True) -> CpuKernels | None:
         """Pack like :meth:`Linear.pack`; returns the C kernels when they serve."""
         if can_pack(self.weight):
             self.packed = pack_weight(self.weight.data)
-        self.kernels, self.decode_packed = pack_decode(self.weight, use_cpu_kernels)
+        if self.int8 is not None:
+            self.kernels = int8_kernels(self.weight, use_cpu_kernels)
+        else:
+            self.kernels, self.decode_packed = pack_decode(self.weight, use_cpu_kernels)
         self.c_max_rows = self.kernels.decode_max_rows if self.kernels is not None else 0
         return self.kernels
 
     def packed_bytes(self) -> int:
-        return (_bytes(self.weight) if self.packed is not None else 0) + _bytes(self.decode_packed)
+        # After quantize_int8 the weight is a copy too (the parameter it came from stays).
+        int8 = self.int8.nbytes + _bytes(self.weight) if self.int8 is not None else 0
+        return (_bytes(self.weight) if self.packed is not None else 0) + _bytes(
+            self.decode_packed) + int8
+
+    c_product = Linear.c_product
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         if h.shape[0] == 0:  # a step of prompt chunks that finish no prompt samples nothing
             return h.new_empty(0, self.weight.shape[0], dtype=torch.float32)
-        kernels, packed = self.kernels, self.decode_packed
-        if kernels is not None and packed is not None and h.shape[0] <= self.c_max_rows:
-            return kernels.linear_decode(h.contiguous(), packed, None).float()
+        if self.kernels is not None and h.shape[0] <= self.c_max_rows:
+            return self.c_product(h.contiguous()).float()
         if self.packed is not None:
             return packed_linear(h, self.packed, None).float()
         return F.linear(h, self.weight).float()

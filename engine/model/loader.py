@@ -111,7 +111,7 @@ def load_model(
         attn_backend: attention implementation; default ``engine.attention`` (``auto``: Triton
             on CUDA, torch elsewhere).
         engine: the switches it reads: ``attention``, ``cpu_kernels``, ``decode_kv_cache``,
-            ``pack_weights``, ``fused_decode`` (default: ``EngineConfig()``'s).
+            ``pack_weights``, ``fused_decode``, ``quantization`` (default: ``EngineConfig()``'s).
 
     Returns:
         ``(model, config)``; the model is in eval mode.
@@ -142,6 +142,7 @@ def load_model(
     for table in model.rotary_tables():
         table.to(device)
     _fill(model, model_cls.weight_map(config), tensors, source)
+    model.quantize_weights(engine.quantization)  # before packing: the packs read the weights
     if engine.pack_weights:  # CPU bfloat16: oneDNN-packed projections (no-op elsewhere)
         model.pack_weights(engine.cpu_kernels)
     if model.kernels is not None and model.head.packed is not None:

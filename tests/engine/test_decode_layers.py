@@ -1,7 +1,8 @@
 """The fused decode layers (one C call for every layer of a decode step) against the per-op path
 they replace: the default model in bfloat16 through the scheduler gives the same tokens and
 bit-identical logprobs with and without them, and they run when they should; 3 rows (the skinny
-kernel at 1-2 rows, the AVX512_BF16 tiles at 3) and 9 rows (the tiles down to 3)."""
+kernel at 1-2 rows, the AVX512_BF16 tiles at 3) and 9 rows (the tiles down to 3); the same with
+int8 weights (``--quantization int8``: the VNNI products in both paths)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from splitserve.engine.kv_pool import KVPool
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="no C compiler")
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8"])
 @pytest.mark.parametrize("num_reqs", [3, 9])
-def test_fused_decode_layers_equal_the_per_op_path(model_path, monkeypatch, num_reqs) -> None:
+def test_fused_decode_layers_equal_the_per_op_path(
+    model_path, monkeypatch, num_reqs, quantization
+) -> None:
     from splitserve.engine.model import fused_decode as decode_layers
     from splitserve.engine.model.loader import load_model
     from splitserve.engine.sched.request import Req
@@ -24,7 +28,9 @@ def test_fused_decode_layers_equal_the_per_op_path(model_path, monkeypatch, num_
     from tests.engine_core import make_core
 
     # C products at every step size this test runs (the fused path needs them).
-    model, cfg = load_model(model_path, dtype=torch.bfloat16, engine=EngineConfig(kernels="c"))
+    # int8: the fused path calls gemm_w8.c as the per-op path does (--quantization int8).
+    engine = EngineConfig(kernels="c", quantization=quantization)
+    model, cfg = load_model(model_path, dtype=torch.bfloat16, engine=engine)
     calls = {"ran": 0}
     real = decode_layers.run_fused_decode_layers
 

@@ -64,6 +64,10 @@ class CpuKernels:
         self._decode_linear = lib.decode_linear_bf16
         self._decode_linear.restype = ctypes.c_int
         self._decode_linear.argtypes = list(self._gemv.argtypes)
+        self._w8 = lib.gemm_w8_bf16
+        self._w8.restype = ctypes.c_int
+        self._w8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr]
+        self.has_w8 = bool(lib.gemm_w8_available())  # AVX512-VNNI int8 weight products
         self.has_gemm = bool(lib.gemm_packed_bf16_available())
         # Rows up to which linear_decode runs (beyond: oneDNN on its own packed copy).
         self.decode_max_rows = GEMM_MAX_ROWS if self.has_gemm else SKINNY_MAX_ROWS
@@ -155,7 +159,7 @@ class CpuKernels:
         caller (:mod:`splitserve.engine.model.fused_decode`) checks that it applies.
 
         Args:
-            ptrs: ``[L * 10]`` int64 per-layer weight addresses (``decode_layers.layer_pointers``).
+            ptrs: ``[L * 14]`` int64 per-layer weight addresses (``decode_layers.layer_pointers``).
             x: ``[M, hidden]`` bfloat16 contiguous hidden states, updated in place.
             cfg: the ``ModelConfig`` (sizes, ``rms_norm_eps``).
             rope: the model's ``RotaryEmbedding`` (float32 tables).
@@ -172,7 +176,7 @@ class CpuKernels:
         """
         m, hid = x.shape
         return self._layers(
-            ptrs.numel() // 10, ptrs.data_ptr(), x.data_ptr(), m, hid, cfg.num_heads,
+            ptrs.numel() // 14, ptrs.data_ptr(), x.data_ptr(), m, hid, cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
             cfg.head_dim**-0.5, window or 0, positions.data_ptr(), rope.cos.data_ptr(),
             rope.sin.data_ptr(), pool_buffer.data_ptr(), pool_buffer.stride(1),
@@ -258,6 +262,40 @@ class CpuKernels:
             MemoryError: no memory for the skinny kernel's float32 copy of ``x``.
         """
         return _run_linear(self._decode_linear, "decode linear", x, packed, bias)
+
+    def linear_w8(
+        self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``x @ (scales[:, None] * Q).T + bias`` on int8 weights (``gemm_w8.c``, AVX512-VNNI;
+        check :attr:`has_w8`): ``x`` is quantized per row to int16 inside, sums are exact
+        integers, scaled in float32 and rounded to bfloat16 once.
+
+        Args:
+            x: ``[M, K]`` bfloat16, ``M >= 1``, last dim contiguous (rows may be strided).
+            packed: ``Q`` from ``engine.model.quant.pack_int8_pairs`` (int8, ``[N/16, P, 16, 2]``).
+            scales: ``[N]`` float32 per-output-channel scales.
+            bias: ``[N]`` bfloat16 or None.
+
+        Returns:
+            ``[M, N]`` bfloat16.
+
+        Raises:
+            MemoryError: no memory for the int16 copy of ``x``.
+            ValueError: the kernel does not run (no AVX512-VNNI in this build).
+        """
+        m, k = x.shape
+        n = packed.shape[0] * 16
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        rc = self._w8(
+            x.data_ptr(), x.stride(0), m, packed.data_ptr(), scales.data_ptr(),
+            None if bias is None else bias.data_ptr(), n, k, y.data_ptr(),
+        )
+        if rc == -1:
+            raise MemoryError("int8 weight kernel: out of memory")
+        if rc != 0:
+            raise ValueError(f"int8 weight kernel: unsupported (x {tuple(x.shape)}, N {n})")
+        return y
 
     def linear_skinny(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None

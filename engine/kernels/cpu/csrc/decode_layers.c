@@ -13,10 +13,24 @@
 #include "bf16.h"
 #include "kernels.h"
 
-/* Per-layer addresses, NPTR per layer in this order (0 for an absent bias). */
-enum { IN_NORM, QKV_W, QKV_B, O_W, O_B, POST_NORM, GU_W, GU_B, DOWN_W, DOWN_B, NPTR };
+/* Per-layer addresses, NPTR per layer in this order (0 for an absent bias). Each projection
+ * has its weight, bias and int8 scales: with scales (--quantization int8) the weight is int8 in
+ * gemm_w8.c's layout and gemm_w8_bf16 runs it, else it is bfloat16 for decode_linear_bf16. */
+enum {
+    IN_NORM, QKV_W, QKV_B, QKV_S, O_W, O_B, O_S, POST_NORM, GU_W, GU_B, GU_S,
+    DOWN_W, DOWN_B, DOWN_S, NPTR
+};
 
 #define P(l, i) ((const uint16_t *)(uintptr_t)ptrs[(l) * NPTR + (i)])
+
+/* Projection W of layer l (W, W + 1, W + 2: weight, bias, scales) on x [m, k] -> y [m, n]. */
+static int project(const int64_t *ptrs, int64_t l, int w, const uint16_t *x, int64_t m,
+                   int64_t n, int64_t k, uint16_t *y) {
+    const float *scales = (const float *)(uintptr_t)ptrs[l * NPTR + w + 2];
+    if (scales)
+        return gemm_w8_bf16(x, k, m, (const int8_t *)P(l, w), scales, P(l, w + 1), n, k, y);
+    return decode_linear_bf16(x, k, m, P(l, w), P(l, w + 1), n, k, y);
+}
 
 /* dims: H, Hq, Hkv, D, I (intermediate); pool: this step's K of layer 0 page 0 at pool,
  * layers layer_stride elements apart, V at + v_offset, pages page_stride apart; cache: kt / cv
@@ -39,7 +53,7 @@ int decode_layers_bf16(int64_t n_layers, const int64_t *ptrs, uint16_t *x, int64
     int rc = 0;
     for (int64_t l = 0; l < n_layers && rc == 0; l++) {
         rms_norm_bf16(x, hid, NULL, P(l, IN_NORM), eps, m, hid, NULL, h);
-        rc = decode_linear_bf16(h, hid, m, P(l, QKV_W), P(l, QKV_B), nqkv, hid, qkv);
+        rc = project(ptrs, l, QKV_W, h, m, nqkv, hid, qkv);
         if (rc) break;
         rope_bf16(qkv, nqkv, m, hq + hkv, d, positions, cos_table, sin_table);
         uint16_t *pk = pool + l * layer_stride;
@@ -49,13 +63,13 @@ int decode_layers_bf16(int64_t n_layers, const int64_t *ptrs, uint16_t *x, int64
         rc = decode_attention_bf16(qkv, nqkv, ckt + l * cache_stride, cv + l * cache_stride,
                                    slots, lens, m, hkv, hq / hkv, d, cap, window, scale, att);
         if (rc) break;
-        rc = decode_linear_bf16(att, hq * d, m, P(l, O_W), P(l, O_B), hid, hq * d, o);
+        rc = project(ptrs, l, O_W, att, m, hid, hq * d, o);
         if (rc) break;
         rms_norm_bf16(o, hid, x, P(l, POST_NORM), eps, m, hid, x, h); /* x += o; h = norm */
-        rc = decode_linear_bf16(h, hid, m, P(l, GU_W), P(l, GU_B), 2 * inter, hid, gu);
+        rc = project(ptrs, l, GU_W, h, m, 2 * inter, hid, gu);
         if (rc) break;
         silu_mul_bf16(gu, m, inter, act);
-        rc = decode_linear_bf16(act, inter, m, P(l, DOWN_W), P(l, DOWN_B), hid, inter, dn);
+        rc = project(ptrs, l, DOWN_W, act, m, hid, inter, dn);
         for (int64_t i = 0; i < m * hid; i++)
             x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(dn[i]));
     }

@@ -1,0 +1,107 @@
+"""Quality of each weight quantization, measured: perplexity on a fixed text and top-1 agreement
+with the unquantized bfloat16 model (issue 18, item 5).
+
+The text: GSM8K test solutions (question + worked answer, ``tests/data/prompts/gsm8k/test.jsonl``,
+MIT, see ``tests/data/MANIFEST.json``), in file order, concatenated until ``--tokens`` tokens,
+scored in windows of ``--window`` tokens (each window from an empty context, every position
+after the first scored), through the engine's own model (``load_model``, the same products a
+worker serves with; all positions of a window in one prompt step, i.e. the oneDNN/torch path of
+prompt steps, not the decode kernels, which tests/engine/test_quant_int8.py bounds separately).
+
+- perplexity: ``exp(mean NLL)`` over the scored positions;
+- agreement: the share of positions whose argmax equals the ``bfloat16 none`` run's (the
+  first configuration is the baseline: teacher-forced, so one early divergence does not
+  cascade as it would in free generation).
+
+Usage::
+
+    python bench/quality.py [--tokens 4096] [--window 512] [--configs bfloat16:none bfloat16:int8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from splitserve.config import EngineConfig
+from splitserve.default_model import ensure_default_model
+from splitserve.engine.forward_batch import build_forward_batch
+from splitserve.engine.kv_pool import KVPool, pages_for
+from splitserve.engine.model.loader import load_model
+
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "prompts" / "gsm8k" / "test.jsonl"
+PAGE_SIZE = 16
+
+
+def text_tokens(tokenizer, limit: int) -> list[int]:
+    ids: list[int] = []
+    with DATA.open() as f:
+        for line in f:
+            item = json.loads(line)
+            ids += tokenizer.encode(f"Question: {item['question']}\nAnswer: {item['answer']}\n\n")
+            if len(ids) >= limit:
+                break
+    return ids[:limit]
+
+
+def window_logits(model, cfg, ids: list[int], dtype: str) -> torch.Tensor:
+    """float32 logits ``[len(ids), vocab]`` of one window from an empty context."""
+    pool = KVPool(cfg.kv_layout(PAGE_SIZE, dtype), pages_for(len(ids), PAGE_SIZE) + 1)
+    pages = pool.allocator.alloc(pages_for(len(ids), PAGE_SIZE))
+    batch = build_forward_batch([ids], [0], [pages], PAGE_SIZE, [0])
+    batch.logit_indices = torch.arange(len(ids))
+    model.attn_backend.decode_cache = None
+    return model(batch, pool)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--configs", nargs="+", default=["bfloat16:none", "bfloat16:int8"],
+                    help="DTYPE:QUANTIZATION, the first is the agreement baseline")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    path = ensure_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = text_tokens(tokenizer, args.tokens)
+    windows = [ids[i : i + args.window] for i in range(0, len(ids), args.window)]
+    windows = [w for w in windows if len(w) > 1]
+    print(f"SmolLM2-135M-Instruct, {len(ids)} tokens of GSM8K test solutions in "
+          f"{len(windows)} windows of <= {args.window}; load {os.getloadavg()}")
+    base_argmax: list[torch.Tensor] | None = None
+    for spec in args.configs:
+        dtype, _, quant = spec.partition(":")
+        t0 = time.perf_counter()
+        model, cfg = load_model(path, getattr(torch, dtype),
+                                engine=EngineConfig(quantization=quant or "none"))
+        nll, count, argmaxes = 0.0, 0, []
+        with torch.inference_mode():
+            for w in windows:
+                logits = window_logits(model, cfg, w, dtype)[:-1]
+                target = torch.tensor(w[1:])
+                nll += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+                count += len(target)
+                argmaxes.append(logits.argmax(-1))
+        ppl = math.exp(nll / count)
+        if base_argmax is None:
+            base_argmax, agree, base_ppl = argmaxes, 1.0, ppl
+        else:
+            same = sum(int((a == b).sum()) for a, b in zip(argmaxes, base_argmax, strict=True))
+            agree = same / count
+        print(f"{spec:18s} perplexity {ppl:8.4f} ({(ppl / base_ppl - 1) * 100:+6.2f}% vs "
+              f"{args.configs[0]})  top-1 agreement {agree * 100:6.2f}%  "
+              f"({count} positions, {time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

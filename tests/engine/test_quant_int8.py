@@ -1,0 +1,139 @@
+"""``--quantization int8``: the quantizer, the AVX512-VNNI product against the de-quantized
+float32 reference within a stated bound, and a float32 int8 model equal to ``transformers``
+loaded with the same de-quantized weights (an exact reference: the float32 path computes
+``x @ W'.T`` with ``W' = s * Q`` materialized)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitserve.config import EngineConfig
+from splitserve.engine.kernels.cpu.build import load_cpu_kernels
+from splitserve.engine.model.quant import Int8Weight, dequantize_int8, quantize_int8
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+KERNELS = load_cpu_kernels()
+needs_w8 = pytest.mark.skipif(KERNELS is None or not KERNELS.has_w8,
+                              reason="no C compiler or no AVX512-VNNI")
+
+
+def test_quantize_int8_is_per_channel_absmax_round_to_nearest() -> None:
+    w = torch.randn(48, 70, generator=torch.Generator().manual_seed(0))
+    w[5] = 0.0  # an all-zero row: scale 1, codes 0
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (48,)
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127  # -128 never used (symmetric)
+    assert s[5] == 1.0 and not q[5].any()
+    nonzero = torch.arange(48) != 5
+    assert torch.equal(q[nonzero].abs().amax(1), torch.full((47,), 127, dtype=torch.int8))
+    # Round to nearest: each weight within half a step of its de-quantized value.
+    err = (w - dequantize_int8(q, s)).abs()
+    assert bool((err <= s[:, None] / 2 * (1 + 1e-6)).all())
+
+
+def w8_error_bound(x: torch.Tensor, w_deq: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """What ``gemm_w8.c`` may differ from ``x @ W'.T`` in float32, per output: x is rounded
+    per row to int16 steps of ``max|x_r| / 32767`` (half a step each, times ``sum_k |W'[n, k]|``),
+    the output to bfloat16 (2^-9 relative, taken as 2^-8), plus float32 sums (1e-5 relative)."""
+    half_step = x.float().abs().amax(1, keepdim=True) / 32767 / 2
+    return half_step * w_deq.abs().sum(1)[None, :] + ref.abs() * (2**-8 + 1e-5) + 1e-6
+
+
+@needs_w8
+@pytest.mark.parametrize(("m", "n", "k", "bias"), [
+    (1, 960, 576, False),   # SmolLM2 qkv at batch 1
+    (2, 48, 577, True),     # odd K (a zero pad column), N not a multiple of 64 (3-vector tail)
+    (11, 16, 1, True),      # one K, one 16-column block, a 6-row tile plus a 5-row tail
+    (13, 576, 1536, False),  # K over 512: int32 sums flushed to float32 three times
+    (32, 3072, 576, True),  # SmolLM2 gate_up at batch 32
+])
+def test_w8_product_within_bound_of_dequantized_reference(m, n, k, bias) -> None:
+    gen = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
+    b = (torch.randn(n, generator=gen)).bfloat16() if bias else None
+    q, s = quantize_int8(w)
+    w_deq = dequantize_int8(q, s)
+    packed = Int8Weight(q, s)
+    got = KERNELS.linear_w8(x, packed.packed, packed.scales, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    ref = F.linear(x.float(), w_deq, None if b is None else b.float())
+    err = (got.float() - ref).abs()
+    assert bool((err <= w8_error_bound(x, w_deq, ref)).all()), float(err.max())
+
+
+@needs_w8
+def test_w8_sums_do_not_overflow_int32_at_the_largest_codes() -> None:
+    """Every x code 32767 and every weight code 127 over K = 1536: 6.4e9 in one int32 would
+    wrap; the kernel flushes to float32 every 256 pairs, so the sum is exact."""
+    k = 1536
+    w = torch.ones(16, k)
+    x = torch.ones(1, k, dtype=torch.bfloat16)
+    q, s = quantize_int8(w)
+    packed = Int8Weight(q, s)
+    got = KERNELS.linear_w8(x, packed.packed, packed.scales, None)
+    assert torch.equal(got, torch.full((1, 16), float(k), dtype=torch.bfloat16))
+
+
+@needs_w8
+def test_w8_rows_are_independent_of_the_batch() -> None:
+    """Each row's result is the same alone or in a batch (x is quantized per row)."""
+    gen = torch.Generator().manual_seed(3)
+    q, s = quantize_int8(torch.randn(64, 96, generator=gen))
+    packed = Int8Weight(q, s)
+    x = torch.randn(9, 96, generator=gen).bfloat16()
+    x[4] *= 100  # a row with a large scale must not change the others
+    batch = KERNELS.linear_w8(x, packed.packed, packed.scales, None)
+    for r in range(9):
+        alone = KERNELS.linear_w8(x[r : r + 1], packed.packed, packed.scales, None)
+        assert torch.equal(batch[r : r + 1], alone)
+
+
+# --- the model: float32 int8 equals transformers with the de-quantized weights --------------
+
+
+def _dequantized_hf(hf):
+    """``hf`` with every projection and the LM head replaced by their int8 de-quantized
+    weights (per output channel of each HF tensor: the same rows as our fused ones); the
+    embedding table stays (a tied head is untied)."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if name.rsplit(".", 1)[-1] in names:
+                module.weight.copy_(dequantize_int8(*quantize_int8(module.weight)))
+        head = dequantize_int8(*quantize_int8(hf.lm_head.weight))
+        hf.lm_head.weight = torch.nn.Parameter(head)  # its own tensor: unties the embedding
+    return hf
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_float32_int8_model_equals_transformers_on_dequantized_weights(tmp_path, tie) -> None:
+    import transformers
+
+    from splitserve.engine.model.loader import load_model
+    from tests.engine.test_model_vs_hf import COMMON, Runner, hf_logits, tokens
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**COMMON, "tie_word_embeddings": tie,
+                                      "attention_bias": True})
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    hf.save_pretrained(tmp_path)
+    model, our_cfg = load_model(tmp_path, torch.float32,
+                                engine=EngineConfig(quantization="int8"))
+    ref_hf = _dequantized_hf(hf)
+    ids = tokens(14, 5)
+    ref = hf_logits(ref_hf, ids)
+    run = Runner(model, our_cfg)
+    pages = run.pages(14)
+    first = run.step([ids[:9]], [0], [pages], all_logits=True)
+    torch.testing.assert_close(first, ref[:9], atol=1e-4, rtol=0)
+    for pos in range(9, 14):  # decode steps
+        torch.testing.assert_close(run.step([[ids[pos]]], [pos], [pages])[0], ref[pos],
+                                   atol=1e-4, rtol=0)
+    # Quantization changed the model (so the check above is not bf16-vs-itself): the
+    # unquantized reference differs by far more than the tolerance.
+    assert float((hf_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path), ids)
+                  - ref).abs().max()) > 1e-3
