@@ -225,40 +225,6 @@ class ModelRunner:
         if any(top_ids):
             out.top_ids, out.top_logprobs = top_ids, top_lps
 
-    def _verify(
-        self,
-        step: ScheduledBatch,
-        picked: list[Req],
-        picked_drafts: list[list[int]],
-        firsts: list[int],
-        logits: torch.Tensor,
-        prompt_logprobs: list[list[float]],
-    ) -> ModelOutput:
-        """A step with speculative rows (``logits`` already masked): rows without a draft
-        sample as usual, rows with one are verified (``runner.verify``)."""
-        ids = [0] * len(picked)
-        lps = [0.0] * len(picked)
-        plain = [j for j, d in enumerate(picked_drafts) if not d]
-        if plain:
-            sub = [picked[j] for j in plain]
-            got, got_lp = self.sampler.sample(
-                logits[[firsts[j] for j in plain]], [r.sampling for r in sub],
-                [_step_generator(r) for r in sub],
-            )
-            for j, t, lp in zip(plain, got.tolist(), got_lp.tolist()):
-                ids[j], lps[j] = t, lp
-        spec = [j for j, d in enumerate(picked_drafts) if d]
-        rows = torch.cat([logits[firsts[j] : firsts[j] + len(picked_drafts[j]) + 1] for j in spec])
-        results = verify_drafts(
-            rows, [picked_drafts[j] for j in spec], [picked[j].sampling for j in spec],
-            [len(picked[j].output_ids) for j in spec],
-        )
-        verified = {}
-        for j, res in zip(spec, results):
-            ids[j], lps[j] = res.tokens[-1], res.logprobs[-1]
-            verified[step.sample_rows[j]] = res
-        return ModelOutput(ids, lps, prompt_logprobs, verified)
-
     def _start_grammar_mask(
         self, reqs: list[Req], firsts: list[int], drafts: list[list[int]]
     ) -> BatchMask:
