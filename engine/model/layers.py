@@ -115,7 +115,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, in]`` -> ``[T, out]``."""
-        if self.kernels is not None and x.dim() == 2 and x.shape[0] <= self.c_max_rows:
+        has_c_weight = self.int8 is not None or self.decode_packed is not None
+        if (self.kernels is not None and has_c_weight and x.dim() == 2
+                and x.shape[0] <= self.c_max_rows):
             return self.c_product(x.contiguous())
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
