@@ -101,10 +101,10 @@ def test_overlap_waits_for_a_slow_fill(model, tokenizer, backends, serial, monke
                 count["forwards"] += 1
                 done.notify_all()
 
-    def noted_start_mask(self, picked, rows):
+    def noted_start_mask(self, reqs, firsts, drafts):
         with done:  # on the runner's thread, before this step's forward pass
             step_forward["target"] = count["forwards"] + 1
-        return start_mask(self, picked, rows)
+        return start_mask(self, reqs, firsts, drafts)
 
     def late_fill(self, grammars, rows) -> None:
         with done:
