@@ -39,11 +39,16 @@ class _Attempt:
     """One request's walk down the backend chain; collects each backend's failure reason."""
 
     def __init__(
-        self, key: CacheKey, result: Future[CompiledGrammar], steps: Sequence[ChainStep]
+        self,
+        key: CacheKey,
+        result: Future[CompiledGrammar],
+        steps: Sequence[ChainStep],
+        source: str,
     ) -> None:
         self.key = key
         self.result = result
         self.steps = list(steps)
+        self.source = source  # what the backends compile (``ChainPlan.source``)
         self.errors: list[str] = []
         self.lock = threading.Lock()
         self.backend_index = 0
@@ -117,7 +122,7 @@ class GrammarService:
         if not plan.steps:
             result.set_exception(GrammarError(_unenforceable_message(plan.ignored_by_all)))
             return result
-        self._try_next_backend(_Attempt(key, result, plan.steps))
+        self._try_next_backend(_Attempt(key, result, plan.steps, plan.source))
         return result
 
     def compile(
@@ -150,8 +155,10 @@ class GrammarService:
         step = attempt.steps[attempt.backend_index]
         backend = self._by_name[step.backend]
         index = attempt.backend_index
-        kind, text, options = attempt.key
-        job = self._pool.submit(backend.compile, kind, text, options)  # type: ignore[arg-type]
+        kind, _, options = attempt.key
+        job = self._pool.submit(
+            backend.compile, kind, step.source or attempt.source, options  # type: ignore[arg-type]
+        )
         timer = threading.Timer(self.timeout_s, self._on_timeout, args=(attempt, index, backend))
         timer.daemon = True
         timer.start()
