@@ -12,7 +12,11 @@ kernels are used wherever they apply either way: they beat torch on every CPU me
 
 The choice is cached per CPU model, CPU flags, torch version, thread count, C library build and
 product shapes under ``$SPLITSERVE_CACHE/kernel_plans/``, so the timing (about a second for the
-default model) runs once per machine. ``EngineConfig.kernels`` (``--kernels``) forces it:
+default model) runs once per machine. A plan is stored with the machine's load average when it
+was timed: one timed on an oversubscribed machine (load above :data:`DISTURBED` per core) is
+used for that run but timed again at the next start, and the less disturbed of the two is kept
+(a C product whose threads were descheduled reads 100x slower, and such a plan once sent every
+batch-1 step to oneDNN at 1.75x the cost, for good). ``EngineConfig.kernels`` (``--kernels``) forces it:
 ``auto`` (measure), ``c`` (C products up to the tiles' limit, 128 rows), ``torch`` (oneDNN for
 every product), or the path of a plan file written by an earlier run.
 
@@ -57,6 +61,12 @@ class ProductPlan:
     head_rows: int
     source: str
     table: tuple[tuple[int, float, float, float, float], ...] = ()
+    load: float = 0.0  # 1-minute load average per usable core when timed (0: not timed)
+
+    @property
+    def disturbed(self) -> bool:
+        """True when timed on an oversubscribed machine: not to be trusted from the cache."""
+        return self.load > DISTURBED
 
     def summary(self) -> str:
         return (f"C products for decode steps of <= {self.layer_rows} rows (LM head <= "
@@ -79,12 +89,26 @@ class ProductPlan:
         try:
             d = json.loads(text)
             table = tuple(tuple(row) for row in d.get("table", ()))
-            return cls(int(d["layer_rows"]), int(d["head_rows"]), source, table)  # type: ignore[arg-type]
+            return cls(int(d["layer_rows"]), int(d["head_rows"]), source, table,  # type: ignore[arg-type]
+                       float(d.get("load", 0.0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a kernel plan: {exc}") from exc
 
 
 TIE = 1.05  # C within 5% of oneDNN counts as a win: the fused one-call path needs C products
+# Load average per core above which a timing is not trusted from the cache. Plans timed at 5-14
+# per core (eight jobs on two cores) were off by 100x; the load a launch itself makes (its other
+# workers starting) stays near 1 per core.
+DISTURBED = 1.5
+
+
+def load_per_core() -> float:
+    """Returns: the 1-minute load average divided by the cores this process may use."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+        return os.getloadavg()[0] / max(1, cores)
+    except (AttributeError, OSError):
+        return 0.0
 
 
 def crossover(c_us: list[float], onednn_us: list[float], buckets: tuple[int, ...]) -> int:
@@ -186,20 +210,31 @@ def choose_product_plan(model: torch.nn.Module, choice: str, max_rows: int) -> P
             raise ValueError(f"--kernels {choice}: not auto|c|torch and not a readable plan "
                              f"file ({exc})") from exc
     cached = env.cache_dir() / "kernel_plans" / f"{_cache_key(model, max_rows)}.json"
+    earlier = None
     if cached.exists():
         try:
-            return ProductPlan.from_json(cached.read_text(), f"measured earlier, {cached}")
+            earlier = ProductPlan.from_json(cached.read_text(), f"measured earlier, {cached}")
         except ValueError:
             pass  # a torn or foreign file: measure again
+    if earlier is not None and not earlier.disturbed:
+        return earlier
+    load = load_per_core()
     t0 = time.perf_counter()
     plan = measure(model, max_rows)
     took = time.perf_counter() - t0
-    plan = ProductPlan(plan.layer_rows, plan.head_rows, f"measured in {took:.1f} s", plan.table)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".json", dir=cached.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(plan.to_json())
-    os.replace(tmp, cached)  # atomic: workers starting together may race
+    plan = ProductPlan(plan.layer_rows, plan.head_rows,
+                       f"measured in {took:.1f} s at load {load:.1f} per core", plan.table, load)
+    if earlier is not None and earlier.load <= load:
+        plan = earlier  # the cached timing was the less disturbed one
+    else:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=cached.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(plan.to_json())
+        os.replace(tmp, cached)  # atomic: workers starting together may race
+    if plan.disturbed:
+        logger.warning("kernel choice timed at load %.1f per core (> %.1f): it will be timed "
+                       "again at the next start", plan.load, DISTURBED)
     for line in plan.lines():
         logger.warning("kernel choice: %s", line)
     return plan

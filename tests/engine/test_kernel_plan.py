@@ -75,6 +75,7 @@ def test_auto_measures_once_per_machine_and_caches(bf16_model, tmp_path, monkeyp
     calls = []
     real = kernel_plan.measure
     monkeypatch.setattr(kernel_plan, "measure", lambda m, r: calls.append(r) or real(m, r))
+    monkeypatch.setattr(kernel_plan, "load_per_core", lambda: 0.2)  # a quiet machine
     first = choose_product_plan(model, "auto", 8)
     again = choose_product_plan(model, "auto", 8)
     assert calls == [8]  # the second start reads the cached choice
@@ -84,6 +85,26 @@ def test_auto_measures_once_per_machine_and_caches(bf16_model, tmp_path, monkeyp
     assert all(t > 0 for row in first.table for t in row[1:])
     assert "cached" in again.source or "earlier" in again.source
     assert len(list((tmp_path / "kernel_plans").glob("*.json"))) == 1
+
+
+@needs_both
+def test_a_plan_timed_under_load_is_timed_again(bf16_model, tmp_path, monkeypatch) -> None:
+    # Plans timed at load 5-14 per core once sent batch-1 steps to oneDNN for good.
+    model, _ = bf16_model
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path))
+    calls: list[int] = []
+    real = kernel_plan.measure
+    monkeypatch.setattr(kernel_plan, "measure", lambda m, r: calls.append(r) or real(m, r))
+    loads = iter([6.0, 9.0, 0.3, 0.1])
+    monkeypatch.setattr(kernel_plan, "load_per_core", lambda: next(loads))
+    first = choose_product_plan(model, "auto", 4)
+    assert first.disturbed and first.load == 6.0
+    second = choose_product_plan(model, "auto", 4)  # timed at 9.0: the cached 6.0 one is kept
+    assert calls == [4, 4] and second.load == 6.0
+    third = choose_product_plan(model, "auto", 4)  # timed at 0.3: replaces it
+    assert calls == [4, 4, 4] and third.load == 0.3 and not third.disturbed
+    fourth = choose_product_plan(model, "auto", 4)  # trusted from the cache now
+    assert calls == [4, 4, 4] and fourth.load == 0.3 and "earlier" in fourth.source
 
 
 def _generate(model, cfg, plan: ProductPlan) -> list[tuple[list[int], list[float]]]:
