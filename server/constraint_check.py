@@ -107,8 +107,14 @@ def _check(job: Job, constraint: Any, output: str, violations: Any | None) -> No
     problem = violation(constraint.text, output)
     if problem is None:
         return
-    steps = constraint_plan(constraint).steps
-    backend = steps[0].backend if steps else "none"
+    plan = constraint_plan(constraint)
+    # The backend the plan expects to compile it: the first sound step, or, for a partial plan,
+    # the step whose ignored keywords the response header named (the worker does not report
+    # which backend compiled, so a sound step that failed to compile is not told apart).
+    partial = next((step for step in plan.steps if step.ignored), None)
+    chosen = partial if not plan.sound and partial is not None else (
+        plan.steps[0] if plan.steps else None)
+    backend = chosen.backend if chosen is not None else "none"
     logger.error("constraint violation: request %s, schema %s, backend %s: %s",
                  job.rid, schema_hash(constraint.text), backend, problem)
     if violations is not None:

@@ -63,8 +63,10 @@ def complete_ids(cluster: Cluster, prompt_ids: list[int], max_tokens: int, **kw)
 
 @pytest.fixture(scope="session")
 def grammar_cluster(model_path: Path) -> Iterator[Cluster]:
-    """1 prefill + 1 decode with KV room for ~32 concurrent schema-carrying prompts."""
-    # The decode side's transfer deadline also covers queueing for prefill, which 32 schema
+    """1 prefill + 1 decode with KV room for the 70 schema-carrying prompts of
+    ``test_every_finished_output_of_70_real_schemas_validates`` at once (~650 tokens each: at
+    640 MB they ran in three waves, minutes longer on two cores)."""
+    # The decode side's transfer deadline also covers queueing for prefill, which 70 schema
     # prompts on one CPU thread can exceed at the default 30 s.
-    yield from _launch(model_path, num_prefill=1, num_decode=1, kv_cache_mb=640,
-                       transfer_timeout_s=180.0)
+    yield from _launch(model_path, num_prefill=1, num_decode=1, kv_cache_mb=2048,
+                       transfer_timeout_s=300.0)
