@@ -296,3 +296,12 @@ def test_openai_client_n(live_server, fake) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         api.chat.completions.create(model=MODEL, messages=USER, n=17)
     assert info.value.body["param"] == "n"
+
+
+def test_only_the_lead_scores_an_echoed_prompt(client, fake) -> None:
+    fake.requests.clear()
+    body = _post(client, C, prompt="Once upon a time", echo=True, logprobs=1, n=3, max_tokens=3)
+    assert [s.logprob_start_len for _, _, s in fake.requests] == [0, -1, -1]
+    lps = [c["logprobs"] for c in body["choices"]]
+    n_prompt = len(lps[0]["tokens"]) - 3
+    assert all(lp["tokens"][:n_prompt] == lps[0]["tokens"][:n_prompt] for lp in lps)
