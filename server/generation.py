@@ -44,7 +44,7 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
         APIError: the worker failed the request (status from ``TokenEvent.error_code``), or the
             engine ended it without a finish reason (500).
     """
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(tokenizer, keep_tokens=job.keep_tokens)
     stops = StopStringMatcher(job.stop)
     share = job.share
     extra = {}

@@ -44,6 +44,9 @@ class Job:
     logprobs: str | None = None
     discard_output: bool = False
     tool_format: ToolCallFormat | None = None  # parse tool calls out of the answer (chat)
+    # Special token ids the answer's text keeps as this text (the tool-call marker where it is
+    # a special token, e.g. Mistral's ``[TOOL_CALLS]``: the parser must see it).
+    keep_tokens: dict[int, str] = field(default_factory=dict)
     # What came back (filled by ``server.generation.stream_text``). ``*_top_*``: per token its
     # most likely alternatives (when ``sampling.top_logprobs > 0``), most likely first.
     output_ids: list[int] = field(default_factory=list)

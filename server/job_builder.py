@@ -95,6 +95,8 @@ class JobBuilder:
         job = self._make_job(req, self._chat_ids(req, tools.tools), is_chat=True, rid=rid,
                              response_id=rid, constraint=tools.constraint)
         job.tool_format = tools.format
+        if tools.format is not None and self.chat.begin_token is not None:
+            job.keep_tokens = {self.chat.begin_token: tools.format.begin}
         job.logprobs = "chat" if req.logprobs else None
         return job
 
