@@ -34,11 +34,11 @@ class IncrementalDetokenizer:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         raw: Callable[[Sequence[int]], str]
         if backend is not None:
-            raw = lambda ids: backend.decode(  # noqa: E731
+            raw = lambda ids: backend.decode(
                 list(ids), skip_special_tokens=skip_special_tokens
             )
         else:
-            raw = lambda ids: tokenizer.decode(  # noqa: E731
+            raw = lambda ids: tokenizer.decode(
                 ids, skip_special_tokens=skip_special_tokens
             )
         self._decode: Callable[[Sequence[int]], str] = raw
