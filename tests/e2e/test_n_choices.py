@@ -67,9 +67,20 @@ def _prompt_worker(rows: list[dict]) -> dict:
 
 def test_prompt_computed_once(cluster) -> None:
     page_size = cluster.config.engine.page_size
-    before = _prompt_worker(flush_cache(cluster))
-    body = _chat(cluster, messages=LONG_ASK, n=4, **SEEDED)
-    rows = httpx.get(cluster.config.url + "/workers", timeout=10).json()
+    # A request decoding meanwhile keeps the worker stepping (colocated), so the n tasks all
+    # arrive during one step and would all be admitted, uncached, in the next, were the
+    # siblings not held back until the lead's prompt is in the cache (server.choices).
+    background = {"model": "default", "prompt": "Count from one to a thousand:", "stream": True,
+                  "max_tokens": 400, "ignore_eos": True}
+    with httpx.stream("POST", cluster.config.url + "/v1/completions", json=background,
+                      timeout=300) as bg:
+        lines = bg.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        before = _prompt_worker(flush_cache(cluster))
+        body = _chat(cluster, messages=LONG_ASK, n=4, **SEEDED)
+        rows = httpx.get(cluster.config.url + "/workers", timeout=10).json()
+        # Still decoding: the n tasks met a busy worker.
+        assert next(line for line in lines if line.startswith("data: {"))
     after = _prompt_worker(rows)
     prompt_len = body["usage"]["prompt_tokens"]
     assert prompt_len > 4 * page_size
