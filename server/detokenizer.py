@@ -9,7 +9,7 @@ O(output), and the pieces concatenate to ``tokenizer.decode(all_ids, skip_specia
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 _REPLACEMENT = "\ufffd"
@@ -22,20 +22,28 @@ class IncrementalDetokenizer:
     emitted ends (in tokens). Decoding the window twice (``[prefix, read)`` and ``[prefix, end)``)
     rather than the new ids alone keeps decoders that depend on context (SentencePiece's leading
     space, byte-level merges across token borders) correct.
+
+    ``keep_tokens``: special token ids to write as the given text although special tokens are
+    skipped (a tool-call marker such as Mistral's ``[TOOL_CALLS]``, which the tool parser must
+    see); the text on either side of one is decoded apart.
     """
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
+                 keep_tokens: Mapping[int, str] | None = None) -> None:
         # The Rust backend's decode skips the Python wrapper's overhead (about 3x faster).
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._decode: Callable[[Sequence[int]], str]
+        raw: Callable[[Sequence[int]], str]
         if backend is not None:
-            self._decode = lambda ids: backend.decode(
+            raw = lambda ids: backend.decode(
                 list(ids), skip_special_tokens=skip_special_tokens
             )
         else:
-            self._decode = lambda ids: tokenizer.decode(
+            raw = lambda ids: tokenizer.decode(
                 ids, skip_special_tokens=skip_special_tokens
             )
+        self._decode: Callable[[Sequence[int]], str] = raw
+        if keep_tokens:
+            self._decode = lambda ids: _decode_keeping(raw, ids, keep_tokens)
         self.token_ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -68,3 +76,18 @@ class IncrementalDetokenizer:
         if cut:
             new_text = new_text.rstrip(_REPLACEMENT)
         return new_text[len(prefix_text) :]
+
+
+def _decode_keeping(raw: Callable[[Sequence[int]], str], ids: Sequence[int],
+                    keep: Mapping[int, str]) -> str:
+    """``raw(ids)``, but each id of ``keep`` written as its text (the runs between decoded
+    apart)."""
+    parts, start = [], 0
+    for i, tok in enumerate(ids):
+        if tok in keep:
+            parts += [raw(ids[start:i]), keep[tok]]
+            start = i + 1
+    if start == 0:
+        return raw(ids)
+    parts.append(raw(ids[start:]))
+    return "".join(parts)

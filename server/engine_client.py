@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from splitserve.ipc.messages import SamplingParams
 
@@ -38,17 +39,32 @@ class TokenEvent:
     prompt_top_logprobs: list[list[float]] | None = None
 
 
+@dataclass(slots=True)
+class PromptAffinity:
+    """Requests that share one prompt (the ``n`` choices of a request, ``server.choices``).
+
+    The first of them to be routed records the worker that computes its prompt (the prefill or
+    colocated worker) in ``worker``; the others are sent to that worker while it is live, so
+    its prefix cache serves them the prompt the first one computed. Clients without routing
+    ignore it. ``worker`` is the client's own handle, opaque to the caller.
+    """
+
+    worker: Any = None
+
+
 class BaseEngineClient(abc.ABC):
     """Sends requests to workers and streams their tokens back."""
 
     @abc.abstractmethod
     def generate(
         self, rid: str, input_ids: list[int], sampling: SamplingParams,
-        cache_namespace: str | None = None,
+        cache_namespace: str | None = None, affinity: PromptAffinity | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Start ``rid`` and yield its :class:`TokenEvent` s until one has ``finish_reason`` or
         ``error``. Closing the iterator early (``aclose``) aborts the request on the workers.
-        ``cache_namespace``: the prefix-cache namespace it may reuse and fill (None: shared)."""
+        ``cache_namespace``: the prefix-cache namespace it may reuse and fill (None: shared).
+        ``affinity``: shared by requests with the same prompt, which then go to the worker that
+        computed it (:class:`PromptAffinity`); the caller passes it only for ``n`` > 1."""
 
     @abc.abstractmethod
     async def abort(self, rid: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from splitserve.ipc.messages import SamplingParams
 from splitserve.radix_cache.token_prefix import common_prefix_len
-from splitserve.server.engine_client import BaseEngineClient, TokenEvent
+from splitserve.server.engine_client import BaseEngineClient, PromptAffinity, TokenEvent
 
 DEFAULT_REPLY = "Hello from the fake engine! héllo 世界 🚀 The end."
 
@@ -31,6 +31,8 @@ class FakeEngineClient(BaseEngineClient):
     after ``error_after_events`` events; and stall them: after ``stall_after_events`` events (0:
     before the first) it sends nothing more until the request is aborted, like a worker between
     two tokens of a long step, so only a disconnect the server notices can end the request.
+    ``reply_for``: when set, each request's reply text is ``reply_for(sampling)`` (e.g. one per
+    seed, to tell choices apart). The ``affinity`` of each request is recorded (``affinities``).
     """
 
     def __init__(
@@ -40,7 +42,11 @@ class FakeEngineClient(BaseEngineClient):
         reply: str = DEFAULT_REPLY,
         tokens_per_event: int = 2,
         delay_s: float = 0.0,
+        reply_for: Callable[[SamplingParams], str] | None = None,
     ) -> None:
+        self.tokenizer = tokenizer
+        self.reply_for = reply_for
+        self.affinities: list[PromptAffinity | None] = []
         self.reply_ids: list[int] = tokenizer.encode(reply, add_special_tokens=False)
         self.eos_token_id = eos_token_id
         self.tokens_per_event = tokens_per_event
@@ -72,11 +78,14 @@ class FakeEngineClient(BaseEngineClient):
     def output_ids(self, sampling: SamplingParams) -> list[int]:
         """The tokens a request with ``sampling`` gets, in order."""
         stops = self._stop_ids(sampling)
+        reply_ids = self.reply_ids
+        if self.reply_for is not None:
+            reply_ids = self.tokenizer.encode(self.reply_for(sampling), add_special_tokens=False)
         if sampling.ignore_eos:
-            stream = itertools.cycle(self.reply_ids)
+            stream = itertools.cycle(reply_ids)
             return list(itertools.islice(stream, sampling.max_new_tokens))
         out: list[int] = []
-        for tok in [*self.reply_ids, self.eos_token_id]:
+        for tok in [*reply_ids, self.eos_token_id]:
             out.append(tok)
             if tok in stops or len(out) == sampling.max_new_tokens:
                 break
@@ -87,10 +96,11 @@ class FakeEngineClient(BaseEngineClient):
 
     async def generate(
         self, rid: str, input_ids: list[int], sampling: SamplingParams,
-        cache_namespace: str | None = None,
+        cache_namespace: str | None = None, affinity: PromptAffinity | None = None,
     ) -> AsyncIterator[TokenEvent]:
         with self._recording():
             self.requests.append((rid, list(input_ids), sampling))
+            self.affinities.append(affinity)
         # A cache that, like the workers' radix cache, shares only within one namespace.
         cached_len = max((common_prefix_len(p, input_ids) for ns, p in self._prompts
                           if ns == cache_namespace), default=0)

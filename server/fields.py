@@ -32,6 +32,7 @@ Endpoint = Literal["chat", "completions"]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
+MAX_N = 16  # choices per prompt (``server.choices``); OpenAI documents up to 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +82,8 @@ _SHARED: dict[str, FieldRule] = {
     "max_tokens": implemented("new tokens at most; 0 with `echo` scores the prompt", minimum=0),
     "temperature": implemented("0 is greedy", minimum=0, maximum=2),
     "top_p": implemented("nucleus sampling; must be above 0", minimum=0, maximum=1),
-    "n": refused("one choice per request (n > 1 is not built yet)", noop=(1,)),
+    "n": implemented("choices per prompt, each with its own seed stream; the prompt is "
+                     f"computed once (ours: at most {MAX_N})", minimum=1, maximum=MAX_N),
     "seed": implemented("per-request random stream; a signed 64-bit integer", **_SEED),
     "stop": implemented("up to 4 stop strings"),
     "stream": implemented("server-sent events"),

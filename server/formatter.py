@@ -86,12 +86,14 @@ class ResponseFormatter:
         role: bool = False,
         logprobs: dict[str, Any] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
-        """One streamed chunk. Chat chunks carry a ``delta``; the first one names the role.
-        ``logprobs``: the object of this chunk's tokens (``server.logprobs``), when asked for;
-        ``tool_calls``: OpenAI's call deltas (``server.tools.stream``)."""
+        """One streamed chunk of choice ``index``. Chat chunks carry a ``delta``; the first one
+        of each choice names the role. ``logprobs``: the object of this chunk's tokens
+        (``server.logprobs``), when asked for; ``tool_calls``: OpenAI's call deltas
+        (``server.tools.stream``)."""
         choice: dict[str, Any] = {
-            "index": 0, "logprobs": logprobs, "finish_reason": finish_reason
+            "index": index, "logprobs": logprobs, "finish_reason": finish_reason
         }
         if self.is_chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}

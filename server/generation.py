@@ -37,19 +37,28 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
     """One piece per engine event (text may be empty); the last has ``finish_reason``.
 
     Closing the iterator early (``aclose``, or cancelling the task that iterates it) aborts the
-    request on the workers, freeing its KV pages.
+    request on the workers, freeing its KV pages. A sibling choice of ``n`` > 1 waits until
+    its lead's first event before it starts (``server.choices``).
 
     Raises:
         APIError: the worker failed the request (status from ``TokenEvent.error_code``), or the
             engine ended it without a finish reason (500).
     """
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(tokenizer, keep_tokens=job.keep_tokens)
     stops = StopStringMatcher(job.stop)
+    share = job.share
+    extra = {}
+    if share is not None:  # one of n choices (server.choices): the prompt is computed once
+        if not job.leads_prompt:
+            await share.ready.wait()
+        extra["affinity"] = share.affinity
     events = client.generate(job.rid, job.input_ids, job.sampling,
-                             cache_namespace=job.cache_namespace)
+                             cache_namespace=job.cache_namespace, **extra)
     engine_done = False
     try:
         async for ev in events:
+            if share is not None and job.leads_prompt:
+                share.ready.set()  # the prompt is in the worker's cache: the siblings go
             if ev.error is not None:
                 engine_done = True
                 raise APIError(ev.error, status_code=ev.error_code)
@@ -72,6 +81,8 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
         engine_done = True
         raise APIError("the engine ended the request without a finish reason", status_code=500)
     finally:
+        if share is not None and job.leads_prompt:
+            share.ready.set()  # ended without a token: the siblings compute the prompt
         if not engine_done:
             # Shielded: on client disconnect this runs inside a cancelled scope.
             with anyio.CancelScope(shield=True):

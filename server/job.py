@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from splitserve.ipc.messages import SamplingParams
 from splitserve.server.formatter import ResponseFormatter, Usage
 from splitserve.server.tools.formats import ToolCallFormat
+
+if TYPE_CHECKING:
+    from splitserve.server.choices import PromptShare
 
 
 @dataclass(slots=True)
@@ -40,6 +44,9 @@ class Job:
     logprobs: str | None = None
     discard_output: bool = False
     tool_format: ToolCallFormat | None = None  # parse tool calls out of the answer (chat)
+    # Special token ids the answer's text keeps as this text (the tool-call marker where it is
+    # a special token, e.g. Mistral's ``[TOOL_CALLS]``: the parser must see it).
+    keep_tokens: dict[int, str] = field(default_factory=dict)
     # What came back (filled by ``server.generation.stream_text``). ``*_top_*``: per token its
     # most likely alternatives (when ``sampling.top_logprobs > 0``), most likely first.
     output_ids: list[int] = field(default_factory=list)
@@ -54,3 +61,12 @@ class Job:
     # the job, however it ended (the rate limiter charges the generated tokens there).
     cache_namespace: str | None = None
     on_done: Callable[[Job], None] | None = None
+    # The answer's choices (``server.choices``): this job's ``choices[].index``, and, for ``n``
+    # > 1, the prompt it shares with its siblings (None: it is its prompt's only choice).
+    index: int = 0
+    share: PromptShare | None = None
+
+    @property
+    def leads_prompt(self) -> bool:
+        """Whether this job is the one that computes its prompt and counts it in ``usage``."""
+        return self.share is None or self.share.lead is self

@@ -49,12 +49,12 @@ class JobBuilder:
         return model in (self.model_name, MODEL_ALIAS)
 
     def completion_jobs(self, req: CompletionRequest, request_id: str | None = None) -> list[Job]:
-        """The jobs of a ``/v1/completions`` request: one per prompt (choice ``i`` answers
-        prompt ``i``), all under one response id (``request_id``: the client's
+        """The jobs of a ``/v1/completions`` request: one per prompt (``server.choices`` forks
+        each into its ``n`` choices), all under one response id (``request_id``: the client's
         ``X-Request-Id``, which the rid carries: :func:`new_rid`).
 
         Raises:
-            APIError: another model, ``n`` > 1, an echo/logprobs combination not served
+            APIError: another model, ``best_of`` > 1, an echo/logprobs combination not served
                 (:func:`check_echo`), several prompts with ``stream``, a sampling field out of
                 range (:meth:`_check_sampling`), a token id outside the vocabulary, or no room
                 in the context.
@@ -82,7 +82,7 @@ class JobBuilder:
         :meth:`completion_jobs`).
 
         Raises:
-            APIError: another model, ``n`` > 1, ``top_logprobs`` without ``logprobs``, a
+            APIError: another model, ``best_of`` > 1, ``top_logprobs`` without ``logprobs``, a
                 sampling field out of range, a conversation the chat template refuses, tool
                 fields that do not fit together (``server.tools.request``), or no room in the
                 context.
@@ -95,6 +95,8 @@ class JobBuilder:
         job = self._make_job(req, self._chat_ids(req, tools.tools), is_chat=True, rid=rid,
                              response_id=rid, constraint=tools.constraint)
         job.tool_format = tools.format
+        if tools.format is not None and self.chat.begin_token is not None:
+            job.keep_tokens = {self.chat.begin_token: tools.format.begin}
         job.logprobs = "chat" if req.logprobs else None
         return job
 
@@ -117,8 +119,8 @@ class JobBuilder:
             raise APIError(
                 f"model: '{req.model}' is not served here; use '{self.model_name}'", param="model"
             )
-        if req.n not in (None, 1):
-            raise APIError("n: only n=1 is supported", param="n")
+        # ``n`` (1..server.fields.MAX_N, the field table's range) forks each prompt's job in
+        # server.choices; best_of is refused there too (vLLM removed it).
         if req.best_of not in (None, 1):
             raise APIError("best_of: only best_of=1 is supported", param="best_of")
 

@@ -3,18 +3,22 @@
 Both read the :class:`Piece` s of ``server.generation.stream_text`` and shape them with the job's
 ``ResponseFormatter``. A streamed answer waits for its first piece before it sends headers, so an
 error that comes first is still a plain JSON error with its status; an error after that is an
-error event, then ``[DONE]``. A completions request with several prompts is several jobs, whose
-bodies :func:`merge_choices` joins into one answer.
+error event, then ``[DONE]``. A request with several choices (several prompts, ``n`` > 1:
+``server.choices``) is several jobs: their bodies :func:`merge_choices` joins into one answer,
+and their streams :func:`streaming_response` interleaves into one, each chunk naming its
+choice's ``index``, with one usage chunk for them all.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import Response
 
+from splitserve.server.choices import prompt_source, summed_usage
 from splitserve.server.disconnect import SSEResponse
 from splitserve.server.errors import APIError
 from splitserve.server.generation import Piece
@@ -56,7 +60,9 @@ async def full_response(
         text, calls = parse_tool_calls(text, job.tool_format)
         finish = finish_reason(finish, bool(calls))
         tool_calls = [c.as_openai() for c in calls]
-    return job.formatter.full(text, finish, job.usage, ids, logprobs, prompt_ids, tool_calls)
+    body = job.formatter.full(text, finish, job.usage, ids, logprobs, prompt_ids, tool_calls)
+    body["choices"][0]["index"] = job.index
+    return body
 
 
 def answer_logprobs(job: Job, speller: TokenSpeller) -> dict[str, Any] | None:
@@ -70,9 +76,10 @@ def answer_logprobs(job: Job, speller: TokenSpeller) -> dict[str, Any] | None:
     lps.extend(job.output_logprobs)
     top_ids, top_lps = list(job.output_top_ids), list(job.output_top_logprobs)
     if job.echo_text is not None:
+        src = prompt_source(job)  # a sibling choice reads its lead's prompt scores
         p_lps, p_ids, p_top = echoed_prompt_scores(
-            len(job.input_ids), job.sampling.logprob_start_len, job.prompt_logprobs,
-            job.prompt_top_ids, job.prompt_top_logprobs,
+            len(job.input_ids), src.sampling.logprob_start_len, src.prompt_logprobs,
+            src.prompt_top_ids, src.prompt_top_logprobs,
         )
         ids, lps = job.input_ids + ids, p_lps + lps
         top_ids, top_lps = p_ids + top_ids, p_top + top_lps
@@ -81,36 +88,91 @@ def answer_logprobs(job: Job, speller: TokenSpeller) -> dict[str, Any] | None:
     return completion_logprobs(speller, ids, lps, top_ids, top_lps)
 
 
-def merge_choices(bodies: list[dict[str, Any]]) -> dict[str, Any]:
-    """One answer from the bodies of a request's jobs (one per prompt, in prompt order): their
-    choices with ``index`` 0..n-1, their usages summed."""
+def merge_choices(jobs: list[Job], bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """One answer from the bodies of a request's jobs (``bodies[i]`` is ``jobs[i]``'s): their
+    choices in ``index`` order, the usage summed (``server.choices.summed_usage``: each prompt
+    counted once)."""
     merged = dict(bodies[0])
-    merged["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
-    usage = {k: sum(b["usage"][k] for b in bodies)
-             for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    usage["prompt_tokens_details"] = {
-        "cached_tokens": sum(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies)
-    }
-    merged["usage"] = usage
+    merged["choices"] = sorted((b["choices"][0] for b in bodies), key=lambda c: c["index"])
+    merged["usage"] = summed_usage(jobs).as_dict()
     return merged
 
 
 async def streaming_response(
-    job: Job, pieces: AsyncIterator[Piece], speller: TokenSpeller
+    jobs: list[Job], pieces: list[AsyncIterator[Piece]], speller: TokenSpeller
 ) -> Response:
-    """The SSE answer of ``job``, returned once its first piece is in.
+    """The SSE answer of ``jobs`` (one, or the choices of one prompt with its lead first;
+    ``pieces[i]`` is ``jobs[i]``'s), returned once the lead's first piece is in.
 
     Raises:
-        APIError: the worker failed the request before its first piece.
+        APIError: the worker failed the lead before its first piece.
     """
     try:
-        first = await anext(pieces)
+        first = await anext(pieces[0])
     except BaseException:
-        await pieces.aclose()  # type: ignore[attr-defined]
+        for p in pieces:  # a sibling not started yet closes without touching the engine
+            await p.aclose()  # type: ignore[attr-defined]
         raise
-    if job.tool_format is not None:
-        return SSEResponse(_sse_tool_events(job, first, pieces))
-    return SSEResponse(_sse_events(job, first, pieces, speller))
+    sources = [_choice_chunks(job, first if i == 0 else None, p, speller)
+               for i, (job, p) in enumerate(zip(jobs, pieces, strict=True))]
+    return SSEResponse(_sse_events(jobs, sources))
+
+
+async def _sse_events(jobs: list[Job], sources: list[AsyncIterator[dict[str, Any]]]
+                      ) -> AsyncIterator[str]:
+    """The chunks of every choice as they come, then one usage chunk (if asked) and ``[DONE]``.
+    An error in any choice ends the stream with an error event (the others are aborted)."""
+    fmt = jobs[0].formatter
+    try:
+        async for chunk in _interleave(sources):
+            yield encode_event(chunk)
+    except APIError as err:
+        yield encode_event(err.body())
+        yield DONE_EVENT
+        return
+    if fmt.include_usage:
+        yield encode_event(fmt.usage_chunk(summed_usage(jobs)))
+    yield DONE_EVENT
+
+
+async def _interleave(sources: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """The items of every source, each as soon as it is ready (one task per source). The first
+    exception of any source is raised here; closing this iterator, or an exception, closes
+    every source (which aborts its request on the workers)."""
+    if len(sources) == 1:
+        async with contextlib.aclosing(sources[0]):  # type: ignore[type-var]
+            async for item in sources[0]:
+                yield item
+        return
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+    async def pump(source: AsyncIterator[Any]) -> None:
+        try:
+            async with contextlib.aclosing(source):  # type: ignore[type-var]
+                async for item in source:
+                    await queue.put(("item", item))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader, raised there
+            await queue.put(("error", exc))
+            return
+        await queue.put(("done", None))
+
+    tasks = [asyncio.create_task(pump(s)) for s in sources]
+    try:
+        running = len(tasks)
+        while running:
+            kind, value = await queue.get()
+            if kind == "item":
+                yield value
+            elif kind == "error":
+                raise value
+            else:
+                running -= 1
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _ChunkLogprobs:
@@ -135,59 +197,48 @@ class _ChunkLogprobs:
         return obj
 
 
-async def _sse_events(
-    job: Job, first: Piece, pieces: AsyncIterator[Piece], speller: TokenSpeller
-) -> AsyncIterator[str]:
-    fmt = job.formatter
+async def _choice_chunks(job: Job, first: Piece | None, pieces: AsyncIterator[Piece],
+                         speller: TokenSpeller) -> AsyncIterator[dict[str, Any]]:
+    """The streamed chunks of one choice (``first``: its first piece if already read), each
+    naming ``job.index``; the role chunk first (chat), its own ``finish_reason`` last. With
+    tools, content and tool-call deltas (``server.tools.stream``), never the call markup.
+
+    Raises:
+        APIError: the worker failed this choice.
+    """
+    fmt, index = job.formatter, job.index
     chunk_logprobs = _ChunkLogprobs(job, speller)
+    calls = None if job.tool_format is None else ToolCallStream(job.tool_format)
     async with contextlib.aclosing(pieces):  # type: ignore[type-var]
         if fmt.is_chat:
-            yield encode_event(fmt.chunk("", role=True))
-        piece: Piece | None = first
-        try:
-            while piece is not None:
-                lp = chunk_logprobs.of(piece)
-                if piece.text or piece.finish_reason or lp is not None:
-                    # The finish chunk of chat has an empty delta, as OpenAI sends it.
-                    if piece.finish_reason and fmt.is_chat:
-                        if piece.text or lp is not None:
-                            yield encode_event(fmt.chunk(piece.text, logprobs=lp))
-                        yield encode_event(fmt.chunk(None, piece.finish_reason))
-                    else:
-                        yield encode_event(fmt.chunk(piece.text, piece.finish_reason, logprobs=lp))
-                piece = await anext(pieces, None)
-        except APIError as err:
-            yield encode_event(err.body())
-            yield DONE_EVENT
-            return
-    if fmt.include_usage:
-        yield encode_event(fmt.usage_chunk(job.usage))
-    yield DONE_EVENT
-
-
-async def _sse_tool_events(job: Job, first: Piece,
-                           pieces: AsyncIterator[Piece]) -> AsyncIterator[str]:
-    """The SSE answer of a chat job with tools: content and tool-call deltas
-    (``server.tools.stream``), never the call markup as content."""
-    fmt, calls = job.formatter, ToolCallStream(job.tool_format)  # type: ignore[arg-type]
-    async with contextlib.aclosing(pieces):  # type: ignore[type-var]
-        yield encode_event(fmt.chunk("", role=True))
-        piece: Piece | None = first
-        try:
-            while piece is not None:
+            yield fmt.chunk("", role=True, index=index)
+        piece = first if first is not None else await anext(pieces, None)
+        while piece is not None:
+            if calls is not None:
                 deltas = calls.feed(piece.text)
                 if piece.finish_reason:
                     deltas += calls.finish()
                 for delta in deltas:
-                    yield encode_event(fmt.chunk(delta.get("content"),
-                                                 tool_calls=delta.get("tool_calls")))
+                    yield fmt.chunk(delta.get("content"), tool_calls=delta.get("tool_calls"),
+                                    index=index)
                 if piece.finish_reason:
-                    yield encode_event(fmt.chunk(None, calls.finish_reason(piece.finish_reason)))
-                piece = await anext(pieces, None)
-        except APIError as err:
-            yield encode_event(err.body())
-            yield DONE_EVENT
-            return
-    if fmt.include_usage:
-        yield encode_event(fmt.usage_chunk(job.usage))
-    yield DONE_EVENT
+                    yield fmt.chunk(None, calls.finish_reason(piece.finish_reason), index=index)
+            else:
+                for chunk in _text_chunks(fmt, piece, chunk_logprobs.of(piece), index):
+                    yield chunk
+            piece = await anext(pieces, None)
+
+
+def _text_chunks(fmt: Any, piece: Piece, lp: dict[str, Any] | None,
+                 index: int) -> list[dict[str, Any]]:
+    """The chunks of one piece of a choice without tools (none for an empty piece)."""
+    if not (piece.text or piece.finish_reason or lp is not None):
+        return []
+    if piece.finish_reason and fmt.is_chat:
+        # The finish chunk of chat has an empty delta, as OpenAI sends it.
+        out = []
+        if piece.text or lp is not None:
+            out.append(fmt.chunk(piece.text, logprobs=lp, index=index))
+        out.append(fmt.chunk(None, piece.finish_reason, index=index))
+        return out
+    return [fmt.chunk(piece.text, piece.finish_reason, logprobs=lp, index=index)]

@@ -2,7 +2,8 @@
 
 One request's path through the server's files: parse the body (``server.protocol``; bad input ->
 400 via ``server.errors``), build its :class:`Job` (``server.job_builder``: prompt ids, chat
-template, ``SamplingParams``, checked against the context length), generate its text
+template, ``SamplingParams``, checked against the context length; ``n`` > 1 forks one job per
+choice: ``server.choices``), generate its text
 (``server.generation``: the engine stream, detokenization, stop strings, abort), and answer as
 JSON or SSE (``server.responses``) while watching for a client that leaves (``server.disconnect``).
 """
@@ -20,6 +21,7 @@ from pydantic import ValidationError
 from pydantic_core import from_json
 
 from splitserve.server.chat_template import ChatRenderer
+from splitserve.server.choices import fork_choices
 from splitserve.server.constraint_check import checked_pieces, partial_header
 from splitserve.server.disconnect import client_gone, unless_disconnected
 from splitserve.server.engine_client import BaseEngineClient
@@ -79,36 +81,34 @@ def create_app(
     def pieces(job: Job) -> Any:
         return checked_pieces(job, stream_text(client, tokenizer, job), violations)
 
-    async def respond(request: Request, job: Job, stream: bool | None) -> Response:
-        logger.info("request %s: %s, %d prompt tokens, X-Request-Id %s", job.rid,
-                    request.url.path, len(job.input_ids), request.state.request_id)
+    async def respond(request: Request, batch: list[Job], stream: bool | None) -> Response:
+        """Answer with the jobs of one request: one, several prompts' (not streamed), or the
+        ``n`` choices of one prompt (``server.choices``), lead first."""
+        for job in batch:
+            logger.info("request %s: %s, %d prompt tokens, X-Request-Id %s", job.rid,
+                        request.url.path, len(job.input_ids), request.state.request_id)
         # stream_text runs inside the watched work: a disconnect cancels it there, and its
         # finally aborts the request on the workers.
-        headers = partial_header(job)
+        headers = partial_header(batch[0])  # every choice has the same constraint
         if stream:
             sse = await unless_disconnected(
                 request,
-                lambda: streaming_response(job, pieces(job), speller),
+                lambda: streaming_response(batch, [pieces(job) for job in batch], speller),
             )
             if sse is not None:
                 sse.headers.update(headers)
             return client_gone() if sse is None else sse
-        body = await unless_disconnected(
-            request, lambda: full_response(job, pieces(job), speller)
-        )
+        body = await unless_disconnected(request, lambda: _run_all(batch))
         return client_gone() if body is None else JSONResponse(body, headers=headers)
 
-    async def respond_all(request: Request, batch: list[Job]) -> Response:
-        """Several prompts: their jobs run at once, the answer has one choice per prompt."""
-        body = await unless_disconnected(request, lambda: _run_all(batch))
-        return client_gone() if body is None else JSONResponse(body)
-
     async def _run_all(batch: list[Job]) -> dict[str, Any]:
+        if len(batch) == 1:
+            return await full_response(batch[0], pieces(batch[0]), speller)
         bodies: list[dict[str, Any]] = [{} for _ in batch]
 
         async def run(i: int) -> None:
             job = batch[i]
-            bodies[i] = await full_response(job, stream_text(client, tokenizer, job), speller)
+            bodies[i] = await full_response(job, pieces(job), speller)
 
         try:
             # A job that fails cancels the others (their stream_text aborts them on the workers).
@@ -117,23 +117,22 @@ def create_app(
                     group.start_soon(run, i)
         except BaseExceptionGroup as group_error:
             raise _first_api_error(group_error) from None
-        return merge_choices(bodies)
+        return merge_choices(batch, bodies)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req: CompletionRequest = await _parse(request, CompletionRequest, "completions")
-        batch = [tenancy.apply(request.scope, job, req.cache_salt)
-                 for job in jobs.completion_jobs(req, request.state.request_id)]
-        if len(batch) > 1:
-            return await respond_all(request, batch)
-        return await respond(request, batch[0], req.stream)
+        prompts = [tenancy.apply(request.scope, job, req.cache_salt)
+                   for job in jobs.completion_jobs(req, request.state.request_id)]
+        batch = [c for p, job in enumerate(prompts) for c in fork_choices(job, req.n or 1, p)]
+        return await respond(request, batch, req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, "chat")
         job = tenancy.apply(request.scope, jobs.chat_job(req, request.state.request_id),
                             req.cache_salt)
-        return await respond(request, job, req.stream)
+        return await respond(request, fork_choices(job, req.n or 1, 0), req.stream)
 
     def model_card() -> dict[str, Any]:
         return {

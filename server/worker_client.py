@@ -41,7 +41,7 @@ from splitserve.ipc.messages import (
     decode,
     encode,
 )
-from splitserve.server.engine_client import BaseEngineClient, TokenEvent
+from splitserve.server.engine_client import BaseEngineClient, PromptAffinity, TokenEvent
 from splitserve.server.worker_pool import WorkerHandle, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -143,14 +143,18 @@ class ZmqEngineClient(BaseEngineClient):
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def _targets(self, input_ids: list[int]) -> list[tuple[WorkerHandle, str | None]] | TokenEvent:
+    def _targets(
+        self, input_ids: list[int], affinity: PromptAffinity | None = None,
+    ) -> list[tuple[WorkerHandle, str | None]] | TokenEvent:
         """``(worker, prefill_addr)`` pairs to send the task to, or the 503 event that refuses
-        it (no healthy worker, or one of them full)."""
-        colocated = self.pool.pick("colocated", input_ids)
+        it (no healthy worker, or one of them full). With ``affinity``, the worker that computes
+        the prompt is the one its first request went to, while that one is live."""
+        colocated = self._prompt_worker("colocated", input_ids, affinity)
         if colocated is not None:
             targets = [(colocated, None)]
         else:
-            p, d = self.pool.pick("prefill", input_ids), self.pool.pick("decode")
+            p = self._prompt_worker("prefill", input_ids, affinity)
+            d = self.pool.pick("decode")
             if p is None or d is None:
                 return TokenEvent([], [], error="no healthy prefill/decode worker", error_code=503)
             targets = [(d, p.addr), (p, None)]  # decode first: it starts reserving pages
@@ -162,13 +166,27 @@ class ZmqEngineClient(BaseEngineClient):
                 "retry later"))
         return targets
 
+    def _prompt_worker(
+        self, role: str, input_ids: list[int], affinity: PromptAffinity | None,
+    ) -> WorkerHandle | None:
+        """The ``role`` worker to compute ``input_ids``: the affinity's worker if it is still
+        live and of that role, else the routing policy's pick (recorded in the affinity)."""
+        pinned = None if affinity is None else affinity.worker
+        if (pinned is not None and pinned.role == role and pinned.ready and not pinned.draining
+                and pinned in self.pool.workers):
+            return pinned
+        chosen = self.pool.pick(role, input_ids)
+        if affinity is not None and chosen is not None:
+            affinity.worker = chosen
+        return chosen
+
     async def generate(
         self, rid: str, input_ids: list[int], sampling: SamplingParams,
-        cache_namespace: str | None = None,
+        cache_namespace: str | None = None, affinity: PromptAffinity | None = None,
     ) -> AsyncIterator[TokenEvent]:
         timer = self.metrics.request_timer() if self.metrics else None
         for attempt in itertools.count():
-            targets = self._targets(input_ids)
+            targets = self._targets(input_ids, affinity)
             if isinstance(targets, TokenEvent):
                 if timer:
                     timer.rejected()

@@ -312,7 +312,7 @@ BAD_REQUESTS = [
     (C, {"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
     (C, {"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p"),
     (C, {"model": MODEL, "prompt": "hi", "top_k": -2}, "top_k"),
-    (C, {"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+    (C, {"model": MODEL, "prompt": "hi", "n": 17}, "n"),
     (C, {"model": MODEL, "prompt": "hi", "best_of": 2}, "best_of"),
     (C, {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     (C, {"model": MODEL, "prompt": "hi", "stop": 3}, "stop"),

@@ -101,7 +101,7 @@ ASKING = {"store": True, "metadata": {"k": "v"}, "service_tier": "flex", "modali
           "audio": {"voice": "alloy", "format": "mp3"}, "prediction": {"type": "content",
           "content": "x"}, "web_search_options": {}, "verbosity": "low", "reasoning_effort": "low",
           "moderation": {"model": "m"}, "functions": [{"name": "f"}], "function_call": "auto",
-          "suffix": " end", "best_of": 2, "n": 2}
+          "suffix": " end", "best_of": 2}
 
 
 def refused(endpoint: str) -> list[str]:
@@ -135,7 +135,7 @@ def test_noop_values_compare_types(client) -> None:
 @pytest.mark.parametrize("endpoint,name,value", [
     ("chat", "presence_penalty", 5), ("chat", "frequency_penalty", -2.5),
     ("chat", "temperature", 3), ("chat", "top_logprobs", 21), ("chat", "n", 0),
-    ("chat", "n", 129), ("chat", "seed", 2**64), ("chat", "seed", -(2**63) - 1),
+    ("chat", "n", 129), ("completions", "n", 17), ("chat", "seed", 2**64), ("chat", "seed", -(2**63) - 1),
     ("completions", "seed", 2**63), ("completions", "logprobs", 6),
     ("completions", "presence_penalty", 2.01), ("completions", "top_p", 1.5),
     ("completions", "max_tokens", -1), ("chat", "top_k", 2**40), ("chat", "temperature", "NaN"),
