@@ -34,7 +34,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -90,7 +90,7 @@ class ProductPlan:
             d = json.loads(text)
             table = tuple(tuple(row) for row in d.get("table", ()))
             return cls(int(d["layer_rows"]), int(d["head_rows"]), source, table,  # type: ignore[arg-type]
-                       float(d.get("load", 0.0)))
+                       load=float(d.get("load", 0.0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a kernel plan: {exc}") from exc
 
@@ -222,8 +222,7 @@ def choose_product_plan(model: torch.nn.Module, choice: str, max_rows: int) -> P
     t0 = time.perf_counter()
     plan = measure(model, max_rows)
     took = time.perf_counter() - t0
-    plan = ProductPlan(plan.layer_rows, plan.head_rows,
-                       f"measured in {took:.1f} s at load {load:.1f} per core", plan.table, load)
+    plan = replace(plan, source=f"measured in {took:.1f} s at load {load:.1f} per core", load=load)
     if earlier is not None and earlier.load <= load:
         plan = earlier  # the cached timing was the less disturbed one
     else:
