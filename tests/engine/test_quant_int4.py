@@ -1,0 +1,293 @@
+"""``--quantization int4``: the quantizer; each product kernel (ours, ``gemm_w4.c``; torch's CPU
+int4 kernel; oneDNN on the de-quantized bfloat16 weight) within a stated bound of the same int4
+weights de-quantized in float32 (the reference is ``x @ W'.T`` in float64, computed here from
+the levels and scales, never by a kernel under test); GGUF Q4_0 tensors keep the file's levels
+and scales; a float32 int4 model equals ``transformers`` loaded with the de-quantized weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitserve.config import EngineConfig
+from splitserve.engine.kernels.cpu.build import load_cpu_kernels
+from splitserve.engine.model.layers import Linear, can_pack
+from splitserve.engine.model.quant_int4 import (
+    GROUP,
+    Int4Weight,
+    dequantize_int4,
+    quantize_int4,
+    torch_int4_available,
+    torch_int4_mm,
+    unpack_int4,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+KERNELS = load_cpu_kernels()
+needs_w4 = pytest.mark.skipif(KERNELS is None or not KERNELS.has_w4,
+                              reason="no C compiler or no AVX512-VNNI")
+needs_torch_int4 = pytest.mark.skipif(not torch_int4_available(),
+                                      reason="this torch has no CPU int4 kernel")
+# Decode's row buckets (1-32) and a prompt chunk (64 rows), on the default model's shapes.
+SHAPES = [
+    (1, 960, 576, True),     # SmolLM2 qkv at batch 1 (Qwen-style bias)
+    (2, 48, 96, False),      # N not a multiple of 64: a 3-vector tail block
+    (4, 576, 1536, False),   # down_proj
+    (7, 16, 32, True),       # one group, one block, a 4-row tile plus a 3-row tail
+    (8, 3072, 576, False),   # gate_up
+    (16, 576, 576, True),
+    (32, 3072, 576, False),
+    (64, 576, 1536, False),  # a prompt chunk
+]
+
+
+def test_quantize_int4_is_symmetric_groupwise_absmax() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 128, generator=gen)
+    w[3, 32:64] = 0.0  # an all-zero group: scale 1, levels 0
+    q, s = quantize_int4(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float16 and s.shape == (32, 4)
+    assert int(q.min()) == -8 and int(q.max()) <= 7
+    assert s[3, 1] == 1.0 and not q[3, 32:64].any()
+    g = w.reshape(32, 4, GROUP)
+    qg = q.reshape(32, 4, GROUP).long()
+    # The element of largest magnitude of every (non-zero) group sits exactly on level -8.
+    top = g.abs().argmax(-1, keepdim=True)
+    nonzero = g.abs().amax(-1) > 0
+    assert bool((qg.gather(-1, top).squeeze(-1)[nonzero] == -8).all())
+    # Round to nearest within the range, one step at most where 8 clips to 7.
+    err = (g - dequantize_int4(q, s).reshape(32, 4, GROUP)).abs()
+    step = s.float().abs()[..., None]
+    clipped = (g / s.float()[..., None]).round() > 7
+    assert bool((err <= step * (0.5 + 1e-3))[~clipped].all())
+    assert bool((err <= step * (1 + 1e-3)).all())
+    iw = Int4Weight(q, s)
+    q2, s2 = unpack_int4(iw.packed, iw.scales)
+    assert torch.equal(q2, q) and torch.equal(s2, s)
+
+
+def _case(m, n, k, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
+    x[0, 5] = 40.0  # an outlier: costs precision in its own group only
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    q, s = quantize_int4(w)
+    return x, q, s, b, w
+
+
+def _ref(x, w_deq, b) -> torch.Tensor:
+    """``x @ W'.T + b`` in float64: the reference, from the levels and scales alone."""
+    return F.linear(x.double(), w_deq.double(), None if b is None else b.double())
+
+
+def ours_bound(x: torch.Tensor, w_deq: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """What ``gemm_w4.c`` may differ from ``x @ W'.T`` per output: x is rounded per row and
+    group of 32 to int8 steps of ``max|x_g| / 127`` (half a step each, times the group's
+    ``sum |W'[n, k]|``), the output to bfloat16 (2^-9 relative, taken as 2^-8), plus float32
+    sums (1e-5 of ``sum |x| |W'|``)."""
+    m, k = x.shape
+    xg = x.double().abs().reshape(m, k // GROUP, GROUP)
+    half_step = xg.amax(-1) / 127 / 2  # [m, G]
+    wg = w_deq.double().abs().reshape(w_deq.shape[0], k // GROUP, GROUP).sum(-1)  # [n, G]
+    mag = x.double().abs() @ w_deq.double().abs().t()
+    return half_step @ wg.t() + ref.abs() * 2**-8 + mag * 1e-5 + 1e-6
+
+
+def bf16_weight_bound(x: torch.Tensor, w_deq: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """For a kernel that rounds ``W'`` (or its scales) to bfloat16 (oneDNN on the bfloat16
+    parameter; torch's int4 kernel, whose scales are bfloat16): 2^-9 of ``sum |x| |W'|``
+    (half a bfloat16 step per weight), plus the output's bfloat16 rounding."""
+    mag = x.double().abs() @ w_deq.double().abs().t()
+    return mag * 2**-9 + ref.abs() * 2**-8 + 1e-6
+
+
+def _check(got, ref, bound, x, w_deq, w_orig=None) -> None:
+    err = (got.double() - ref).abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+    # The bound is a real constraint: a few percent of sum |x| |W'| (ours: max|x_g| / 254 per
+    # unit of weight, ~3x the mean |x| of Gaussian groups, so ~1.5%) ...
+    mag = x.double().abs() @ w_deq.double().abs().t()
+    assert float((bound / mag).median()) < 0.03
+    # ... and the kernel's error is far below what int4 changed (the unquantized weights, another
+    # model, differ from the reference by ~10x more): it computes with W', not the original.
+    if w_orig is not None:
+        moved = F.linear(x.double(), w_orig.double() - w_deq.double())
+        assert float(err.pow(2).mean().sqrt()) < 0.2 * float(moved.pow(2).mean().sqrt())
+
+
+@needs_w4
+@pytest.mark.parametrize(("m", "n", "k", "bias"), SHAPES)
+def test_ours_within_bound_of_dequantized_reference(m, n, k, bias) -> None:
+    x, q, s, b, w = _case(m, n, k, bias, m * n + k)
+    w_deq = dequantize_int4(q, s)
+    iw = Int4Weight(q, s)
+    got = KERNELS.linear_w4(x, iw.packed, iw.scales, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    ref = _ref(x, w_deq, b)
+    _check(got, ref, ours_bound(x, w_deq, ref), x, w_deq, w)
+
+
+@needs_torch_int4
+@pytest.mark.parametrize(("m", "n", "k", "bias"), SHAPES)
+def test_torch_int4_within_bound_of_its_dequantized_reference(m, n, k, bias) -> None:
+    x, q, s, b, w = _case(m, n, k, bias, m * n + k)
+    iw = Int4Weight(q, s)
+    w_deq = dequantize_int4(q, s.bfloat16())  # its weight: bfloat16 scales
+    ref = _ref(x, w_deq, b)
+    _check(torch_int4_mm(x, iw.torch_packed, iw.torch_sz, b), ref,
+           bf16_weight_bound(x, w_deq, ref), x, w_deq, w)
+
+
+@pytest.mark.skipif(not can_pack(torch.empty(1, 1, dtype=torch.bfloat16)),
+                    reason="needs oneDNN bf16 packing")
+@pytest.mark.parametrize(("m", "n", "k", "bias"), SHAPES[::2])
+def test_linear_dispatch_within_bound_for_each_kernel_forced(m, n, k, bias) -> None:
+    """A quantized ``Linear``, each of its three paths forced: ours and torch's int4 kernel
+    (``w4_c_rows``), oneDNN on the de-quantized bfloat16 weight (``c_max_rows = 0``)."""
+    x, q, s, b, w = _case(m, n, k, bias, 7 * m + n)
+    lin = Linear(k, n, bias, torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(dequantize_int4(q, s))  # quantizes to exactly (q, s) again
+        if bias:
+            lin.bias.copy_(b)
+    lin.quantize_int4(dequantize_int4(q, s))
+    assert lin.int4 is not None
+    q2, s2 = unpack_int4(lin.int4.packed, lin.int4.scales)
+    assert torch.equal(q2, q) and torch.equal(s2, s)
+    lin.pack()
+    w_deq = dequantize_int4(q, s)
+    ref = _ref(x, w_deq, b)
+    paths = {"onednn": (0, 1 << 30)}
+    if lin.kernels is not None:
+        paths["ours"] = (128, 1 << 30)
+        if lin.int4.torch_packed is not None:
+            paths["torch int4"] = (128, 0)
+    for name, (c_rows, w4_rows) in paths.items():
+        lin.c_max_rows, lin.w4_c_rows = c_rows, w4_rows
+        got = lin(x)
+        if name == "torch int4":  # its own weight (bfloat16 scales) is the reference
+            w_t = dequantize_int4(q, s.bfloat16())
+            ref_t = _ref(x, w_t, b)
+            _check(got, ref_t, bf16_weight_bound(x, w_t, ref_t), x, w_t, w)
+            continue
+        bound = ours_bound(x, w_deq, ref) if name == "ours" else bf16_weight_bound(x, w_deq, ref)
+        _check(got, ref, bound, x, w_deq, w)
+
+
+@needs_w4
+def test_ours_rows_are_independent_of_the_batch() -> None:
+    """Each row's result is the same alone or in a batch (x is quantized per row and group)."""
+    gen = torch.Generator().manual_seed(3)
+    q, s = quantize_int4(torch.randn(64, 96, generator=gen))
+    iw = Int4Weight(q, s)
+    x = torch.randn(9, 96, generator=gen).bfloat16()
+    x[4] *= 100
+    batch = KERNELS.linear_w4(x, iw.packed, iw.scales, None)
+    for r in range(9):
+        assert torch.equal(batch[r : r + 1], KERNELS.linear_w4(x[r : r + 1], iw.packed,
+                                                               iw.scales, None))
+
+
+@needs_w4
+def test_ours_exact_at_the_extreme_levels() -> None:
+    """Levels -8 and 7 with x at +-127 codes: every group's int32 sum and the +8 offset's
+    correction are exact (the result is an exactly representable integer)."""
+    k = 1536
+    q = torch.full((16, k), -8, dtype=torch.int8)
+    q[:, 1::2] = 7
+    s = torch.ones(16, k // GROUP, dtype=torch.float16)
+    iw = Int4Weight(q, s)
+    x = torch.ones(1, k, dtype=torch.bfloat16)
+    got = KERNELS.linear_w4(x, iw.packed, iw.scales, None)
+    assert torch.equal(got, torch.full((1, 16), float(-k // 2), dtype=torch.bfloat16))
+
+
+# --- GGUF Q4_0: the file's own levels and scales ----------------------------------------------
+
+
+def _q4_0_blocks(gguf_path, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_0 tensor's levels ``[N, K]`` (``q - 8``) and float16 scales ``[N, K / 32]``, read
+    from the file's bytes by the format's definition (18-byte blocks: a float16 scale, then 16
+    bytes whose low nibbles are elements 0-15 and high nibbles 16-31)."""
+    from gguf import GGUFReader
+
+    t = next(t for t in GGUFReader(str(gguf_path)).tensors if t.name == name)
+    k, n = (int(d) for d in t.shape)  # gguf lists the fastest dimension first
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(n, k // 32, 18)
+    d = raw[..., :2].copy().view(np.float16)[..., 0]
+    qs = raw[..., 2:]
+    levels = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16) - 8
+    return torch.from_numpy(levels.reshape(n, k).astype(np.int8)), torch.from_numpy(d.copy())
+
+
+def test_gguf_q4_0_keeps_the_files_levels_and_scales(tmp_path) -> None:
+    from splitserve.engine.model.loader import load_model
+    from tests.engine.test_gguf import _tiny_gguf
+
+    path = _tiny_gguf("qwen3_q4_0", tmp_path)
+    model, cfg = load_model(path, torch.bfloat16,
+                            engine=EngineConfig(quantization="int4", pack_weights=False))
+    attn = model.layers[0].self_attn
+    q_file, d_file = _q4_0_blocks(path, "blk.0.attn_q.weight")
+    rows = q_file.shape[0]
+    q_ours, s_ours = unpack_int4(attn.qkv_proj.int4.packed, attn.qkv_proj.int4.scales)
+    assert torch.equal(q_ours[:rows], q_file)
+    assert torch.equal(s_ours[:rows], d_file)
+    o_file, od_file = _q4_0_blocks(path, "blk.1.attn_output.weight")
+    o_q, o_s = unpack_int4(model.layers[1].self_attn.o_proj.int4.packed,
+                           model.layers[1].self_attn.o_proj.int4.scales)
+    assert torch.equal(o_q, o_file) and torch.equal(o_s, od_file)
+    # Quantizing the bfloat16 copy instead would not give the file's weights back.
+    w_bf16 = dequantize_int4(q_file, d_file).bfloat16()
+    q_re, s_re = quantize_int4(w_bf16)
+    assert not (torch.equal(q_re, q_file) and torch.equal(s_re, d_file))
+
+
+# --- the model: float32 int4 equals transformers with the de-quantized weights --------------
+
+
+def dequantized_hf(hf):
+    """``hf`` with every projection and the LM head replaced by their int4 de-quantized weights
+    (groups along each row's input channels: the same groups as our fused rows); the embedding
+    table stays (a tied head is untied)."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if name.rsplit(".", 1)[-1] in names:
+                module.weight.copy_(dequantize_int4(*quantize_int4(module.weight)))
+        head = dequantize_int4(*quantize_int4(hf.lm_head.weight))
+        hf.lm_head.weight = torch.nn.Parameter(head)
+    return hf
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_float32_int4_model_equals_transformers_on_dequantized_weights(tmp_path, tie) -> None:
+    import transformers
+
+    from splitserve.engine.model.loader import load_model
+    from tests.engine.test_model_vs_hf import COMMON, Runner, hf_logits, tokens
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**COMMON, "tie_word_embeddings": tie,
+                                      "attention_bias": True})
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    hf.save_pretrained(tmp_path)
+    model, our_cfg = load_model(tmp_path, torch.float32,
+                                engine=EngineConfig(quantization="int4"))
+    ref_hf = dequantized_hf(hf)
+    ids = tokens(14, 5)
+    ref = hf_logits(ref_hf, ids)
+    run = Runner(model, our_cfg)
+    pages = run.pages(14)
+    first = run.step([ids[:9]], [0], [pages], all_logits=True)
+    torch.testing.assert_close(first, ref[:9], atol=1e-4, rtol=0)
+    for pos in range(9, 14):
+        torch.testing.assert_close(run.step([[ids[pos]]], [pos], [pages])[0], ref[pos],
+                                   atol=1e-4, rtol=0)
+    # Quantization changed the model: the unquantized reference differs by far more.
+    assert float((hf_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path), ids)
+                  - ref).abs().max()) > 1e-2
