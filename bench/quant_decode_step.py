@@ -1,4 +1,5 @@
-"""A batch-B decode step of the engine, bfloat16 weights against ``--quantization int8``, in one
+"""A batch-B decode step of the engine, bfloat16 weights against ``--quantization int8`` and
+``int4``, in one
 process, steps interleaved (one of each in turn) and the fastest of each kept: the shared
 machine's noise hits both alike.
 
@@ -6,7 +7,8 @@ Each configuration is the default model loaded by ``load_model`` (its kernel pla
 decode path where it applies) driving the real scheduler and runner (``EngineCore.step``:
 forward, sampling, bookkeeping) over B requests of a 32-token prompt, greedy, ``ignore_eos``.
 Not a serving run (no HTTP, no detokenization): ``bench/serving.py --launch colocated
---launch colocated:int8`` is that.
+--launch colocated:int8`` is that. ``--fused off`` runs the per-op path (the fused one-call
+decode layers off) for both, to measure what the fused path is worth per scheme.
 
 Usage::
 
@@ -33,7 +35,7 @@ from splitserve.engine.sched.request import Req
 from splitserve.ipc.messages import SamplingParams
 from tests.engine_core import make_core
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
 
 
 def main() -> None:
@@ -44,14 +46,20 @@ def main() -> None:
     ap.add_argument("--kernels", default="c", help="--kernels for both (default c: the C "
                     "products at every step size, so a kernel plan timed under load cannot "
                     "make the comparison; auto: each measures its own plan)")
+    ap.add_argument("--fused", choices=("on", "off"), default="on")
+    ap.add_argument("--quantization", nargs="+", default=list(QUANTIZATIONS),
+                    choices=QUANTIZATIONS, help="schemes to compare (none is the baseline)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = ensure_default_model()
-    models = {q: load_model(path, torch.bfloat16, engine=EngineConfig(quantization=q, kernels=args.kernels))
-              for q in QUANTIZATIONS}
+    schemes = ["none", *(q for q in args.quantization if q != "none")]
+    models = {q: load_model(path, torch.bfloat16, engine=EngineConfig(
+        quantization=q, kernels=args.kernels, fused_decode=args.fused == "on"))
+              for q in schemes}
     with open("/proc/cpuinfo") as f:
         cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    print(f"{cpu}, torch {torch.__version__}, {args.threads} thread(s), load {os.getloadavg()}")
+    print(f"{cpu}, torch {torch.__version__}, {args.threads} thread(s), load {os.getloadavg()}, "
+          f"fused decode {args.fused}")
     for q, (model, _) in models.items():
         print(f"  {q}: {model.kernel_plan.summary() if model.kernel_plan else 'no kernel plan'};"
               f" weights + packed copies {model.weight_bytes() / 1e6:.0f} MB")
