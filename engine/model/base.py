@@ -145,7 +145,10 @@ class DecoderLM(nn.Module):
                 if scheme == "int8":
                     module.quantize_int8()
                 else:
-                    module.quantize_int4(exact.get(f"{name}.weight"))
+                    try:
+                        module.quantize_int4(exact.get(f"{name}.weight"))
+                    except ValueError as exc:
+                        raise ValueError(f"--quantization int4: {name}: {exc}") from exc
         if scheme == "int8":
             self.head.quantize_int8()
         else:

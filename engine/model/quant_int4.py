@@ -126,7 +126,8 @@ def torch_int4_mm(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor,
 class Int4Weight:
     """One projection's int4 weight: ``packed`` (:func:`pack_int4`) and ``scales``
     (:func:`pack_int4_scales`) for :meth:`CpuKernels.linear_w4`, plus torch's packing of the
-    same levels (``torch_packed``, ``torch_sz``) when its op exists; ``nbytes``: ours only."""
+    same levels (``torch_packed``, ``torch_sz``) when its op exists (the kernel plan picks
+    per step size); ``nbytes``: both copies, in bytes."""
 
     __slots__ = ("packed", "scales", "torch_packed", "torch_sz")
 
@@ -135,12 +136,14 @@ class Int4Weight:
         self.scales = pack_int4_scales(scales)
         self.torch_packed: torch.Tensor | None = None
         self.torch_sz: torch.Tensor | None = None
-        if torch_int4_available():
+        if torch_int4_available() and q.device.type == "cpu":  # a CPU-only kernel
             self.torch_packed, self.torch_sz = torch_int4_pack(q, scales)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + 2 * self.scales.numel()
+        extra = 0 if self.torch_packed is None or self.torch_sz is None else (
+            self.torch_packed.numel() + 2 * self.torch_sz.numel())
+        return self.packed.numel() + 2 * self.scales.numel() + extra
 
 
 def quantize_weight_int4(weight: torch.Tensor,

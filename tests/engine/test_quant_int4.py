@@ -229,7 +229,7 @@ def test_gguf_q4_0_keeps_the_files_levels_and_scales(tmp_path) -> None:
     from tests.engine.test_gguf import _tiny_gguf
 
     path = _tiny_gguf("qwen3_q4_0", tmp_path)
-    model, cfg = load_model(path, torch.bfloat16,
+    model, _ = load_model(path, torch.bfloat16,
                             engine=EngineConfig(quantization="int4", pack_weights=False))
     attn = model.layers[0].self_attn
     q_file, d_file = _q4_0_blocks(path, "blk.0.attn_q.weight")
