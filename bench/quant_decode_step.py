@@ -7,12 +7,13 @@ Each configuration is the default model loaded by ``load_model`` (its kernel pla
 decode path where it applies) driving the real scheduler and runner (``EngineCore.step``:
 forward, sampling, bookkeeping) over B requests of a 32-token prompt, greedy, ``ignore_eos``.
 Not a serving run (no HTTP, no detokenization): ``bench/serving.py --launch colocated
---launch colocated:int8`` is that. ``--fused off`` runs the per-op path (the fused one-call
-decode layers off) for both, to measure what the fused path is worth per scheme.
+--launch colocated:int8`` is that. A config ``int4:unfused`` runs the per-op path (the fused
+one-call decode layers off), to measure in the same run what the fused path is worth.
 
 Usage::
 
     python bench/quant_decode_step.py [--batch 1 8 32] [--steps 40] [--threads 1] [--kernels c]
+        [--configs none int8 int4 int4:unfused]
 """
 
 from __future__ import annotations
@@ -46,20 +47,22 @@ def main() -> None:
     ap.add_argument("--kernels", default="c", help="--kernels for both (default c: the C "
                     "products at every step size, so a kernel plan timed under load cannot "
                     "make the comparison; auto: each measures its own plan)")
-    ap.add_argument("--fused", choices=("on", "off"), default="on")
-    ap.add_argument("--quantization", nargs="+", default=list(QUANTIZATIONS),
-                    choices=QUANTIZATIONS, help="schemes to compare (none is the baseline)")
+    ap.add_argument("--configs", nargs="+", default=list(QUANTIZATIONS),
+                    help="QUANTIZATION or QUANTIZATION:unfused (the fused one-call decode "
+                         "layers off); the first is the baseline")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = ensure_default_model()
-    schemes = ["none", *(q for q in args.quantization if q != "none")]
-    models = {q: load_model(path, torch.bfloat16, engine=EngineConfig(
-        quantization=q, kernels=args.kernels, fused_decode=args.fused == "on"))
-              for q in schemes}
+    models = {}
+    for spec in args.configs:
+        q, _, how = spec.partition(":")
+        if q not in QUANTIZATIONS or how not in ("", "unfused"):
+            raise SystemExit(f"bad config {spec!r}: QUANTIZATION[:unfused], one of {QUANTIZATIONS}")
+        models[spec] = load_model(path, torch.bfloat16, engine=EngineConfig(
+            quantization=q, kernels=args.kernels, fused_decode=how != "unfused"))
     with open("/proc/cpuinfo") as f:
         cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    print(f"{cpu}, torch {torch.__version__}, {args.threads} thread(s), load {os.getloadavg()}, "
-          f"fused decode {args.fused}")
+    print(f"{cpu}, torch {torch.__version__}, {args.threads} thread(s), load {os.getloadavg()}")
     for q, (model, _) in models.items():
         print(f"  {q}: {model.kernel_plan.summary() if model.kernel_plan else 'no kernel plan'};"
               f" weights + packed copies {model.weight_bytes() / 1e6:.0f} MB")
@@ -82,7 +85,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 core.step()
                 best[q] = min(best[q], time.perf_counter() - t0)
-        base = best["none"]
+        base = best[args.configs[0]]
         cells = "  ".join(f"{q} {t * 1e3:7.2f} ms/step ({base / t:4.2f}x)" for q, t in best.items())
         print(f"batch {batch:3d}: {cells}", flush=True)
 
