@@ -4,8 +4,9 @@
  *
  * A decode step reads every weight once, so 4 bits a weight is the point; the cost to avoid is
  * turning nibbles into something a multiply takes. Here a 64-byte load of packed weights splits
- * with one shift and two ANDs into two vectors of unsigned 4-bit values (Q + 8, 0..15), which
- * are vpdpbusd's unsigned byte operand directly: 4 byte products summed into each int32 lane,
+ * with two ANDs into two vectors of unsigned 4-bit values (Q + 8, 0..15), which
+ * are vpdpbusd's unsigned byte operand directly (the high ones kept in place, 16 x their value,
+ * and their sum shifted back): 4 byte products summed into each int32 lane,
  * 64 multiply-adds per instruction. x is quantized per row and per group of 32 to int8
  * (symmetric, scale max|x_g| / 127: vpdpbusd's signed operand, broadcast from memory), so a
  * group's sum is exact in int32 (32 * 15 * 127 < 2^31) and the +8 offset is removed with the
@@ -58,24 +59,30 @@ static inline __attribute__((always_inline)) void tile_w4(
     __m512 accf[W4_MR][W4_NV];
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < nv; j++) accf[r][j] = _mm512_setzero_ps();
-    const __m512i nib = _mm512_set1_epi8(0x0f);
+    const __m512i lo_mask = _mm512_set1_epi8(0x0f), hi_mask = _mm512_set1_epi8((char)0xf0);
     for (int64_t g = 0; g < groups; g++) {
         for (int j = 0; j < nv; j++) {
             const uint8_t *wp = wb + j * ps + g * (W4_GROUP / 8) * 64;
-            __m512i w[8];
+            /* High nibbles stay in place (16 x their value): one AND each, no shift; their
+             * sum is 16 x the true one, shifted back once per group (exact). */
+            __m512i lo[4], hi[4];
             for (int o = 0; o < 4; o++) {
                 __m512i v = _mm512_loadu_si512((const void *)(wp + o * 64));
-                w[2 * o] = _mm512_and_si512(v, nib);
-                w[2 * o + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                lo[o] = _mm512_and_si512(v, lo_mask);
+                hi[o] = _mm512_and_si512(v, hi_mask);
             }
             __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(sb + j * ss + g * 16)));
             for (int r = 0; r < mr; r++) {
                 const int8_t *xr = xq + r * xs + g * W4_GROUP;
+                /* Two independent chains (low and high nibbles) halve the dependency chain of
+                 * a group's sum: at one row that chain, not memory, bounded the loop. */
                 __m512i acc = _mm512_set1_epi32(-xsum8[r * groups + g]);
+                __m512i acc16 = _mm512_setzero_si512();
                 for (int o = 0; o < 4; o++) {
-                    acc = _mm512_dpbusd_epi32(acc, w[2 * o], bcast4(xr + 8 * o));
-                    acc = _mm512_dpbusd_epi32(acc, w[2 * o + 1], bcast4(xr + 8 * o + 4));
+                    acc = _mm512_dpbusd_epi32(acc, lo[o], bcast4(xr + 8 * o));
+                    acc16 = _mm512_dpbusd_epi32(acc16, hi[o], bcast4(xr + 8 * o + 4));
                 }
+                acc = _mm512_add_epi32(acc, _mm512_srai_epi32(acc16, 4));
                 __m512 scale = _mm512_mul_ps(sv, _mm512_set1_ps(xscale[r * groups + g]));
                 accf[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), scale, accf[r][j]);
             }
