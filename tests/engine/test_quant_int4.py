@@ -21,6 +21,7 @@ from splitserve.engine.model.quant_int4 import (
     quantize_int4,
     torch_int4_available,
     torch_int4_mm,
+    torch_int4_weight,
     unpack_int4,
 )
 
@@ -44,29 +45,33 @@ SHAPES = [
 ]
 
 
-def test_quantize_int4_is_symmetric_groupwise_absmax() -> None:
+def test_quantize_int4_is_asymmetric_groupwise_minmax() -> None:
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(32, 128, generator=gen)
-    w[3, 32:64] = 0.0  # an all-zero group: scale 1, levels 0
-    q, s = quantize_int4(w)
-    assert q.dtype == torch.int8 and s.dtype == torch.float16 and s.shape == (32, 4)
-    assert int(q.min()) == -8 and int(q.max()) <= 7
-    assert s[3, 1] == 1.0 and not q[3, 32:64].any()
+    w = torch.randn(32, 128, generator=gen) + 0.5  # groups not centred on 0
+    w[3, 32:64] = 0.25  # a constant group: scale 1, offset its value, levels 0
+    u, s, m = quantize_int4(w)
+    assert u.dtype == torch.uint8 and s.dtype == m.dtype == torch.float16
+    assert s.shape == m.shape == (32, 4)
+    assert int(u.min()) == 0 and int(u.max()) == 15
+    assert s[3, 1] == 1.0 and m[3, 1] == 0.25 and not u[3, 32:64].any()
     g = w.reshape(32, 4, GROUP)
-    qg = q.reshape(32, 4, GROUP).long()
-    # The element of largest magnitude of every (non-zero) group sits exactly on level -8.
-    top = g.abs().argmax(-1, keepdim=True)
-    nonzero = g.abs().amax(-1) > 0
-    assert bool((qg.gather(-1, top).squeeze(-1)[nonzero] == -8).all())
-    # Round to nearest within the range, one step at most where 8 clips to 7.
-    err = (g - dequantize_int4(q, s).reshape(32, 4, GROUP)).abs()
-    step = s.float().abs()[..., None]
-    clipped = (g / s.float()[..., None]).round() > 7
-    assert bool((err <= step * (0.5 + 1e-3))[~clipped].all())
-    assert bool((err <= step * (1 + 1e-3)).all())
-    iw = Int4Weight(q, s)
-    q2, s2 = unpack_int4(iw.packed, iw.scales)
-    assert torch.equal(q2, q) and torch.equal(s2, s)
+    # Every group's minimum is level 0 at its offset; round to nearest within the grid (the
+    # top can clip by the float16 rounding of the scale: one step at most).
+    assert torch.equal(m, g.amin(-1).half())
+    err = (g - dequantize_int4(u, s, m).reshape(32, 4, GROUP)).abs()
+    step = s.float()[..., None]
+    assert bool((err <= step * (0.5 + 1e-2) + 1e-3).all()), float((err / step).max())
+    iw = Int4Weight(u, s, m)
+    got = unpack_int4(iw.packed, iw.scales)
+    assert all(torch.equal(a, b) for a, b in zip(got, (u, s, m)))
+
+
+def test_quantize_int4_symmetric_is_q4_0s_grid() -> None:
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+    u, s, m = quantize_int4(w, symmetric=True)
+    assert torch.equal(m.float(), -8 * s.float())
+    top = w.reshape(16, 2, GROUP).abs().argmax(-1, keepdim=True)
+    assert bool((u.reshape(16, 2, GROUP).gather(-1, top) == 0).all())  # largest on level -8
 
 
 def _case(m, n, k, bias, seed):
@@ -75,12 +80,11 @@ def _case(m, n, k, bias, seed):
     x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
     x[0, 5] = 40.0  # an outlier: costs precision in its own group only
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
-    q, s = quantize_int4(w)
-    return x, q, s, b, w
+    return x, quantize_int4(w), b, w
 
 
 def _ref(x, w_deq, b) -> torch.Tensor:
-    """``x @ W'.T + b`` in float64: the reference, from the levels and scales alone."""
+    """``x @ W'.T + b`` in float64: the reference, from the levels, scales and offsets alone."""
     return F.linear(x.double(), w_deq.double(), None if b is None else b.double())
 
 
@@ -122,9 +126,9 @@ def _check(got, ref, bound, x, w_deq, w_orig=None) -> None:
 @needs_w4
 @pytest.mark.parametrize(("m", "n", "k", "bias"), SHAPES)
 def test_ours_within_bound_of_dequantized_reference(m, n, k, bias) -> None:
-    x, q, s, b, w = _case(m, n, k, bias, m * n + k)
-    w_deq = dequantize_int4(q, s)
-    iw = Int4Weight(q, s)
+    x, usm, b, w = _case(m, n, k, bias, m * n + k)
+    w_deq = dequantize_int4(*usm, dtype=torch.float64)
+    iw = Int4Weight(*usm)
     got = KERNELS.linear_w4(x, iw.packed, iw.scales, b)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     ref = _ref(x, w_deq, b)
@@ -134,9 +138,9 @@ def test_ours_within_bound_of_dequantized_reference(m, n, k, bias) -> None:
 @needs_torch_int4
 @pytest.mark.parametrize(("m", "n", "k", "bias"), SHAPES)
 def test_torch_int4_within_bound_of_its_dequantized_reference(m, n, k, bias) -> None:
-    x, q, s, b, w = _case(m, n, k, bias, m * n + k)
-    iw = Int4Weight(q, s)
-    w_deq = dequantize_int4(q, s.bfloat16())  # its weight: bfloat16 scales
+    x, usm, b, w = _case(m, n, k, bias, m * n + k)
+    iw = Int4Weight(*usm)
+    w_deq = torch_int4_weight(*usm)  # its weight: bfloat16 scales and zeros
     ref = _ref(x, w_deq, b)
     _check(torch_int4_mm(x, iw.torch_packed, iw.torch_sz, b), ref,
            bf16_weight_bound(x, w_deq, ref), x, w_deq, w)
@@ -148,18 +152,18 @@ def test_torch_int4_within_bound_of_its_dequantized_reference(m, n, k, bias) -> 
 def test_linear_dispatch_within_bound_for_each_kernel_forced(m, n, k, bias) -> None:
     """A quantized ``Linear``, each of its three paths forced: ours and torch's int4 kernel
     (``w4_c_rows``), oneDNN on the de-quantized bfloat16 weight (``c_max_rows = 0``)."""
-    x, q, s, b, w = _case(m, n, k, bias, 7 * m + n)
+    x, _, b, w = _case(m, n, k, bias, 7 * m + n)
     lin = Linear(k, n, bias, torch.bfloat16)
     with torch.no_grad():
-        lin.weight.copy_(dequantize_int4(q, s))  # quantizes to exactly (q, s) again
+        lin.weight.copy_(w)
         if bias:
             lin.bias.copy_(b)
-    lin.quantize_int4(dequantize_int4(q, s))
+    lin.quantize_int4()
     assert lin.int4 is not None
-    q2, s2 = unpack_int4(lin.int4.packed, lin.int4.scales)
-    assert torch.equal(q2, q) and torch.equal(s2, s)
+    usm = unpack_int4(lin.int4.packed, lin.int4.scales)
+    assert all(torch.equal(a, c) for a, c in zip(usm, quantize_int4(w.bfloat16())))
     lin.pack()
-    w_deq = dequantize_int4(q, s)
+    w_deq = dequantize_int4(*usm, dtype=torch.float64)
     ref = _ref(x, w_deq, b)
     paths = {"onednn": (0, 1 << 30)}
     if lin.kernels is not None:
@@ -170,10 +174,11 @@ def test_linear_dispatch_within_bound_for_each_kernel_forced(m, n, k, bias) -> N
         lin.c_max_rows, lin.w4_c_rows = c_rows, w4_rows
         got = lin(x)
         if name == "torch int4":  # its own weight (bfloat16 scales) is the reference
-            w_t = dequantize_int4(q, s.bfloat16())
+            w_t = torch_int4_weight(*usm)
             ref_t = _ref(x, w_t, b)
             _check(got, ref_t, bf16_weight_bound(x, w_t, ref_t), x, w_t, w)
             continue
+        # oneDNN: the parameter, W' rounded to bfloat16.
         bound = ours_bound(x, w_deq, ref) if name == "ours" else bf16_weight_bound(x, w_deq, ref)
         _check(got, ref, bound, x, w_deq, w)
 
@@ -182,8 +187,7 @@ def test_linear_dispatch_within_bound_for_each_kernel_forced(m, n, k, bias) -> N
 def test_ours_rows_are_independent_of_the_batch() -> None:
     """Each row's result is the same alone or in a batch (x is quantized per row and group)."""
     gen = torch.Generator().manual_seed(3)
-    q, s = quantize_int4(torch.randn(64, 96, generator=gen))
-    iw = Int4Weight(q, s)
+    iw = Int4Weight(*quantize_int4(torch.randn(64, 96, generator=gen)))
     x = torch.randn(9, 96, generator=gen).bfloat16()
     x[4] *= 100
     batch = KERNELS.linear_w4(x, iw.packed, iw.scales, None)
@@ -194,13 +198,14 @@ def test_ours_rows_are_independent_of_the_batch() -> None:
 
 @needs_w4
 def test_ours_exact_at_the_extreme_levels() -> None:
-    """Levels -8 and 7 with x at +-127 codes: every group's int32 sum and the +8 offset's
-    correction are exact (the result is an exactly representable integer)."""
+    """Levels 0 and 15 with x at the +127 code over K = 1536: every group's int32 sum (the high
+    nibbles' 16x too) and the offset's share are exact (the result is a small integer)."""
     k = 1536
-    q = torch.full((16, k), -8, dtype=torch.int8)
-    q[:, 1::2] = 7
+    u = torch.zeros(16, k, dtype=torch.uint8)
+    u[:, 1::2] = 15
     s = torch.ones(16, k // GROUP, dtype=torch.float16)
-    iw = Int4Weight(q, s)
+    m = torch.full((16, k // GROUP), -8.0, dtype=torch.float16)  # W' = -8, 7, -8, 7 ...
+    iw = Int4Weight(u, s, m)
     x = torch.ones(1, k, dtype=torch.bfloat16)
     got = KERNELS.linear_w4(x, iw.packed, iw.scales, None)
     assert torch.equal(got, torch.full((1, 16), float(-k // 2), dtype=torch.bfloat16))
@@ -210,7 +215,7 @@ def test_ours_exact_at_the_extreme_levels() -> None:
 
 
 def _q4_0_blocks(gguf_path, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q4_0 tensor's levels ``[N, K]`` (``q - 8``) and float16 scales ``[N, K / 32]``, read
+    """A Q4_0 tensor's levels ``q [N, K]`` (0..15) and float16 scales ``[N, K / 32]``, read
     from the file's bytes by the format's definition (18-byte blocks: a float16 scale, then 16
     bytes whose low nibbles are elements 0-15 and high nibbles 16-31)."""
     from gguf import GGUFReader
@@ -220,8 +225,8 @@ def _q4_0_blocks(gguf_path, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     raw = np.asarray(t.data, dtype=np.uint8).reshape(n, k // 32, 18)
     d = raw[..., :2].copy().view(np.float16)[..., 0]
     qs = raw[..., 2:]
-    levels = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16) - 8
-    return torch.from_numpy(levels.reshape(n, k).astype(np.int8)), torch.from_numpy(d.copy())
+    levels = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    return torch.from_numpy(levels.reshape(n, k).copy()), torch.from_numpy(d.copy())
 
 
 def test_gguf_q4_0_keeps_the_files_levels_and_scales(tmp_path) -> None:
@@ -234,17 +239,18 @@ def test_gguf_q4_0_keeps_the_files_levels_and_scales(tmp_path) -> None:
     attn = model.layers[0].self_attn
     q_file, d_file = _q4_0_blocks(path, "blk.0.attn_q.weight")
     rows = q_file.shape[0]
-    q_ours, s_ours = unpack_int4(attn.qkv_proj.int4.packed, attn.qkv_proj.int4.scales)
-    assert torch.equal(q_ours[:rows], q_file)
+    u_ours, s_ours, m_ours = unpack_int4(attn.qkv_proj.int4.packed, attn.qkv_proj.int4.scales)
+    assert torch.equal(u_ours[:rows], q_file)
     assert torch.equal(s_ours[:rows], d_file)
+    assert torch.equal(m_ours[:rows].float(), -8 * d_file.float())  # w = d * (q - 8)
     o_file, od_file = _q4_0_blocks(path, "blk.1.attn_output.weight")
-    o_q, o_s = unpack_int4(model.layers[1].self_attn.o_proj.int4.packed,
-                           model.layers[1].self_attn.o_proj.int4.scales)
-    assert torch.equal(o_q, o_file) and torch.equal(o_s, od_file)
+    o_u, o_s, _ = unpack_int4(model.layers[1].self_attn.o_proj.int4.packed,
+                              model.layers[1].self_attn.o_proj.int4.scales)
+    assert torch.equal(o_u, o_file) and torch.equal(o_s, od_file)
     # Quantizing the bfloat16 copy instead would not give the file's weights back.
-    w_bf16 = dequantize_int4(q_file, d_file).bfloat16()
-    q_re, s_re = quantize_int4(w_bf16)
-    assert not (torch.equal(q_re, q_file) and torch.equal(s_re, d_file))
+    w_file = dequantize_int4(q_file, d_file, (-8 * d_file.float()).half())
+    u_re, s_re, _ = quantize_int4(w_file.bfloat16(), symmetric=True)
+    assert not (torch.equal(u_re, q_file) and torch.equal(s_re, d_file))
 
 
 # --- the model: float32 int4 equals transformers with the de-quantized weights --------------
@@ -252,8 +258,8 @@ def test_gguf_q4_0_keeps_the_files_levels_and_scales(tmp_path) -> None:
 
 def dequantized_hf(hf):
     """``hf`` with every projection and the LM head replaced by their int4 de-quantized weights
-    (groups along each row's input channels: the same groups as our fused rows); the embedding
-    table stays (a tied head is untied)."""
+    (groups along each row's input channels: the same groups as our fused rows), computed here
+    from :func:`quantize_int4`'s levels; the embedding table stays (a tied head is untied)."""
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     with torch.no_grad():
         for name, module in hf.named_modules():
