@@ -65,7 +65,8 @@ def test_float32_int4_served_equals_transformers_on_dequantized_weights(
     reference = hf_greedy(dequantized_hf, tokenizer, PROMPTS, NEW_TOKENS)
     got = served_greedy(model_path, colocated=True)
     for (_, ref_new, gaps), ids in zip(reference, got, strict=True):
-        assert_matches(ref_new, gaps, ids)
+        # generate() stops at EOS, the served run ignores it: compare the reference's tokens.
+        assert_matches(ref_new, gaps, ids[: len(ref_new)])
 
 
 def _gaps(hf, prompt_ids: list[int], new_ids: list[int]) -> list[float]:
