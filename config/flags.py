@@ -91,7 +91,7 @@ ENGINE_FLAGS = (
          "else float32", choices=DTYPES),
     Flag("--quantization", "engine.quantization", "weights quantized at load: int8 "
          "(weight-only, one scale per output channel; AVX512-VNNI decode products), int4 "
-         "(weight-only, symmetric, one float16 scale per 32 input channels; GGUF Q4_0 kept "
+         "(weight-only, one float16 scale and offset per 32 input channels; GGUF Q4_0 kept "
          "as stored), or none",
          choices=QUANTIZATIONS),
     Flag("--device", "engine.device", "where models and KV pools live; cuda uses the Triton "

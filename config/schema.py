@@ -71,7 +71,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_speculative_tokens: int = 4
     speculative_max_running: int = 4
     # Weights quantized at load: "int8" (per-output-channel; engine.model.quant), "int4"
-    # (symmetric, groups of 32, float16 scales; engine.model.quant_int4), "none".
+    # (asymmetric groups of 32, float16 scale and offset; engine.model.quant_int4), "none".
     quantization: str = "none"
 
     def check(self) -> None:

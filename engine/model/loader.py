@@ -163,8 +163,9 @@ def load_model(
 def q4_0_params(gguf: GGUFFile, config: ModelConfig, wanted: dict) -> set[str]:
     """Our parameters that take a Q4_0 tensor of ``gguf`` (in any of their slices): int4
     quantizes those from their float32 values, in which Q4_0 de-quantizes exactly, so they keep
-    the file's levels and scales (``engine.model.quant_int4``); a bfloat16 copy would round
-    them. Reads no tensor data."""
+    the file's levels and scales (``engine.model.quant_int4``, on Q4_0's symmetric grid; the
+    other rows of a fused parameter, e.g. a Q6_K ``v_proj`` beside Q4_0 ``q``/``k``, take that
+    grid too); a bfloat16 copy would round them. Reads no tensor data."""
     return {wanted[t.hf_name][0] for t in iter_tensors(gguf, config.num_heads, config.num_kv_heads)
             if t.tensor_type == "Q4_0" and t.hf_name in wanted}
 
