@@ -6,7 +6,9 @@ MIT, see ``tests/data/MANIFEST.json``), in file order, concatenated until ``--to
 scored in windows of ``--window`` tokens (each window from an empty context, every position
 after the first scored), through the engine's own model (``load_model``, the same products a
 worker serves with; all positions of a window in one prompt step, i.e. the oneDNN/torch path of
-prompt steps, not the decode kernels, which tests/engine/test_quant_int8.py bounds separately).
+prompt steps, not the decode kernels, which tests/engine/test_quant_int8.py and
+test_quant_int4.py bound separately; for int4 that is ``W'`` rounded to bfloat16, ``float32:int4``
+scores ``W'`` exactly).
 
 - perplexity: ``exp(mean NLL)`` over the scored positions;
 - agreement: the share of positions whose argmax equals the ``bfloat16 none`` run's (the
@@ -15,7 +17,8 @@ prompt steps, not the decode kernels, which tests/engine/test_quant_int8.py boun
 
 Usage::
 
-    python bench/quality.py [--tokens 4096] [--window 512] [--configs bfloat16:none bfloat16:int8]
+    python bench/quality.py [--tokens 4096] [--window 512]
+        [--configs bfloat16:none bfloat16:int8 bfloat16:int4]
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--configs", nargs="+", default=["bfloat16:none", "bfloat16:int8"],
+    ap.add_argument("--configs", nargs="+", default=["bfloat16:none", "bfloat16:int8", "bfloat16:int4"],
                     help="DTYPE:QUANTIZATION, the first is the agreement baseline")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -76,6 +79,9 @@ def main() -> None:
     ids = text_tokens(tokenizer, args.tokens)
     windows = [ids[i : i + args.window] for i in range(0, len(ids), args.window)]
     windows = [w for w in windows if len(w) > 1]
+    with open("/proc/cpuinfo") as f:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    print(f"{cpu}, torch {torch.__version__}, {args.threads} thread(s)")
     print(f"SmolLM2-135M-Instruct, {len(ids)} tokens of GSM8K test solutions in "
           f"{len(windows)} windows of <= {args.window}; load {os.getloadavg()}")
     base_argmax: list[torch.Tensor] | None = None

@@ -1,4 +1,5 @@
-"""A batch-B decode step of the engine, bfloat16 weights against ``--quantization int8``, in one
+"""A batch-B decode step of the engine, bfloat16 weights against ``--quantization int8`` and
+``int4``, in one
 process, steps interleaved (one of each in turn) and the fastest of each kept: the shared
 machine's noise hits both alike.
 
@@ -6,11 +7,13 @@ Each configuration is the default model loaded by ``load_model`` (its kernel pla
 decode path where it applies) driving the real scheduler and runner (``EngineCore.step``:
 forward, sampling, bookkeeping) over B requests of a 32-token prompt, greedy, ``ignore_eos``.
 Not a serving run (no HTTP, no detokenization): ``bench/serving.py --launch colocated
---launch colocated:int8`` is that.
+--launch colocated:int8`` is that. A config ``int4:unfused`` runs the per-op path (the fused
+one-call decode layers off), to measure in the same run what the fused path is worth.
 
 Usage::
 
     python bench/quant_decode_step.py [--batch 1 8 32] [--steps 40] [--threads 1] [--kernels c]
+        [--configs none int8 int4 int4:unfused]
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from splitserve.engine.sched.request import Req
 from splitserve.ipc.messages import SamplingParams
 from tests.engine_core import make_core
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
 
 
 def main() -> None:
@@ -44,11 +47,19 @@ def main() -> None:
     ap.add_argument("--kernels", default="c", help="--kernels for both (default c: the C "
                     "products at every step size, so a kernel plan timed under load cannot "
                     "make the comparison; auto: each measures its own plan)")
+    ap.add_argument("--configs", nargs="+", default=list(QUANTIZATIONS),
+                    help="QUANTIZATION or QUANTIZATION:unfused (the fused one-call decode "
+                         "layers off); the first is the baseline")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = ensure_default_model()
-    models = {q: load_model(path, torch.bfloat16, engine=EngineConfig(quantization=q, kernels=args.kernels))
-              for q in QUANTIZATIONS}
+    models = {}
+    for spec in args.configs:
+        q, _, how = spec.partition(":")
+        if q not in QUANTIZATIONS or how not in ("", "unfused"):
+            raise SystemExit(f"bad config {spec!r}: QUANTIZATION[:unfused], one of {QUANTIZATIONS}")
+        models[spec] = load_model(path, torch.bfloat16, engine=EngineConfig(
+            quantization=q, kernels=args.kernels, fused_decode=how != "unfused"))
     with open("/proc/cpuinfo") as f:
         cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
     print(f"{cpu}, torch {torch.__version__}, {args.threads} thread(s), load {os.getloadavg()}")
@@ -74,7 +85,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 core.step()
                 best[q] = min(best[q], time.perf_counter() - t0)
-        base = best["none"]
+        base = best[args.configs[0]]
         cells = "  ".join(f"{q} {t * 1e3:7.2f} ms/step ({base / t:4.2f}x)" for q, t in best.items())
         print(f"batch {batch:3d}: {cells}", flush=True)
 

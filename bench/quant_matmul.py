@@ -10,11 +10,16 @@ the fastest repeat kept (the machine is shared):
 - ``bf16 oneDNN``: ``mkldnn._linear_pointwise`` on the oneDNN-packed weight;
 - ``int8 torch``: ``aten._weight_int8pack_mm`` (per-channel int8, converts in registers);
 - ``int8 C``: ``CpuKernels.linear_w8`` (gemm_w8.c, AVX512-VNNI, x as int16 per row);
-- ``int4 torch``: ``aten._weight_int4pack_mm_for_cpu`` (group 32, asymmetric).
+- ``int4 torch``: ``aten._weight_int4pack_mm_for_cpu`` on ``--quantization int4``'s weights
+  (symmetric groups of 32, ``engine.model.quant_int4``; its scales in bfloat16);
+- ``int4 C``: ``CpuKernels.linear_w4`` (gemm_w4.c, AVX512-VNNI, x as int8 per group of 32),
+  the same levels and scales.
 
-Ratios are against ``bf16 C`` measured in the same run. Usage::
+The rows default to decode's buckets (1-32) and a prompt chunk (128). Ratios are against
+``bf16 C`` measured in the same run. Usage::
 
-    python bench/quant_matmul.py [--rows 1 8 32] [--repeats 5] [--layers 30] [--threads 1]
+    python bench/quant_matmul.py [--rows 1 2 4 8 16 32 128] [--repeats 5] [--layers 30]
+        [--threads 1]
 """
 
 from __future__ import annotations
@@ -30,10 +35,10 @@ from splitserve.engine.kernels.cpu.bindings import CpuKernels
 from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.model.layers import pack_weight, packed_linear
 from splitserve.engine.model.quant import Int8Weight, quantize_int8
+from splitserve.engine.model.quant_int4 import Int4Weight, quantize_int4, torch_int4_mm
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K) per layer
 HEAD_SHAPE = (49152, 576)
-INT4_GROUP = 32
 
 
 def cpu_line() -> str:
@@ -51,19 +56,6 @@ def cpu_line() -> str:
     return f"{name} [{flags}], torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
-def int4_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric group-wise int4 in torch's CPU layout (weight, scales_and_zeros)."""
-    n, k = w.shape
-    g = w.float().reshape(n, k // INT4_GROUP, INT4_GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-8)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(n, k), 1)
-    zeros = lo + 8 * scale  # torch's form: w = (q - 8) * scale + zero
-    sz = torch.stack([scale, zeros], -1).transpose(0, 1).contiguous().bfloat16()
-    return packed, sz
-
-
 def make_weights(layers: int) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     shapes = [s for _ in range(layers) for s in LAYER_SHAPES] + [HEAD_SHAPE]
@@ -71,15 +63,15 @@ def make_weights(layers: int) -> list[dict]:
     for n, k in shapes:
         w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
         q, s = quantize_int8(w)
-        w4, sz = int4_pack(w)
         out.append({"k": k, "c": CpuKernels.pack_decode(w), "onednn": pack_weight(w),
-                    "q": q, "s": s.bfloat16(), "w8": Int8Weight(q, s), "w4": w4, "sz": sz})
+                    "q": q, "s": s.bfloat16(), "w8": Int8Weight(q, s),
+                    "w4": Int4Weight(*quantize_int4(w))})
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1,
@@ -88,7 +80,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels()
-    if kernels is None or not kernels.has_w8:
+    if kernels is None or not kernels.has_w8 or not kernels.has_w4:
         raise SystemExit("the C kernels (with AVX512-VNNI) are needed")
     print(cpu_line())
     print(f"load: {os.getloadavg()}  (shared machine: min of {args.repeats} interleaved repeats)")
@@ -100,8 +92,9 @@ def main() -> None:
         "bf16 oneDNN": lambda x, w: packed_linear(x, w["onednn"], None),
         "int8 torch": lambda x, w: torch.ops.aten._weight_int8pack_mm(x, w["q"], w["s"]),
         "int8 C": lambda x, w: kernels.linear_w8(x, w["w8"].packed, w["w8"].scales, None),
-        "int4 torch": lambda x, w: torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, w["w4"], INT4_GROUP, w["sz"]),
+        "int4 torch": lambda x, w: torch_int4_mm(x, w["w4"].torch_packed, w["w4"].torch_sz,
+                                                 None),
+        "int4 C": lambda x, w: kernels.linear_w4(x, w["w4"].packed, w["w4"].scales, None),
     }
     for rows in args.rows:
         xs = {k: torch.randn(rows, k).bfloat16() for k in {w["k"] for w in weights}}

@@ -90,7 +90,9 @@ ENGINE_FLAGS = (
     Flag("--dtype", "engine.dtype", "auto: bfloat16 on CPUs with AMX/avx512_bf16 (and CUDA), "
          "else float32", choices=DTYPES),
     Flag("--quantization", "engine.quantization", "weights quantized at load: int8 "
-         "(weight-only, one scale per output channel; AVX512-VNNI decode products), or none",
+         "(weight-only, one scale per output channel; AVX512-VNNI decode products), int4 "
+         "(weight-only, one float16 scale and offset per 32 input channels; GGUF Q4_0 kept "
+         "as stored), or none",
          choices=QUANTIZATIONS),
     Flag("--device", "engine.device", "where models and KV pools live; cuda uses the Triton "
          "attention kernels and CUDA graphs ($SPLITSERVE_DEVICE sets the default)", choices=DEVICES),

@@ -28,7 +28,7 @@ from splitserve.config.registry import (
 
 DTYPES = ("auto", "float32", "bfloat16")  # "auto" is resolved once, by the CLI (kernels.cpu.features)
 DEVICES = ("cpu", "cuda")
-QUANTIZATIONS = ("none", "int8")  # weight-only, at load (engine.model.quant)
+QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, at load (engine.model.quant[_int4])
 ATTENTION_CHOICES = ("auto", *ATTENTION.names)  # auto: torch on CPU, triton on CUDA
 SPECULATIVE_CHOICES = ("none", "ngram")
 
@@ -70,7 +70,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     speculative: str = "none"
     num_speculative_tokens: int = 4
     speculative_max_running: int = 4
-    # Weights quantized at load: "int8" (per-output-channel; engine.model.quant), "none".
+    # Weights quantized at load: "int8" (per-output-channel; engine.model.quant), "int4"
+    # (asymmetric groups of 32, float16 scale and offset; engine.model.quant_int4), "none".
     quantization: str = "none"
 
     def check(self) -> None:

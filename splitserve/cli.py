@@ -113,8 +113,13 @@ def _resolve_engine(config: ServeConfig | WorkerConfig, report: bool = False) ->
 
         vnni = "avx512_vnni" in cpu_flags() and e.device == "cpu" and e.dtype == "bfloat16"
         how = ("AVX512-VNNI C products for decode steps" if vnni else
-               "no int8 kernel here (needs CPU bfloat16 with avx512_vnni): the de-quantized "
-               "weights serve, no faster than unquantized")
+               f"no {e.quantization} kernel here (needs CPU bfloat16 with avx512_vnni): the "
+               "de-quantized weights serve, no faster than unquantized")
+        if e.quantization == "int4" and vnni:
+            from splitserve.engine.model.quant_int4 import torch_int4_available
+
+            how += (" (ours, or torch's int4 kernel where the kernel plan times it faster)"
+                    if torch_int4_available() else " (torch has no CPU int4 kernel to time)")
         print(f"splitserve: quantization {e.quantization} ({how})", file=sys.stderr, flush=True)
 
 

@@ -121,23 +121,39 @@ class DecoderLM(nn.Module):
                 module.kernels = self.kernels
         return True
 
-    def quantize_weights(self, scheme: str) -> None:
+    def quantize_weights(self, scheme: str,
+                         exact: dict[str, torch.Tensor] | None = None) -> None:
         """Quantize the decoder layers' projections and the LM head in place
-        (``engine.model.quant``; ``scheme``: ``EngineConfig.quantization``, "none" does
-        nothing). Call after loading, before :meth:`pack_weights`. Projections that are not
-        :class:`Linear` (a mixture of experts' stacked expert weights) stay as loaded.
+        (``engine.model.quant`` for int8, ``engine.model.quant_int4`` for int4; ``scheme``:
+        ``EngineConfig.quantization``, "none" does nothing). Call after loading, before
+        :meth:`pack_weights`. Projections that are not :class:`Linear` (a mixture of experts'
+        stacked expert weights) stay as loaded. ``exact``: parameter name -> the loaded weight
+        in float32 where the loader kept it (int4 quantizes from it instead of the serving
+        dtype's rounded copy: GGUF Q4_0 tensors keep their own levels and scales).
 
         Raises:
-            ValueError: an unknown scheme.
+            ValueError: an unknown scheme, or int4 on a projection whose input size is not a
+                multiple of 32.
         """
         if scheme == "none":
             return
-        if scheme != "int8":
+        if scheme not in ("int8", "int4"):
             raise ValueError(f"unknown quantization {scheme!r}")
-        for module in self.layers.modules():
+        exact = exact or {}
+        for name, module in self.layers.named_modules(prefix="layers"):
             if isinstance(module, Linear):
-                module.quantize_int8()
-        self.head.quantize_int8()
+                if scheme == "int8":
+                    module.quantize_int8()
+                else:
+                    try:
+                        module.quantize_int4(exact.get(f"{name}.weight"))
+                    except ValueError as exc:
+                        raise ValueError(f"--quantization int4: {name}: {exc}") from exc
+        if scheme == "int8":
+            self.head.quantize_int8()
+        else:
+            head_name = "lm_head.weight" if self.lm_head is not None else "embed_tokens.weight"
+            self.head.quantize_int4(exact.get(head_name))
 
     def set_product_plan(self, plan: ProductPlan) -> None:
         """Use the C products for decode steps of at most ``plan.layer_rows`` rows in every
@@ -146,10 +162,13 @@ class DecoderLM(nn.Module):
         limit = self.kernels.decode_max_rows if self.kernels is not None else 0
         self.kernel_plan = plan
         self.c_max_rows = min(plan.layer_rows, limit)
+        self.w4_c_rows = plan.w4_layer_rows  # int4: ours up to here, torch's kernel above
         for module in self.modules():
             if isinstance(module, Linear):
                 module.c_max_rows = self.c_max_rows
+                module.w4_c_rows = plan.w4_layer_rows
         self.head.c_max_rows = min(plan.head_rows, limit)
+        self.head.w4_c_rows = plan.w4_head_rows
 
     def weight_bytes(self) -> int:
         """Bytes of the parameters plus the packed copies :meth:`pack_weights` made (oneDNN's

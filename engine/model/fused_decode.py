@@ -19,14 +19,16 @@ from splitserve.engine.model.layers import Linear
 
 
 def layer_pointers(model: torch.nn.Module) -> torch.Tensor | None:
-    """``[L * 14]`` int64 addresses of every layer's norm weights and, per projection, its
-    packed weight, bias and int8 scales (0 when absent: a bfloat16 weight), in
-    ``decode_layers.c``'s order; None if a projection has no C decode weight. The tensors stay
-    owned by the model (they never move after packing).
+    """``[L * 15]`` int64 addresses of every layer's norm weights and, per projection, its
+    packed weight, bias and int8 or int4 scales (0 when absent: a bfloat16 weight), then the
+    layer's weight bits (16, 8 or 4: a number), in ``decode_layers.c``'s order; None if a
+    projection has no C decode weight or a layer mixes int8 and int4. The tensors stay owned
+    by the model (they never move after packing).
     """
     ptrs: list[int] = []
     for layer in model.layers:  # type: ignore[attr-defined]
         attn, mlp = layer.self_attn, layer.mlp
+        bits: set[int] = set()
         for item in (
             layer.input_layernorm.weight, attn.qkv_proj, attn.o_proj,
             layer.post_attention_layernorm.weight, mlp.gate_up_proj, mlp.down_proj,
@@ -34,15 +36,22 @@ def layer_pointers(model: torch.nn.Module) -> torch.Tensor | None:
             if isinstance(item, Linear):
                 if item.kernels is None:
                     return None
-                w, scales = item.decode_packed, None
+                w, scales, b = item.decode_packed, None, 16
                 if item.int8 is not None:  # --quantization int8: gemm_w8.c's weight
-                    w, scales = item.int8.packed, item.int8.scales
+                    w, scales, b = item.int8.packed, item.int8.scales, 8
+                if item.int4 is not None:  # --quantization int4: gemm_w4.c's weight
+                    w, scales, b = item.int4.packed, item.int4.scales, 4
+                bits.add(b)
                 if w is None:
                     return None
                 ptrs += [w.data_ptr(), 0 if item.bias is None else item.bias.data_ptr(),
                          0 if scales is None else scales.data_ptr()]
             else:
                 ptrs.append(item.data_ptr())
+        bits.discard(16)  # a bfloat16 projection (no scales) mixes with either kind
+        if len(bits) > 1:
+            return None
+        ptrs.append(bits.pop() if bits else 16)
     return torch.tensor(ptrs, dtype=torch.int64)
 
 
@@ -75,6 +84,8 @@ def run_fused_decode_layers(
         return False
     if x.dtype != torch.bfloat16 or x.shape[0] > model.c_max_rows or not x.is_contiguous():
         return False
+    if x.shape[0] > getattr(model, "w4_c_rows", x.shape[0]):
+        return False  # int4 steps where the plan picked torch's int4 kernel: the per-op path
     if not CpuKernels.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
         return False
     if backend._kernels_for(pool, cfg.num_heads) is None or not pool.buffer.is_contiguous():

@@ -20,6 +20,12 @@ batch-1 step to oneDNN at 1.75x the cost, for good). ``EngineConfig.kernels`` (`
 ``auto`` (measure), ``c`` (C products up to the tiles' limit, 128 rows), ``torch`` (oneDNN for
 every product), or the path of a plan file written by an earlier run.
 
+Under ``--quantization int4`` the C products have two kernels, ours (``gemm_w4.c``) and
+torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``), timed against each other at every
+bucket as well: ours serves steps of at most :attr:`ProductPlan.w4_layer_rows` rows
+(:attr:`ProductPlan.w4_head_rows` in the LM head), torch's above, and the oneDNN crossover is
+taken on the faster of the two.
+
 Following oneDNN's and Triton's practice of choosing a kernel by timing it on the machine at
 hand (Triton's ``autotune``), with the decision rule kept to one crossover per product group
 because the dispatch is a threshold.
@@ -41,6 +47,7 @@ import torch
 
 from splitserve.config import env
 from splitserve.engine.model.layers import Linear, packed_linear
+from splitserve.engine.model.quant_int4 import torch_int4_mm
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +55,7 @@ logger = logging.getLogger(__name__)
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 REPEATS = 7  # timed calls per (bucket, kernel); the fastest is kept
 KERNEL_CHOICES = ("auto", "c", "torch")  # or a plan file's path
+NO_LIMIT = 1 << 30  # rows: no crossover
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +69,11 @@ class ProductPlan:
     head_rows: int
     source: str
     table: tuple[tuple[int, float, float, float, float], ...] = ()
+    # int4 only: ours up to these rows, torch's int4 kernel above; w4_table: (rows, layers
+    # ours, layers torch int4, head ours, head torch int4) in microseconds.
+    w4_layer_rows: int = NO_LIMIT
+    w4_head_rows: int = NO_LIMIT
+    w4_table: tuple[tuple[int, float, float, float, float], ...] = ()
     load: float = 0.0  # 1-minute load average per usable core when timed (0: not timed)
 
     @property
@@ -69,8 +82,12 @@ class ProductPlan:
         return self.load > DISTURBED
 
     def summary(self) -> str:
-        return (f"C products for decode steps of <= {self.layer_rows} rows (LM head <= "
+        text = (f"C products for decode steps of <= {self.layer_rows} rows (LM head <= "
                 f"{self.head_rows}), oneDNN above ({self.source})")
+        if self.w4_table:
+            text += (f"; int4: ours <= {self.w4_layer_rows} rows (head <= {self.w4_head_rows}), "
+                     "torch's int4 kernel above")
+        return text
 
     def lines(self) -> list[str]:
         """The summary, then one line per timed bucket."""
@@ -78,6 +95,9 @@ class ProductPlan:
         for rows, lc, lo, hc, ho in self.table:
             out.append(f"  {rows:4d} rows: layers C {lc / 1e3:7.2f} ms, oneDNN {lo / 1e3:7.2f} ms; "
                        f"head C {hc / 1e3:6.2f} ms, oneDNN {ho / 1e3:6.2f} ms")
+        for rows, lc, lt, hc, ht in self.w4_table:
+            out.append(f"  {rows:4d} rows int4: layers ours {lc / 1e3:7.2f} ms, torch "
+                       f"{lt / 1e3:7.2f} ms; head ours {hc / 1e3:6.2f} ms, torch {ht / 1e3:6.2f} ms")
         return out
 
     def to_json(self) -> str:
@@ -89,8 +109,10 @@ class ProductPlan:
         try:
             d = json.loads(text)
             table = tuple(tuple(row) for row in d.get("table", ()))
+            w4 = tuple(tuple(row) for row in d.get("w4_table", ()))
             return cls(int(d["layer_rows"]), int(d["head_rows"]), source, table,  # type: ignore[arg-type]
-                       load=float(d.get("load", 0.0)))
+                       int(d.get("w4_layer_rows", NO_LIMIT)), int(d.get("w4_head_rows", NO_LIMIT)),
+                       w4, load=float(d.get("load", 0.0)))  # type: ignore[arg-type]
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a kernel plan: {exc}") from exc
 
@@ -146,7 +168,9 @@ def measure(model: torch.nn.Module, max_rows: int) -> ProductPlan:
     head = model.head  # type: ignore[attr-defined]
     buckets = tuple(b for b in BUCKETS if b <= max_rows)
     gen = torch.Generator().manual_seed(0)
-    table = []
+    int4 = all(m.int4 is not None and m.int4.torch_packed is not None for m in layer) and (
+        head.int4 is not None and head.int4.torch_packed is not None)
+    table, w4_table = [], []
     losses = 0
     for rows in buckets:
         xs = [torch.randn(rows, m.weight.shape[1], generator=gen).bfloat16() for m in layer]
@@ -163,6 +187,18 @@ def measure(model: torch.nn.Module, max_rows: int) -> ProductPlan:
         lc, lo = (t * num_layers for t in _best_pair_us(layer_c, layer_onednn))
         hc, ho = _best_pair_us(lambda h=h: head.c_product(h),
                                lambda h=h: packed_linear(h, head.packed, None))
+        if int4:  # c_product ran ours (w4_c_rows unset); now ours against torch's int4 kernel
+
+            def layer_t4(xs=xs) -> None:
+                for m, x in zip(layer, xs):
+                    torch_int4_mm(x, m.int4.torch_packed, m.int4.torch_sz, m.bias)
+
+            l4, lt = (t * num_layers for t in _best_pair_us(layer_c, layer_t4))
+            h4, ht = _best_pair_us(
+                lambda h=h: head.c_product(h),
+                lambda h=h: torch_int4_mm(h, head.int4.torch_packed, head.int4.torch_sz, None))
+            w4_table.append((rows, l4, lt, h4, ht))
+            lc, hc = min(lc, lt), min(hc, ht)  # the C column: the faster int4 kernel
         table.append((rows, lc, lo, hc, ho))
         losses = losses + 1 if (lc > lo * TIE and hc > ho * TIE) else 0
         if losses == 2:
@@ -170,7 +206,13 @@ def measure(model: torch.nn.Module, max_rows: int) -> ProductPlan:
     timed = tuple(r for r, *_ in table)
     layer_rows = crossover([t[1] for t in table], [t[2] for t in table], timed)
     head_rows = crossover([t[3] for t in table], [t[4] for t in table], timed)
-    return ProductPlan(layer_rows, head_rows, "measured", tuple(table))
+    if not int4:
+        return ProductPlan(layer_rows, head_rows, "measured", tuple(table))
+    w4_layer = crossover([t[1] for t in w4_table], [t[2] for t in w4_table], timed)
+    w4_head = crossover([t[3] for t in w4_table], [t[4] for t in w4_table], timed)
+    return ProductPlan(layer_rows, head_rows, "measured", tuple(table),
+                       NO_LIMIT if w4_layer == timed[-1] else w4_layer,
+                       NO_LIMIT if w4_head == timed[-1] else w4_head, tuple(w4_table))
 
 
 def _cache_key(model: torch.nn.Module, max_rows: int) -> str:
@@ -182,11 +224,12 @@ def _cache_key(model: torch.nn.Module, max_rows: int) -> str:
     except OSError:
         pass
     # The shapes, and whether the C products read int8 weights (--quantization int8).
-    shapes = [(tuple(m.weight.shape), m.int8 is not None)
+    shapes = [(tuple(m.weight.shape), m.int8 is not None, m.int4 is not None)
               for m in model.layers[0].modules() if isinstance(m, Linear)]  # type: ignore[attr-defined]
     parts = [cpu.decode(errors="replace"), torch.__version__, str(torch.get_num_threads()),
              str(getattr(model.head.kernels, "library_path", "")), str(shapes),  # type: ignore[attr-defined]
              str(tuple(model.head.weight.shape)), str(model.head.int8 is not None),  # type: ignore[attr-defined]
+             str(model.head.int4 is not None),  # type: ignore[attr-defined]
              str(len(model.layers)), str(max_rows)]  # type: ignore[attr-defined]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 

@@ -13,6 +13,7 @@ from torch import nn
 from splitserve.engine.kernels.cpu.bindings import CpuKernels
 from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.model.quant import Int8Weight, quantize_weight_int8
+from splitserve.engine.model.quant_int4 import Int4Weight, quantize_weight_int4, torch_int4_mm
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -50,6 +51,30 @@ def int8_kernels(weight: torch.Tensor, use_cpu_kernels: bool = True) -> CpuKerne
     return kernels if kernels is not None and kernels.has_w8 else None
 
 
+def int4_kernels(weight: torch.Tensor, use_cpu_kernels: bool = True) -> CpuKernels | None:
+    """Like :func:`int8_kernels`, for the int4 products (``gemm_w4.c``, AVX512-VNNI)."""
+    if not use_cpu_kernels or not can_pack(weight):
+        return None
+    kernels = load_cpu_kernels()
+    return kernels if kernels is not None and kernels.has_w4 else None
+
+
+def _quant_kernels(layer: Linear | LMHead, use_cpu_kernels: bool) -> CpuKernels | None:
+    if layer.int4 is not None:
+        return int4_kernels(layer.weight, use_cpu_kernels)
+    return int8_kernels(layer.weight, use_cpu_kernels)
+
+
+def _int4_product(layer: Linear | LMHead, x: torch.Tensor) -> torch.Tensor:
+    """The int4 decode product: ours (``gemm_w4.c``) up to ``w4_c_rows`` rows, torch's CPU
+    int4 kernel above (the kernel plan measures which is faster: ``engine.model.kernel_plan``)."""
+    w = layer.int4
+    assert w is not None and layer.kernels is not None
+    if x.shape[0] > layer.w4_c_rows and w.torch_packed is not None:
+        return torch_int4_mm(x, w.torch_packed, w.torch_sz, layer.bias)
+    return layer.kernels.linear_w4(x, w.packed, w.scales, layer.bias)
+
+
 def pack_decode(
     weight: torch.Tensor, use_cpu_kernels: bool = True
 ) -> tuple[CpuKernels | None, torch.Tensor | None]:
@@ -79,11 +104,18 @@ class Linear(nn.Module):
         self.decode_packed: torch.Tensor | None = None
         self.c_max_rows = 0
         self.int8: Int8Weight | None = None  # set by quantize_int8(): the C products' weight
+        self.int4: Int4Weight | None = None  # set by quantize_int4()
+        self.w4_c_rows = 1 << 30  # int4: our kernel up to here, torch's above (kernel plan)
 
     def quantize_int8(self) -> None:
         """Weight-only int8 (``engine.model.quant``): the weight becomes its de-quantized
         value; decode steps then take the int8 C products. Call after loading, before pack."""
         self.int8 = quantize_weight_int8(self.weight.data)
+
+    def quantize_int4(self, exact: torch.Tensor | None = None) -> None:
+        """Group-wise int4 (``engine.model.quant_int4``), like :meth:`quantize_int8`;
+        ``exact``: the loaded weight in float32 where the loader kept it (GGUF Q4_0)."""
+        self.int4 = quantize_weight_int4(self.weight.data, exact)
 
     def pack(self, use_cpu_kernels: bool = True) -> None:
         """Pre-pack the weight for oneDNN if :func:`can_pack` (call after loading; the plain
@@ -92,30 +124,35 @@ class Linear(nn.Module):
         the int8 ones after :meth:`quantize_int8`, else the bfloat16 ones."""
         if can_pack(self.weight):
             self.packed = pack_weight(self.weight.data)
-        if self.int8 is not None:
-            self.kernels = int8_kernels(self.weight, use_cpu_kernels)
+        if self.int8 is not None or self.int4 is not None:
+            self.kernels = _quant_kernels(self, use_cpu_kernels)
         else:
             self.kernels, self.decode_packed = pack_decode(self.weight, use_cpu_kernels)
         self.c_max_rows = self.kernels.decode_max_rows if self.kernels is not None else 0
 
     def packed_bytes(self) -> int:
         """Bytes of the packed copies (a oneDNN copy counted as the weight's size: its storage
-        is opaque to torch) and of the int8 weight."""
+        is opaque to torch) and of the int8 or int4 weight."""
         int8 = self.int8.nbytes if self.int8 is not None else 0
+        int8 += self.int4.nbytes if self.int4 is not None else 0
         return (_bytes(self.weight) if self.packed is not None else 0) + _bytes(
             self.decode_packed) + int8
 
     def c_product(self, x: torch.Tensor) -> torch.Tensor:
         """The C decode product on ``x [T, in]`` bfloat16 (``kernels`` set by :meth:`pack`):
-        int8 weights after :meth:`quantize_int8`, else the bfloat16 pair layout."""
+        int8 or int4 weights after :meth:`quantize_int8` / :meth:`quantize_int4`, else the
+        bfloat16 pair layout."""
         assert self.kernels is not None
+        if self.int4 is not None:
+            return _int4_product(self, x)
         if self.int8 is not None:
             return self.kernels.linear_w8(x, self.int8.packed, self.int8.scales, self.bias)
         return self.kernels.linear_decode(x, self.decode_packed, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, in]`` -> ``[T, out]``."""
-        has_c_weight = self.int8 is not None or self.decode_packed is not None
+        has_c_weight = (self.int8 is not None or self.int4 is not None
+                        or self.decode_packed is not None)
         if (self.kernels is not None and has_c_weight and x.dim() == 2
                 and x.shape[0] <= self.c_max_rows):
             return self.c_product(x.contiguous())
@@ -137,6 +174,8 @@ class LMHead:
         self.decode_packed: torch.Tensor | None = None
         self.c_max_rows = 0
         self.int8: Int8Weight | None = None
+        self.int4: Int4Weight | None = None
+        self.w4_c_rows = 1 << 30
         self.bias = None  # for c_product's signature: a vocab projection has none
 
     def quantize_int8(self) -> None:
@@ -145,12 +184,17 @@ class LMHead:
         self.weight = self.weight.detach().clone()
         self.int8 = quantize_weight_int8(self.weight)
 
+    def quantize_int4(self, exact: torch.Tensor | None = None) -> None:
+        """Like :meth:`quantize_int8`, int4 (``engine.model.quant_int4``)."""
+        self.weight = self.weight.detach().clone()
+        self.int4 = quantize_weight_int4(self.weight, exact)
+
     def pack(self, use_cpu_kernels: bool = True) -> CpuKernels | None:
         """Pack like :meth:`Linear.pack`; returns the C kernels when they serve."""
         if can_pack(self.weight):
             self.packed = pack_weight(self.weight.data)
-        if self.int8 is not None:
-            self.kernels = int8_kernels(self.weight, use_cpu_kernels)
+        if self.int8 is not None or self.int4 is not None:
+            self.kernels = _quant_kernels(self, use_cpu_kernels)
         else:
             self.kernels, self.decode_packed = pack_decode(self.weight, use_cpu_kernels)
         self.c_max_rows = self.kernels.decode_max_rows if self.kernels is not None else 0
@@ -159,6 +203,7 @@ class LMHead:
     def packed_bytes(self) -> int:
         # After quantize_int8 the weight is a copy too (the parameter it came from stays).
         int8 = self.int8.nbytes + _bytes(self.weight) if self.int8 is not None else 0
+        int8 += self.int4.nbytes + _bytes(self.weight) if self.int4 is not None else 0
         return (_bytes(self.weight) if self.packed is not None else 0) + _bytes(
             self.decode_packed) + int8
 

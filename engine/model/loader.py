@@ -126,23 +126,30 @@ def load_model(
     if gguf_file is None and path.is_dir():
         gguf_file = gguf_in_folder(path)
     config = read_config(path)
+    engine = engine or EngineConfig()
+    model_cls = get_architecture(config.architecture).model_class()
+    wanted = model_cls.weight_map(config)
+    exact_params: set[str] = set()
     if gguf_file is not None:
-        tensors, source = _gguf(open_gguf(gguf_file), config), str(gguf_file)
+        gguf = open_gguf(gguf_file)
+        tensors, source = _gguf(gguf, config), str(gguf_file)
+        if engine.quantization == "int4":
+            exact_params = q4_0_params(gguf, config, wanted)
     else:
         tensors, source = _safetensors(weight_files(path)), f"model folder {path}"
-    engine = engine or EngineConfig()
     if attn_backend is None:
         name = default_attention_backend(device, engine.attention)
         options = {"use_decode_cache": engine.decode_kv_cache,
                    "use_cpu_kernels": engine.cpu_kernels} if name == "torch" else {}
         attn_backend = create_attention_backend(name, **options)
-    model_cls = get_architecture(config.architecture).model_class()
     with torch.device(device):
         model = model_cls(config, dtype, attn_backend, fused_decode=engine.fused_decode)
     for table in model.rotary_tables():
         table.to(device)
-    _fill(model, model_cls.weight_map(config), tensors, source)
-    model.quantize_weights(engine.quantization)  # before packing: the packs read the weights
+    exact = _fill(model, wanted, tensors, source, exact_params)
+    # Before packing: the packs read the weights.
+    model.quantize_weights(engine.quantization, exact)
+    del exact
     if engine.pack_weights:  # CPU bfloat16: oneDNN-packed projections (no-op elsewhere)
         model.pack_weights(engine.cpu_kernels)
     if model.kernels is not None and model.head.packed is not None:
@@ -153,14 +160,27 @@ def load_model(
     return model.eval(), config
 
 
-def _fill(model: DecoderLM, wanted: dict, tensors: Tensors, source: str) -> None:
-    """Copy every wanted tensor into its parameter slice.
+def q4_0_params(gguf: GGUFFile, config: ModelConfig, wanted: dict) -> set[str]:
+    """Our parameters that take a Q4_0 tensor of ``gguf`` (in any of their slices): int4
+    quantizes those from their float32 values, in which Q4_0 de-quantizes exactly, so they keep
+    the file's levels and scales (``engine.model.quant_int4``, on Q4_0's symmetric grid; the
+    other rows of a fused parameter, e.g. a Q6_K ``v_proj`` beside Q4_0 ``q``/``k``, take that
+    grid too); a bfloat16 copy would round them. Reads no tensor data."""
+    return {wanted[t.hf_name][0] for t in iter_tensors(gguf, config.num_heads, config.num_kv_heads)
+            if t.tensor_type == "Q4_0" and t.hf_name in wanted}
+
+
+def _fill(model: DecoderLM, wanted: dict, tensors: Tensors, source: str,
+          exact_params: set[str] = frozenset()) -> dict[str, torch.Tensor]:  # type: ignore[assignment]
+    """Copy every wanted tensor into its parameter slice; returns, for each parameter of
+    ``exact_params``, its full value in float32 as loaded (before the serving dtype rounds it).
 
     Raises:
         ValueError: a tensor of the wrong shape, wanted tensors absent from ``source``, or
             weights in ``source`` that no parameter takes.
     """
     params = dict(model.named_parameters())
+    exact: dict[str, torch.Tensor] = {}
     filled: set[str] = set()
     unused: list[str] = []
     for name, where, load in tensors:
@@ -181,6 +201,10 @@ def _fill(model: DecoderLM, wanted: dict, tensors: Tensors, source: str) -> None
                 f"{where} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
             )
         target.copy_(tensor)
+        if ours in exact_params:
+            if ours not in exact:
+                exact[ours] = torch.zeros(params[ours].shape, dtype=torch.float32)
+            exact[ours][index] = tensor.float()
         filled.add(name)
     if unused:
         more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
@@ -192,3 +216,4 @@ def _fill(model: DecoderLM, wanted: dict, tensors: Tensors, source: str) -> None
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(f"{source} lacks tensors: {', '.join(missing[:5])}{more}")
+    return exact

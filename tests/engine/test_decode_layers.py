@@ -2,7 +2,7 @@
 they replace: the default model in bfloat16 through the scheduler gives the same tokens and
 bit-identical logprobs with and without them, and they run when they should; 3 rows (the skinny
 kernel at 1-2 rows, the AVX512_BF16 tiles at 3) and 9 rows (the tiles down to 3); the same with
-int8 weights (``--quantization int8``: the VNNI products in both paths)."""
+int8 and int4 weights (``--quantization int8|int4``: the VNNI products in both paths)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from splitserve.engine.kv_pool import KVPool
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="no C compiler")
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("num_reqs", [3, 9])
 def test_fused_decode_layers_equal_the_per_op_path(
     model_path, monkeypatch, num_reqs, quantization

@@ -143,3 +143,35 @@ def test_a_chosen_path_gives_the_bits_of_the_forced_one(bf16_model) -> None:
     finally:
         torch.set_num_threads(before)
         model.set_product_plan(ProductPlan(128, 128, "c"))
+
+
+@needs_both
+def test_int4_plan_times_ours_against_torchs_int4_kernel(model_path, tmp_path,
+                                                          monkeypatch) -> None:
+    """``--quantization int4``: the measured plan has both int4 kernels' timings at every
+    bucket it timed, and the plan's int4 crossover decides which one serves a step: a 4-row
+    decode step under a plan that puts torch's kernel above 2 rows gives the bits of forcing
+    torch's kernel, and those differ from ours (so the equality can fail)."""
+    from splitserve.engine.model.loader import load_model
+    from splitserve.engine.model.quant_int4 import torch_int4_available
+
+    if not torch_int4_available() or not kernels.has_w4:
+        pytest.skip("needs torch's CPU int4 kernel and ours")
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path))
+    model, cfg = load_model(model_path, dtype=torch.bfloat16,
+                            engine=EngineConfig(kernels="c", quantization="int4"))
+    plan = kernel_plan.measure(model, 4)
+    assert [r for r, *_ in plan.w4_table] == [r for r, *_ in plan.table]
+    assert all(t > 0 for row in plan.w4_table for t in row[1:])
+    assert "int4" in plan.summary()
+    assert ProductPlan.from_json(plan.to_json(), "x").w4_table == plan.w4_table
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ours = _generate(model, cfg, ProductPlan(128, 128, "c"))
+        torch4 = _generate(model, cfg, ProductPlan(128, 128, "c", (), 0, 0))
+        assert ours != torch4
+        assert _generate(model, cfg, ProductPlan(128, 128, "c", (), 2, 2)) == torch4
+        assert _generate(model, cfg, ProductPlan(128, 128, "c", (), 8, 8)) == ours
+    finally:
+        torch.set_num_threads(before)

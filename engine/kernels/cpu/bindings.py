@@ -68,6 +68,10 @@ class CpuKernels:
         self._w8.restype = ctypes.c_int
         self._w8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr]
         self.has_w8 = bool(lib.gemm_w8_available())  # AVX512-VNNI int8 weight products
+        self._w4 = lib.gemm_w4_bf16
+        self._w4.restype = ctypes.c_int
+        self._w4.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr]
+        self.has_w4 = bool(lib.gemm_w4_available())  # AVX512-VNNI int4 weight products
         self.has_gemm = bool(lib.gemm_packed_bf16_available())
         # Rows up to which linear_decode runs (beyond: oneDNN on its own packed copy).
         self.decode_max_rows = GEMM_MAX_ROWS if self.has_gemm else SKINNY_MAX_ROWS
@@ -159,7 +163,7 @@ class CpuKernels:
         caller (:mod:`splitserve.engine.model.fused_decode`) checks that it applies.
 
         Args:
-            ptrs: ``[L * 14]`` int64 per-layer weight addresses (``decode_layers.layer_pointers``).
+            ptrs: ``[L * 15]`` int64 per-layer weight addresses (``decode_layers.layer_pointers``).
             x: ``[M, hidden]`` bfloat16 contiguous hidden states, updated in place.
             cfg: the ``ModelConfig`` (sizes, ``rms_norm_eps``).
             rope: the model's ``RotaryEmbedding`` (float32 tables).
@@ -176,7 +180,7 @@ class CpuKernels:
         """
         m, hid = x.shape
         return self._layers(
-            ptrs.numel() // 14, ptrs.data_ptr(), x.data_ptr(), m, hid, cfg.num_heads,
+            ptrs.numel() // 15, ptrs.data_ptr(), x.data_ptr(), m, hid, cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
             cfg.head_dim**-0.5, window or 0, positions.data_ptr(), rope.cos.data_ptr(),
             rope.sin.data_ptr(), pool_buffer.data_ptr(), pool_buffer.stride(1),
@@ -295,6 +299,41 @@ class CpuKernels:
             raise MemoryError("int8 weight kernel: out of memory")
         if rc != 0:
             raise ValueError(f"int8 weight kernel: unsupported (x {tuple(x.shape)}, N {n})")
+        return y
+
+    def linear_w4(
+        self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``x @ W'.T + bias`` on group-wise int4 weights (``gemm_w4.c``, AVX512-VNNI; check
+        :attr:`has_w4`; ``engine.model.quant_int4`` has the scheme): ``x`` is quantized per row
+        and group of 32 to int8 inside, each group's sum is an exact integer, scaled and added
+        in float32, rounded to bfloat16 once.
+
+        Args:
+            x: ``[M, K]`` bfloat16, ``M >= 1``, ``K % 32 == 0``, last dim contiguous.
+            packed: ``quant_int4.pack_int4`` (uint8, ``[N/16, K/8, 16, 4]``).
+            scales: ``quant_int4.pack_int4_scales`` (float16, ``[N/16, K/32, 16]``).
+            bias: ``[N]`` bfloat16 or None.
+
+        Returns:
+            ``[M, N]`` bfloat16.
+
+        Raises:
+            MemoryError: no memory for the int8 copy of ``x``.
+            ValueError: the kernel does not run (no AVX512-VNNI in this build, bad shapes).
+        """
+        m, k = x.shape
+        n = packed.shape[0] * 16
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        rc = self._w4(
+            x.data_ptr(), x.stride(0), m, packed.data_ptr(), scales.data_ptr(),
+            None if bias is None else bias.data_ptr(), n, k, y.data_ptr(),
+        )
+        if rc == -1:
+            raise MemoryError("int4 weight kernel: out of memory")
+        if rc != 0:
+            raise ValueError(f"int4 weight kernel: unsupported (x {tuple(x.shape)}, N {n})")
         return y
 
     def linear_skinny(

@@ -14,11 +14,12 @@
 #include "kernels.h"
 
 /* Per-layer addresses, NPTR per layer in this order (0 for an absent bias). Each projection
- * has its weight, bias and int8 scales: with scales (--quantization int8) the weight is int8 in
- * gemm_w8.c's layout and gemm_w8_bf16 runs it, else it is bfloat16 for decode_linear_bf16. */
+ * has its weight, bias and scales: with scales the weight is quantized, in gemm_w8.c's layout
+ * (--quantization int8) or gemm_w4.c's (int4, float16 group scales) as the layer's BITS entry
+ * (a number, 8 or 4, not an address) says; without, it is bfloat16 for decode_linear_bf16. */
 enum {
     IN_NORM, QKV_W, QKV_B, QKV_S, O_W, O_B, O_S, POST_NORM, GU_W, GU_B, GU_S,
-    DOWN_W, DOWN_B, DOWN_S, NPTR
+    DOWN_W, DOWN_B, DOWN_S, BITS, NPTR
 };
 
 #define P(l, i) ((const uint16_t *)(uintptr_t)ptrs[(l) * NPTR + (i)])
@@ -27,6 +28,9 @@ enum {
 static int project(const int64_t *ptrs, int64_t l, int w, const uint16_t *x, int64_t m,
                    int64_t n, int64_t k, uint16_t *y) {
     const float *scales = (const float *)(uintptr_t)ptrs[l * NPTR + w + 2];
+    if (scales && ptrs[l * NPTR + BITS] == 4)
+        return gemm_w4_bf16(x, k, m, (const uint8_t *)P(l, w), (const uint16_t *)scales,
+                            P(l, w + 1), n, k, y);
     if (scales)
         return gemm_w8_bf16(x, k, m, (const int8_t *)P(l, w), scales, P(l, w + 1), n, k, y);
     return decode_linear_bf16(x, k, m, P(l, w), P(l, w + 1), n, k, y);

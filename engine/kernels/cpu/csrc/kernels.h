@@ -17,6 +17,9 @@ int decode_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uin
                        const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y);
 int gemm_w8_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const int8_t *wq,
                  const float *ws, const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y);
+int gemm_w4_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *wq,
+                 const uint16_t *ws, const uint16_t *bias, int64_t n_out, int64_t k,
+                 uint16_t *y);
 void kv_append_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
                     int64_t t, int64_t hkv, int64_t d, uint16_t *pool_k, uint16_t *pool_v,
                     int64_t page_stride, const int64_t *page_ids, const int64_t *offsets,
