@@ -24,6 +24,7 @@ from splitserve.config.schema import (
     ATTENTION_CHOICES,
     DEVICES,
     DTYPES,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     SPECULATIVE_CHOICES,
     ServeConfig,
@@ -92,6 +93,9 @@ ENGINE_FLAGS = (
     Flag("--quantization", "engine.quantization", "weights quantized at load: int8 "
          "(weight-only, one scale per output channel; AVX512-VNNI decode products), or none",
          choices=QUANTIZATIONS),
+    Flag("--kv-cache-dtype", "engine.kv_cache_dtype", "KV pool values: auto (the model dtype), "
+         "int8 or fp8_e4m3 (8 bits + a float32 scale per token and KV head: ~0.53x the bytes "
+         "of bfloat16; torch attention only, de-quantized as read)", choices=KV_CACHE_DTYPES),
     Flag("--device", "engine.device", "where models and KV pools live; cuda uses the Triton "
          "attention kernels and CUDA graphs ($SPLITSERVE_DEVICE sets the default)", choices=DEVICES),
     Flag("--page-size", "engine.page_size", "tokens per KV page"),

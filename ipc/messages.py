@@ -89,6 +89,7 @@ class KVLayoutMsg(msgspec.Struct, frozen=True):
     head_dim: int
     page_size: int
     dtype: str
+    kv_cache_dtype: str = "auto"  # "int8" / "fp8_e4m3": 8-bit values + per-token-head scales
 
 
 # ---- server -> worker -------------------------------------------------------------------------

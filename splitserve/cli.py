@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from splitserve.config import ServeConfig, WorkerConfig, env
 from splitserve.config.flags import (
@@ -28,7 +29,10 @@ from splitserve.config.flags import (
     apply_flags,
 )
 from splitserve.config.registry import WORKER_ROLE
-from splitserve.config.schema import from_json
+from splitserve.config.schema import EngineConfig, from_json
+
+if TYPE_CHECKING:
+    from splitserve.engine.model.config import ModelConfig
 
 CLUSTER_COMMAND_FLAGS = (*ENGINE_FLAGS, *LOG_FLAGS, *SECURITY_FLAGS, *SERVER_FLAGS, *CLUSTER_FLAGS)
 WORKER_FLAGS = (*ENGINE_FLAGS, *LOG_FLAGS, *SECURITY_FLAGS)
@@ -94,7 +98,7 @@ def _resolve_engine(config: ServeConfig | WorkerConfig, report: bool = False) ->
     e = config.engine
     try:
         e.model = str(resolve_model_path(e.model or None))
-        ModelConfig.from_dir(e.model)  # unsupported architecture: fail here, not in a child
+        model_config = ModelConfig.from_dir(e.model)  # unsupported: fail here, not in a child
     except (ValueError, FileNotFoundError) as exc:
         sys.exit(f"error: {exc}")
     if e.device == "cuda":
@@ -116,6 +120,21 @@ def _resolve_engine(config: ServeConfig | WorkerConfig, report: bool = False) ->
                "no int8 kernel here (needs CPU bfloat16 with avx512_vnni): the de-quantized "
                "weights serve, no faster than unquantized")
         print(f"splitserve: quantization {e.quantization} ({how})", file=sys.stderr, flush=True)
+    if report and e.kv_cache_dtype != "auto":
+        print(f"splitserve: {kv_cache_report(model_config, e)}", file=sys.stderr, flush=True)
+
+
+def kv_cache_report(model_config: ModelConfig, e: EngineConfig) -> str:
+    """One line on an 8-bit KV cache: bytes per token against the model dtype's, and which
+    attention paths serve it (the C kernels read unquantized pages only)."""
+    full = model_config.kv_layout(e.page_size, e.dtype).bytes_per_token
+    ours = model_config.kv_layout(e.page_size, e.dtype, e.kv_cache_dtype).bytes_per_token
+    return (
+        f"KV cache {e.kv_cache_dtype}: {ours:.0f} bytes per token vs {full:.0f} in {e.dtype} "
+        f"({full / ours:.2f}x the tokens in --kv-cache-mb {e.kv_cache_mb}); attention "
+        "de-quantizes in torch ops: the C decode/extend attention kernels and the fused C decode "
+        "layers are not used with an 8-bit cache"
+    )
 
 
 def serve_config(args: argparse.Namespace, colocated: bool) -> ServeConfig:

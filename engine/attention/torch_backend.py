@@ -132,7 +132,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
             rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
             meta.decode_pages = batch.page_table[rows, :num_pages]
             meta.decode_tokens = torch.tensor(dec_tok, dtype=torch.long, device=device)
-        if not _use_head_major(pool.buffer.dtype):
+        if not _use_head_major(pool.dtype):
             meta.decode_masks = {
                 w: _decode_mask(lens, num_pages * ps, w, device) for w in distinct
             }
@@ -146,7 +146,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
         if meta.decode_plan is None:
             meta.decode_biases = {
                 w: decode_bias(
-                    lens, num_pages * ps, pool.layout.num_kv_heads, w, pool.buffer.dtype, device
+                    lens, num_pages * ps, pool.layout.num_kv_heads, w, pool.dtype, device
                 )
                 for w in distinct
             }
@@ -157,10 +157,13 @@ class TorchAttentionBackend(BaseAttentionBackend):
         return 0 if cache is None else cache.nbytes
 
     def _kernels_for(self, pool: KVPool, num_heads: int | None = None) -> CpuKernels | None:
-        """The C decode kernel when it serves ``pool`` (CPU, bfloat16, supported heads;
-        ``num_heads`` query heads, unchecked when None), else None. Built on the first call
+        """The C decode kernel when it serves ``pool`` (CPU, bfloat16 pages, supported heads;
+        ``num_heads`` query heads, unchecked when None), else None: the C kernels read
+        unquantized pages, so an 8-bit pool is served by the torch ops. Built on the first call
         (about half a second), then cached."""
         if pool.buffer.device.type != "cpu" or pool.buffer.dtype != torch.bfloat16:
+            return None
+        if pool.layout.is_quantized:
             return None
         hkv = pool.layout.num_kv_heads
         if not CpuKernels.supports(num_heads or hkv, hkv, pool.layout.head_dim):
@@ -176,7 +179,9 @@ class TorchAttentionBackend(BaseAttentionBackend):
         if not self.use_decode_cache or batch.seq_ids is None or pool.buffer.device.type != "cpu":
             return None
         if self.decode_cache is None or self.decode_cache.pool is not pool:
-            pool_bytes = pool.buffer.numel() * pool.buffer.element_size()
+            # The cache holds K/V in the model's dtype: bound it by what the pool's tokens
+            # take in that dtype (an 8-bit pool's own bytes would fit half its tokens).
+            pool_bytes = pool.kv.numel() * pool.dtype.itemsize
             self.decode_cache = DecodeKVCache(pool, max_bytes=pool_bytes)
         return self.decode_cache
 
@@ -243,12 +248,12 @@ class TorchAttentionBackend(BaseAttentionBackend):
         bd, hq, d = q.shape
         hkv = pool.layout.num_kv_heads
         pages = meta.decode_pages
-        if _use_head_major(pool.buffer.dtype):
+        if _use_head_major(pool.dtype):
             return self._decode_head_major(q, k, v, layer, meta, pool, scale)
         mask = meta.decode_masks[meta.windows[layer]]
-        # [Bd * P, page_size * Hkv * D] -> [Bd, S, Hkv, D] -> [Bd, Hkv, S, D]
-        kc = _gather(pool.k_pages(layer), pages).view(bd, -1, hkv, d).transpose(1, 2).to(q.dtype)
-        vc = _gather(pool.v_pages(layer), pages).view(bd, -1, hkv, d).transpose(1, 2).to(q.dtype)
+        # [Bd * P, page_size, Hkv, D] -> [Bd, S, Hkv, D] -> [Bd, Hkv, S, D]
+        kc = pool.gather(layer, 0, pages, q.dtype).view(bd, -1, hkv, d).transpose(1, 2)
+        vc = pool.gather(layer, 1, pages, q.dtype).view(bd, -1, hkv, d).transpose(1, 2)
         # GQA without repeating K/V: the G query heads sharing a KV head become G "query rows"
         # of that head (all at the same position, so one [S] mask serves them all).
         qg = q.reshape(bd, hkv, hq // hkv, d)
@@ -268,7 +273,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
     ) -> torch.Tensor:
         """Decode rows over the decode cache (in place) or over a head-major gather;
         ``appended``: the new K/V are already in the cache (``_append_with_kernel``)."""
-        dtype = pool.buffer.dtype
+        dtype = pool.dtype
         qc = q.to(dtype)
         window = meta.windows[layer]
         plan, cache = meta.decode_plan, self.decode_cache
@@ -330,13 +335,13 @@ class TorchAttentionBackend(BaseAttentionBackend):
             if out is not None:
                 return out
         if e.seq_len == e.extend_len:
-            # No cached prefix: the new K/V are the whole sequence (rounded through the pool
-            # dtype so that this path and the gather path see the same values).
-            kc, vc = k.to(pool.buffer.dtype).to(q.dtype), v.to(pool.buffer.dtype).to(q.dtype)
+            # No cached prefix: the new K/V are the whole sequence (rounded through the pool,
+            # its dtype or its 8 bits, so that this path and the gather path see the same values).
+            kc, vc = pool.round_trip(k).to(q.dtype), pool.round_trip(v).to(q.dtype)
         else:
             shape = (-1, k.shape[1], k.shape[2])
-            kc = _gather(pool.k_pages(layer), e.pages).view(shape)[: e.seq_len].to(q.dtype)
-            vc = _gather(pool.v_pages(layer), e.pages).view(shape)[: e.seq_len].to(q.dtype)
+            kc = pool.gather(layer, 0, e.pages, q.dtype).view(shape)[: e.seq_len]
+            vc = pool.gather(layer, 1, e.pages, q.dtype).view(shape)[: e.seq_len]
         mask = e.mask(window)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
@@ -348,16 +353,6 @@ class TorchAttentionBackend(BaseAttentionBackend):
             enable_gqa=True,
         )
         return o.squeeze(0).transpose(0, 1)
-
-
-def _gather(pages_view: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
-    """Copy pages ``page_ids`` (any shape, int64) of one layer's K or V view
-    ``[num_pages, page_size, Hkv, D]`` into a contiguous ``[page_ids.numel(), page_size*Hkv*D]``.
-
-    ``index_select`` on the 2-D view copies whole contiguous rows; advanced indexing
-    (``view[page_ids]``) copies element by element and is ~6x slower on CPU.
-    """
-    return pages_view.flatten(1).index_select(0, page_ids.flatten())
 
 
 def _extend_mask(
