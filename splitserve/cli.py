@@ -126,14 +126,15 @@ def _resolve_engine(config: ServeConfig | WorkerConfig, report: bool = False) ->
 
 def kv_cache_report(model_config: ModelConfig, e: EngineConfig) -> str:
     """One line on an 8-bit KV cache: bytes per token against the model dtype's, and which
-    attention paths serve it (the C kernels read unquantized pages only)."""
+    attention paths serve it (the C kernels that touch pool pages take bfloat16 pages)."""
     full = model_config.kv_layout(e.page_size, e.dtype).bytes_per_token
     ours = model_config.kv_layout(e.page_size, e.dtype, e.kv_cache_dtype).bytes_per_token
     return (
         f"KV cache {e.kv_cache_dtype}: {ours:.0f} bytes per token vs {full:.0f} in {e.dtype} "
-        f"({full / ours:.2f}x the tokens in --kv-cache-mb {e.kv_cache_mb}); attention "
-        "de-quantizes in torch ops: the C decode/extend attention kernels and the fused C decode "
-        "layers are not used with an 8-bit cache"
+        f"({full / ours:.2f}x the tokens in --kv-cache-mb {e.kv_cache_mb}); pages are "
+        "de-quantized as attention reads them (torch ops; decode attention over the decode KV "
+        "cache's de-quantized copy may use the C kernel), and the C KV append, C extend "
+        "attention and fused C decode layers are not used with an 8-bit cache"
     )
 
 

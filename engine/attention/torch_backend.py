@@ -157,13 +157,12 @@ class TorchAttentionBackend(BaseAttentionBackend):
         return 0 if cache is None else cache.nbytes
 
     def _kernels_for(self, pool: KVPool, num_heads: int | None = None) -> CpuKernels | None:
-        """The C decode kernel when it serves ``pool`` (CPU, bfloat16 pages, supported heads;
-        ``num_heads`` query heads, unchecked when None), else None: the C kernels read
-        unquantized pages, so an 8-bit pool is served by the torch ops. Built on the first call
-        (about half a second), then cached."""
-        if pool.buffer.device.type != "cpu" or pool.buffer.dtype != torch.bfloat16:
-            return None
-        if pool.layout.is_quantized:
+        """The C decode kernel when it serves ``pool`` (CPU, read back in bfloat16, supported
+        heads; ``num_heads`` query heads, unchecked when None), else None. Built on the first
+        call (about half a second), then cached. Its decode attention reads the decode cache or
+        a gathered copy, never the pool, so it serves an 8-bit pool too (over the de-quantized
+        copy); the kernels that touch pool pages ask :meth:`_pool_kernels_for`."""
+        if pool.buffer.device.type != "cpu" or pool.dtype != torch.bfloat16:
             return None
         hkv = pool.layout.num_kv_heads
         if not CpuKernels.supports(num_heads or hkv, hkv, pool.layout.head_dim):
@@ -173,15 +172,21 @@ class TorchAttentionBackend(BaseAttentionBackend):
             self._kernels_checked = True
         return self.kernels
 
+    def _pool_kernels_for(self, pool: KVPool, num_heads: int | None = None) -> CpuKernels | None:
+        """:meth:`_kernels_for` for the C kernels that read or write pool pages (KV append,
+        extend attention, the fused decode layers): None for an 8-bit pool, whose pages they
+        cannot read (they take bfloat16 pages)."""
+        return None if pool.layout.is_quantized else self._kernels_for(pool, num_heads)
+
     def _decode_cache_for(self, pool: KVPool, batch: ForwardBatch) -> DecodeKVCache | None:
         """The decode cache of ``pool`` (made on first use), or None when off or when the batch
         has no sequence ids to key it by."""
         if not self.use_decode_cache or batch.seq_ids is None or pool.buffer.device.type != "cpu":
             return None
         if self.decode_cache is None or self.decode_cache.pool is not pool:
-            # The cache holds K/V in the model's dtype: bound it by what the pool's tokens
-            # take in that dtype (an 8-bit pool's own bytes would fit half its tokens).
-            pool_bytes = pool.kv.numel() * pool.dtype.itemsize
+            # Never more than the pool's own bytes: an 8-bit pool's cache (in the model's
+            # dtype) holds about half as many tokens as the pool before the step gathers.
+            pool_bytes = pool.buffer.numel() * pool.buffer.element_size()
             self.decode_cache = DecodeKVCache(pool, max_bytes=pool_bytes)
         return self.decode_cache
 
@@ -219,7 +224,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
     ) -> bool:
         """Write a decode-only step's new K/V into the pool and the decode cache (when it
         serves) with one C call; False (nothing written) where the C kernels do not apply."""
-        kern = self._kernels_for(pool)
+        kern = self._pool_kernels_for(pool)
         if kern is None or k.dtype != pool.buffer.dtype or not pool.buffer.is_contiguous():
             return False
         d = k.shape[2]
@@ -322,7 +327,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
         """One sequence's ``q [n, Hq, D]`` against its whole KV -> ``[n, Hq, D]``: the C flash
         kernel on CPU bfloat16 (it reads the pool, where ``k``/``v`` already are), else SDPA;
         ``windows[layer]`` is the layer's sliding window."""
-        kern = self._kernels_for(pool, q.shape[1])
+        kern = self._pool_kernels_for(pool, q.shape[1])
         window = windows[layer]
         if (
             kern is not None and kern.has_gemm  # the kernel needs AVX512-BF16, as the tiles do
