@@ -103,13 +103,14 @@ def _prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer(f"Question: {r['question']}\nAnswer:")["input_ids"] for r in rows]
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Share of generated tokens before each pair's first difference (greedy runs diverge for
-    good after one)."""
+def _agreement(got: list[list[int]], ref: list[list[int]]) -> float:
+    """Share of the reference's generated tokens that come before each pair's first difference
+    (greedy runs part for good after one; an end of sequence in one only is a difference)."""
     same = 0
-    for x, y in zip(a, b, strict=True):
-        same += next((i for i, (s, t) in enumerate(zip(x, y, strict=True)) if s != t), len(x))
-    return same / sum(len(x) for x in a)
+    for x, y in zip(got, ref, strict=True):
+        n = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        same += len(y) if x == y else n
+    return same / sum(len(y) for y in ref)
 
 
 def test_greedy_agreement_with_bf16_cache(ctx, model_path, tokenizer, monkeypatch) -> None:
@@ -128,7 +129,8 @@ def test_greedy_agreement_with_bf16_cache(ctx, model_path, tokenizer, monkeypatc
     print("greedy agreement with the bfloat16 cache:", shares)
     assert shares["int8"] >= 0.8 and shares["fp8_e4m3"] >= 0.5, shares
     real = kv_pool.quantize_kv
-    monkeypatch.setattr(kv_pool, "quantize_kv", lambda x, k: (real(x, k)[0], torch.ones(x.shape[:-1])))
+    monkeypatch.setattr(kv_pool, "quantize_kv",
+                        lambda x, k: (real(x, k)[0], torch.ones(x.shape[:-1])))
     monkeypatch.setattr(kv_pool, "round_trip_kv", lambda x, k: real(x, k)[0].to(x.dtype))
     broken, _ = _colocated(model_path, server, prompts, AGREE_TOKENS, dtype="bfloat16",
                            kv_cache_dtype="int8")
