@@ -375,6 +375,7 @@ class BaseWorker:
             transfer_failures=self.num_transfer_failures,
             requests_failed=self.num_failed,
             kv_pool_bytes=self.pool.buffer.numel() * self.pool.buffer.element_size(),
+            kv_cache_dtype=self.pool.layout.kv_cache_dtype,
             decode_cache_bytes=model.attn_backend.cache_bytes(),
             weight_bytes=model.weight_bytes(),
             kernel_plan=model.kernel_plan.summary() if model.kernel_plan else "",
