@@ -132,9 +132,9 @@ def kv_cache_report(model_config: ModelConfig, e: EngineConfig) -> str:
     return (
         f"KV cache {e.kv_cache_dtype}: {ours:.0f} bytes per token vs {full:.0f} in {e.dtype} "
         f"({full / ours:.2f}x the tokens in --kv-cache-mb {e.kv_cache_mb}); pages are "
-        "de-quantized as attention reads them (torch ops; decode attention over the decode KV "
-        "cache's de-quantized copy may use the C kernel), and the C KV append, C extend "
-        "attention and fused C decode layers are not used with an 8-bit cache"
+        "de-quantized as attention reads them, in torch ops (decode rows read the decode KV "
+        "cache's de-quantized copy, through the C decode attention kernel on CPU bfloat16); "
+        "the C KV append, C extend attention and fused C decode layers are off with it"
     )
 
 
