@@ -98,8 +98,8 @@ def gather_head_major(
 
     Returns:
         ``kt [R * Hkv, D, P * page_size]`` and ``v [R * Hkv, P * page_size, D]`` in ``dtype``
-        (de-quantized from an 8-bit pool), views of ``ws``'s buffers (valid until the next call). Positions past a row's length
-        hold whatever its padding pages hold: mask them.
+        (de-quantized from an 8-bit pool), views of ``ws``'s buffers (valid until the next
+        call). Positions past a row's length hold whatever its padding pages hold: mask them.
     """
     r, p = pages.shape
     ps, hkv, d = pool.page_size, pool.layout.num_kv_heads, pool.layout.head_dim
