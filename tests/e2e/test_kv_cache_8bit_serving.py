@@ -1,6 +1,6 @@
 """``--kv-cache-dtype int8`` served end to end through the ``openai`` client: a disaggregated
 cluster (KV over ZeroMQ, float32) answers greedy completions equal to the same engine run
-in-process with an int8 pool, one request at a time; the same prompt again reads its prefix from
+in-process with an int8 pool, one request at a time (the same tie rule); the same prompt again reads its prefix from
 the prefill worker's radix cache (``cached_tokens`` > 0) and answers the same; ``/workers`` shows
 the KV dtype; after a flush no page is held."""
 
@@ -25,6 +25,22 @@ PROMPTS = [
     "and nobody is out walking."),
 ]
 NEW_TOKENS = 16
+# Top-2 logprob gap under which either token is right. A cached prefix computes the suffix
+# with other attention calls (an explicit mask instead of is_causal), and a float32 difference
+# of ~1e-7 at an 8-bit rounding boundary moves that value by a whole level: logprobs then
+# differ by up to ~0.02 (measured), so a near-tie may go either way (measured here: a gap of
+# 0.014 at token 12 of the third prompt).
+TIE = 0.05
+
+
+def _equal_up_to_a_tie(want: list[int], got: list[int], gaps: list[float]) -> None:
+    """``got`` equals ``want`` up to their first difference, which must be a near-tie of
+    ``want``'s run (``gaps``: its top-2 logprob gap per position)."""
+    assert len(got) == len(want)
+    for pos, (a, b) in enumerate(zip(want, got, strict=True)):
+        if a != b:
+            assert gaps[pos] < TIE, (pos, a, b, gaps[pos])
+            return
 
 
 def _in_process_greedy(model_path, tokenizer, kv_cache_dtype: str) -> list[list[int]]:
@@ -57,17 +73,21 @@ def test_int8_kv_served_disaggregated(model_path, tokenizer) -> None:
         rows = httpx.get(cluster.config.url + "/workers", timeout=10).json()
         assert sorted(r["role"] for r in rows) == ["decode", "prefill"]
         assert all(r["kv_cache_dtype"] == "int8" for r in rows), rows
-        got, cached = [], []
+        got, cached, gaps = [], [], []
         for text in PROMPTS:
             for _ in range(2):  # the second time over the prefill worker's cached prefix
                 resp = client.completions.create(
                     model="default", prompt=text, max_tokens=NEW_TOKENS, temperature=0,
-                    extra_body={"ignore_eos": True, "return_token_ids": True})
+                    logprobs=2, extra_body={"ignore_eos": True, "return_token_ids": True})
                 got.append(resp.choices[0].model_extra["token_ids"])
                 cached.append(resp.usage.prompt_tokens_details.cached_tokens)
-        assert got[0::2] == got[1::2]
+                tops = resp.choices[0].logprobs.top_logprobs
+                gaps.append([max(t.values()) - min(t.values()) for t in tops])
+        for i in range(len(PROMPTS)):  # the cached run, against the first
+            _equal_up_to_a_tie(got[2 * i], got[2 * i + 1], gaps[2 * i])
         assert all(c == 0 for c in cached[0::2]) and all(c > 0 for c in cached[1::2]), cached
-        assert got[0::2] == _in_process_greedy(model_path, tokenizer, "int8")
+        for i, ids in enumerate(_in_process_greedy(model_path, tokenizer, "int8")):
+            _equal_up_to_a_tie(got[2 * i], ids, gaps[2 * i])
         stats = flush_cache(cluster)
         assert all(s["pages_used"] == 0 for s in stats), stats
     finally:
