@@ -14,8 +14,9 @@ Configurations, each with its own pool and attention backend:
   bfloat16 copy, over which the C decode attention kernel runs) or, when that cache does not
   fit, gathered per step; no fused decode layers, no C KV append (they write bfloat16 pages).
 
-Every pool has the same bytes (what the bf16 one needs), so the 8-bit pools hold ~1.9x the
-tokens, and the decode cache's bound (the pool's bytes) is the same for all.
+Every pool has the same bytes (``--pool-room`` times what the bf16 one needs), so the 8-bit
+pools hold ~1.9x the tokens, and the decode cache's bound (the pool's bytes) is the same for
+all; each line says whether decode rows read the decode cache or gathered from the pool.
 
 Also printed: the pool's bytes per token of each, and the tokens a 512 MiB pool holds.
 
@@ -69,6 +70,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024, help="KV tokens per sequence")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--pool-room", type=float, default=1.5, help="every pool's bytes, as a "
+                    "multiple of what the bf16 pool needs (the decode cache is bounded by the "
+                    "pool's bytes: at 1.0 it does not fit, and every config gathers per step)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -89,7 +93,8 @@ def main() -> None:
         for name in args.configs:
             kind, kernels = CONFIGS[name]
             layout = cfg.kv_layout(PAGE, "bfloat16", kind)
-            pool_bytes = (batch * pages_for(args.context + args.steps, PAGE) + 2) * bf16_page
+            need = (batch * pages_for(args.context + args.steps, PAGE) + 2) * bf16_page
+            pool_bytes = int(need * args.pool_room)
             pool = KVPool(layout, pool_bytes // layout.page_bytes)
             pages = fill_pool(pool, batch, args.context, args.steps)
             runs[name] = (pool, pages, TorchAttentionBackend(use_cpu_kernels=kernels))
@@ -106,6 +111,8 @@ def main() -> None:
                     best[name] = min(best[name], time.perf_counter() - t0)
         ref = best[args.configs[0]]
         cells = "  ".join(f"{n} {t * 1e3:7.1f} ms ({ref / t:4.2f}x)" for n, t in best.items())
+        served = {n: "cache" if b.cache_bytes() else "gather" for n, (_, _, b) in runs.items()}
+        cells += f"  [decode K/V from: {served}]"
         print(f"batch {batch:3d}: {cells}", flush=True)
         del runs
 
