@@ -1,4 +1,4 @@
-"""Quality of each weight quantization, measured: perplexity on a fixed text and top-1 agreement
+"""Quality of each weight quantization and KV cache dtype, measured: perplexity on a fixed text and top-1 agreement
 with the unquantized bfloat16 model (issue 18, item 5).
 
 The text: GSM8K test solutions (question + worked answer, ``tests/data/prompts/gsm8k/test.jsonl``,
@@ -19,6 +19,11 @@ Usage::
 
     python bench/quality.py [--tokens 4096] [--window 512]
         [--configs bfloat16:none bfloat16:int8 bfloat16:int4]
+    python bench/quality.py --configs bfloat16:none bfloat16:none:int8 bfloat16:none:fp8_e4m3
+
+A config is ``DTYPE:QUANTIZATION[:KV_CACHE_DTYPE]`` (``--kv-cache-dtype``, default auto): with an
+8-bit KV cache every window's K/V are quantized as they are stored, and attention reads them
+back de-quantized.
 """
 
 from __future__ import annotations
@@ -53,9 +58,9 @@ def text_tokens(tokenizer, limit: int) -> list[int]:
     return ids[:limit]
 
 
-def window_logits(model, cfg, ids: list[int], dtype: str) -> torch.Tensor:
+def window_logits(model, cfg, ids: list[int], dtype: str, kv_dtype: str = "auto") -> torch.Tensor:
     """float32 logits ``[len(ids), vocab]`` of one window from an empty context."""
-    pool = KVPool(cfg.kv_layout(PAGE_SIZE, dtype), pages_for(len(ids), PAGE_SIZE) + 1)
+    pool = KVPool(cfg.kv_layout(PAGE_SIZE, dtype, kv_dtype), pages_for(len(ids), PAGE_SIZE) + 1)
     pages = pool.allocator.alloc(pages_for(len(ids), PAGE_SIZE))
     batch = build_forward_batch([ids], [0], [pages], PAGE_SIZE, [0])
     batch.logit_indices = torch.arange(len(ids))
@@ -68,7 +73,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--configs", nargs="+", default=["bfloat16:none", "bfloat16:int8", "bfloat16:int4"],
-                    help="DTYPE:QUANTIZATION, the first is the agreement baseline")
+                    help="DTYPE:QUANTIZATION[:KV_CACHE_DTYPE], the first is the agreement "
+                    "baseline")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -86,14 +92,15 @@ def main() -> None:
           f"{len(windows)} windows of <= {args.window}; load {os.getloadavg()}")
     base_argmax: list[torch.Tensor] | None = None
     for spec in args.configs:
-        dtype, _, quant = spec.partition(":")
+        dtype, _, rest = spec.partition(":")
+        quant, _, kv_dtype = rest.partition(":")
         t0 = time.perf_counter()
         model, cfg = load_model(path, getattr(torch, dtype),
                                 engine=EngineConfig(quantization=quant or "none"))
         nll, count, argmaxes = 0.0, 0, []
         with torch.inference_mode():
             for w in windows:
-                logits = window_logits(model, cfg, w, dtype)[:-1]
+                logits = window_logits(model, cfg, w, dtype, kv_dtype or "auto")[:-1]
                 target = torch.tensor(w[1:])
                 nll += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
                 count += len(target)
@@ -104,7 +111,7 @@ def main() -> None:
         else:
             same = sum(int((a == b).sum()) for a, b in zip(argmaxes, base_argmax, strict=True))
             agree = same / count
-        print(f"{spec:18s} perplexity {ppl:8.4f} ({(ppl / base_ppl - 1) * 100:+6.2f}% vs "
+        print(f"{spec:24s} perplexity {ppl:8.4f} ({(ppl / base_ppl - 1) * 100:+6.2f}% vs "
               f"{args.configs[0]})  top-1 agreement {agree * 100:6.2f}%  "
               f"({count} positions, {time.perf_counter() - t0:.0f} s)", flush=True)
 

@@ -24,6 +24,7 @@ from splitserve.config.schema import (
     ATTENTION_CHOICES,
     DEVICES,
     DTYPES,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     SPECULATIVE_CHOICES,
     ServeConfig,
@@ -94,6 +95,9 @@ ENGINE_FLAGS = (
          "(weight-only, one float16 scale and offset per 32 input channels; GGUF Q4_0 kept "
          "as stored), or none",
          choices=QUANTIZATIONS),
+    Flag("--kv-cache-dtype", "engine.kv_cache_dtype", "KV pool values: auto (the model dtype), "
+         "int8 or fp8_e4m3 (8 bits + a float32 scale per token and KV head: ~0.53x the bytes "
+         "of bfloat16; torch attention only, de-quantized as read)", choices=KV_CACHE_DTYPES),
     Flag("--device", "engine.device", "where models and KV pools live; cuda uses the Triton "
          "attention kernels and CUDA graphs ($SPLITSERVE_DEVICE sets the default)", choices=DEVICES),
     Flag("--page-size", "engine.page_size", "tokens per KV page"),

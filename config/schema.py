@@ -29,6 +29,8 @@ from splitserve.config.registry import (
 DTYPES = ("auto", "float32", "bfloat16")  # "auto" is resolved once, by the CLI (kernels.cpu.features)
 DEVICES = ("cpu", "cuda")
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, at load (engine.model.quant[_int4])
+# KV pool values: auto (the model dtype) or 8 bits with per-token-and-head scales (engine.kv_quant)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 ATTENTION_CHOICES = ("auto", *ATTENTION.names)  # auto: torch on CPU, triton on CUDA
 SPECULATIVE_CHOICES = ("none", "ngram")
 
@@ -36,8 +38,8 @@ SPECULATIVE_CHOICES = ("none", "ngram")
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What a worker runs: model, dtype, memory, step budget and the engine's switches.
 
-    Prefill and decode workers of one cluster must agree on ``model``, ``dtype``, ``page_size``
-    and ``kv_transfer`` (the KV handshake refuses a mismatch).
+    Prefill and decode workers of one cluster must agree on ``model``, ``dtype``, ``page_size``,
+    ``kv_cache_dtype`` and ``kv_transfer`` (the KV handshake refuses a mismatch).
     """
 
     model: str = ""  # a Hugging Face model folder or .gguf file ("": the default model; the CLI resolves it)
@@ -73,12 +75,23 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Weights quantized at load: "int8" (per-output-channel; engine.model.quant), "int4"
     # (asymmetric groups of 32, float16 scale and offset; engine.model.quant_int4), "none".
     quantization: str = "none"
+    # KV pool values: "auto" (the model dtype), "int8" or "fp8_e4m3" (engine.kv_quant; the
+    # torch attention backend only, which de-quantizes as it reads).
+    kv_cache_dtype: str = "auto"
 
     def check(self) -> None:
         """Raises: ValueError naming the first field out of range or not a registered name."""
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         _choice("quantization", self.quantization, QUANTIZATIONS)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        triton = self.attention == "triton" or (self.attention == "auto" and self.device == "cuda")
+        if self.kv_cache_dtype != "auto" and triton:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype}: the Triton attention kernels read "
+                "unquantized pages only; use --kv-cache-dtype auto with Triton (CUDA's default) "
+                "or --attention torch"
+            )
         _choice("attention", self.attention, ATTENTION_CHOICES)
         _choice("speculative", self.speculative, SPECULATIVE_CHOICES)
         for field in ("num_speculative_tokens", "speculative_max_running"):

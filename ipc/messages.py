@@ -89,6 +89,7 @@ class KVLayoutMsg(msgspec.Struct, frozen=True):
     head_dim: int
     page_size: int
     dtype: str
+    kv_cache_dtype: str = "auto"  # "int8" / "fp8_e4m3": 8-bit values + per-token-head scales
 
 
 # ---- server -> worker -------------------------------------------------------------------------
@@ -213,6 +214,7 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     # Memory (bytes): the KV pool, the attention backend's copy of the decoding rows' K/V (CPU
     # bfloat16; freed when nothing decodes), and the weights with their packed copies.
     kv_pool_bytes: int = 0
+    kv_cache_dtype: str = "auto"  # how the pool stores K/V (--kv-cache-dtype)
     decode_cache_bytes: int = 0
     weight_bytes: int = 0
     # Which kernel serves the decode-step products (engine.model.kernel_plan), in words.

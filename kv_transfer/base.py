@@ -29,12 +29,16 @@ from splitserve.kv_transfer.metrics import TransferMetrics
 
 def layout_to_msg(layout: KVLayout) -> KVLayoutMsg:
     return KVLayoutMsg(
-        layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, layout.dtype
+        layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, layout.dtype,
+        layout.kv_cache_dtype,
     )
 
 
 def layout_from_msg(msg: KVLayoutMsg) -> KVLayout:
-    return KVLayout(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.page_size, msg.dtype)
+    return KVLayout(
+        msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.page_size, msg.dtype,
+        msg.kv_cache_dtype,
+    )
 
 
 def contiguous_runs(page_ids: list[int]) -> list[tuple[int, int]]:

@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from splitserve.config import ServeConfig, WorkerConfig, env
 from splitserve.config.flags import (
@@ -28,7 +29,10 @@ from splitserve.config.flags import (
     apply_flags,
 )
 from splitserve.config.registry import WORKER_ROLE
-from splitserve.config.schema import from_json
+from splitserve.config.schema import EngineConfig, from_json
+
+if TYPE_CHECKING:
+    from splitserve.engine.model.config import ModelConfig
 
 CLUSTER_COMMAND_FLAGS = (*ENGINE_FLAGS, *LOG_FLAGS, *SECURITY_FLAGS, *SERVER_FLAGS, *CLUSTER_FLAGS)
 WORKER_FLAGS = (*ENGINE_FLAGS, *LOG_FLAGS, *SECURITY_FLAGS)
@@ -94,7 +98,7 @@ def _resolve_engine(config: ServeConfig | WorkerConfig, report: bool = False) ->
     e = config.engine
     try:
         e.model = str(resolve_model_path(e.model or None))
-        ModelConfig.from_dir(e.model)  # unsupported architecture: fail here, not in a child
+        model_config = ModelConfig.from_dir(e.model)  # unsupported: fail here, not in a child
     except (ValueError, FileNotFoundError) as exc:
         sys.exit(f"error: {exc}")
     if e.device == "cuda":
@@ -121,6 +125,22 @@ def _resolve_engine(config: ServeConfig | WorkerConfig, report: bool = False) ->
             how += (" (ours, or torch's int4 kernel where the kernel plan times it faster)"
                     if torch_int4_available() else " (torch has no CPU int4 kernel to time)")
         print(f"splitserve: quantization {e.quantization} ({how})", file=sys.stderr, flush=True)
+    if report and e.kv_cache_dtype != "auto":
+        print(f"splitserve: {kv_cache_report(model_config, e)}", file=sys.stderr, flush=True)
+
+
+def kv_cache_report(model_config: ModelConfig, e: EngineConfig) -> str:
+    """One line on an 8-bit KV cache: bytes per token against the model dtype's, and which
+    attention paths serve it (the C kernels that touch pool pages take bfloat16 pages)."""
+    full = model_config.kv_layout(e.page_size, e.dtype).bytes_per_token
+    ours = model_config.kv_layout(e.page_size, e.dtype, e.kv_cache_dtype).bytes_per_token
+    return (
+        f"KV cache {e.kv_cache_dtype}: {ours:.0f} bytes per token vs {full:.0f} in {e.dtype} "
+        f"({full / ours:.2f}x the tokens in --kv-cache-mb {e.kv_cache_mb}); pages are "
+        "de-quantized as attention reads them, in torch ops (decode rows read the decode KV "
+        "cache's de-quantized copy, through the C decode attention kernel on CPU bfloat16); "
+        "the C KV append, C extend attention and fused C decode layers are off with it"
+    )
 
 
 def serve_config(args: argparse.Namespace, colocated: bool) -> ServeConfig:

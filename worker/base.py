@@ -78,7 +78,7 @@ class BaseWorker:
         model, self.model_config = load_model(
             e.model, dtype=getattr(torch, self.dtype), device=e.device, engine=e
         )
-        layout = self.model_config.kv_layout(e.page_size, self.dtype)
+        layout = self.model_config.kv_layout(e.page_size, self.dtype, e.kv_cache_dtype)
         num_pages = max(2, e.kv_cache_mb * 2**20 // layout.page_bytes)
         # The backend decides where the pool lives (shm: a segment the prefill side maps).
         self.pool = create_kv_pool(e.kv_transfer, layout, num_pages, e.device, self.receives_kv)
@@ -121,9 +121,11 @@ class BaseWorker:
         self.num_failed = 0
         self.num_transfer_failures = 0
         logger.info(
-            "%s worker %s: %s, %s on %s (%s attention), %d KV pages of %d tokens, inbox %s",
+            "%s worker %s: %s, %s on %s (%s attention), %d KV pages of %d tokens "
+            "(KV %s, %.0f bytes/token), inbox %s",
             self.role, config.worker_id, e.model, self.dtype, e.device,
-            type(model.attn_backend).__name__, num_pages - 1, e.page_size, config.addr,
+            type(model.attn_backend).__name__, num_pages - 1, e.page_size,
+            e.kv_cache_dtype, layout.bytes_per_token, config.addr,
         )
 
     def _rejoin(self) -> tuple[str, WorkerReady] | None:
@@ -373,6 +375,7 @@ class BaseWorker:
             transfer_failures=self.num_transfer_failures,
             requests_failed=self.num_failed,
             kv_pool_bytes=self.pool.buffer.numel() * self.pool.buffer.element_size(),
+            kv_cache_dtype=self.pool.layout.kv_cache_dtype,
             decode_cache_bytes=model.attn_backend.cache_bytes(),
             weight_bytes=model.weight_bytes(),
             kernel_plan=model.kernel_plan.summary() if model.kernel_plan else "",

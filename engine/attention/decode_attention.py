@@ -97,9 +97,9 @@ def gather_head_major(
     :func:`attend` reads.
 
     Returns:
-        ``kt [R * Hkv, D, P * page_size]`` and ``v [R * Hkv, P * page_size, D]`` in ``dtype``,
-        views of ``ws``'s buffers (valid until the next call). Positions past a row's length
-        hold whatever its padding pages hold: mask them.
+        ``kt [R * Hkv, D, P * page_size]`` and ``v [R * Hkv, P * page_size, D]`` in ``dtype``
+        (de-quantized from an 8-bit pool), views of ``ws``'s buffers (valid until the next
+        call). Positions past a row's length hold whatever its padding pages hold: mask them.
     """
     r, p = pages.shape
     ps, hkv, d = pool.page_size, pool.layout.num_kv_heads, pool.layout.head_dim
@@ -108,13 +108,14 @@ def gather_head_major(
     numel = r * s * hkv * d
     kt = ws.get("kt", numel, dtype, dev).view(r, hkv, d, p, ps)
     v = ws.get("v", numel, dtype, dev).view(r, hkv, p, ps, d)
-    for name, src, dst, order in (
-        ("k", pool.k_pages(layer), kt, (0, 3, 4, 1, 2)),
-        ("v", pool.v_pages(layer), v, (0, 3, 1, 2, 4)),
-    ):
+    for kv, dst, order in ((0, kt, (0, 3, 4, 1, 2)), (1, v, (0, 3, 1, 2, 4))):
+        if pool.layout.is_quantized:  # de-quantized as gathered (a fresh copy per layer)
+            dst.copy_(pool.gather(layer, kv, flat, dtype).view(r, p, ps, hkv, d).permute(order))
+            continue
+        src = pool.k_pages(layer) if kv == 0 else pool.v_pages(layer)
         # index_select over whole pages of the 2-D view copies contiguous rows (memcpy), into a
         # reused buffer; then one transposing copy puts each KV head's positions together.
-        raw = ws.get(name + "_raw", numel, src.dtype, dev).view(r * p, ps * hkv * d)
+        raw = ws.get(f"{kv}_raw", numel, src.dtype, dev).view(r * p, ps * hkv * d)
         torch.index_select(src.flatten(1), 0, flat, out=raw)
         dst.copy_(raw.view(r, p, ps, hkv, d).permute(order))
     return kt.view(r * hkv, d, s), v.view(r * hkv, s, d)

@@ -76,7 +76,9 @@ class DecodeKVCache:
     """Per-worker decode K/V copy for one pool; see the module docstring.
 
     Args:
-        pool: the KV pool it mirrors (its dtype is the cache's dtype).
+        pool: the KV pool it mirrors (its read-back dtype ``pool.dtype`` is the cache's: an
+            8-bit pool's pages are de-quantized as they are copied in, and each new token is
+            stored as the pool reads it back, so the cache and a gather see the same values).
         max_bytes: upper bound on the cache's memory.
     """
 
@@ -85,7 +87,7 @@ class DecodeKVCache:
         self.max_bytes = max_bytes
         layout = pool.layout
         self.num_layers, self.hkv, self.d = layout.num_layers, layout.num_kv_heads, layout.head_dim
-        self.dtype, self.device = pool.buffer.dtype, pool.buffer.device
+        self.dtype, self.device = pool.dtype, pool.buffer.device
         self.kt: torch.Tensor | None = None  # [L, slots, Hkv, D, cap]
         self.v: torch.Tensor | None = None  # [L, slots, Hkv, cap, D]
         self.slot_of: dict[int, int] = {}  # sequence id -> slot
@@ -156,6 +158,8 @@ class DecodeKVCache:
     def append(self, layer: int, plan: DecodePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' ``k``/``v [Bd, Hkv, D]`` of ``layer``."""
         assert self.kt is not None and self.v is not None
+        if self.pool.layout.is_quantized:
+            k, v = self.pool.round_trip(k), self.pool.round_trip(v)
         k, v = k.to(self.dtype), v.to(self.dtype)
         self.kt[layer].view(-1).index_copy_(0, plan.kt_index, k.reshape(-1))
         self.v[layer].view(-1, self.d).index_copy_(0, plan.v_index, v.reshape(-1, self.d))
@@ -243,9 +247,7 @@ class DecodeKVCache:
         ps = self.pool.page_size
         np_ = pages_for(num_tokens, ps)
         # [np, L, 2, ps, Hkv, D]: whole pages (all layers) are contiguous rows of the pool.
-        g = self.pool.buffer.flatten(1).index_select(0, pages[:np_]).view(
-            np_, self.num_layers, 2, ps, self.hkv, self.d
-        )
+        g = self.pool.gather_pages(pages[:np_], self.dtype)
         n = np_ * ps  # whole pages; positions past num_tokens are masked until written
         self.kt[:, slot, :, :, :n].view(self.num_layers, self.hkv, self.d, np_, ps).copy_(
             g[:, :, 0].permute(1, 3, 4, 0, 2)

@@ -132,7 +132,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
             rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
             meta.decode_pages = batch.page_table[rows, :num_pages]
             meta.decode_tokens = torch.tensor(dec_tok, dtype=torch.long, device=device)
-        if not _use_head_major(pool.buffer.dtype):
+        if not _use_head_major(pool.dtype):
             meta.decode_masks = {
                 w: _decode_mask(lens, num_pages * ps, w, device) for w in distinct
             }
@@ -146,7 +146,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
         if meta.decode_plan is None:
             meta.decode_biases = {
                 w: decode_bias(
-                    lens, num_pages * ps, pool.layout.num_kv_heads, w, pool.buffer.dtype, device
+                    lens, num_pages * ps, pool.layout.num_kv_heads, w, pool.dtype, device
                 )
                 for w in distinct
             }
@@ -157,10 +157,12 @@ class TorchAttentionBackend(BaseAttentionBackend):
         return 0 if cache is None else cache.nbytes
 
     def _kernels_for(self, pool: KVPool, num_heads: int | None = None) -> CpuKernels | None:
-        """The C decode kernel when it serves ``pool`` (CPU, bfloat16, supported heads;
-        ``num_heads`` query heads, unchecked when None), else None. Built on the first call
-        (about half a second), then cached."""
-        if pool.buffer.device.type != "cpu" or pool.buffer.dtype != torch.bfloat16:
+        """The C decode kernel when it serves ``pool`` (CPU, read back in bfloat16, supported
+        heads; ``num_heads`` query heads, unchecked when None), else None. Built on the first
+        call (about half a second), then cached. Its decode attention reads the decode cache or
+        a gathered copy, never the pool, so it serves an 8-bit pool too (over the de-quantized
+        copy); the kernels that touch pool pages ask :meth:`_pool_kernels_for`."""
+        if pool.buffer.device.type != "cpu" or pool.dtype != torch.bfloat16:
             return None
         hkv = pool.layout.num_kv_heads
         if not CpuKernels.supports(num_heads or hkv, hkv, pool.layout.head_dim):
@@ -170,12 +172,20 @@ class TorchAttentionBackend(BaseAttentionBackend):
             self._kernels_checked = True
         return self.kernels
 
+    def _pool_kernels_for(self, pool: KVPool, num_heads: int | None = None) -> CpuKernels | None:
+        """:meth:`_kernels_for` for the C kernels that read or write pool pages (KV append,
+        extend attention, the fused decode layers): None for an 8-bit pool, whose pages they
+        cannot read (they take bfloat16 pages)."""
+        return None if pool.layout.is_quantized else self._kernels_for(pool, num_heads)
+
     def _decode_cache_for(self, pool: KVPool, batch: ForwardBatch) -> DecodeKVCache | None:
         """The decode cache of ``pool`` (made on first use), or None when off or when the batch
         has no sequence ids to key it by."""
         if not self.use_decode_cache or batch.seq_ids is None or pool.buffer.device.type != "cpu":
             return None
         if self.decode_cache is None or self.decode_cache.pool is not pool:
+            # Never more than the pool's own bytes: an 8-bit pool's cache (in the model's
+            # dtype) holds about half as many tokens as the pool before the step gathers.
             pool_bytes = pool.buffer.numel() * pool.buffer.element_size()
             self.decode_cache = DecodeKVCache(pool, max_bytes=pool_bytes)
         return self.decode_cache
@@ -214,7 +224,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
     ) -> bool:
         """Write a decode-only step's new K/V into the pool and the decode cache (when it
         serves) with one C call; False (nothing written) where the C kernels do not apply."""
-        kern = self._kernels_for(pool)
+        kern = self._pool_kernels_for(pool)
         if kern is None or k.dtype != pool.buffer.dtype or not pool.buffer.is_contiguous():
             return False
         d = k.shape[2]
@@ -243,12 +253,12 @@ class TorchAttentionBackend(BaseAttentionBackend):
         bd, hq, d = q.shape
         hkv = pool.layout.num_kv_heads
         pages = meta.decode_pages
-        if _use_head_major(pool.buffer.dtype):
+        if _use_head_major(pool.dtype):
             return self._decode_head_major(q, k, v, layer, meta, pool, scale)
         mask = meta.decode_masks[meta.windows[layer]]
-        # [Bd * P, page_size * Hkv * D] -> [Bd, S, Hkv, D] -> [Bd, Hkv, S, D]
-        kc = _gather(pool.k_pages(layer), pages).view(bd, -1, hkv, d).transpose(1, 2).to(q.dtype)
-        vc = _gather(pool.v_pages(layer), pages).view(bd, -1, hkv, d).transpose(1, 2).to(q.dtype)
+        # [Bd * P, page_size, Hkv, D] -> [Bd, S, Hkv, D] -> [Bd, Hkv, S, D]
+        kc = pool.gather(layer, 0, pages, q.dtype).view(bd, -1, hkv, d).transpose(1, 2)
+        vc = pool.gather(layer, 1, pages, q.dtype).view(bd, -1, hkv, d).transpose(1, 2)
         # GQA without repeating K/V: the G query heads sharing a KV head become G "query rows"
         # of that head (all at the same position, so one [S] mask serves them all).
         qg = q.reshape(bd, hkv, hq // hkv, d)
@@ -268,7 +278,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
     ) -> torch.Tensor:
         """Decode rows over the decode cache (in place) or over a head-major gather;
         ``appended``: the new K/V are already in the cache (``_append_with_kernel``)."""
-        dtype = pool.buffer.dtype
+        dtype = pool.dtype
         qc = q.to(dtype)
         window = meta.windows[layer]
         plan, cache = meta.decode_plan, self.decode_cache
@@ -317,7 +327,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
         """One sequence's ``q [n, Hq, D]`` against its whole KV -> ``[n, Hq, D]``: the C flash
         kernel on CPU bfloat16 (it reads the pool, where ``k``/``v`` already are), else SDPA;
         ``windows[layer]`` is the layer's sliding window."""
-        kern = self._kernels_for(pool, q.shape[1])
+        kern = self._pool_kernels_for(pool, q.shape[1])
         window = windows[layer]
         if (
             kern is not None and kern.has_gemm  # the kernel needs AVX512-BF16, as the tiles do
@@ -330,13 +340,13 @@ class TorchAttentionBackend(BaseAttentionBackend):
             if out is not None:
                 return out
         if e.seq_len == e.extend_len:
-            # No cached prefix: the new K/V are the whole sequence (rounded through the pool
-            # dtype so that this path and the gather path see the same values).
-            kc, vc = k.to(pool.buffer.dtype).to(q.dtype), v.to(pool.buffer.dtype).to(q.dtype)
+            # No cached prefix: the new K/V are the whole sequence (rounded through the pool,
+            # its dtype or its 8 bits, so that this path and the gather path see the same values).
+            kc, vc = pool.round_trip(k).to(q.dtype), pool.round_trip(v).to(q.dtype)
         else:
             shape = (-1, k.shape[1], k.shape[2])
-            kc = _gather(pool.k_pages(layer), e.pages).view(shape)[: e.seq_len].to(q.dtype)
-            vc = _gather(pool.v_pages(layer), e.pages).view(shape)[: e.seq_len].to(q.dtype)
+            kc = pool.gather(layer, 0, e.pages, q.dtype).view(shape)[: e.seq_len]
+            vc = pool.gather(layer, 1, e.pages, q.dtype).view(shape)[: e.seq_len]
         mask = e.mask(window)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
@@ -348,16 +358,6 @@ class TorchAttentionBackend(BaseAttentionBackend):
             enable_gqa=True,
         )
         return o.squeeze(0).transpose(0, 1)
-
-
-def _gather(pages_view: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
-    """Copy pages ``page_ids`` (any shape, int64) of one layer's K or V view
-    ``[num_pages, page_size, Hkv, D]`` into a contiguous ``[page_ids.numel(), page_size*Hkv*D]``.
-
-    ``index_select`` on the 2-D view copies whole contiguous rows; advanced indexing
-    (``view[page_ids]``) copies element by element and is ~6x slower on CPU.
-    """
-    return pages_view.flatten(1).index_select(0, page_ids.flatten())
 
 
 def _extend_mask(

@@ -84,9 +84,12 @@ class ModelConfig:
         """The softmax scale: ``query_pre_attn_scalar ** -0.5`` (Gemma) or ``head_dim ** -0.5``."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
-    def kv_layout(self, page_size: int, dtype_str: str) -> KVLayout:
-        """The KV pool geometry for this model at ``page_size`` tokens per page."""
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, page_size, dtype_str)
+    def kv_layout(self, page_size: int, dtype_str: str, kv_cache_dtype: str = "auto") -> KVLayout:
+        """The KV pool geometry for this model at ``page_size`` tokens per page, read back in
+        ``dtype_str`` and stored as ``kv_cache_dtype`` (auto: that dtype; int8, fp8_e4m3)."""
+        return KVLayout(
+            self.num_layers, self.num_kv_heads, self.head_dim, page_size, dtype_str, kv_cache_dtype
+        )
 
     @classmethod
     def from_hf(

@@ -88,7 +88,7 @@ def run_fused_decode_layers(
         return False  # int4 steps where the plan picked torch's int4 kernel: the per-op path
     if not CpuKernels.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
         return False
-    if backend._kernels_for(pool, cfg.num_heads) is None or not pool.buffer.is_contiguous():
+    if backend._pool_kernels_for(pool, cfg.num_heads) is None or not pool.buffer.is_contiguous():
         return False
     ptrs = model._fused_layer_ptrs  # type: ignore[attr-defined]
     if ptrs is None:

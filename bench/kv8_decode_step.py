@@ -1,0 +1,121 @@
+"""A batch-B decode step over a long context, bfloat16 KV pages against ``--kv-cache-dtype int8``
+(and fp8_e4m3), in one process, steps interleaved (one of each in turn) and the fastest of each
+kept: the shared machine's noise hits all alike.
+
+The default model in bfloat16 (its kernel plan, the C products) runs ``DecoderLM.forward`` for B
+decode rows, each over ``--context`` tokens of K/V written into its pool beforehand (random
+values: the step's time does not depend on them), with the decode KV cache on, as a worker runs.
+Configurations, each with its own pool and attention backend:
+
+- ``bf16``: bfloat16 pages, the C decode attention and fused decode layers (the default path);
+- ``bf16-torch``: bfloat16 pages, attention in torch ops only (``--disable-cpu-kernels``'s
+  attention, no fused decode layers);
+- ``int8``, ``fp8_e4m3``: 8-bit pages, de-quantized as read: into the decode KV cache (a
+  bfloat16 copy, over which the C decode attention kernel runs) or, when that cache does not
+  fit, gathered per step; no fused decode layers, no C KV append (they write bfloat16 pages).
+
+Every pool has the same bytes (``--pool-room`` times what the bf16 one needs), so the 8-bit
+pools hold ~1.9x the tokens, and the decode cache's bound (the pool's bytes) is the same for
+all; each line says whether decode rows read the decode cache or gathered from the pool.
+
+Also printed: the pool's bytes per token of each, and the tokens a 512 MiB pool holds.
+
+Usage::
+
+    python bench/kv8_decode_step.py [--batch 1 8 32] [--context 1024] [--steps 8] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from splitserve.default_model import ensure_default_model
+from splitserve.engine.attention.torch_backend import TorchAttentionBackend
+from splitserve.engine.forward_batch import build_forward_batch
+from splitserve.engine.kernels.cpu.features import cpu_flags
+from splitserve.engine.kv_pool import KVPool, pages_for
+from splitserve.engine.model.loader import load_model
+
+CONFIGS = {  # name: (kv_cache_dtype, C kernels)
+    "bf16": ("auto", True),
+    "bf16-torch": ("auto", False),
+    "int8": ("int8", False),
+    "fp8_e4m3": ("fp8_e4m3", False),
+}
+PAGE = 16
+
+
+def fill_pool(pool: KVPool, batch: int, context: int, steps: int) -> list[list[int]]:
+    """Pages for ``batch`` sequences of ``context + steps`` tokens; the first ``context`` tokens
+    of every layer written with random K/V. Returns each sequence's page ids."""
+    lay = pool.layout
+    g = torch.Generator().manual_seed(0)
+    pages = [pool.allocator.alloc(pages_for(context + steps, PAGE)) for _ in range(batch)]
+    pos = torch.arange(context)
+    for ids in pages:
+        page_of = torch.tensor(ids)[pos // PAGE]
+        for layer in range(lay.num_layers):
+            k = torch.randn(context, lay.num_kv_heads, lay.head_dim, generator=g)
+            pool.write(layer, page_of, pos % PAGE, k.bfloat16(), (0.5 * k).bfloat16())
+    return pages
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--context", type=int, default=1024, help="KV tokens per sequence")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--pool-room", type=float, default=1.5, help="every pool's bytes, as a "
+                    "multiple of what the bf16 pool needs (the decode cache is bounded by the "
+                    "pool's bytes: at 1.0 it does not fit, and every config gathers per step)")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, cfg = load_model(ensure_default_model(), torch.bfloat16)
+    with open("/proc/cpuinfo") as f:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx512_bf16", "avx512_vnni", "amx")))
+    print(f"{cpu} ({', '.join(flags)}), torch {torch.__version__}, {args.threads} thread(s), "
+          f"context {args.context}, load {os.getloadavg()}")
+    base = cfg.kv_layout(PAGE, "bfloat16").bytes_per_token
+    bf16_page = cfg.kv_layout(PAGE, "bfloat16").page_bytes
+    for name in args.configs:
+        lay = cfg.kv_layout(PAGE, "bfloat16", CONFIGS[name][0])
+        print(f"  {name}: {lay.bytes_per_token:.0f} bytes/token, {2**29 // lay.page_bytes * PAGE}"
+              f" tokens in 512 MiB ({base / lay.bytes_per_token:.2f}x bf16's)")
+    for batch in args.batch:
+        runs = {}
+        for name in args.configs:
+            kind, kernels = CONFIGS[name]
+            layout = cfg.kv_layout(PAGE, "bfloat16", kind)
+            need = (batch * pages_for(args.context + args.steps, PAGE) + 2) * bf16_page
+            pool_bytes = int(need * args.pool_room)
+            pool = KVPool(layout, pool_bytes // layout.page_bytes)
+            pages = fill_pool(pool, batch, args.context, args.steps)
+            runs[name] = (pool, pages, TorchAttentionBackend(use_cpu_kernels=kernels))
+        best = dict.fromkeys(runs, float("inf"))
+        for step in range(args.steps):
+            prefix = [args.context + step] * batch
+            for name, (pool, pages, backend) in runs.items():
+                fb = build_forward_batch([[7]] * batch, prefix, pages, PAGE, list(range(batch)),
+                                         seq_ids=list(range(batch)))
+                model.attn_backend = backend
+                t0 = time.perf_counter()
+                model.forward(fb, pool)
+                if step > 0:  # the first step fills each decode cache from the pool
+                    best[name] = min(best[name], time.perf_counter() - t0)
+        ref = best[args.configs[0]]
+        cells = "  ".join(f"{n} {t * 1e3:7.1f} ms ({ref / t:4.2f}x)" for n, t in best.items())
+        served = {n: "cache" if b.cache_bytes() else "gather" for n, (_, _, b) in runs.items()}
+        cells += f"  [decode K/V from: {served}]"
+        print(f"batch {batch:3d}: {cells}", flush=True)
+        del runs
+
+
+if __name__ == "__main__":
+    main()
