@@ -143,14 +143,17 @@ class ZmqEngineClient(BaseEngineClient):
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def _targets(self, input_ids: list[int]) -> list[tuple[WorkerHandle, str | None]] | TokenEvent:
+    def _targets(
+        self, input_ids: list[int], namespace: str | None = None,
+    ) -> list[tuple[WorkerHandle, str | None]] | TokenEvent:
         """``(worker, prefill_addr)`` pairs to send the task to, or the 503 event that refuses
-        it (no healthy worker, or one of them full)."""
-        colocated = self.pool.pick("colocated", input_ids)
+        it (no healthy worker, or one of them full). ``namespace``: the request's prefix-cache
+        namespace, the only one the routing policy matches it in."""
+        colocated = self.pool.pick("colocated", input_ids, namespace)
         if colocated is not None:
             targets = [(colocated, None)]
         else:
-            p, d = self.pool.pick("prefill", input_ids), self.pool.pick("decode")
+            p, d = self.pool.pick("prefill", input_ids, namespace), self.pool.pick("decode")
             if p is None or d is None:
                 return TokenEvent([], [], error="no healthy prefill/decode worker", error_code=503)
             targets = [(d, p.addr), (p, None)]  # decode first: it starts reserving pages
@@ -168,7 +171,7 @@ class ZmqEngineClient(BaseEngineClient):
     ) -> AsyncIterator[TokenEvent]:
         timer = self.metrics.request_timer() if self.metrics else None
         for attempt in itertools.count():
-            targets = self._targets(input_ids)
+            targets = self._targets(input_ids, cache_namespace)
             if isinstance(targets, TokenEvent):
                 if timer:
                     timer.rejected()

@@ -140,14 +140,17 @@ class WorkerPool:
         roles = {w.role for w in self.workers if w.ready}
         return "colocated" in roles or {"prefill", "decode"} <= roles
 
-    def pick(self, role: str, input_ids: list[int] | None = None) -> WorkerHandle | None:
+    def pick(
+        self, role: str, input_ids: list[int] | None = None, namespace: str | None = None,
+    ) -> WorkerHandle | None:
         """A live, not draining worker of ``role``: by the routing policy for the roles that
-        cache prefixes (``input_ids`` given), else the least loaded; None if there is none."""
+        cache prefixes (``input_ids`` given; matched in the request's prefix-cache
+        ``namespace`` only), else the least loaded; None if there is none."""
         live = [w for w in self.workers if w.role == role and w.ready and not w.draining]
         if not live:
             return None
         if input_ids is not None:
-            return self.routing.pick(live, input_ids)  # type: ignore[return-value]
+            return self.routing.pick(live, input_ids, namespace)  # type: ignore[return-value]
         return min(live, key=lambda w: w.in_flight)
 
     # ---- membership ---------------------------------------------------------------------------
