@@ -23,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import zmq
 
@@ -70,23 +71,33 @@ class Heartbeat(threading.Thread):
         sock.connect(addr)
         return sock
 
-    def _rejoin_all(self, socks: list[zmq.Socket]) -> None:
-        for i in range(len(socks)):
-            answer = self.rejoin(i)
-            if answer is not None:
-                self.server_addrs[i], ready = answer
-                socks[i].close(0)
-                socks[i] = self._connect(self.server_addrs[i])
-                socks[i].send(encode(ready))  # queued until the connection is up
+    def _ask_routers(self) -> list[tuple[int, tuple[str, Message] | None]]:
+        """Off the heartbeat thread: one rejoin per router (HTTP; up to its timeout each when a
+        router is unreachable, which must not delay the beats to the others)."""
+        return [(i, self.rejoin(i)) for i in range(len(self.server_addrs))]
 
     def run(self) -> None:
         socks = [self._connect(addr) for addr in self.server_addrs]
+        asker = ThreadPoolExecutor(1, thread_name_prefix="rejoin") if self.rejoin else None
+        asking: Future | None = None
         next_rejoin = time.monotonic() + REJOIN_S
         try:
             while not self.stopping.wait(self.interval_s):
-                if self.rejoin is not None and time.monotonic() >= next_rejoin:
-                    self._rejoin_all(socks)
-                    next_rejoin = time.monotonic() + REJOIN_S
+                if asker is not None and asking is None and time.monotonic() >= next_rejoin:
+                    asking = asker.submit(self._ask_routers)
+                elif asking is not None and asking.done():
+                    try:
+                        answers = asking.result()
+                    except Exception:  # a bug in a rejoin must not stop the heartbeat
+                        logger.exception("rejoining the routers failed")
+                        answers = []
+                    for i, answer in answers:
+                        if answer is not None:  # router i restarted: beat to its new inbox
+                            self.server_addrs[i], ready = answer
+                            socks[i].close(0)
+                            socks[i] = self._connect(self.server_addrs[i])
+                            socks[i].send(encode(ready))  # queued until the connection is up
+                    asking, next_rejoin = None, time.monotonic() + REJOIN_S
                 try:
                     beat = encode(self.stats())
                 except RuntimeError:  # the main thread changed a queue while we read it
@@ -99,6 +110,8 @@ class Heartbeat(threading.Thread):
         finally:
             for sock in socks:
                 sock.close(0)
+            if asker is not None:
+                asker.shutdown(wait=False, cancel_futures=True)
 
     def stop(self) -> None:
         self.stopping.set()
