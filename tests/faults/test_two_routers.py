@@ -58,10 +58,13 @@ class Pool:
              "--port", str(self.ports[name]), "--dead-after", str(DEAD_AFTER_S)],
             start_new_session=True)  # fmt: skip
 
-    def kill_router(self, name: str) -> None:
+    def kill_router(self, name: str) -> float:
+        """SIGKILL router ``name``; the monotonic time of the kill."""
         proc = self.routers.pop(name)
+        killed_at = time.monotonic()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+        return killed_at
 
     def start_workers(self) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -179,8 +182,7 @@ def test_router_killed_mid_run_loses_only_its_requests(pool: Pool) -> None:
         on_a = [ex.submit(stream, "A") for _ in range(2)]
         on_b = ex.submit(stream, "B")
         started.wait(60)  # all three streams are decoding
-        pool.kill_router("A")
-        killed_at = time.monotonic()
+        killed_at = pool.kill_router("A")
         # The workers drop A's requests as soon as A's link drops.
         wait_until(lambda: pool.rows("B")["decode"]["requests_orphaned"] >= orphaned + 2, 5,
                    "the decode worker ended the dead router's two requests", interval_s=0.05)
