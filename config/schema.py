@@ -222,15 +222,16 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One worker process.
 
     ``addr`` is the worker's own inbox (``tcp://host:port`` or ``ipc://path``); ``server_addr``
-    the inbox of the API server it reports to, or ``router_url`` to join one over HTTP
-    (``POST /workers/register``), which then gives the inbox.
+    the inbox of the API server it reports to, or ``router_urls`` to join one or more over HTTP
+    (``POST /workers/register``), which then give their inboxes. Several routers share the
+    worker (each sends its own tasks; the worker admits by its own free pages).
     """
 
     role: str
     worker_id: str
     addr: str
     server_addr: str = ""
-    router_url: str | None = None
+    router_urls: list[str] = []
     num_threads: int = 0  # 0: torch's default
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)

@@ -201,6 +201,13 @@ class DecodeWorker(BaseWorker):
     def num_transferring(self) -> int:
         return len(self.sessions.by_state(T.WAITING_FOR_PAGES))
 
+    def held_requests(self) -> dict[str, str]:
+        """The scheduler's requests and those still in a KV handoff (fenced ones excepted:
+        their pages wait on the prefill worker, not on the router)."""
+        held = super().held_requests()
+        held.update((s.rid, s.reply_addr) for s in self.sessions if s.state is not T.FENCED)
+        return held
+
     def close_kv_transfer(self) -> None:
         """Close the KV receiver (nixl: stop its progress thread; shm: unlink the segment)."""
         self.receiver.close()

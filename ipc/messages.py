@@ -126,6 +126,16 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
+class RouterBeat(msgspec.Struct, tag="router_beat"):
+    """The router (API server) whose inbox is ``reply_addr`` is alive; sent to every worker
+    twice a second. A worker that hears none for ``dead_after_s`` seconds (the router's own
+    ``--dead-after``, so both ends of a link use one bound) ends that router's requests and
+    frees their pages (``worker.routers``)."""
+
+    reply_addr: str
+    dead_after_s: float
+
+
 class FlushCache(msgspec.Struct, tag="flush_cache"):
     """Drop every prefix-cache entry no running request pins; the worker answers with its
     ``WorkerStats`` (``query_id``) once done, so a caller can wait for the flush."""
@@ -211,6 +221,9 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     kv_gbps: float = 0.0  # bytes over summed per-message latency (receiver) or send time (sender)
     transfer_failures: int = 0  # requests this worker failed because their KV transfer failed
     requests_failed: int = 0
+    # Requests ended here because their router went away (its link dropped, or it sent no
+    # RouterBeat for its dead_after_s): their pages freed, nobody left to stream to.
+    requests_orphaned: int = 0
     # Memory (bytes): the KV pool, the attention backend's copy of the decoding rows' K/V (CPU
     # bfloat16; freed when nothing decodes), and the weights with their packed copies.
     kv_pool_bytes: int = 0
@@ -303,6 +316,7 @@ Message = (
     | AbortTask
     | StatsQuery
     | Shutdown
+    | RouterBeat
     | FlushCache
     | WorkerReady
     | TokenBatch

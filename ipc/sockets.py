@@ -115,6 +115,13 @@ class Outbox:
             self.socks[addr] = sock
         return sock
 
+    def watch(self, addr: str) -> None:
+        """Count the drops of the link to ``addr`` from now on (:meth:`link_drops`), whatever
+        ``watch_links`` says; connects to ``addr`` if this outbox has not yet."""
+        sock = self._sock(addr)
+        if addr not in self._monitors:
+            self._monitors[addr] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
     def link_drops(self, addr: str) -> int:
         """How many times an established link to ``addr`` dropped since this outbox first sent
         there (0 without ``watch_links``). Never blocks."""

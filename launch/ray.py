@@ -161,7 +161,7 @@ def launch_on_ray(address: str | None, spec: RayClusterSpec,
             engine = msgspec.structs.replace(engine, kv_cache_mb=role.kv_cache_mb)
         for i in range(role.count):
             worker = WorkerConfig(
-                role=role_name, worker_id=f"{role_name}-{i}", addr="", router_url=url,
+                role=role_name, worker_id=f"{role_name}-{i}", addr="", router_urls=[url],
                 num_threads=int(role.num_cpus), engine=engine, security=security,
                 log_level=log_level,
             )

@@ -168,6 +168,14 @@ class PrefillWorker(BaseWorker):
     def num_transferring(self) -> int:
         return len(self.sessions.by_state(T.PREFILLED, T.DRAINING))
 
+    def held_requests(self) -> dict[str, str]:
+        """The scheduler's requests and the sessions whose task came (a bootstrap alone
+        names no router)."""
+        held = super().held_requests()
+        held.update((s.rid, s.reply_addr) for s in self.sessions
+                    if s.reply_addr and s.state not in (T.DRAINING, T.RELEASING))
+        return held
+
     def close_kv_transfer(self) -> None:
         """Close the KV sender (one-sided backends: stop the writer thread after its queue)."""
         self.sender.close()

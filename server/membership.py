@@ -1,7 +1,8 @@
 """Worker membership over HTTP: workers join (``POST /workers/register``), operators drain
 (``POST /workers/{id}/drain``) and resume them. ``GET /workers`` (in ``server.routes``) lists them.
 These routes sit behind the same API key as the rest of the API (a worker that could join
-without it would receive users' prompts)."""
+without it would receive users' prompts), and with tenants (``--api-key-file``) they are the
+operator's only (``server.tenancy.require_operator``: a tenant's key gets 403)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pydantic import BaseModel, ValidationError, field_validator
 
 from splitserve.config.registry import WORKER_ROLE
 from splitserve.server.errors import APIError, from_validation_errors
+from splitserve.server.tenancy import require_operator
 from splitserve.server.worker_pool import WorkerPool
 
 
@@ -38,6 +40,7 @@ def install_membership(app: FastAPI, pool: WorkerPool) -> None:
 
     @app.post("/workers/register")
     async def register(request: Request) -> dict:
+        require_operator(request.scope, "POST /workers/register")
         try:
             reg = Registration.model_validate_json(await request.body())
         except ValidationError as exc:
@@ -59,9 +62,11 @@ def install_membership(app: FastAPI, pool: WorkerPool) -> None:
         return {"worker_id": w.worker_id, "draining": w.draining, "in_flight": w.in_flight}
 
     @app.post("/workers/{worker_id}/drain")
-    async def drain(worker_id: str) -> dict:
+    async def drain(worker_id: str, request: Request) -> dict:
+        require_operator(request.scope, "POST /workers/{id}/drain")
         return _set_draining(worker_id, True)
 
     @app.post("/workers/{worker_id}/resume")
-    async def resume(worker_id: str) -> dict:
+    async def resume(worker_id: str, request: Request) -> dict:
+        require_operator(request.scope, "POST /workers/{id}/resume")
         return _set_draining(worker_id, False)

@@ -106,6 +106,7 @@ _COUNTERS = {
     "kv_bytes_received": "KV bytes received from prefill workers",
     "transfer_failures": "Requests failed because their KV transfer failed or timed out",
     "requests_failed": "Requests a worker failed",
+    "requests_orphaned": "Requests a worker ended because their router went away",
     "cache_hit_tokens": "Prompt tokens served from the prefix cache",
     "cache_prompt_tokens": "Prompt tokens admitted (the hit rate's denominator)",
     "cache_evicted_pages": "Prefix-cache pages evicted",

@@ -34,7 +34,7 @@ from splitserve.server.job_builder import JobBuilder
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
 from splitserve.server.request_id import RequestIdMiddleware
 from splitserve.server.responses import full_response, merge_choices, streaming_response
-from splitserve.server.tenancy import Tenancy
+from splitserve.server.tenancy import Tenancy, require_operator
 from splitserve.server.token_text import TokenSpeller
 from splitserve.server.tokenize import install_tokenize_routes, server_version
 
@@ -176,9 +176,11 @@ def create_app(
         return await client.worker_stats()
 
     @app.post("/flush_cache")
-    async def flush_cache() -> list[dict]:
+    async def flush_cache(request: Request) -> list[dict]:
         """Drop every prefix-cache entry no running request pins; answers after the workers
-        did, with their stats (for benchmarks and tests)."""
+        did, with their stats (for benchmarks and tests). The operator's only (every
+        tenant's entries go): a tenant's key gets 403 (``server.tenancy.require_operator``)."""
+        require_operator(request.scope, "POST /flush_cache")
         return await client.flush_cache()
 
     return app

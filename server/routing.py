@@ -6,6 +6,11 @@ sent, up to a bounded size) and sends a request to the worker with the longest c
 unless the load is unbalanced, in which case the least-loaded worker gets it (as SGLang's router
 does). ``round_robin`` cycles, ignoring prefixes: the baseline to compare against.
 Units: tokens; load is requests in flight.
+
+Tenants: a request matches only prompts sent in its own prefix-cache namespace
+(``server.tenancy.cache_namespace``), as the workers' radix caches do. Routing by another
+tenant's prefix would send a request where it cannot hit, and its placement (hence its
+latency) would depend on what another tenant sent: the side channel the namespaces close.
 """
 
 from __future__ import annotations
@@ -31,8 +36,12 @@ class BaseRoutingPolicy(abc.ABC):
     """Chooses among live workers of one role."""
 
     @abc.abstractmethod
-    def pick(self, workers: Sequence[RoutedWorker], input_ids: Sequence[int]) -> RoutedWorker:
-        """The worker for a request with prompt ``input_ids`` (``workers`` is non-empty)."""
+    def pick(
+        self, workers: Sequence[RoutedWorker], input_ids: Sequence[int],
+        namespace: str | None = None,
+    ) -> RoutedWorker:
+        """The worker for a request with prompt ``input_ids`` in prefix-cache ``namespace``
+        (None: the shared one); ``workers`` is non-empty."""
 
     def flush(self) -> None:
         """Workers dropped their caches (``POST /flush_cache``): forget what they hold."""
@@ -42,7 +51,10 @@ class RoundRobinPolicy(BaseRoutingPolicy):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def pick(self, workers: Sequence[RoutedWorker], input_ids: Sequence[int]) -> RoutedWorker:
+    def pick(
+        self, workers: Sequence[RoutedWorker], input_ids: Sequence[int],
+        namespace: str | None = None,
+    ) -> RoutedWorker:
         return workers[next(self._counter) % len(workers)]
 
 
@@ -54,7 +66,8 @@ class CacheAwareConfig:
     ``max > balance_rel_threshold * min``; then the least-loaded worker wins. Otherwise the
     longest match wins if it covers at least ``cache_threshold`` of the prompt; below that the
     least-loaded worker (ties: the smallest tree) gets it, to spread new prefixes.
-    ``max_tree_tokens`` bounds each worker's tree (LRU eviction), like a worker's pool does.
+    ``max_tree_tokens`` bounds each worker's tree, all namespaces together (LRU eviction),
+    like a worker's pool does.
     """
 
     balance_abs_threshold: int = 8
@@ -74,7 +87,10 @@ class CacheAwarePolicy(BaseRoutingPolicy):
             self._trees[addr] = RadixCache(page_size=1, allocator=None)
         return self._trees[addr]
 
-    def pick(self, workers: Sequence[RoutedWorker], input_ids: Sequence[int]) -> RoutedWorker:
+    def pick(
+        self, workers: Sequence[RoutedWorker], input_ids: Sequence[int],
+        namespace: str | None = None,
+    ) -> RoutedWorker:
         cfg = self.config
         loads = [w.in_flight for w in workers]
         lo, hi = min(loads), max(loads)
@@ -82,16 +98,20 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         if hi - lo > cfg.balance_abs_threshold and hi > cfg.balance_rel_threshold * lo:
             chosen = least_loaded
         else:
-            matched = [self._tree(w.addr).match_prefix(input_ids).matched_len for w in workers]
+            matched = [self._tree(w.addr).match_prefix(input_ids, namespace).matched_len
+                       for w in workers]
             best = max(range(len(workers)), key=lambda i: (matched[i], -loads[i]))
             covers = matched[best] >= cfg.cache_threshold * len(input_ids)
             chosen = workers[best] if matched[best] and covers else least_loaded
-        self._remember(chosen.addr, input_ids)
+        self._remember(chosen.addr, input_ids, namespace)
         return chosen
 
-    def _remember(self, addr: str, input_ids: Sequence[int]) -> None:
+    def _remember(
+        self, addr: str, input_ids: Sequence[int], namespace: str | None = None,
+    ) -> None:
         tree = self._tree(addr)
-        tree.insert(input_ids, [0] * len(input_ids))  # page ids are unused without an allocator
+        # Page ids are unused without an allocator.
+        tree.insert(input_ids, [0] * len(input_ids), namespace)
         over = tree.total_pages - self.config.max_tree_tokens
         if over > 0:
             tree.evict(over)

@@ -9,6 +9,11 @@ rate limits.
   counts another tenant's prompt (the timing side channel of arXiv 2411.18191).
 - :class:`Tenancy`: applies both to a built :class:`~splitserve.server.job.Job`, and the tenant's
   rate limits (``server.rate_limit``): a refused request is a 429 with ``Retry-After``.
+- :func:`require_operator`: the routes that act on every tenant's state (``POST /flush_cache``,
+  worker membership) are the operator's: the ``--api-key`` key, or anyone when no key is set.
+  A tenant's key (``--api-key-file``) gets 403: flushing would let one tenant evict the others'
+  cache entries at will (and time their refill), and a worker it registered would receive the
+  other tenants' prompts.
 """
 
 from __future__ import annotations
@@ -112,6 +117,20 @@ def cache_namespace(tenant: str | None, cache_salt: str | None) -> str | None:
 def request_tenant(scope: dict[str, Any]) -> str | None:
     """The tenant the guard found for this request (None: shared, or no keys configured)."""
     return scope.get(TENANT_SCOPE_KEY)
+
+
+def require_operator(scope: dict[str, Any], what: str) -> None:
+    """Refuse ``what`` (a route, in words) to a tenant's key.
+
+    Raises:
+        APIError: 403 (``permission_denied``) when the request's key is one of
+            ``--api-key-file``'s tenants; nothing for the operator's ``--api-key`` or when no
+            key is configured.
+    """
+    if request_tenant(scope) is not None:
+        raise APIError(f"{what} needs the operator's API key (--api-key); a tenant's key "
+                       "(--api-key-file) may not use it", status_code=403,
+                       type="permission_error", code="permission_denied")
 
 
 class Tenancy:

@@ -145,15 +145,17 @@ class ZmqEngineClient(BaseEngineClient):
 
     def _targets(
         self, input_ids: list[int], affinity: PromptAffinity | None = None,
+        namespace: str | None = None,
     ) -> list[tuple[WorkerHandle, str | None]] | TokenEvent:
         """``(worker, prefill_addr)`` pairs to send the task to, or the 503 event that refuses
         it (no healthy worker, or one of them full). With ``affinity``, the worker that computes
-        the prompt is the one its first request went to, while that one is live."""
-        colocated = self._prompt_worker("colocated", input_ids, affinity)
+        the prompt is the one its first request went to, while that one is live. ``namespace``:
+        the request's prefix-cache namespace, the only one the routing policy matches it in."""
+        colocated = self._prompt_worker("colocated", input_ids, affinity, namespace)
         if colocated is not None:
             targets = [(colocated, None)]
         else:
-            p = self._prompt_worker("prefill", input_ids, affinity)
+            p = self._prompt_worker("prefill", input_ids, affinity, namespace)
             d = self.pool.pick("decode")
             if p is None or d is None:
                 return TokenEvent([], [], error="no healthy prefill/decode worker", error_code=503)
@@ -168,6 +170,7 @@ class ZmqEngineClient(BaseEngineClient):
 
     def _prompt_worker(
         self, role: str, input_ids: list[int], affinity: PromptAffinity | None,
+        namespace: str | None = None,
     ) -> WorkerHandle | None:
         """The ``role`` worker to compute ``input_ids``: the affinity's worker if it is still
         live and of that role, else the routing policy's pick (recorded in the affinity)."""
@@ -175,7 +178,7 @@ class ZmqEngineClient(BaseEngineClient):
         if (pinned is not None and pinned.role == role and pinned.ready and not pinned.draining
                 and pinned in self.pool.workers):
             return pinned
-        chosen = self.pool.pick(role, input_ids)
+        chosen = self.pool.pick(role, input_ids, namespace)
         if affinity is not None and chosen is not None:
             affinity.worker = chosen
         return chosen
@@ -186,7 +189,7 @@ class ZmqEngineClient(BaseEngineClient):
     ) -> AsyncIterator[TokenEvent]:
         timer = self.metrics.request_timer() if self.metrics else None
         for attempt in itertools.count():
-            targets = self._targets(input_ids, affinity)
+            targets = self._targets(input_ids, affinity, cache_namespace)
             if isinstance(targets, TokenEvent):
                 if timer:
                     timer.rejected()

@@ -9,6 +9,11 @@
   ``dead_after_s`` it is declared dead. Either way ``on_dead`` is called, so the request fan-out
   (``server.worker_client``) ends the requests that depended on it. A worker that answers again
   (restarted, or back from a hang) is taken back.
+- The other way: the pool sends every worker a ``RouterBeat`` each ``HEALTH_CHECK_S`` with
+  ``dead_after_s``; a worker that hears none for that long (a partition, or this router hung)
+  ends this router's requests and frees their pages, as one whose link to this router dropped
+  (this router exited) does at once (``worker.routers``). So several routers can share the
+  workers, and a router that goes costs no page.
 - Stats: each heartbeat carries the worker's ``WorkerStats``; :meth:`worker_stats` asks every
   worker afresh (``GET /workers``).
 
@@ -31,7 +36,14 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from splitserve.ipc.messages import FlushCache, StatsQuery, WorkerReady, WorkerStats, encode
+from splitserve.ipc.messages import (
+    FlushCache,
+    RouterBeat,
+    StatsQuery,
+    WorkerReady,
+    WorkerStats,
+    encode,
+)
 from splitserve.server.routing import create_routing_policy
 
 logger = logging.getLogger(__name__)
@@ -140,14 +152,17 @@ class WorkerPool:
         roles = {w.role for w in self.workers if w.ready}
         return "colocated" in roles or {"prefill", "decode"} <= roles
 
-    def pick(self, role: str, input_ids: list[int] | None = None) -> WorkerHandle | None:
+    def pick(
+        self, role: str, input_ids: list[int] | None = None, namespace: str | None = None,
+    ) -> WorkerHandle | None:
         """A live, not draining worker of ``role``: by the routing policy for the roles that
-        cache prefixes (``input_ids`` given), else the least loaded; None if there is none."""
+        cache prefixes (``input_ids`` given; matched in the request's prefix-cache
+        ``namespace`` only), else the least loaded; None if there is none."""
         live = [w for w in self.workers if w.role == role and w.ready and not w.draining]
         if not live:
             return None
         if input_ids is not None:
-            return self.routing.pick(live, input_ids)  # type: ignore[return-value]
+            return self.routing.pick(live, input_ids, namespace)  # type: ignore[return-value]
         return min(live, key=lambda w: w.in_flight)
 
     # ---- membership ---------------------------------------------------------------------------
@@ -223,10 +238,21 @@ class WorkerPool:
                 logger.warning("%s worker %s at %s is back", w.role, w.worker_id, w.addr)
             w.ready = True
 
+    def _beat(self) -> None:
+        """Tell every worker this router is alive (never blocks: a worker that is away gets
+        its queue's worth)."""
+        beat = encode(RouterBeat(self.reply_addr, self.dead_after_s))
+        for w in self.workers:
+            try:
+                w.sock.send(beat, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+
     async def _health(self) -> None:
         last_tick = time.monotonic()
         while True:
             await asyncio.sleep(HEALTH_CHECK_S)
+            self._beat()
             now = time.monotonic()
             # If this loop itself stalled (GC, CPU starvation), the beats that came meanwhile are
             # still unread in the inbox: credit the stall to every worker instead of blaming them.

@@ -67,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", choices=WORKER_ROLE.names, default=None, help="required unless "
                    "--config-json gives it")
     p.add_argument("--worker-id", default=None, help="default: ROLE-HOSTNAME-PID")
-    p.add_argument("--router", default=None, help="join the router at http://HOST:PORT")
+    p.add_argument("--router", action="append", default=None, metavar="URL",
+                   help="join the router at http://HOST:PORT; repeat to serve several routers "
+                   "(API servers behind one load balancer) from one worker")
     p.add_argument("--host", default="127.0.0.1", help="address of this worker's inbox")
     p.add_argument("--port", type=int, default=0, help="port of this worker's inbox (0: any)")
     p.add_argument("--addr", default=None, help="this worker's inbox (overrides --host/--port)")
@@ -180,7 +182,7 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
         config = WorkerConfig(role=args.role, worker_id="", addr="")
     apply_flags(args, config, WORKER_FLAGS)
     identity: tuple[tuple[str, object], ...] = (
-        ("role", args.role), ("worker_id", args.worker_id), ("router_url", args.router),
+        ("role", args.role), ("worker_id", args.worker_id), ("router_urls", args.router),
         ("server_addr", args.server_addr), ("num_threads", args.threads),
     )
     for field, value in identity:
@@ -192,7 +194,7 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
         )
     if not config.worker_id:
         config.worker_id = f"{config.role}-{socket.gethostname()}-{os.getpid()}"
-    if not config.router_url and not config.server_addr:
+    if not config.router_urls and not config.server_addr:
         sys.exit("error: worker needs --router URL (to join) or --server-addr")
     _resolve_engine(config)
     try:

@@ -12,6 +12,7 @@ import logging
 import signal
 import socket
 import time
+import weakref
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -35,6 +36,7 @@ from splitserve.ipc.messages import (
     GenerateTask,
     Message,
     RequestError,
+    RouterBeat,
     Shutdown,
     StatsQuery,
     TokenBatch,
@@ -48,6 +50,7 @@ from splitserve.kv_transfer.session import IllegalTransition
 from splitserve.radix_cache.prefix_cache import create_prefix_cache
 from splitserve.worker.grammars import CompileDone, create_worker_grammars
 from splitserve.worker.heartbeat import Heartbeat, rejoin_router
+from splitserve.worker.routers import CHECK_S, RouterWatch
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +120,16 @@ class BaseWorker:
         self.outbox = Outbox(self.ctx, self.curve, watch_links=self.receives_kv)
         # Every deadline is read from this clock (tests swap in a fake one): see now().
         self.clock: Callable[[], float] = time.monotonic
+        # Which routers are still there: a gone one's requests are ended (worker.routers).
+        # Through a weak proxy: a cycle would keep a dropped worker and its sockets alive.
+        me = weakref.proxy(self)
+        self.routers = RouterWatch(self.outbox.link_drops, self.outbox.watch,
+                                   clock=lambda: me.clock())
+        self.next_router_check = 0.0
         self.stopped = False
         self.num_failed = 0
         self.num_transfer_failures = 0
+        self.num_orphaned = 0
         logger.info(
             "%s worker %s: %s, %s on %s (%s attention), %d KV pages of %d tokens "
             "(KV %s, %.0f bytes/token), inbox %s",
@@ -128,17 +138,17 @@ class BaseWorker:
             e.kv_cache_dtype, layout.bytes_per_token, config.addr,
         )
 
-    def _rejoin(self) -> tuple[str, WorkerReady] | None:
-        """On the heartbeat thread: register with the router again; when it had forgotten us
-        (restarted), send replies to its inbox from now on and return that inbox and the ready
-        announcement for the heartbeat to send (engine.heartbeat)."""
+    def _rejoin(self, i: int) -> tuple[str, WorkerReady] | None:
+        """On the heartbeat thread: register with router ``i`` of ``router_urls`` again; when
+        it had forgotten us (restarted), return its inbox and the ready announcement for the
+        heartbeat to send there (worker.heartbeat). Replies need no change: each request
+        names its router's inbox."""
         c = self.config
-        assert c.router_url is not None
-        inbox = rejoin_router(c.router_url, self.role, c.worker_id, c.addr, c.security.api_key)
+        url = c.router_urls[i]
+        inbox = rejoin_router(url, self.role, c.worker_id, c.addr, c.security.api_key)
         if inbox is None:
             return None
-        logger.warning("router %s did not know this worker (restarted?): rejoined", c.router_url)
-        c.server_addr = inbox  # one attribute store: the main loop reads it on every send
+        logger.warning("router %s did not know this worker (restarted?): rejoined", url)
         return inbox, WorkerReady(c.worker_id, self.role, c.addr)
 
     def _capture_decode_graphs(self, model: torch.nn.Module) -> DecodeGraphRunner | None:
@@ -160,13 +170,18 @@ class BaseWorker:
 
     # ---- main loop ----------------------------------------------------------------------------
 
-    def serve_forever(self) -> None:
+    def serve_forever(self, server_addrs: list[str] | None = None) -> None:
+        """Serve until SIGTERM or ``Shutdown``, reporting to the routers whose inboxes are
+        ``server_addrs`` (those of ``config.router_urls``, in order, as registration gave them;
+        default: ``config.server_addr``)."""
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopped", True))
         c = self.config
-        self.send(c.server_addr, WorkerReady(c.worker_id, self.role, c.addr))
+        server_addrs = list(server_addrs or [c.server_addr])
+        for addr in server_addrs:
+            self.send(addr, WorkerReady(c.worker_id, self.role, c.addr))
         beat = Heartbeat(
-            self.ctx, c.server_addr, self.stats, configure=self._curve_client,
-            rejoin=self._rejoin if c.router_url else None,
+            self.ctx, server_addrs, self.stats, configure=self._curve_client,
+            rejoin=self._rejoin if c.router_urls else None,
         )
         beat.start()
         try:
@@ -204,7 +219,11 @@ class BaseWorker:
                 self.dispatch(*item)
         for done in self.grammars.poll():
             self.on_grammar_done(done)
-        self.check_timeouts(self.now())
+        now = self.now()
+        self.check_timeouts(now)
+        if now >= self.next_router_check:
+            self.next_router_check = now + CHECK_S
+            self.check_routers(now)
         if self.scheduler.has_work:
             self.on_step_outputs(self.core.step())
 
@@ -218,10 +237,17 @@ class BaseWorker:
     def dispatch(self, msg: Message, frames: Frames | list) -> None:
         try:
             if isinstance(msg, GenerateTask):
+                if self.routers.dropped(msg.reply_addr):
+                    # A router restarted at the same inbox: its predecessor's requests go first.
+                    self.end_requests_of(msg.reply_addr, "closed its link")
+                self.routers.heard(msg.reply_addr)
                 self.on_generate(msg)
             elif isinstance(msg, AbortTask):
                 self.on_abort(msg.rid)
+            elif isinstance(msg, RouterBeat):
+                self.routers.heard(msg.reply_addr, msg.dead_after_s)
             elif isinstance(msg, StatsQuery):
+                self.routers.heard(msg.reply_addr)
                 self.send(msg.reply_addr, self.stats(msg.query_id))
             elif isinstance(msg, FlushCache):
                 freed = self.scheduler.cache.flush()
@@ -259,6 +285,38 @@ class BaseWorker:
 
     def check_timeouts(self, now: float) -> None:
         pass
+
+    def held_requests(self) -> dict[str, str]:
+        """``rid -> reply_addr`` of every request this worker holds anything for (queued,
+        running, compiling, in a KV handoff). Roles add what they hold outside the scheduler."""
+        return {r.rid: r.reply_addr for r in (*self.scheduler.waiting, *self.scheduler.running)}
+
+    # ---- routers that went away (worker.routers) ----------------------------------------------
+
+    def check_routers(self, now: float) -> None:
+        """End the requests of every router that is gone (link closed, or silent past its
+        ``dead_after_s``), freeing their pages."""
+        held = self.held_requests()
+        for addr, why in self.routers.gone(now, set(held.values())):
+            self.end_requests_of(addr, why, held)
+
+    def end_requests_of(self, addr: str, why: str, held: dict[str, str] | None = None) -> None:
+        """Abort every request of the router at ``addr`` (its pages freed on this worker; the
+        router, if it is only cut off, gets a 503 for each should the link come back)."""
+        held = self.held_requests() if held is None else held
+        rids = [rid for rid, reply in held.items() if reply == addr]
+        if not rids:
+            return
+        logger.warning("%s worker %s: router at %s %s: ending its %d requests", self.role,
+                       self.config.worker_id, addr, why, len(rids))
+        for rid in rids:
+            self.on_abort(rid)
+            self.num_orphaned += 1
+            try:
+                self.send(addr, RequestError(rid, f"the router at {addr} {why}: the "
+                                                  f"{self.role} worker ended the request", 503))
+            except PeerUnreachable:
+                pass
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -374,6 +432,7 @@ class BaseWorker:
             cache_evicted_pages=cache.evicted_pages,
             transfer_failures=self.num_transfer_failures,
             requests_failed=self.num_failed,
+            requests_orphaned=self.num_orphaned,
             kv_pool_bytes=self.pool.buffer.numel() * self.pool.buffer.element_size(),
             kv_cache_dtype=self.pool.layout.kv_cache_dtype,
             decode_cache_bytes=model.attn_backend.cache_bytes(),

@@ -48,6 +48,11 @@ class ColocatedWorker(BaseWorker):
     def on_step_outputs(self, outputs: list[StepOutput]) -> None:
         self.emit_decoded(outputs)
 
+    def held_requests(self) -> dict[str, str]:
+        held = super().held_requests()
+        held.update((rid, req.reply_addr) for rid, req in self.compiling.items())
+        return held
+
     def on_abort(self, rid: str) -> None:
         self.grammars.discard(rid)
         self.compiling.pop(rid, None)

@@ -5,11 +5,13 @@ The heartbeat runs on its own thread and socket so that a long forward pass (tor
 GIL while it computes) does not make a healthy worker look dead; a dead process or host stops
 it, and the router notices within its ``dead_after_s``.
 
-A worker that joined a router by URL also re-registers from that thread every ``REJOIN_S``
-(registration is idempotent by address): when the router has restarted, it answers that it did
-not know the worker (and, without a fixed ``--inbox``, gives a new inbox), so the worker points
-its replies and heartbeats at that inbox and announces itself ready again. Requests in flight on
-the old router are lost with it; their outputs reach the new router, which drops unknown rids.
+A worker may report to several routers (API servers behind one load balancer, each sending
+its own tasks): the heartbeat goes to each one's inbox. A worker that joined its routers by URL
+also re-registers with each from that thread every ``REJOIN_S`` (registration is idempotent by
+address): when a router has restarted, it answers that it did not know the worker (and, without
+a fixed ``--inbox``, gives a new inbox), so the worker points that router's heartbeats at the
+new inbox and announces itself ready there again. Requests in flight on the old router are lost
+with it: the worker ends them and frees their pages (``worker.routers``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import zmq
 
@@ -33,60 +36,82 @@ REJOIN_S = 2.0  # how often a worker that joined by URL checks that its router s
 
 
 class Heartbeat(threading.Thread):
-    """Sends ``stats()`` to ``server_addr`` every ``interval_s`` until :meth:`stop`.
+    """Sends ``stats()`` to each of ``server_addrs`` every ``interval_s`` until :meth:`stop`.
 
     Args:
-        rejoin: for a worker that joined by URL: called every ``REJOIN_S`` seconds; returns
-            ``(inbox, ready)`` when the router did not know the worker (it restarted): the
-            heartbeat then connects to that inbox and sends it the ``ready`` announcement.
-            None when the router knows the worker or did not answer.
+        server_addrs: the inboxes of the routers the worker reports to.
+        rejoin: for a worker that joined by URL: ``rejoin(i)`` is called for each router every
+            ``REJOIN_S`` seconds; it returns ``(inbox, ready)`` when router ``i`` did not know
+            the worker (it restarted): the heartbeat then beats to that inbox and sends it the
+            ``ready`` announcement. None when the router knows the worker or did not answer.
     """
 
     def __init__(
         self,
         ctx: zmq.Context,
-        server_addr: str,
+        server_addrs: list[str],
         stats: Callable[[], WorkerStats],
         interval_s: float = HEARTBEAT_S,
         configure: Callable[[zmq.Socket], None] | None = None,
-        rejoin: Callable[[], tuple[str, Message] | None] | None = None,
+        rejoin: Callable[[int], tuple[str, Message] | None] | None = None,
     ) -> None:
         super().__init__(name="heartbeat", daemon=True)
-        self.ctx, self.server_addr, self.stats, self.interval_s = ctx, server_addr, stats, interval_s
+        self.ctx, self.stats, self.interval_s = ctx, stats, interval_s
+        self.server_addrs = list(server_addrs)
         self.configure = configure
         self.rejoin = rejoin
         self.stopping = threading.Event()
 
-    def _connect(self) -> zmq.Socket:
+    def _connect(self, addr: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 4)  # a router that is away gets only the latest beats
         if self.configure is not None:
             self.configure(sock)
-        sock.connect(self.server_addr)
+        sock.connect(addr)
         return sock
 
+    def _ask_routers(self) -> list[tuple[int, tuple[str, Message] | None]]:
+        """Off the heartbeat thread: one rejoin per router (HTTP; up to its timeout each when a
+        router is unreachable, which must not delay the beats to the others)."""
+        return [(i, self.rejoin(i)) for i in range(len(self.server_addrs))]
+
     def run(self) -> None:
-        sock = self._connect()
+        socks = [self._connect(addr) for addr in self.server_addrs]
+        asker = ThreadPoolExecutor(1, thread_name_prefix="rejoin") if self.rejoin else None
+        asking: Future | None = None
         next_rejoin = time.monotonic() + REJOIN_S
         try:
             while not self.stopping.wait(self.interval_s):
-                if self.rejoin is not None and time.monotonic() >= next_rejoin:
-                    answer = self.rejoin()
-                    next_rejoin = time.monotonic() + REJOIN_S
-                    if answer is not None:
-                        self.server_addr, ready = answer
-                        sock.close(0)
-                        sock = self._connect()
-                        sock.send(encode(ready))  # queued until the connection is up
+                if asker is not None and asking is None and time.monotonic() >= next_rejoin:
+                    asking = asker.submit(self._ask_routers)
+                elif asking is not None and asking.done():
+                    try:
+                        answers = asking.result()
+                    except Exception:  # a bug in a rejoin must not stop the heartbeat
+                        logger.exception("rejoining the routers failed")
+                        answers = []
+                    for i, answer in answers:
+                        if answer is not None:  # router i restarted: beat to its new inbox
+                            self.server_addrs[i], ready = answer
+                            socks[i].close(0)
+                            socks[i] = self._connect(self.server_addrs[i])
+                            socks[i].send(encode(ready))  # queued until the connection is up
+                    asking, next_rejoin = None, time.monotonic() + REJOIN_S
                 try:
-                    sock.send(encode(self.stats()), zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
+                    beat = encode(self.stats())
                 except RuntimeError:  # the main thread changed a queue while we read it
-                    pass
+                    continue
+                for sock in socks:
+                    try:
+                        sock.send(beat, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
         finally:
-            sock.close(0)
+            for sock in socks:
+                sock.close(0)
+            if asker is not None:
+                asker.shutdown(wait=False, cancel_futures=True)
 
     def stop(self) -> None:
         self.stopping.set()

@@ -21,19 +21,21 @@ def create_worker(config: WorkerConfig) -> BaseWorker:
 
 
 def run_worker(config: WorkerConfig) -> None:
-    """Build the worker, register with ``config.router_url`` if set, serve until SIGTERM or
-    ``Shutdown``."""
+    """Build the worker, register with each of ``config.router_urls`` (if any), serve until
+    SIGTERM or ``Shutdown``."""
     logging.basicConfig(
         level=config.log_level.upper(),
         format=f"%(asctime)s {config.worker_id} %(levelname)s %(message)s",
     )
     worker = create_worker(config)
-    if config.router_url:
+    inboxes = None
+    if config.router_urls:
         from splitserve.worker.heartbeat import register_with_router
 
-        # After loading: the router routes to us as soon as our WorkerReady reaches its inbox.
-        config.server_addr = register_with_router(
-            config.router_url, config.role, config.worker_id, config.addr,
-            config.security.api_key,
-        )
-    worker.serve_forever()
+        # After loading: a router routes to us as soon as our WorkerReady reaches its inbox.
+        inboxes = [
+            register_with_router(url, config.role, config.worker_id, config.addr,
+                                 config.security.api_key)
+            for url in config.router_urls
+        ]
+    worker.serve_forever(inboxes)

@@ -4,10 +4,15 @@ Addresses are 10.200.0.0/24, inside namespaces these helpers created. Needs root
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from typing import Self
+
+CLONE_NEWNET = 0x40000000
+DEAD_MAC = "02:00:00:00:00:01"  # no interface has it: frames sent there are dropped unseen
 
 
 class NetnsUnavailable(RuntimeError):
@@ -66,6 +71,36 @@ class Hosts:
     def set_link(self, name: str, up: bool) -> None:
         """Cut (or restore) ``name``'s link: packets are dropped, TCP sees no reset."""
         _ip("ip", "link", "set", self.dev[name], "up" if up else "down", ns=self.ns[name])
+
+    def partition(self, a: str, b: str, cut: bool = True) -> None:
+        """Drop every packet between hosts ``a`` and ``b`` (both ways), or let them through
+        again (``cut=False``). Each side's neighbour entry for the other is pinned to a MAC no
+        interface has, so frames leave and vanish: no reset, no ICMP, the links to other hosts
+        untouched; TCP just retransmits, as across a real partition. (iptables/nftables and
+        tc's drop actions are missing on these kernels; this needs iproute2 only.)"""
+        for x, y in ((a, b), (b, a)):
+            if cut:
+                _ip("ip", "neigh", "replace", self.addr[y], "lladdr", DEAD_MAC, "dev",
+                    self.dev[x], "nud", "permanent", ns=self.ns[x])
+            else:
+                _ip("ip", "neigh", "del", self.addr[y], "dev", self.dev[x], ns=self.ns[x])
+
+    def executor(self, name: str, max_workers: int = 8) -> ThreadPoolExecutor:
+        """Threads whose sockets live inside host ``name`` (a network namespace is per
+        thread: each one ``setns``-es itself at start), for a test's HTTP clients."""
+        path = f"/var/run/netns/{self.ns[name]}"
+
+        def enter() -> None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns {path}")
+            finally:
+                os.close(fd)
+
+        return ThreadPoolExecutor(max_workers, thread_name_prefix=f"netns-{name}",
+                                  initializer=enter)
 
     def cmd(self, name: str, argv: list[str]) -> list[str]:
         """``argv`` run inside host ``name``."""

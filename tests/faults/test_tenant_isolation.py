@@ -21,6 +21,7 @@ from tests.faults.helpers import assert_no_pages, wait_all_healthy
 pytestmark = pytest.mark.slow
 
 KEYS = {"alice": "sk-alice-1", "bob": "sk-bob-2", "carol": "sk-carol-3"}
+OPERATOR = {"Authorization": "Bearer sk-operator-0"}  # --api-key: flushes, manages workers
 RATE = 1.0  # requests per second per key: a burst of one
 PROMPT = ("You are a careful assistant. Here is a long shared system prompt that sets the scene "
           "for every answer and is long enough to fill several KV pages. Question: what is two "
@@ -36,7 +37,7 @@ def cluster(model_path: Path, tmp_path_factory):
     keyfile = tmp_path_factory.mktemp("keys") / "api.keys"
     keyfile.write_text("".join(f"{key} {name}\n" for name, key in KEYS.items()))
     spec = serve_config(model_path, kv_cache_mb=32, threads_per_worker=1,
-                        api_key_file=str(keyfile), rate_limit_rps=RATE,
+                        api_key="sk-operator-0", api_key_file=str(keyfile), rate_limit_rps=RATE,
                         rate_limit_tps=100_000)
     with Cluster(spec) as c:
         wait_all_healthy(c, 2, headers=auth("alice"))
@@ -71,7 +72,7 @@ def ask(url: str, name: str, salt: str | None = None, chat: bool = False) -> tup
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_keys_and_salts_never_share_cached_prompts(cluster, chat) -> None:
     url = cluster.config.url
-    httpx.post(url + "/flush_cache", headers=auth("alice"), timeout=30)
+    assert httpx.post(url + "/flush_cache", headers=OPERATOR, timeout=30).status_code == 200
     first, ref = ask(url, "alice", chat=chat)
     assert first == 0
     again, text = ask(url, "alice", chat=chat)
@@ -83,6 +84,24 @@ def test_keys_and_salts_never_share_cached_prompts(cluster, chat) -> None:
     cached, _ = ask(url, "alice", "salt-1", chat=chat)
     assert cached > 0  # a salt is a namespace of its own, reusable with the same salt
     assert_no_pages(cluster, headers=auth("alice"))
+
+
+def test_tenants_may_not_flush_or_manage_workers(cluster) -> None:
+    """Flushing empties every tenant's cache, and a registered worker would receive every
+    tenant's prompts: both are the operator's (``--api-key``), 403 for a tenant's key."""
+    url = cluster.config.url
+    reg = {"role": "decode", "worker_id": "rogue", "addr": "tcp://127.0.0.1:1"}
+    for method, path, body in [("POST", "/flush_cache", None),
+                               ("POST", "/workers/register", reg),
+                               ("POST", "/workers/decode-0/drain", None)]:
+        r = httpx.request(method, url + path, json=body, headers=auth("bob"), timeout=30)
+        assert r.status_code == 403, (path, r.text)
+        assert r.json()["error"]["code"] == "permission_denied"
+    assert all(not w["draining"] for w in httpx.get(url + "/workers", headers=OPERATOR,
+                                                     timeout=10).json())
+    assert "rogue" not in {w["worker_id"] for w in httpx.get(url + "/workers", headers=OPERATOR,
+                                                             timeout=10).json()}
+    assert httpx.post(url + "/flush_cache", headers=OPERATOR, timeout=30).status_code == 200
 
 
 def test_rate_limit_per_key(cluster) -> None:

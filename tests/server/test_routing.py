@@ -68,3 +68,28 @@ def test_cache_aware_tree_is_bounded_and_flushes() -> None:
 def test_unknown_policy() -> None:
     with pytest.raises(ValueError, match="round_robin"):
         create_routing_policy("random")
+
+
+def test_cache_aware_matches_only_in_the_request_namespace() -> None:
+    """A prefix another tenant sent does not attract a request (the workers' caches would not
+    share it, and following it would let one tenant's prompts steer another's placement); the
+    tenant's own prefix still does."""
+    workers = [FakeWorker("a"), FakeWorker("b")]
+    policy = CacheAwarePolicy()
+    assert policy.pick(workers, SYSTEM_A + [1], namespace="alice").addr == "a"
+    # bob's identical prompt: no match in bob's namespace, so the least-loaded worker with the
+    # smaller tree (b), not the one holding alice's prefix.
+    assert policy.pick(workers, SYSTEM_A + [2], namespace="bob").addr == "b"
+    assert policy.pick(workers, SYSTEM_A + [3], namespace=None).addr in ("a", "b")
+    # Each tenant goes back to the worker holding its own prefix.
+    for _ in range(3):
+        assert policy.pick(workers, SYSTEM_A + [4], namespace="alice").addr == "a"
+        assert policy.pick(workers, SYSTEM_A + [5], namespace="bob").addr == "b"
+
+
+def test_cache_aware_unsalted_prefix_does_not_attract_a_salted_request() -> None:
+    workers = [FakeWorker("a"), FakeWorker("b")]
+    policy = CacheAwarePolicy()
+    policy.pick(workers, SYSTEM_B + [1])  # shared namespace, lands on a
+    assert policy.pick(workers, SYSTEM_B + [2], namespace="salted").addr == "b"
+    assert policy.pick(workers, SYSTEM_B + [3]).addr == "a"

@@ -138,3 +138,18 @@ def test_wrong_key_still_401(fake, tokenizer, keyfile) -> None:
     r = client.post("/v1/completions", json={"model": "default", "prompt": "hi"},
                     headers=auth("sk-eve"))
     assert r.status_code == 401
+
+
+def test_flush_cache_is_the_operators_only(fake, tokenizer, keyfile) -> None:
+    """A tenant's key may not flush every tenant's cache (403 naming the operator's key); the
+    operator's ``--api-key`` may, and so may anyone when no key is configured."""
+    client = make_client(fake, tokenizer, keyfile)
+    for tenant_key in ("sk-alice", "sk-bob"):
+        r = client.post("/flush_cache", headers=auth(tenant_key))
+        assert r.status_code == 403, r.text
+        err = r.json()["error"]
+        assert err["code"] == "permission_denied" and "--api-key" in err["message"], err
+    assert client.post("/flush_cache", headers=auth("sk-admin")).status_code == 200
+    assert client.post("/flush_cache").status_code == 401  # no key at all
+    open_app = create_app(fake, tokenizer, "m", 2048, [tokenizer.eos_token_id])
+    assert TestClient(open_app).post("/flush_cache").status_code == 200
