@@ -85,13 +85,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _choice("device", self.device, DEVICES)
         _choice("quantization", self.quantization, QUANTIZATIONS)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        triton = self.attention == "triton" or (self.attention == "auto" and self.device == "cuda")
-        if self.kv_cache_dtype != "auto" and triton:
-            raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype}: the Triton attention kernels read "
-                "unquantized pages only; use --kv-cache-dtype auto with Triton (CUDA's default) "
-                "or --attention torch"
-            )
         _choice("attention", self.attention, ATTENTION_CHOICES)
         _choice("speculative", self.speculative, SPECULATIVE_CHOICES)
         for field in ("num_speculative_tokens", "speculative_max_running"):

@@ -13,12 +13,18 @@ import random
 
 import pytest
 import torch
+
+# isort: off
 from triton_device import DEVICE  # first: it sets TRITON_INTERPRET before Triton loads
+import triton
+import triton.language as tl
+# isort: on
 
 from splitserve.config import EngineConfig
 from splitserve.engine.attention.base import create_attention_backend, default_attention_backend
 from splitserve.engine.attention.torch_backend import TorchAttentionBackend
 from splitserve.engine.attention.triton.backend import TritonAttentionBackend
+from splitserve.engine.attention.triton.paged_tile import _fp8_e4m3_to_f32
 from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.kv_pool import KVLayout, KVPool, pages_for
 
@@ -37,21 +43,34 @@ def run_both(
     window: int | None = None,
     num_splits: int | None = None,
     seed: int = 0,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One attention layer over a random pool, torch and Triton backends.
 
     Args:
         plan: per sequence ``(cached_len, new_len)``; the cached K/V is random pool content.
         num_splits: force the decode kernel's split count (default: its own choice).
+        kv_cache_dtype: an 8-bit pool (``int8``, ``fp8_e4m3``) is filled through
+            ``KVPool.write``, so every slot holds quantized values and their scales.
 
     Returns:
         ``(torch output, triton output)``, each ``[T, hq, head_dim]``.
     """
     gen = torch.Generator().manual_seed(seed)
     total_pages = sum(pages_for(c + n, page_size) for c, n in plan) + 3
-    layout = KVLayout(2, hkv, head_dim, page_size, str(dtype).removeprefix("torch."))
+    dtype_str = str(dtype).removeprefix("torch.")
+    layout = KVLayout(2, hkv, head_dim, page_size, dtype_str, kv_cache_dtype)
     pool = KVPool(layout, total_pages, device=DEVICE)
-    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen))
+    if layout.is_quantized:
+        pages = torch.arange(total_pages).repeat_interleave(page_size).to(DEVICE)
+        slots = torch.arange(page_size).repeat(total_pages).to(DEVICE)
+        for layer in range(layout.num_layers):
+            # Per-token magnitudes that differ, so a scale read for the wrong token shows.
+            mag = torch.rand(2, pages.numel(), hkv, 1, generator=gen) + 0.1
+            k, v = torch.randn(2, pages.numel(), hkv, head_dim, generator=gen) * mag
+            pool.write(layer, pages, slots, k.to(DEVICE, dtype), v.to(DEVICE, dtype))
+    else:
+        pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen))
     free = list(range(1, total_pages))
     random.Random(seed).shuffle(free)  # non-contiguous, out-of-order pages
     page_lists = []
@@ -91,6 +110,41 @@ def test_decode(hq: int, hkv: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=0)
 
 
+@triton.jit
+def _decode_fp8_bytes(X, Y):
+    offs = tl.arange(0, 256)
+    tl.store(Y + offs, _fp8_e4m3_to_f32(tl.load(X + offs)))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_8bit_pool_decode_and_extend(kv_cache_dtype: str, dtype: torch.dtype) -> None:
+    """An 8-bit pool read by the Triton kernels equals the torch backend, which de-quantizes
+    through ``KVPool.gather``: decode with split-K and a window, extend over a cached prefix."""
+    for plan, kw in (
+        (DECODE, {"num_splits": 3}),
+        (DECODE, {"window": 7}),
+        ([(0, 13), (9, 7), (37, 3), (20, 1)], {"seed": 1}),
+    ):
+        ref, out = run_both(plan, 6, 2, 64, dtype, kv_cache_dtype=kv_cache_dtype, **kw)
+        # bfloat16: outputs up to ~3 here, where 2 ulps (the two paths round p and the sums
+        # differently) exceed the absolute bound; float32 stays exact to 2e-5.
+        rtol = 2**-6 if dtype == torch.bfloat16 else 0
+        torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=rtol)
+
+
+def test_8bit_pool_fp8_decoder_is_exact() -> None:
+    """The kernels' integer e4m3fn decoder equals torch's float8 conversion on all 256 bytes
+    (NaN, 0x7f/0xff, excepted: quantize_kv never writes it)."""
+    raw = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
+    out = torch.empty(256, dtype=torch.float32, device=DEVICE)
+    _decode_fp8_bytes[(1,)](raw, out)
+    ref = raw.view(torch.float8_e4m3fn).float()
+    finite = ~ref.isnan()
+    assert finite.sum() == 254
+    assert torch.equal(out[finite], ref[finite])
+
+
 def test_decode_split_k_window_and_padded_head_dim() -> None:
     """Three splits (one of them empty for the shortest row), a sliding window, D=48 (padded)."""
     for window, splits in ((None, 3), (7, 3), (None, 1)):
@@ -127,9 +181,11 @@ def test_backend_choice(monkeypatch) -> None:
         create_attention_backend("nope")
 
 
-def test_tiny_model_logits_match_torch_backend(tmp_path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_tiny_model_logits_match_torch_backend(tmp_path, kv_cache_dtype: str) -> None:
     """A tiny random Mistral (GQA 3, sliding window 6) through prefill, prefill over a cached
-    prefix mixed with decode, and decode: the same logits through both backends."""
+    prefix mixed with decode, and decode: the same logits through both backends (an 8-bit
+    pool too)."""
     import transformers
 
     from splitserve.engine.model.loader import load_model
@@ -145,7 +201,7 @@ def test_tiny_model_logits_match_torch_backend(tmp_path) -> None:
     for name in ("torch", "triton"):
         model, mcfg = load_model(tmp_path, attn_backend=create_attention_backend(name))
         model.to(DEVICE)
-        pool = KVPool(mcfg.kv_layout(4, "float32"), 16, device=DEVICE)
+        pool = KVPool(mcfg.kv_layout(4, "float32", kv_cache_dtype), 16, device=DEVICE)
         pages = [[5, 2, 9, 7, 1], [3, 8, 6]]
         steps = [
             ([list(range(3, 12)), list(range(20, 26))], [0, 0]),  # two fresh prompts

@@ -3,7 +3,8 @@
 Registered as ``"triton"`` in ``splitserve.config.registry.ATTENTION`` (imported only when chosen,
 so CPU-only runs never import Triton). Kernels: :mod:`splitserve.engine.attention.triton.decode` (one token per sequence,
 split-K) and :mod:`splitserve.engine.attention.triton.extend` (several new tokens over a cached prefix).
-New K/V are stored with the pool's torch ``index_put`` before either kernel runs.
+New K/V are stored with the pool's torch ``index_put`` before either kernel runs (an 8-bit pool
+quantizes them there; the kernels de-quantize each block as they read it).
 
 Under ``TRITON_INTERPRET=1`` (set before this module is first imported: Triton decides at
 decoration time) the kernels run on CPU tensors, in float32 arithmetic, for tests.
@@ -24,6 +25,7 @@ import torch
 from splitserve.engine.attention.base import BaseAttentionBackend, SlidingWindows, layer_windows
 from splitserve.engine.attention.triton.decode import choose_num_splits, decode_attention
 from splitserve.engine.attention.triton.extend import extend_attention
+from splitserve.engine.attention.triton.paged_tile import PagedKV
 from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kv_pool import KVPool
 
@@ -142,17 +144,17 @@ class TritonAttentionBackend(BaseAttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        kp, vp = pool.k_pages(layer), pool.v_pages(layer)
+        kv = PagedKV.of(pool, layer)
         if meta.decode is not None:
             d = meta.decode
             decode_attention(
-                q, kp, vp, out, batch.page_table, d.tok_idx, d.rows, d.seq_lens,
+                q, kv, out, batch.page_table, d.tok_idx, d.rows, d.seq_lens,
                 d.num_splits, scale, meta.windows[layer], meta.upcast,
             )  # fmt: skip
         if meta.extend is not None:
             e = meta.extend
             extend_attention(
-                q, kp, vp, out, batch.page_table, e.tok_start, e.extend_lens, e.seq_lens,
+                q, kv, out, batch.page_table, e.tok_start, e.extend_lens, e.seq_lens,
                 e.rows, e.max_extend_len, scale, meta.windows[layer], meta.upcast,
             )  # fmt: skip
         return out

@@ -18,19 +18,25 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.engine.attention.triton.paged_tile import LOG2E, MIN_DOT, attend_paged_block
+from splitserve.engine.attention.triton.paged_tile import (
+    LOG2E,
+    MIN_DOT,
+    PagedKV,
+    attend_paged_block,
+)
 
 BLOCK_N = 64  # tokens per K/V block
 
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, Out, Partial, Lse, PageTable, TokIdx, Rows, SeqLens,
+    Q, K, V, KS, VS, Out, Partial, Lse, PageTable, TokIdx, Rows, SeqLens,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_ot, stride_oh, stride_pt,
+    stride_sp, stride_ss, stride_sh, stride_ot, stride_oh, stride_pt,
     scale_log2, window, page_size, head_dim, group, num_splits,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, ONE_SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, KV_QUANT: tl.constexpr, KV_DTYPE: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -68,9 +74,10 @@ def _decode_stage1(
         mask_n = t < end
         # Every block inside [start, end) has a valid token, so m_i stays finite.
         m_i, l_i, acc = attend_paged_block(
-            q, m_i, l_i, acc, K, V, PageTable, row, kvh, t, mask_n, mask_n[None, :],
+            q, m_i, l_i, acc, K, V, KS, VS, PageTable, row, kvh, t, mask_n, mask_n[None, :],
             offs_d, mask_d, stride_pt, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
-            stride_vh, scale_log2, page_size, UPCAST, IEEE,
+            stride_vh, stride_sp, stride_ss, stride_sh, scale_log2, page_size, UPCAST, IEEE,
+            KV_QUANT, KV_DTYPE,
         )
 
     # An empty split (short sequence, many splits) has l_i == 0: output 0 and weight 0 (lse -inf).
@@ -120,8 +127,7 @@ def _decode_stage2(
 
 def decode_attention(
     q: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
+    kv: PagedKV,
     out: torch.Tensor,
     page_table: torch.Tensor,
     tok_idx: torch.Tensor,
@@ -136,7 +142,8 @@ def decode_attention(
 
     Args:
         q: ``[T, Hq, D]`` queries (any strides with a unit last stride), float32/bfloat16/float16.
-        k_pages, v_pages: ``[num_pages, page_size, Hkv, D]`` one layer's K/V views of the pool.
+        kv: one layer's K/V views of the pool (``[num_pages, page_size, Hkv, D]``; an 8-bit
+            pool's with its scales, de-quantized as read).
         out: ``[T, Hq, D]`` output, written only at the rows ``tok_idx``.
         page_table: ``[B, max_pages]`` int64 page ids.
         tok_idx: ``[Bd]`` int64 row of each decode sequence's token in ``q``/``out``.
@@ -151,7 +158,7 @@ def decode_attention(
     if bd == 0:
         return
     _, hq, d = q.shape
-    _, page_size, hkv, _ = k_pages.shape
+    _, page_size, hkv, _ = kv.k.shape
     group = hq // hkv
     block_d = max(MIN_DOT, triton.next_power_of_2(d))
     one = num_splits == 1
@@ -161,12 +168,13 @@ def decode_attention(
         partial = torch.empty((bd, hq, num_splits, block_d), dtype=torch.float32, device=q.device)
         lse = torch.empty((bd, hq, num_splits), dtype=torch.float32, device=q.device)
     _decode_stage1[(bd, hkv, num_splits)](
-        q, k_pages, v_pages, out, partial, lse, page_table, tok_idx, rows, seq_lens,
-        q.stride(0), q.stride(1), *k_pages.stride()[:3], *v_pages.stride()[:3],
-        out.stride(0), out.stride(1), page_table.stride(0),
+        q, kv.k, kv.v, kv.k_scales, kv.v_scales, out, partial, lse, page_table, tok_idx, rows, seq_lens,
+        q.stride(0), q.stride(1), *kv.k.stride()[:3], *kv.v.stride()[:3],
+        *kv.k_scales.stride()[:3], out.stride(0), out.stride(1), page_table.stride(0),
         scale * LOG2E, window or 0, page_size, d, group, num_splits,
         BLOCK_H=max(MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-        UPCAST=upcast, IEEE=q.dtype == torch.float32, ONE_SPLIT=one,
+        UPCAST=upcast, IEEE=q.dtype == torch.float32, KV_QUANT=kv.quant, KV_DTYPE=kv.tl_dtype,
+        ONE_SPLIT=one,
     )  # fmt: skip
     if not one:
         _decode_stage2[(bd, hq)](

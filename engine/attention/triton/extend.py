@@ -17,17 +17,22 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.engine.attention.triton.paged_tile import LOG2E, MIN_DOT, attend_paged_block
+from splitserve.engine.attention.triton.paged_tile import (
+    LOG2E,
+    MIN_DOT,
+    PagedKV,
+    attend_paged_block,
+)
 
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, Out, PageTable, TokStart, ExtendLens, SeqLens, Rows,
+    Q, K, V, KS, VS, Out, PageTable, TokStart, ExtendLens, SeqLens, Rows,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_ot, stride_oh, stride_pt,
+    stride_sp, stride_ss, stride_sh, stride_ot, stride_oh, stride_pt,
     scale_log2, window, page_size, head_dim, group,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, KV_QUANT: tl.constexpr, KV_DTYPE: tl.constexpr,
 ):  # fmt: skip
     e = tl.program_id(0)
     h = tl.program_id(1)
@@ -70,9 +75,10 @@ def _extend_kernel(
             # A row may see nothing in this block (padding rows, window edges): the helper
             # keeps its running max finite for exp2, so it adds 0, not NaN.
             m_i, l_i, acc = attend_paged_block(
-                q, m_i, l_i, acc, K, V, PageTable, row, kvh, t, mask_n, see, offs_d, mask_d,
+                q, m_i, l_i, acc, K, V, KS, VS, PageTable, row, kvh, t, mask_n, see, offs_d, mask_d,
                 stride_pt, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                scale_log2, page_size, UPCAST, IEEE,
+                stride_sp, stride_ss, stride_sh, scale_log2, page_size, UPCAST, IEEE,
+                KV_QUANT, KV_DTYPE,
             )
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # every real row sees at least itself
@@ -85,8 +91,7 @@ def _extend_kernel(
 
 def extend_attention(
     q: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
+    kv: PagedKV,
     out: torch.Tensor,
     page_table: torch.Tensor,
     tok_start: torch.Tensor,
@@ -102,8 +107,8 @@ def extend_attention(
 
     Args:
         q: ``[T, Hq, D]`` queries (any strides with a unit last stride), float32/bfloat16/float16.
-        k_pages, v_pages: ``[num_pages, page_size, Hkv, D]`` one layer's K/V views of the pool,
-            already holding the new tokens.
+        kv: one layer's K/V views of the pool (``[num_pages, page_size, Hkv, D]``; an 8-bit
+            pool's with its scales, de-quantized as read), already holding the new tokens.
         out: ``[T, Hq, D]`` output, written only at the extending sequences' rows.
         page_table: ``[B, max_pages]`` int64 page ids.
         tok_start: ``[Be]`` int32 first row of each sequence's new tokens in ``q``/``out``.
@@ -119,16 +124,16 @@ def extend_attention(
     if be == 0:
         return
     _, hq, d = q.shape
-    _, page_size, hkv, _ = k_pages.shape
+    _, page_size, hkv, _ = kv.k.shape
     block_d = max(MIN_DOT, triton.next_power_of_2(d))
     # float32 tiles take twice the registers/shared memory of 16-bit ones on a GPU.
     block = 32 if q.dtype == torch.float32 or block_d > 128 else 64
     grid = (be, hq, triton.cdiv(max_extend_len, block))
     _extend_kernel[grid](
-        q, k_pages, v_pages, out, page_table, tok_start, extend_lens, seq_lens, rows,
-        q.stride(0), q.stride(1), *k_pages.stride()[:3], *v_pages.stride()[:3],
-        out.stride(0), out.stride(1), page_table.stride(0),
+        q, kv.k, kv.v, kv.k_scales, kv.v_scales, out, page_table, tok_start, extend_lens, seq_lens, rows,
+        q.stride(0), q.stride(1), *kv.k.stride()[:3], *kv.v.stride()[:3],
+        *kv.k_scales.stride()[:3], out.stride(0), out.stride(1), page_table.stride(0),
         scale * LOG2E, window or 0, page_size, d, hq // hkv,
         BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d,
-        UPCAST=upcast, IEEE=q.dtype == torch.float32,
+        UPCAST=upcast, IEEE=q.dtype == torch.float32, KV_QUANT=kv.quant, KV_DTYPE=kv.tl_dtype,
     )  # fmt: skip
