@@ -125,7 +125,9 @@ convert_all() { for t in "${OUTTYPES[@]}"; do convert "$t"; done; }
 
 case "${1:-all}" in
   build) build ;;
-  convert) build; convert_all; for t in "${OUTTYPES[@]}"; do gguf_path "$t"; done ;;
+  convert)  # the build and conversion logs on stderr, then one GGUF path per type on stdout
+    { build; convert_all; } >&2
+    for t in "${OUTTYPES[@]}"; do gguf_path "$t"; done ;;
   serve) build; convert "${OUTTYPES[0]}"; serve "${OUTTYPES[0]}" "$PORT" ;;
   all)
     build; convert_all

@@ -1,0 +1,119 @@
+"""llama.cpp's command-line tools as measured peers: the GGUFs ``peers/llamacpp.sh`` makes,
+``llama-perplexity``'s final estimate and ``llama-bench``'s prompt-processing rate.
+
+The build and the GGUFs are the script's (``bash bench/peers/llamacpp.sh convert``, the
+llama.cpp vendored in the ``llama-cpp-python`` sdist, built once under
+``$LLAMACPP_DIR``, default ``~/.cache/splitserve/llamacpp``); these helpers run it and parse what
+the tools print. Imported as ``llamacpp_tools`` by the scripts in ``bench/`` (run as files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent / "peers" / "llamacpp.sh"
+VERSION = os.environ.get("LLAMACPP_VERSION", "0.3.36")
+LLAMACPP_DIR = Path(
+    os.environ.get("LLAMACPP_DIR", Path.home() / ".cache" / "splitserve" / "llamacpp")
+)
+BIN = LLAMACPP_DIR / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp" / "build" / "bin"
+PPL_RE = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
+CHUNKS_RE = re.compile(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)")
+
+
+def gguf_paths(types: list[str]) -> dict[str, Path]:
+    """Build the tools if need be and make the GGUF of every weight type in ``types`` (``f16``,
+    ``q8_0``, ``q4_k_m``, ...) with ``llamacpp.sh convert`` (both cached across runs).
+
+    Returns:
+        ``{type: path of its GGUF}``, in ``types`` order.
+
+    Raises:
+        subprocess.CalledProcessError: the build or a conversion failed (its log, on stderr,
+            passes through to ours).
+    """
+    env = {**os.environ, "LLAMACPP_OUTTYPE": " ".join(types)}
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "convert"], env=env, check=True, stdout=subprocess.PIPE, text=True
+    )  # stdout: one path per type
+    paths = [Path(line) for line in proc.stdout.splitlines()[-len(types) :]]
+    for path in paths:
+        if path.suffix != ".gguf" or not path.is_file():
+            raise RuntimeError(f"llamacpp.sh convert printed {path}, not a GGUF file")
+    return dict(zip(types, paths, strict=True))
+
+
+def run_tool(name: str, args: list[str]) -> tuple[str, str]:
+    """Run ``BIN/name args`` and return its stdout and its stderr (where the log goes).
+
+    Raises:
+        RuntimeError: the tool failed, with its exit status and the end of its output (a
+            negative status is the signal that killed it, e.g. -4 for an illegal instruction).
+    """
+    proc = subprocess.run([str(BIN / name), *args], check=False, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-2000:]
+        raise RuntimeError(f"{name} exited with {proc.returncode}: {tail}")
+    return proc.stdout, proc.stderr
+
+
+def perplexity(gguf: Path, text_file: Path, ctx: int, threads: int) -> dict[str, float]:
+    """``llama-perplexity`` of ``gguf`` on the text in ``text_file``, chunks of ``ctx`` tokens.
+
+    llama.cpp tokenizes the whole file, splits it into ``len(tokens) // ctx`` chunks (it needs
+    at least ``2 * ctx`` tokens), evaluates each from an empty context and scores only the second
+    half of every chunk, so each scored token sees at least ``ctx / 2`` tokens of context.
+
+    Returns:
+        ``{"ppl": final estimate, "err": its +/-, "chunks": chunks scored, "ctx": ctx}``.
+
+    Raises:
+        RuntimeError: the tool failed or printed no final estimate.
+    """
+    args = ["-m", gguf, "-f", text_file, "-c", ctx, "-t", threads, "-tb", threads]
+    out = "".join(run_tool("llama-perplexity", [str(a) for a in args]))
+    m = PPL_RE.search(out)
+    if not m:
+        raise RuntimeError(f"llama-perplexity printed no final estimate: {out[-2000:]}")
+    chunks = CHUNKS_RE.search(out)
+    return {
+        "ppl": float(m.group(1)),
+        "err": float(m.group(2)),
+        "chunks": int(chunks.group(1)) if chunks else -1,
+        "ctx": ctx,
+    }
+
+
+def bench_prompt(gguf: Path, lengths: list[int], threads: int, reps: int) -> dict[int, dict]:
+    """``llama-bench -p LENGTHS -n 0``: prompt processing only, in process (no HTTP, no
+    tokenization), ``reps`` repetitions per length.
+
+    Returns:
+        ``{prompt length: {"tok_s": mean tokens/s, "std": its standard deviation,
+        "build": llama.cpp build commit, "cpu": the CPU llama-bench saw}}``.
+
+    Raises:
+        RuntimeError: the tool failed or its JSON lacks a length asked for.
+    """
+    prompts = ",".join(map(str, lengths))
+    args = ["-m", gguf, "-p", prompts, "-n", 0, "-t", threads, "-r", reps, "-o", "json"]
+    out, log = run_tool("llama-bench", [str(a) for a in args])
+    rows = json.loads(out)
+    result = {
+        int(r["n_prompt"]): {
+            "tok_s": float(r["avg_ts"]),
+            "std": float(r["stddev_ts"]),
+            "build": r.get("build_commit", "?"),
+            "cpu": r.get("cpu_info", "?"),
+        }
+        for r in rows
+        if int(r.get("n_gen", 0)) == 0
+    }
+    missing = [n for n in lengths if n not in result]
+    if missing:
+        raise RuntimeError(f"llama-bench reported no prompt rate for {missing}: {log[-2000:]}")
+    return result
