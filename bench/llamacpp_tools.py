@@ -2,9 +2,9 @@
 ``llama-perplexity``'s final estimate and ``llama-bench``'s prompt-processing rate.
 
 The build and the GGUFs are the script's (``bash bench/peers/llamacpp.sh convert``, the
-llama.cpp vendored in the ``llama-cpp-python`` sdist, built once under
-``$LLAMACPP_DIR``, default ``~/.cache/splitserve/llamacpp``); these helpers run it and parse what
-the tools print. Imported as ``llamacpp_tools`` by the scripts in ``bench/`` (run as files).
+llama.cpp vendored in the ``llama-cpp-python`` sdist, built once under ``$LLAMACPP_DIR``,
+default ``~/.cache/splitserve/llamacpp``, with the script's ``LLAMACPP_*`` environment); these
+helpers run it and parse what the tools print. Imported as ``llamacpp_tools`` by the scripts in ``bench/`` (run as files).
 """
 
 from __future__ import annotations
@@ -16,11 +16,6 @@ import subprocess
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent / "peers" / "llamacpp.sh"
-VERSION = os.environ.get("LLAMACPP_VERSION", "0.3.36")
-LLAMACPP_DIR = Path(
-    os.environ.get("LLAMACPP_DIR", Path.home() / ".cache" / "splitserve" / "llamacpp")
-)
-BIN = LLAMACPP_DIR / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp" / "build" / "bin"
 PPL_RE = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 CHUNKS_RE = re.compile(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)")
 
@@ -47,14 +42,25 @@ def gguf_paths(types: list[str]) -> dict[str, Path]:
     return dict(zip(types, paths, strict=True))
 
 
+def bin_dir() -> Path:
+    """The folder of the built tools, as ``llamacpp.sh`` (and its ``LLAMACPP_*`` environment)
+    names it."""
+    out = subprocess.run(
+        ["bash", str(SCRIPT), "bindir"], check=True, stdout=subprocess.PIPE, text=True
+    ).stdout
+    return Path(out.strip())
+
+
 def run_tool(name: str, args: list[str]) -> tuple[str, str]:
-    """Run ``BIN/name args`` and return its stdout and its stderr (where the log goes).
+    """Run ``name args`` from :func:`bin_dir` and return its stdout and its stderr (where the log goes).
 
     Raises:
         RuntimeError: the tool failed, with its exit status and the end of its output (a
             negative status is the signal that killed it, e.g. -4 for an illegal instruction).
     """
-    proc = subprocess.run([str(BIN / name), *args], check=False, capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(bin_dir() / name), *args], check=False, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-2000:]
         raise RuntimeError(f"{name} exited with {proc.returncode}: {tail}")

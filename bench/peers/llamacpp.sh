@@ -8,6 +8,7 @@
 #   bash bench/peers/llamacpp.sh build           # only build the tools (missing targets only)
 #   bash bench/peers/llamacpp.sh convert         # only make the GGUF(s); prints their paths
 #   bash bench/peers/llamacpp.sh serve           # only serve the first type (foreground)
+#   bash bench/peers/llamacpp.sh bindir          # where the tools are (builds nothing)
 #   SERVING_ARGS="--concurrency 1 8 32 --num-prompts 64" bash bench/peers/llamacpp.sh
 #   LLAMACPP_OUTTYPE="q8_0 q4_k_m" LAUNCH="colocated colocated:int8 colocated:int4" \
 #     bash bench/peers/llamacpp.sh               # two GGUF servers and three splitserve clusters
@@ -15,6 +16,8 @@
 # Environment (all optional):
 #   LLAMACPP_DIR      work folder (default ~/.cache/splitserve/llamacpp)
 #   LLAMACPP_VERSION  llama-cpp-python sdist version whose vendored llama.cpp is built (0.3.36)
+#   LLAMACPP_NATIVE   1 (default): -march=native build in $SRC/build; 0: explicit AVX2 + AVX-512
+#                     (F, VBMI, VNNI, BF16), no AMX, in $SRC/build-avx512 (see "Build flags")
 #   LLAMACPP_THREADS  server threads (default 2)      LLAMACPP_SLOTS  parallel slots (default 32)
 #   LLAMACPP_CTX      context per slot (default 512)  LLAMACPP_PORT   first server's port (8090)
 #   LLAMACPP_OUTTYPE  GGUF weight type(s), space- or comma-separated (default f16): f16, bf16,
@@ -29,9 +32,15 @@
 #   SERVING_ARGS      extra arguments for bench/serving.py
 #   OUT               where results go (default bench/results/llamacpp-<date>)
 #
-# Build flags: GGML_NATIVE=ON compiles for the build machine's ISA (-march=native). The GGUFs and
-# binaries are per machine: a build folder carried to another CPU can die with "Illegal
-# instruction"; `rm -rf $SRC/build` rebuilds for the CPU at hand.
+# Build flags: GGML_NATIVE=ON compiles for the build machine's ISA (-march=native), binaries are
+# per machine: a build folder carried to another CPU can die with "Illegal instruction"
+# (`rm -rf $SRC/build` rebuilds for the CPU at hand). On an AMX machine -march=native also
+# compiles ggml's AMX kernels (ggml-cpu/amx), which ggml uses for quantized weights only (Q4_0,
+# Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS), never F16: the one difference between the F16 GGUF that
+# ran and the Q8_0 GGUF that died with "Illegal instruction" on the Intel (AMX) VM on 2026-12-02.
+# Not confirmed there (no AMX machine since); on AMD Zen 5 (AVX-512, no AMX) the native build
+# serves Q8_0 (bench/README.md). If an AMX machine shows it again, LLAMACPP_NATIVE=0 builds
+# without AMX.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -39,7 +48,15 @@ PY=${PY:-$REPO/.venv/bin/python}
 VERSION=${LLAMACPP_VERSION:-0.3.36}
 DIR=${LLAMACPP_DIR:-$HOME/.cache/splitserve/llamacpp}
 SRC=$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp
-BIN=$SRC/build/bin
+if [ "${LLAMACPP_NATIVE:-1}" = 1 ]; then
+  BUILD=$SRC/build ISA=(-DGGML_NATIVE=ON)
+else
+  BUILD=$SRC/build-avx512
+  ISA=(-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+       -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+       -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+fi
+BIN=$BUILD/bin
 THREADS=${LLAMACPP_THREADS:-2}
 SLOTS=${LLAMACPP_SLOTS:-32}
 CTX=${LLAMACPP_CTX:-512}
@@ -58,16 +75,16 @@ build() {
     ( cd "$DIR" && "$PY" -m pip download --no-deps --no-binary :all: \
         "llama-cpp-python==$VERSION" -d . && tar xzf "llama_cpp_python-$VERSION.tar.gz" )
   fi
-  # CPU only, native ISA (AVX-512/AMX where present); no web UI download, no curl, no tests.
+  # CPU only, ISA as above; no web UI download, no curl, no tests.
   # LLAMA_BUILD_TOOLS (default ON) is what defines llama-quantize and llama-perplexity.
-  if [ ! -f "$SRC/build/build.ninja" ]; then
-    cmake -S "$SRC" -B "$SRC/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  if [ ! -f "$BUILD/build.ninja" ]; then
+    cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release "${ISA[@]}" \
       -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
       -DLLAMA_BUILD_TOOLS=ON
   fi
   # Only the missing targets: the libraries they share with a finished build are up to date.
-  time cmake --build "$SRC/build" --target "${missing[@]}" -j "$(nproc)"
+  time cmake --build "$BUILD" --target "${missing[@]}" -j "$(nproc)"
 }
 
 model_dir() {
@@ -124,6 +141,7 @@ wait_healthy() {  # wait_healthy PORT PID
 convert_all() { for t in "${OUTTYPES[@]}"; do convert "$t"; done; }
 
 case "${1:-all}" in
+  bindir) echo "$BIN" ;;
   build) build ;;
   convert)  # the build and conversion logs on stderr, then one GGUF path per type on stdout
     { build; convert_all; } >&2
@@ -149,5 +167,5 @@ case "${1:-all}" in
     "$PY" bench/serving.py "${URLS[@]}" "${LAUNCH_ARGS[@]}" --out "$OUT" ${SERVING_ARGS:-}
     uptime | tee "$OUT/uptime-after.txt"
     ;;
-  *) echo "usage: $0 [all|build|convert|serve]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|build|convert|serve|bindir]" >&2; exit 2 ;;
 esac
