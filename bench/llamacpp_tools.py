@@ -17,7 +17,10 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent / "peers" / "llamacpp.sh"
 PPL_RE = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
-CHUNKS_RE = re.compile(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)")
+CHUNKS_RE = re.compile(r"(?:calculating perplexity|computing) over (\d+) chunks, n_ctx=(\d+)")
+KL_PPL_RE = re.compile(r"Mean PPL\(Q\)\s*:\s*([0-9.]+) ± ([0-9.]+)")
+KL_TOP_RE = re.compile(r"Same top p:\s*([0-9.]+) ± ([0-9.]+) %")
+KL_KLD_RE = re.compile(r"Mean    KLD:\s*([0-9.]+) ± ([0-9.]+)")
 
 
 def gguf_paths(types: list[str]) -> dict[str, Path]:
@@ -59,16 +62,25 @@ def run_tool(name: str, args: list[str]) -> tuple[str, str]:
             negative status is the signal that killed it, e.g. -4 for an illegal instruction).
     """
     proc = subprocess.run(
-        [str(bin_dir() / name), *args], check=False, capture_output=True, text=True
-    )
+        [str(bin_dir() / name), *args],
+        check=False,
+        capture_output=True,
+        encoding="utf-8",
+        errors="replace",
+    )  # utf-8 whatever the locale: the statistics print "±"
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-2000:]
         raise RuntimeError(f"{name} exited with {proc.returncode}: {tail}")
     return proc.stdout, proc.stderr
 
 
-def perplexity(gguf: Path, text_file: Path, ctx: int, threads: int) -> dict[str, float]:
-    """``llama-perplexity`` of ``gguf`` on the text in ``text_file``, chunks of ``ctx`` tokens.
+def perplexity(
+    gguf: Path, text_file: Path, ctx: int, threads: int, save_logits: Path | None = None
+) -> dict[str, float]:
+    """``llama-perplexity`` of ``gguf`` on the text in ``text_file``, chunks of ``ctx`` tokens;
+    with ``save_logits``, its log-probabilities of the scored positions are written there
+    (``--kl-divergence-base``, for :func:`kl_divergence`: about ``tokens / 2 * vocab * 2``
+    bytes, 200 MB for 4096 tokens of SmolLM2).
 
     llama.cpp tokenizes the whole file, splits it into ``len(tokens) // ctx`` chunks (it needs
     at least ``2 * ctx`` tokens), evaluates each from an empty context and scores only the second
@@ -81,6 +93,8 @@ def perplexity(gguf: Path, text_file: Path, ctx: int, threads: int) -> dict[str,
         RuntimeError: the tool failed or printed no final estimate.
     """
     args = ["-m", gguf, "-f", text_file, "-c", ctx, "-t", threads, "-tb", threads]
+    if save_logits is not None:
+        args += ["--kl-divergence-base", save_logits]
     out = "".join(run_tool("llama-perplexity", [str(a) for a in args]))
     m = PPL_RE.search(out)
     if not m:
@@ -89,6 +103,47 @@ def perplexity(gguf: Path, text_file: Path, ctx: int, threads: int) -> dict[str,
     return {
         "ppl": float(m.group(1)),
         "err": float(m.group(2)),
+        "chunks": int(chunks.group(1)) if chunks else -1,
+        "ctx": ctx,
+    }
+
+
+def kl_divergence(gguf: Path, base_logits: Path, ctx: int, threads: int) -> dict[str, float]:
+    """``llama-perplexity --kl-divergence`` of ``gguf`` against the log-probabilities a
+    :func:`perplexity` run saved in ``base_logits`` (same tokens, same chunks, same positions).
+
+    Returns:
+        ``{"ppl", "err"}`` (``gguf``'s perplexity on those positions), ``{"same_top",
+        "same_top_err"}`` (% of positions whose most likely token is the base's: top-1
+        agreement), ``"kld"`` (mean KL divergence from the base, nats) and ``"chunks"``.
+
+    Raises:
+        RuntimeError: the tool failed or printed no statistics.
+    """
+    args = [
+        "-m",
+        gguf,
+        "--kl-divergence",
+        "--kl-divergence-base",
+        base_logits,
+        "-c",
+        ctx,
+        "-t",
+        threads,
+        "-tb",
+        threads,
+    ]
+    out = "".join(run_tool("llama-perplexity", [str(a) for a in args]))
+    ppl, top, kld = KL_PPL_RE.search(out), KL_TOP_RE.search(out), KL_KLD_RE.search(out)
+    if not (ppl and top and kld):
+        raise RuntimeError(f"llama-perplexity --kl-divergence printed no statistics: {out[-2000:]}")
+    chunks = CHUNKS_RE.search(out)
+    return {
+        "ppl": float(ppl.group(1)),
+        "err": float(ppl.group(2)),
+        "same_top": float(top.group(1)),
+        "same_top_err": float(top.group(2)),
+        "kld": float(kld.group(1)),
         "chunks": int(chunks.group(1)) if chunks else -1,
         "ctx": ctx,
     }

@@ -179,29 +179,39 @@ def llamacpp_peer(text: str, args: argparse.Namespace) -> dict[str, float]:
     """
     import tempfile
 
-    from llamacpp_tools import gguf_paths, perplexity
+    from llamacpp_tools import gguf_paths, kl_divergence, perplexity
 
     ggufs = gguf_paths(args.llamacpp_types)
     print(
         f"llama.cpp llama-perplexity, -c {args.window}, {args.threads} thread(s), the same text "
-        "(second half of each chunk scored): compare only the % changes against each tool's "
-        "own baseline, not perplexities across tools",
+        "(second half of each chunk scored; agreement and KL divergence against its first "
+        "type): compare only the % changes against each tool's own baseline, not perplexities "
+        "across tools",
         flush=True,
     )
     with tempfile.TemporaryDirectory() as tmp:
         text_file = Path(tmp) / "quality.txt"
         text_file.write_text(text)
-        base, changes = None, {}
+        base_logits = Path(tmp) / "base.kld"
+        base_kind = args.llamacpp_types[0]
+        changes = {}
         for kind, gguf in ggufs.items():
             t0 = time.perf_counter()
-            r = perplexity(gguf, text_file, args.window, args.threads)
-            base = base or r["ppl"]
+            if kind == base_kind:
+                # The baseline saves its log-probabilities; the others are scored against them
+                # on the same tokens (top-1 agreement and KL divergence, like ours).
+                r = perplexity(gguf, text_file, args.window, args.threads, base_logits)
+                r.update(same_top=100.0, kld=0.0)
+                base = r["ppl"]
+            else:
+                r = kl_divergence(gguf, base_logits, args.window, args.threads)
             changes[kind] = (r["ppl"] / base - 1) * 100
             name = f"llama.cpp {kind.upper()}"
             print(
                 f"{name:24s} perplexity {r['ppl']:8.4f} ({changes[kind]:+6.2f}% "
-                f"vs {args.llamacpp_types[0].upper()})  +/- {r['err']:.4f}  ({r['chunks']} "
-                f"chunks of {r['ctx']}, {time.perf_counter() - t0:.0f} s)",
+                f"vs {base_kind.upper()})  top-1 agreement {r['same_top']:6.2f}%  "
+                f"KLD {r['kld']:.5f}  ({r['chunks']} chunks of {r['ctx']}, "
+                f"{time.perf_counter() - t0:.0f} s)",
                 flush=True,
             )
     return changes
