@@ -19,8 +19,10 @@ adds any OpenAI-compatible server, measured like ours (e.g. ``LLAMACPP_SLOTS=1
 LLAMACPP_CTX=8192 bash bench/peers/llamacpp.sh serve`` for llama-server's own TTFT).
 
 SmolLM2-135M-Instruct's context is 8192 tokens (``max_position_embeddings``; the server refuses
-a prompt that leaves no room for one token), and a worker prefills at most ``max_batch_tokens``
-(2048) prompt tokens per step: a 4k prompt is two chunks.
+a prompt that leaves no room for one token), a worker prefills at most ``max_batch_tokens``
+(2048) prompt tokens per step (a 4k prompt is two chunks), and its KV pool (``kv_cache_mb``
+512, 23,040 bytes a token in bfloat16: 30 layers x K and V x 3 heads x 64) holds about 23k
+tokens.
 
 Usage::
 
