@@ -34,13 +34,14 @@
 #
 # Build flags: GGML_NATIVE=ON compiles for the build machine's ISA (-march=native), binaries are
 # per machine: a build folder carried to another CPU can die with "Illegal instruction"
-# (`rm -rf $SRC/build` rebuilds for the CPU at hand). On an AMX machine -march=native also
-# compiles ggml's AMX kernels (ggml-cpu/amx), which ggml uses for quantized weights only (Q4_0,
-# Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS), never F16: the one difference between the F16 GGUF that
-# ran and the Q8_0 GGUF that died with "Illegal instruction" on the Intel (AMX) VM on 2026-12-02.
-# Not confirmed there (no AMX machine since); on AMD Zen 5 (AVX-512, no AMX) the native build
-# serves Q8_0 (bench/README.md). If an AMX machine shows it again, LLAMACPP_NATIVE=0 builds
-# without AMX.
+# (`rm -rf $SRC/build` rebuilds for the CPU at hand). Quantized weights take paths F16 never
+# does: ggml's repacked layouts (ggml-cpu/repack.cpp) and, where -march=native finds AMX, its
+# AMX kernels (ggml-cpu/amx: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS). On the Intel (AMX) VM
+# of 2026-12-02 the Q8_0 GGUF died with "Illegal instruction" while F16 ran; which of the two
+# raised it was not found (no AMX machine since). On AMD Zen 5 (AVX-512, no AMX) the native
+# build serves Q8_0 and Q4_K_M (bench/README.md). If an AMX machine shows it again, try
+# LLAMACPP_NATIVE=0 (no AMX) and, if it still dies, `gdb -batch -ex run -ex "x/i \$pc" --args
+# $BIN/llama-bench -m Q8_0.gguf -p 64 -n 8` names the instruction.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
