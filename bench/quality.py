@@ -24,6 +24,18 @@ Usage::
 A config is ``DTYPE:QUANTIZATION[:KV_CACHE_DTYPE]`` (``--kv-cache-dtype``, default auto): with an
 8-bit KV cache every window's K/V are quantized as they are stored, and attention reads them
 back de-quantized.
+
+The llama.cpp peer (``--llamacpp``, needs ``bench/peers/llamacpp.sh``'s build, made on first
+use): the same text (the scored tokens decoded, written to a file) through ``llama-perplexity``
+for each GGUF of ``--llamacpp-types`` (default F16, Q8_0 and Q4_K_M: the first its baseline),
+``-c --window``. llama.cpp tokenizes the file itself, needs at least two windows, evaluates each
+chunk from an empty context like we do but scores only its second half (so every scored token
+sees at least ``window / 2`` tokens; we score every position after the first), and its F16 is
+not our bfloat16: absolute perplexities of the two tools are NOT comparable, only each one's
+change against its own unquantized baseline (``int8`` next to ``Q8_0``, ``int4`` next to
+``Q4_K_M``)::
+
+    python bench/quality.py --llamacpp --configs bfloat16:none bfloat16:int8 bfloat16:int4
 """
 
 from __future__ import annotations
@@ -72,11 +84,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--configs", nargs="+", default=["bfloat16:none", "bfloat16:int8", "bfloat16:int4"],
-                    help="DTYPE:QUANTIZATION[:KV_CACHE_DTYPE], the first is the agreement "
-                    "baseline")
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=["bfloat16:none", "bfloat16:int8", "bfloat16:int4"],
+        help="DTYPE:QUANTIZATION[:KV_CACHE_DTYPE], the first is the agreement baseline",
+    )
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--llamacpp",
+        action="store_true",
+        help="also llama.cpp's llama-perplexity on the same text (bench/peers/"
+        "llamacpp.sh builds it and makes the GGUFs on first use)",
+    )
+    ap.add_argument(
+        "--llamacpp-types",
+        nargs="+",
+        default=["f16", "q8_0", "q4_k_m"],
+        help="GGUF weight types for --llamacpp, the first is its baseline",
+    )
     args = ap.parse_args()
+    if args.llamacpp and args.tokens < 2 * args.window:
+        ap.error(
+            "--llamacpp: llama-perplexity needs at least two windows, --tokens >= "
+            f"2 * --window ({2 * args.window})"
+        )
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
@@ -88,15 +120,19 @@ def main() -> None:
     with open("/proc/cpuinfo") as f:
         cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
     print(f"{cpu}, torch {torch.__version__}, {args.threads} thread(s)")
-    print(f"SmolLM2-135M-Instruct, {len(ids)} tokens of GSM8K test solutions in "
-          f"{len(windows)} windows of <= {args.window}; load {os.getloadavg()}")
+    print(
+        f"SmolLM2-135M-Instruct, {len(ids)} tokens of GSM8K test solutions in "
+        f"{len(windows)} windows of <= {args.window}; load {os.getloadavg()}"
+    )
     base_argmax: list[torch.Tensor] | None = None
+    ours: dict[str, float] = {}  # config -> perplexity change against the first, in %
     for spec in args.configs:
         dtype, _, rest = spec.partition(":")
         quant, _, kv_dtype = rest.partition(":")
         t0 = time.perf_counter()
-        model, cfg = load_model(path, getattr(torch, dtype),
-                                engine=EngineConfig(quantization=quant or "none"))
+        model, cfg = load_model(
+            path, getattr(torch, dtype), engine=EngineConfig(quantization=quant or "none")
+        )
         nll, count, argmaxes = 0.0, 0, []
         with torch.inference_mode():
             for w in windows:
@@ -111,9 +147,74 @@ def main() -> None:
         else:
             same = sum(int((a == b).sum()) for a, b in zip(argmaxes, base_argmax, strict=True))
             agree = same / count
-        print(f"{spec:24s} perplexity {ppl:8.4f} ({(ppl / base_ppl - 1) * 100:+6.2f}% vs "
-              f"{args.configs[0]})  top-1 agreement {agree * 100:6.2f}%  "
-              f"({count} positions, {time.perf_counter() - t0:.0f} s)", flush=True)
+        ours[spec] = (ppl / base_ppl - 1) * 100
+        print(
+            f"{spec:24s} perplexity {ppl:8.4f} ({(ppl / base_ppl - 1) * 100:+6.2f}% vs "
+            f"{args.configs[0]})  top-1 agreement {agree * 100:6.2f}%  "
+            f"({count} positions, {time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+    if args.llamacpp:
+        theirs = llamacpp_peer(tokenizer.decode(ids), args)
+        print(
+            "perplexity change against each tool's own unquantized baseline (the numbers "
+            "that compare across tools):"
+        )
+        print(
+            f"  splitserve vs {args.configs[0]}: "
+            + ", ".join(f"{k} {v:+.2f}%" for k, v in list(ours.items())[1:])
+        )
+        print(
+            f"  llama.cpp  vs {args.llamacpp_types[0].upper()}: "
+            + ", ".join(f"{k.upper()} {v:+.2f}%" for k, v in list(theirs.items())[1:])
+        )
+
+
+def llamacpp_peer(text: str, args: argparse.Namespace) -> dict[str, float]:
+    """Print ``llama-perplexity``'s estimate for each of ``args.llamacpp_types`` on ``text``
+    and its change against the first type's (see the module docstring for what compares).
+
+    Returns:
+        ``{type: perplexity change against the first type, in %}``.
+    """
+    import tempfile
+
+    from llamacpp_tools import gguf_paths, kl_divergence, perplexity
+
+    ggufs = gguf_paths(args.llamacpp_types)
+    print(
+        f"llama.cpp llama-perplexity, -c {args.window}, {args.threads} thread(s), the same text "
+        "(second half of each chunk scored; agreement and KL divergence against its first "
+        "type): compare only the % changes against each tool's own baseline, not perplexities "
+        "across tools",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        text_file = Path(tmp) / "quality.txt"
+        text_file.write_text(text)
+        base_logits = Path(tmp) / "base.kld"
+        base_kind = args.llamacpp_types[0]
+        changes = {}
+        for kind, gguf in ggufs.items():
+            t0 = time.perf_counter()
+            if kind == base_kind:
+                # The baseline saves its log-probabilities; the others are scored against them
+                # on the same tokens (top-1 agreement and KL divergence, like ours).
+                r = perplexity(gguf, text_file, args.window, args.threads, base_logits)
+                r.update(same_top=100.0, kld=0.0)
+                base = r["ppl"]
+            else:
+                r = kl_divergence(gguf, base_logits, args.window, args.threads)
+            changes[kind] = (r["ppl"] / base - 1) * 100
+            name = f"llama.cpp {kind.upper()}"
+            print(
+                f"{name:24s} perplexity {r['ppl']:8.4f} ({changes[kind]:+6.2f}% "
+                f"vs {base_kind.upper()})  top-1 agreement {r['same_top']:6.2f}%  "
+                f"KLD {r['kld']:.5f}  ({r['chunks']} chunks of {r['ctx']}, "
+                f"{time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
+    return changes
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ and the end-to-end latency (E2E); per run, request and output-token throughput a
 rate of requests that met every SLO given with ``--slo``). Every target in one invocation gets
 the same prompts, output lengths and arrival times, so their ratios are measured in one run.
 
-Targets: ``--base-url [NAME=]URL`` (any number) and ``--launch disaggregated|colocated`` (a local
-splitserve cluster started for its runs and stopped after). Load: ``--concurrency N ...``
+Targets: ``--base-url [NAME=]URL`` (any number) and ``--launch MODE[:int8|:int4]`` (a local
+splitserve cluster, MODE ``disaggregated`` or ``colocated``, with those weights, started for its
+runs and stopped after). Load: ``--concurrency N ...``
 (closed loop, N in flight) or ``--request-rate R ...`` (Poisson arrivals, ``inf`` = all at once;
 ``--max-concurrency`` caps in-flight requests). Datasets: ``sharegpt`` (first user turns from
 ``prompts/sharegpt/`` under ``--data``, default tests/data; truncated to ``--max-input-len``) or
@@ -349,8 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--launch",
         action="append",
         default=[],
-        choices=[f"{m}{q}" for m in ("disaggregated", "colocated") for q in ("", ":int8")],
-        help="start a local splitserve cluster (MODE:int8: with --quantization int8)",
+        choices=[f"{m}{q}" for m in ("disaggregated", "colocated") for q in ("", ":int8", ":int4")],
+        help="start a local splitserve cluster (MODE:int8, MODE:int4: with --quantization)",
     )
     t.add_argument(
         "--hf-static",
