@@ -168,8 +168,8 @@ def measure(model: torch.nn.Module, max_rows: int) -> ProductPlan:
     head = model.head  # type: ignore[attr-defined]
     buckets = tuple(b for b in BUCKETS if b <= max_rows)
     gen = torch.Generator().manual_seed(0)
-    int4 = all(m.int4 is not None and m.int4.torch_packed is not None for m in layer) and (
-        head.int4 is not None and head.int4.torch_packed is not None)
+    int4 = all(m.int4 is not None and m.int4.torch_packed is not None for m in layer)
+    head4 = head.int4 is not None and head.int4.torch_packed is not None  # else an int8 head
     table, w4_table = [], []
     losses = 0
     for rows in buckets:
@@ -194,9 +194,11 @@ def measure(model: torch.nn.Module, max_rows: int) -> ProductPlan:
                     torch_int4_mm(x, m.int4.torch_packed, m.int4.torch_sz, m.bias)
 
             l4, lt = (t * num_layers for t in _best_pair_us(layer_c, layer_t4))
-            h4, ht = _best_pair_us(
-                lambda h=h: head.c_product(h),
-                lambda h=h: torch_int4_mm(h, head.int4.torch_packed, head.int4.torch_sz, None))
+            h4 = ht = hc
+            if head4:
+                h4, ht = _best_pair_us(
+                    lambda h=h: head.c_product(h),
+                    lambda h=h: torch_int4_mm(h, head.int4.torch_packed, head.int4.torch_sz, None))
             w4_table.append((rows, l4, lt, h4, ht))
             lc, hc = min(lc, lt), min(hc, ht)  # the C column: the faster int4 kernel
         table.append((rows, lc, lo, hc, ho))
@@ -226,6 +228,8 @@ def _cache_key(model: torch.nn.Module, max_rows: int) -> str:
     # The shapes, and whether the C products read int8 weights (--quantization int8).
     shapes = [(tuple(m.weight.shape), m.int8 is not None, m.int4 is not None)
               for m in model.layers[0].modules() if isinstance(m, Linear)]  # type: ignore[attr-defined]
+    head = model.head  # type: ignore[attr-defined]
+    shapes.append((tuple(head.weight.shape), head.int8 is not None, head.int4 is not None))
     parts = [cpu.decode(errors="replace"), torch.__version__, str(torch.get_num_threads()),
              str(getattr(model.head.kernels, "library_path", "")), str(shapes),  # type: ignore[attr-defined]
              str(tuple(model.head.weight.shape)), str(model.head.int8 is not None),  # type: ignore[attr-defined]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from splitserve.config import EngineConfig
 from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.model.layers import Linear, can_pack
+from splitserve.engine.model.quant import dequantize_int8, quantize_int8
 from splitserve.engine.model.quant_int4 import (
     GROUP,
     Int4Weight,
@@ -257,15 +258,16 @@ def test_gguf_q4_0_keeps_the_files_levels_and_scales(tmp_path) -> None:
 
 
 def dequantized_hf(hf):
-    """``hf`` with every projection and the LM head replaced by their int4 de-quantized weights
-    (groups along each row's input channels: the same groups as our fused rows), computed here
-    from :func:`quantize_int4`'s levels; the embedding table stays (a tied head is untied)."""
+    """``hf`` with every projection replaced by its int4 de-quantized weight (groups along each
+    row's input channels: the same groups as our fused rows), computed here from
+    :func:`quantize_int4`'s levels, and the LM head by its int8 one (int4 keeps the head at 8
+    bits); the embedding table stays (a tied head is untied)."""
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     with torch.no_grad():
         for name, module in hf.named_modules():
             if name.rsplit(".", 1)[-1] in names:
                 module.weight.copy_(dequantize_int4(*quantize_int4(module.weight)))
-        head = dequantize_int4(*quantize_int4(hf.lm_head.weight))
+        head = dequantize_int8(*quantize_int8(hf.lm_head.weight))
         hf.lm_head.weight = torch.nn.Parameter(head)
     return hf
 
