@@ -161,7 +161,9 @@ class TorchAttentionBackend(BaseAttentionBackend):
         heads; ``num_heads`` query heads, unchecked when None), else None. Built on the first
         call (about half a second), then cached. Its decode attention reads the decode cache or
         a gathered copy, never the pool, so it serves an 8-bit pool too (over the de-quantized
-        copy); the kernels that touch pool pages ask :meth:`_pool_kernels_for`."""
+        copy), and so do the KV append and the fused decode layers (``kv_quant.c`` quantizes
+        as the pool does); extend attention, which reads pool pages, asks
+        :meth:`_pool_kernels_for`."""
         if pool.buffer.device.type != "cpu" or pool.dtype != torch.bfloat16:
             return None
         hkv = pool.layout.num_kv_heads
@@ -173,9 +175,9 @@ class TorchAttentionBackend(BaseAttentionBackend):
         return self.kernels
 
     def _pool_kernels_for(self, pool: KVPool, num_heads: int | None = None) -> CpuKernels | None:
-        """:meth:`_kernels_for` for the C kernels that read or write pool pages (KV append,
-        extend attention, the fused decode layers): None for an 8-bit pool, whose pages they
-        cannot read (they take bfloat16 pages)."""
+        """:meth:`_kernels_for` for the C kernel that reads pool pages (extend attention):
+        None for an 8-bit pool, whose pages it cannot read (it takes bfloat16 pages; those
+        extends gather de-quantized K/V and run SDPA)."""
         return None if pool.layout.is_quantized else self._kernels_for(pool, num_heads)
 
     def _decode_cache_for(self, pool: KVPool, batch: ForwardBatch) -> DecodeKVCache | None:
@@ -224,8 +226,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
     ) -> bool:
         """Write a decode-only step's new K/V into the pool and the decode cache (when it
         serves) with one C call; False (nothing written) where the C kernels do not apply."""
-        kern = self._pool_kernels_for(pool)
-        if kern is None or k.dtype != pool.buffer.dtype or not pool.buffer.is_contiguous():
+        kern = self._kernels_for(pool)
+        if kern is None or k.dtype != pool.dtype or not pool.buffer.is_contiguous():
             return False
         d = k.shape[2]
         if k.stride(2) != 1 or k.stride(1) != d:
@@ -235,7 +237,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
         plan, cache = meta.decode_plan, self.decode_cache
         targets = None if plan is None or cache is None else cache.append_targets(layer, plan)
         batch = meta.batch
-        kern.kv_append(k, v, pool.buffer, layer, batch.out_page_ids, batch.out_offsets, targets)
+        kern.kv_append(k, v, pool, layer, batch.out_page_ids, batch.out_offsets, targets)
         return True
 
     def _decode(

@@ -219,7 +219,7 @@ def test_kv_append_equals_pool_write_and_cache_append() -> None:
         caches[0].append(layer, plans[0], k, v)
         assert kernels is not None
         targets = caches[1].append_targets(layer, plans[1])
-        kernels.kv_append(k, v, pools[1].buffer, layer, page_ids, offsets, targets)
+        kernels.kv_append(k, v, pools[1], layer, page_ids, offsets, targets)
     assert torch.equal(pools[0].buffer, pools[1].buffer)
     assert torch.equal(caches[0].kt, caches[1].kt) and torch.equal(caches[0].v, caches[1].v)
     assert caches[0]._layers_left == caches[1]._layers_left == 0

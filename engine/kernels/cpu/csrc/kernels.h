@@ -25,6 +25,14 @@ void kv_append_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int6
                     int64_t page_stride, const int64_t *page_ids, const int64_t *offsets,
                     uint16_t *ckt, uint16_t *cv, int64_t cap, const int64_t *slots,
                     const int64_t *pos);
+/* KV pool kinds (decode_layers_bf16's kv_kind; kv_quant.c): bfloat16 pages, or 8-bit values
+ * with per-token-and-head float32 scales. */
+enum { KV_BF16 = 0, KV_INT8 = 1, KV_FP8_E4M3 = 2 };
+void kv_append_q8(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
+                  int64_t t, int64_t hkv, int64_t d, uint8_t *pool, int64_t k_off, int64_t v_off,
+                  int64_t page_stride, int64_t value_bytes, int64_t kind,
+                  const int64_t *page_ids, const int64_t *offsets, uint16_t *ckt, uint16_t *cv,
+                  int64_t cap, const int64_t *slots, const int64_t *pos);
 void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual,
                    const uint16_t *w, float eps, int64_t t, int64_t h, uint16_t *res_out,
                    uint16_t *out);
