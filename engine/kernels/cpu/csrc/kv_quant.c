@@ -60,8 +60,9 @@ static inline float quantize_vec(const uint16_t *x, int64_t d, int64_t kind, uin
         for (int64_t e = 0; e < d; e++) {
             float y = rintf(xf[e] / s);
             y = y < -127.0f ? -127.0f : (y > 127.0f ? 127.0f : y);
-            q[e] = (uint8_t)(int8_t)y;
-            rt[e] = f32_to_bf16(y * s);
+            int8_t qi = (int8_t)y; /* read back from the integer: rint's -0.0 is +0 there */
+            q[e] = (uint8_t)qi;
+            rt[e] = f32_to_bf16((float)qi * s);
         }
         return s;
     }
