@@ -86,7 +86,8 @@ def test_decode_steps_over_8bit_pool_equal_across_paths(model_path, monkeypatch,
     model, cfg = load_model(model_path, torch.bfloat16, engine=EngineConfig(kernels="c"))
     counts = {"fused": 0, "c_append": 0}
     real_fused, real_append = (
-        fused_decode.run_fused_decode_layers, TorchAttentionBackend._append_with_kernel
+        fused_decode.run_fused_decode_layers,
+        TorchAttentionBackend._append_with_kernel,
     )
 
     def fused(*args, **kwargs):
@@ -114,14 +115,21 @@ def test_decode_steps_over_8bit_pool_equal_across_paths(model_path, monkeypatch,
         model.attn_backend = TorchAttentionBackend()
         pool = KVPool(cfg.kv_layout(page, "bfloat16", kind), 32)
         pages = [pool.allocator.alloc(pages_for(len(p) + steps, page)) for p in prompts]
-        fb = build_forward_batch(prompts, [0] * rows, pages, page, list(range(rows)),
-                                 seq_ids=list(range(rows)))
+        fb = build_forward_batch(
+            prompts, [0] * rows, pages, page, list(range(rows)), seq_ids=list(range(rows))
+        )
         logits = [model.forward(fb, pool)]
         lens = [len(p) for p in prompts]
         for _ in range(steps):
             tokens = logits[-1].argmax(-1).tolist()
-            fb = build_forward_batch([[t] for t in tokens], lens, pages, page,
-                                     list(range(rows)), seq_ids=list(range(rows)))
+            fb = build_forward_batch(
+                [[t] for t in tokens],
+                lens,
+                pages,
+                page,
+                list(range(rows)),
+                seq_ids=list(range(rows)),
+            )
             logits.append(model.forward(fb, pool))
             lens = [n + 1 for n in lens]
         return logits, pool.buffer.clone()

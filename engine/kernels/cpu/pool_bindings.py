@@ -28,8 +28,10 @@ def _pool_kind(pool: KVPool) -> int:
     """
     kind = KV_KINDS[pool.layout.kv_cache_dtype]
     if (kind == 0 and pool.buffer.dtype != torch.bfloat16) or not pool.buffer.is_contiguous():
-        raise ValueError(f"C KV append: unsupported pool ({pool.layout}, contiguous "
-                         f"{pool.buffer.is_contiguous()})")
+        raise ValueError(
+            f"C KV append: unsupported pool ({pool.layout}, contiguous "
+            f"{pool.buffer.is_contiguous()})"
+        )
     return kind
 
 
@@ -103,23 +105,46 @@ class PoolKernels:
         kind = _pool_kind(pool)
         ckt, cv, slots, pos = cache if cache is not None else (None, None, None, None)
         tail = (
-            page_ids.data_ptr(), offsets.data_ptr(),
-            None if ckt is None else ckt.data_ptr(), None if cv is None else cv.data_ptr(),
+            page_ids.data_ptr(),
+            offsets.data_ptr(),
+            None if ckt is None else ckt.data_ptr(),
+            None if cv is None else cv.data_ptr(),
             0 if ckt is None else ckt.shape[3],
-            None if slots is None else slots.data_ptr(), None if pos is None else pos.data_ptr(),
+            None if slots is None else slots.data_ptr(),
+            None if pos is None else pos.data_ptr(),
         )
         kv = pool.kv
         if kind == 0:
             base = kv[0, layer]
             self._append(
-                k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, hkv, d,
-                base[0].data_ptr(), base[1].data_ptr(), kv.stride(0), *tail,
+                k.data_ptr(),
+                k.stride(0),
+                v.data_ptr(),
+                v.stride(0),
+                t,
+                hkv,
+                d,
+                base[0].data_ptr(),
+                base[1].data_ptr(),
+                kv.stride(0),
+                *tail,
             )
             return
         self._append_q8(
-            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, hkv, d,
-            pool.buffer.data_ptr(), layer * kv.stride(1), layer * kv.stride(1) + kv.stride(2),
-            kv.stride(0), pool.layout.value_bytes, kind, *tail,
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            t,
+            hkv,
+            d,
+            pool.buffer.data_ptr(),
+            layer * kv.stride(1),
+            layer * kv.stride(1) + kv.stride(2),
+            kv.stride(0),
+            pool.layout.value_bytes,
+            kind,
+            *tail,
         )
 
     def decode_layers(
@@ -164,11 +189,34 @@ class PoolKernels:
         m, hid = x.shape
         kind, kv = _pool_kind(pool), pool.kv
         return self._layers(
-            ptrs.numel() // 15, ptrs.data_ptr(), x.data_ptr(), m, hid, cfg.num_heads,
-            cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
-            cfg.head_dim**-0.5, window or 0, positions.data_ptr(), rope.cos.data_ptr(),
-            rope.sin.data_ptr(), pool.buffer.data_ptr(), kv.stride(1), kv.stride(2),
-            kv.stride(0), page_ids.data_ptr(), offsets.data_ptr(), kt.data_ptr(), v.data_ptr(),
-            kt.stride(0), kt.shape[4], slots.data_ptr(), cache_positions.data_ptr(),
-            lens.data_ptr(), kind, pool.layout.value_bytes if kind else 0,
+            ptrs.numel() // 15,
+            ptrs.data_ptr(),
+            x.data_ptr(),
+            m,
+            hid,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.rms_norm_eps,
+            cfg.head_dim**-0.5,
+            window or 0,
+            positions.data_ptr(),
+            rope.cos.data_ptr(),
+            rope.sin.data_ptr(),
+            pool.buffer.data_ptr(),
+            kv.stride(1),
+            kv.stride(2),
+            kv.stride(0),
+            page_ids.data_ptr(),
+            offsets.data_ptr(),
+            kt.data_ptr(),
+            v.data_ptr(),
+            kt.stride(0),
+            kt.shape[4],
+            slots.data_ptr(),
+            cache_positions.data_ptr(),
+            lens.data_ptr(),
+            kind,
+            pool.layout.value_bytes if kind else 0,
         )
