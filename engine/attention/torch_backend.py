@@ -162,8 +162,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
         call (about half a second), then cached. Its decode attention reads the decode cache or
         a gathered copy, never the pool, so it serves an 8-bit pool too (over the de-quantized
         copy), and so do the KV append and the fused decode layers (``kv_quant.c`` quantizes
-        as the pool does); extend attention, which reads pool pages, asks
-        :meth:`_pool_kernels_for`."""
+        as the pool does) and the extend attention (it de-quantizes pages as it reads them)."""
         if pool.buffer.device.type != "cpu" or pool.dtype != torch.bfloat16:
             return None
         hkv = pool.layout.num_kv_heads
@@ -173,12 +172,6 @@ class TorchAttentionBackend(BaseAttentionBackend):
             self.kernels = load_cpu_kernels() if self.use_cpu_kernels else None
             self._kernels_checked = True
         return self.kernels
-
-    def _pool_kernels_for(self, pool: KVPool, num_heads: int | None = None) -> CpuKernels | None:
-        """:meth:`_kernels_for` for the C kernel that reads pool pages (extend attention):
-        None for an 8-bit pool, whose pages it cannot read (it takes bfloat16 pages; those
-        extends gather de-quantized K/V and run SDPA)."""
-        return None if pool.layout.is_quantized else self._kernels_for(pool, num_heads)
 
     def _decode_cache_for(self, pool: KVPool, batch: ForwardBatch) -> DecodeKVCache | None:
         """The decode cache of ``pool`` (made on first use), or None when off or when the batch
@@ -327,9 +320,10 @@ class TorchAttentionBackend(BaseAttentionBackend):
         windows: tuple[int | None, ...],
     ) -> torch.Tensor:
         """One sequence's ``q [n, Hq, D]`` against its whole KV -> ``[n, Hq, D]``: the C flash
-        kernel on CPU bfloat16 (it reads the pool, where ``k``/``v`` already are), else SDPA;
-        ``windows[layer]`` is the layer's sliding window."""
-        kern = self._pool_kernels_for(pool, q.shape[1])
+        kernel on CPU bfloat16 (it reads the pool, where ``k``/``v`` already are; an 8-bit
+        pool's pages de-quantized as read), else SDPA; ``windows[layer]`` is the layer's
+        sliding window."""
+        kern = self._kernels_for(pool, q.shape[1])
         window = windows[layer]
         if (
             kern is not None and kern.has_gemm  # the kernel needs AVX512-BF16, as the tiles do
@@ -338,7 +332,10 @@ class TorchAttentionBackend(BaseAttentionBackend):
             if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
                 q = q.contiguous()
             pages = e.pages.contiguous()  # a row of the page table: already, in practice
-            out = kern.extend_attention(q, pool.buffer, layer, pages, e.seq_len, window, scale)
+            if pool.layout.is_quantized:
+                out = kern.extend_attention_q8(q, pool, layer, pages, e.seq_len, window, scale)
+            else:
+                out = kern.extend_attention(q, pool.buffer, layer, pages, e.seq_len, window, scale)
             if out is not None:
                 return out
         if e.seq_len == e.extend_len:

@@ -148,3 +148,32 @@ def test_decode_steps_over_8bit_pool_equal_across_paths(model_path, monkeypatch,
     for a, b, c in zip(torch_logits, per_op_logits, fused_logits, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
     assert torch.equal(torch_pool, per_op_pool) and torch.equal(torch_pool, fused_pool)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window", [None, 20])
+def test_extend_attention_over_8bit_pool_equals_bf16_kernel_on_dequantized(kind, window):
+    """The C extend attention reading an 8-bit pool (de-quantizing rows as it packs them) gives
+    the bfloat16 kernel's bits over a bfloat16 pool that holds the de-quantized values; the
+    sequence's pages in shuffled order, a whole prompt and a chunk over a prefix."""
+    from splitserve.engine.kv_pool import KVLayout, KVPool, pages_for
+
+    assert kernels is not None
+    torch.manual_seed(4)
+    ps, hkv, d, s = 16, 3, 64, 75
+    q8 = KVPool(KVLayout(2, hkv, d, ps, "bfloat16", kind), 12)
+    bf16 = KVPool(KVLayout(2, hkv, d, ps, "bfloat16"), 12)
+    pages = (torch.randperm(11)[: pages_for(s, ps)] + 1).contiguous()
+    pos = torch.arange(s)
+    for layer in range(2):
+        ks = torch.randn(s, hkv, d) * torch.logspace(-2, 1, s)[:, None, None]
+        q8.write(layer, pages[pos // ps], pos % ps, ks.bfloat16(), torch.randn(s, hkv, d))
+    everything = torch.arange(12)
+    bf16.buffer.copy_(q8.gather_pages(everything, torch.bfloat16))
+    q = torch.randn(s, 9, d).bfloat16()
+    for n in (s, 29):
+        want = kernels.extend_attention(q[-n:], bf16.buffer, 1, pages, s, window, d**-0.5)
+        if want is None:
+            pytest.skip("no AVX512_BF16 extend kernel here")
+        got = kernels.extend_attention_q8(q[-n:], q8, 1, pages, s, window, d**-0.5)
+        assert got is not None and torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -1,6 +1,7 @@
 """ctypes bindings of the C kernels that write KV pool pages: the KV append (``kv_append.c``
 for bfloat16 pages, ``kv_quant.c`` for 8-bit ones) and the fused decode layers
-(``decode_layers.c``), which append inside their layer loop. Mixed into
+(``decode_layers.c``), which append inside their layer loop; and the extend attention over
+8-bit pages (``extend_attention.c``, de-quantizing as it reads). Mixed into
 :class:`~splitserve.engine.kernels.cpu.bindings.CpuKernels`; the pool layouts are
 :class:`~splitserve.engine.kv_pool.KVPool`'s.
 """
@@ -47,6 +48,10 @@ class PoolKernels:
         self._append_q8.restype = None
         self._append_q8.argtypes = [_ptr, _i64, _ptr, _i64] + [_i64] * 3 + [_ptr] + [_i64] * 5
         self._append_q8.argtypes += [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
+        self._extend_q8 = lib.extend_attention_q8
+        self._extend_q8.restype = ctypes.c_int
+        self._extend_q8.argtypes = [_ptr, _i64, _i64, _ptr] + [_i64] * 6 + [_ptr] + [_i64] * 5
+        self._extend_q8.argtypes += [_f32, _ptr]
         self._quantize = lib.kv_quantize_bf16
         self._quantize.restype = None
         self._quantize.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr]
@@ -220,3 +225,65 @@ class PoolKernels:
             kind,
             pool.layout.value_bytes if kind else 0,
         )
+
+    def extend_attention_q8(
+        self,
+        q: torch.Tensor,
+        pool: KVPool,
+        layer: int,
+        pages: torch.Tensor,
+        seq_len: int,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """``CpuKernels.extend_attention`` over an 8-bit pool: each K/V row is de-quantized as
+        ``KVPool.gather`` reads it (bfloat16) as the kernel packs it, so the result is, bit for
+        bit, the bfloat16 kernel's over a bfloat16 pool holding the de-quantized values.
+
+        Args:
+            q: ``[n, Hq, D]`` bfloat16, the sequence's last ``n`` tokens (heads contiguous).
+            pool: an int8 or fp8_e4m3 pool, buffer contiguous.
+            layer: layer index.
+            pages: ``[>= ceil(seq_len / page_size)]`` int64 page ids, contiguous.
+            seq_len: tokens in the sequence, new ones included.
+            window: sliding window, or None.
+            scale: softmax scale.
+
+        Returns:
+            ``[n, Hq, D]`` bfloat16, or None where the kernel does not apply (no AVX512-BF16,
+            ``D`` not a multiple of 16 up to 256).
+
+        Raises:
+            MemoryError: the kernel could not allocate its packed K/V.
+            ValueError: a pool the kernel cannot read.
+        """
+        kind, kv = _pool_kind(pool), pool.kv
+        if kind == 0:
+            raise ValueError("extend_attention_q8 reads 8-bit pools; use extend_attention")
+        n, hq, d = q.shape
+        hkv, ps = kv.shape[4], kv.shape[3]
+        out = torch.empty(n, hq, d, dtype=torch.bfloat16)
+        k_off = layer * kv.stride(1)
+        rc = self._extend_q8(
+            q.data_ptr(),
+            q.stride(0),
+            n,
+            pool.buffer.data_ptr(),
+            k_off,
+            k_off + kv.stride(2),
+            kv.stride(0),
+            pool.layout.value_bytes,
+            kind,
+            ps,
+            pages.data_ptr(),
+            seq_len,
+            hkv,
+            hq // hkv,
+            d,
+            window or 0,
+            scale,
+            out.data_ptr(),
+        )
+        if rc == -1:
+            raise MemoryError("extend attention kernel: out of memory")
+        return out if rc == 0 else None
