@@ -59,9 +59,11 @@ def _vectors(kind: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_c_quantizer_equals_torch_bit_for_bit(kind) -> None:
+@pytest.mark.parametrize("d", [64, 8])
+def test_c_quantizer_equals_torch_bit_for_bit(kind, d) -> None:
+    """``D = 64``: the AVX-512 path (16 lanes); ``D = 8``: the scalar path, the same values."""
     assert kernels is not None
-    x = _vectors(kind)
+    x = _vectors(kind).view(-1, d)
     q, scales, rt = kernels.kv_quantize(x, kind)
     ref_q, ref_scales = quantize_kv(x, kind)
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
