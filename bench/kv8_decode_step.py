@@ -3,9 +3,9 @@
 kept: the shared machine's noise hits all alike.
 
 The default model in bfloat16 (its kernel plan, the C products; int8 weights where a config
-says so) runs ``DecoderLM.forward`` for B
-decode rows, each over ``--context`` tokens of K/V written into its pool beforehand (random
-values: the step's time does not depend on them), with the decode KV cache on, as a worker runs.
+says so, with that model's own kernel plan) runs ``DecoderLM.forward`` for B decode rows, each
+over ``--context`` tokens of K/V written into its pool beforehand (random values: the step's
+time does not depend on them), with the decode KV cache on, as a worker runs.
 Configurations, each with its own pool and attention backend:
 
 - ``bf16``: bfloat16 pages, the C decode attention and fused decode layers (the default path);
