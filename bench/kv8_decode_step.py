@@ -2,17 +2,21 @@
 (and fp8_e4m3), in one process, steps interleaved (one of each in turn) and the fastest of each
 kept: the shared machine's noise hits all alike.
 
-The default model in bfloat16 (its kernel plan, the C products) runs ``DecoderLM.forward`` for B
-decode rows, each over ``--context`` tokens of K/V written into its pool beforehand (random
-values: the step's time does not depend on them), with the decode KV cache on, as a worker runs.
+The default model in bfloat16 (its kernel plan, the C products; int8 weights where a config
+says so, with that model's own kernel plan) runs ``DecoderLM.forward`` for B decode rows, each
+over ``--context`` tokens of K/V written into its pool beforehand (random values: the step's
+time does not depend on them), with the decode KV cache on, as a worker runs.
 Configurations, each with its own pool and attention backend:
 
 - ``bf16``: bfloat16 pages, the C decode attention and fused decode layers (the default path);
 - ``bf16-torch``: bfloat16 pages, attention in torch ops only (``--disable-cpu-kernels``'s
   attention, no fused decode layers);
-- ``int8``, ``fp8_e4m3``: 8-bit pages, de-quantized as read: into the decode KV cache (a
-  bfloat16 copy, over which the C decode attention kernel runs) or, when that cache does not
-  fit, gathered per step; no fused decode layers, no C KV append (they write bfloat16 pages).
+- ``int8``, ``fp8_e4m3``: 8-bit pages, the same C path as ``bf16`` (fused decode layers, whose
+  KV append quantizes each new token into its page, ``csrc/kv_quant.c``, and puts the value a
+  reader of the pool gets into the decode KV cache); decode rows read that bfloat16 cache with
+  the C decode attention kernel or, when it does not fit, gather de-quantized K/V per step;
+- ``int8w+int8kv``: ``--quantization int8`` weights (the VNNI products) with int8 pages: the
+  smallest weights and KV together, against ``bf16``'s bfloat16 weights and pages.
 
 Every pool has the same bytes (``--pool-room`` times what the bf16 one needs), so the 8-bit
 pools hold ~1.9x the tokens, and the decode cache's bound (the pool's bytes) is the same for
@@ -33,6 +37,7 @@ import time
 
 import torch
 
+from splitserve.config import EngineConfig
 from splitserve.default_model import ensure_default_model
 from splitserve.engine.attention.torch_backend import TorchAttentionBackend
 from splitserve.engine.forward_batch import build_forward_batch
@@ -40,11 +45,12 @@ from splitserve.engine.kernels.cpu.features import cpu_flags
 from splitserve.engine.kv_pool import KVPool, pages_for
 from splitserve.engine.model.loader import load_model
 
-CONFIGS = {  # name: (kv_cache_dtype, C kernels)
-    "bf16": ("auto", True),
-    "bf16-torch": ("auto", False),
-    "int8": ("int8", False),
-    "fp8_e4m3": ("fp8_e4m3", False),
+CONFIGS = {  # name: (kv_cache_dtype, C kernels, --quantization of the weights)
+    "bf16": ("auto", True, "none"),
+    "bf16-torch": ("auto", False, "none"),
+    "int8": ("int8", True, "none"),
+    "fp8_e4m3": ("fp8_e4m3", True, "none"),
+    "int8w+int8kv": ("int8", True, "int8"),
 }
 PAGE = 16
 
@@ -76,7 +82,12 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, cfg = load_model(ensure_default_model(), torch.bfloat16)
+    quants = dict.fromkeys(CONFIGS[name][2] for name in args.configs)
+    models = {
+        q: load_model(ensure_default_model(), torch.bfloat16, engine=EngineConfig(quantization=q))
+        for q in quants
+    }
+    cfg = next(iter(models.values()))[1]
     with open("/proc/cpuinfo") as f:
         cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512_bf16", "avx512_vnni", "amx")))
@@ -91,7 +102,7 @@ def main() -> None:
     for batch in args.batch:
         runs = {}
         for name in args.configs:
-            kind, kernels = CONFIGS[name]
+            kind, kernels, _ = CONFIGS[name]
             layout = cfg.kv_layout(PAGE, "bfloat16", kind)
             need = (batch * pages_for(args.context + args.steps, PAGE) + 2) * bf16_page
             pool_bytes = int(need * args.pool_room)
@@ -104,6 +115,7 @@ def main() -> None:
             for name, (pool, pages, backend) in runs.items():
                 fb = build_forward_batch([[7]] * batch, prefix, pages, PAGE, list(range(batch)),
                                          seq_ids=list(range(batch)))
+                model = models[CONFIGS[name][2]][0]
                 model.attn_backend = backend
                 t0 = time.perf_counter()
                 model.forward(fb, pool)

@@ -97,8 +97,8 @@ ENGINE_FLAGS = (
          choices=QUANTIZATIONS),
     Flag("--kv-cache-dtype", "engine.kv_cache_dtype", "KV pool values: auto (the model dtype), "
          "int8 or fp8_e4m3 (8 bits + a float32 scale per token and KV head: ~0.53x the bytes "
-         "of bfloat16; de-quantized as read, by the torch and Triton attention)",
-         choices=KV_CACHE_DTYPES),
+         "of bfloat16; quantized as written, de-quantized as read, by the torch and Triton "
+         "attention)", choices=KV_CACHE_DTYPES),
     Flag("--device", "engine.device", "where models and KV pools live; cuda uses the Triton "
          "attention kernels and CUDA graphs ($SPLITSERVE_DEVICE sets the default)", choices=DEVICES),
     Flag("--page-size", "engine.page_size", "tokens per KV page"),

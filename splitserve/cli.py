@@ -133,15 +133,16 @@ def _resolve_engine(config: ServeConfig | WorkerConfig, report: bool = False) ->
 
 def kv_cache_report(model_config: ModelConfig, e: EngineConfig) -> str:
     """One line on an 8-bit KV cache: bytes per token against the model dtype's, and which
-    attention paths serve it (the C kernels that touch pool pages take bfloat16 pages)."""
+    paths serve it (on CPU bfloat16 the C kernels quantize and de-quantize pages themselves)."""
     full = model_config.kv_layout(e.page_size, e.dtype).bytes_per_token
     ours = model_config.kv_layout(e.page_size, e.dtype, e.kv_cache_dtype).bytes_per_token
     return (
         f"KV cache {e.kv_cache_dtype}: {ours:.0f} bytes per token vs {full:.0f} in {e.dtype} "
-        f"({full / ours:.2f}x the tokens in --kv-cache-mb {e.kv_cache_mb}); pages are "
-        "de-quantized as attention reads them, in torch ops (decode rows read the decode KV "
-        "cache's de-quantized copy, through the C decode attention kernel on CPU bfloat16); "
-        "the C KV append, C extend attention and fused C decode layers are off with it"
+        f"({full / ours:.2f}x the tokens in --kv-cache-mb {e.kv_cache_mb}); on CPU bfloat16 "
+        "the C KV append and fused C decode layers quantize new K/V into the pages, the C "
+        "extend attention de-quantizes pages as it reads them, and decode rows read the "
+        "decode KV cache's de-quantized copy (C decode attention); elsewhere torch ops "
+        "de-quantize as attention reads"
     )
 
 

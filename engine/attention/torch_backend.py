@@ -161,7 +161,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
         heads; ``num_heads`` query heads, unchecked when None), else None. Built on the first
         call (about half a second), then cached. Its decode attention reads the decode cache or
         a gathered copy, never the pool, so it serves an 8-bit pool too (over the de-quantized
-        copy); the kernels that touch pool pages ask :meth:`_pool_kernels_for`."""
+        copy), and so do the KV append and the fused decode layers (``kv_quant.c`` quantizes
+        as the pool does) and the extend attention (it de-quantizes pages as it reads them)."""
         if pool.buffer.device.type != "cpu" or pool.dtype != torch.bfloat16:
             return None
         hkv = pool.layout.num_kv_heads
@@ -171,12 +172,6 @@ class TorchAttentionBackend(BaseAttentionBackend):
             self.kernels = load_cpu_kernels() if self.use_cpu_kernels else None
             self._kernels_checked = True
         return self.kernels
-
-    def _pool_kernels_for(self, pool: KVPool, num_heads: int | None = None) -> CpuKernels | None:
-        """:meth:`_kernels_for` for the C kernels that read or write pool pages (KV append,
-        extend attention, the fused decode layers): None for an 8-bit pool, whose pages they
-        cannot read (they take bfloat16 pages)."""
-        return None if pool.layout.is_quantized else self._kernels_for(pool, num_heads)
 
     def _decode_cache_for(self, pool: KVPool, batch: ForwardBatch) -> DecodeKVCache | None:
         """The decode cache of ``pool`` (made on first use), or None when off or when the batch
@@ -203,7 +198,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
         batch = meta.batch
         if meta.is_decode_only and self._append_with_kernel(k, v, layer, meta, pool):
             return self._decode_head_major(q, k, v, layer, meta, pool, scale, appended=True)
-        pool.write(layer, batch.out_page_ids, batch.out_offsets, k, v)
+        if not self._append_with_kernel(k, v, layer, meta, pool, to_cache=False):
+            pool.write(layer, batch.out_page_ids, batch.out_offsets, k, v)
         if meta.is_decode_only:
             return self._decode(q, k, v, layer, meta, pool, scale)
         out = torch.empty_like(q)
@@ -221,11 +217,15 @@ class TorchAttentionBackend(BaseAttentionBackend):
     def _append_with_kernel(
         self, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TorchAttentionMetadata,
         pool: KVPool,
+        to_cache: bool = True,
     ) -> bool:
-        """Write a decode-only step's new K/V into the pool and the decode cache (when it
-        serves) with one C call; False (nothing written) where the C kernels do not apply."""
-        kern = self._pool_kernels_for(pool)
-        if kern is None or k.dtype != pool.buffer.dtype or not pool.buffer.is_contiguous():
+        """Write the step's new K/V into the pool and, for a decode-only step with
+        ``to_cache``, the decode cache (when it serves) with one C call, as
+        :meth:`KVPool.write` (8-bit pools: about 6x faster than its torch ops) and
+        ``DecodeKVCache.append`` would; False (nothing written) where the C kernels do not
+        apply."""
+        kern = self._kernels_for(pool)
+        if kern is None or k.dtype != pool.dtype or not pool.buffer.is_contiguous():
             return False
         d = k.shape[2]
         if k.stride(2) != 1 or k.stride(1) != d:
@@ -233,9 +233,11 @@ class TorchAttentionBackend(BaseAttentionBackend):
         if v.stride(2) != 1 or v.stride(1) != d:
             v = v.contiguous()
         plan, cache = meta.decode_plan, self.decode_cache
-        targets = None if plan is None or cache is None else cache.append_targets(layer, plan)
+        targets = None
+        if to_cache and plan is not None and cache is not None:
+            targets = cache.append_targets(layer, plan)
         batch = meta.batch
-        kern.kv_append(k, v, pool.buffer, layer, batch.out_page_ids, batch.out_offsets, targets)
+        kern.kv_append(k, v, pool, layer, batch.out_page_ids, batch.out_offsets, targets)
         return True
 
     def _decode(
@@ -325,9 +327,10 @@ class TorchAttentionBackend(BaseAttentionBackend):
         windows: tuple[int | None, ...],
     ) -> torch.Tensor:
         """One sequence's ``q [n, Hq, D]`` against its whole KV -> ``[n, Hq, D]``: the C flash
-        kernel on CPU bfloat16 (it reads the pool, where ``k``/``v`` already are), else SDPA;
-        ``windows[layer]`` is the layer's sliding window."""
-        kern = self._pool_kernels_for(pool, q.shape[1])
+        kernel on CPU bfloat16 (it reads the pool, where ``k``/``v`` already are; an 8-bit
+        pool's pages de-quantized as read), else SDPA; ``windows[layer]`` is the layer's
+        sliding window."""
+        kern = self._kernels_for(pool, q.shape[1])
         window = windows[layer]
         if (
             kern is not None and kern.has_gemm  # the kernel needs AVX512-BF16, as the tiles do
@@ -336,7 +339,10 @@ class TorchAttentionBackend(BaseAttentionBackend):
             if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
                 q = q.contiguous()
             pages = e.pages.contiguous()  # a row of the page table: already, in practice
-            out = kern.extend_attention(q, pool.buffer, layer, pages, e.seq_len, window, scale)
+            if pool.layout.is_quantized:
+                out = kern.extend_attention_q8(q, pool, layer, pages, e.seq_len, window, scale)
+            else:
+                out = kern.extend_attention(q, pool.buffer, layer, pages, e.seq_len, window, scale)
             if out is not None:
                 return out
         if e.seq_len == e.extend_len:

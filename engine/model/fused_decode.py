@@ -88,7 +88,8 @@ def run_fused_decode_layers(
         return False  # int4 steps where the plan picked torch's int4 kernel: the per-op path
     if not CpuKernels.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
         return False
-    if backend._pool_kernels_for(pool, cfg.num_heads) is None or not pool.buffer.is_contiguous():
+    # Its KV append writes bfloat16 or 8-bit pages (``kv_quant.c``), as the per-op path's does.
+    if backend._kernels_for(pool, cfg.num_heads) is None or not pool.buffer.is_contiguous():
         return False
     ptrs = model._fused_layer_ptrs  # type: ignore[attr-defined]
     if ptrs is None:
@@ -97,9 +98,9 @@ def run_fused_decode_layers(
             return False
         model._fused_layer_ptrs = ptrs  # type: ignore[attr-defined]
     kt, v, slots, positions = cache.append_all_targets(plan)
-    buf, batch = pool.buffer, meta.batch
+    batch = meta.batch
     rc = kernels.decode_layers(
-        ptrs, x, cfg, model.rope, batch.positions, buf, batch.out_page_ids,  # type: ignore[attr-defined]
+        ptrs, x, cfg, model.rope, batch.positions, pool, batch.out_page_ids,  # type: ignore[attr-defined]
         batch.out_offsets, kt, v, slots, positions, plan.lens, meta.windows[0],
     )
     if rc != 0:

@@ -192,12 +192,15 @@ def test_linear_uses_the_decode_kernels_only_for_decode_steps() -> None:
             assert torch.allclose(out.float(), onednn.float(), rtol=2**-7, atol=1e-2)
 
 
-def test_kv_append_equals_pool_write_and_cache_append() -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
+def test_kv_append_equals_pool_write_and_cache_append(kv_cache_dtype) -> None:
+    """The C KV append against ``KVPool.write`` plus ``DecodeKVCache.append``: the same pool
+    bytes (an 8-bit pool's values and scales) and decode cache, bit for bit."""
     from splitserve.engine.attention.decode_kv_cache import DecodeKVCache
     from splitserve.engine.kv_pool import KVLayout, KVPool
 
     torch.manual_seed(2)
-    layout = KVLayout(3, 2, 16, 4, "bfloat16")
+    layout = KVLayout(3, 2, 16, 4, "bfloat16", kv_cache_dtype)
     pools = [KVPool(layout, 32), KVPool(layout, 32)]
     caches = [DecodeKVCache(p, max_bytes=1 << 30) for p in pools]
     # Three sequences of 5, 9 and 2 tokens already in the pool; the step appends one token each.
@@ -206,20 +209,24 @@ def test_kv_append_equals_pool_write_and_cache_append() -> None:
     table = torch.zeros(3, 3, dtype=torch.long)
     for i, p in enumerate(pages):
         table[i, : len(p)] = p
-    for pool in pools:
-        pool.buffer.copy_(torch.randn(pool.buffer.shape).to(torch.bfloat16))
+    if layout.is_quantized:  # random codes (no fp8 NaN: bits 0-2 never all set) and scales
+        pools[0].buffer.copy_(torch.randint(0, 256, pools[0].buffer.shape) & 0xFB)
+        pools[0].scales.copy_(torch.rand(pools[0].scales.shape) + 0.1)
+    else:
+        pools[0].buffer.copy_(torch.randn(pools[0].buffer.shape).to(torch.bfloat16))
     pools[1].buffer.copy_(pools[0].buffer)
     plans = [c.plan([7, 3, 9], lens, table, None) for c in caches]
     page_ids = torch.tensor([int(pages[i][(n - 1) // 4]) for i, n in enumerate(lens)])
     offsets = torch.tensor([(n - 1) % 4 for n in lens])
     for layer in range(3):
         qkv = torch.randn(3, 8, 16).to(torch.bfloat16)  # k and v as strided slices
+        qkv[0, 5] = 0.0  # a zero vector (scale 1 in an 8-bit pool)
         k, v = qkv[:, 4:6], qkv[:, 6:8]
         pools[0].write(layer, page_ids, offsets, k, v)
         caches[0].append(layer, plans[0], k, v)
         assert kernels is not None
         targets = caches[1].append_targets(layer, plans[1])
-        kernels.kv_append(k, v, pools[1].buffer, layer, page_ids, offsets, targets)
+        kernels.kv_append(k, v, pools[1], layer, page_ids, offsets, targets)
     assert torch.equal(pools[0].buffer, pools[1].buffer)
     assert torch.equal(caches[0].kt, caches[1].kt) and torch.equal(caches[0].v, caches[1].v)
     assert caches[0]._layers_left == caches[1]._layers_left == 0

@@ -138,8 +138,10 @@ def test_greedy_agreement_with_bf16_cache(ctx, model_path, tokenizer, monkeypatc
     monkeypatch.setattr(kv_pool, "quantize_kv",
                         lambda x, k: (real(x, k)[0], torch.ones(x.shape[:-1])))
     monkeypatch.setattr(kv_pool, "round_trip_kv", lambda x, k: real(x, k)[0].to(x.dtype))
+    # The C kernels quantize by themselves (kv_quant.c, bit for bit as quantize_kv:
+    # tests/engine/test_kv_quant_kernels.py), so the patched quantizer runs on the torch path.
     broken, _ = _colocated(model_path, server, prompts, AGREE_TOKENS, dtype="bfloat16",
-                           kv_cache_dtype="int8")
+                           kv_cache_dtype="int8", cpu_kernels=False)
     print("scales dropped:", _agreement(broken, ref))
     assert _agreement(broken, ref) < 0.15, _agreement(broken, ref)
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from splitserve.engine.kernels.cpu.pool_bindings import PoolKernels
+
 log = logging.getLogger(__name__)
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -23,9 +25,10 @@ SKINNY_MAX_ROWS = 3
 GEMM_MAX_ROWS = 128
 
 
-class CpuKernels:
+class CpuKernels(PoolKernels):
     """The loaded library. Every method takes contiguous CPU tensors and checks nothing that
-    its docstring does not say: callers own the shapes."""
+    its docstring does not say: callers own the shapes. The kernels that write pool pages
+    (KV append, fused decode layers) are in :class:`.pool_bindings.PoolKernels`."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._attn = lib.decode_attention_bf16
@@ -35,10 +38,6 @@ class CpuKernels:
         self._extend.restype = ctypes.c_int
         self._extend.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr] + [_i64] * 5
         self._extend.argtypes += [_f32, _ptr]
-        self._append = lib.kv_append_bf16
-        self._append.restype = None
-        self._append.argtypes = [_ptr, _i64, _ptr, _i64] + [_i64] * 3 + [_ptr, _ptr, _i64]
-        self._append.argtypes += [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
         self._norm = lib.rms_norm_bf16
         self._norm.restype = None
         self._norm.argtypes = [_ptr, _i64, _ptr, _ptr, _f32, _i64, _i64, _ptr, _ptr]
@@ -51,10 +50,7 @@ class CpuKernels:
         self._greedy = lib.greedy_logprob_f32
         self._greedy.restype = ctypes.c_int
         self._greedy.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr]
-        self._layers = lib.decode_layers_bf16
-        self._layers.restype = ctypes.c_int
-        self._layers.argtypes = [_i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _f32, _i64]
-        self._layers.argtypes += [_ptr] * 4 + [_i64] * 3 + [_ptr] * 4 + [_i64] * 2 + [_ptr] * 3
+        self._init_pool_kernels(lib)
         self._gemv = lib.gemv_packed_bf16
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr]
@@ -141,87 +137,6 @@ class CpuKernels:
             logits.data_ptr(), logits.stride(0), b, v, ids.data_ptr(), logprobs.data_ptr()
         )
         return (ids, logprobs) if rc == 0 else None
-
-    def decode_layers(
-        self,
-        ptrs: torch.Tensor,
-        x: torch.Tensor,
-        cfg: Any,
-        rope: Any,
-        positions: torch.Tensor,
-        pool_buffer: torch.Tensor,
-        page_ids: torch.Tensor,
-        offsets: torch.Tensor,
-        kt: torch.Tensor,
-        v: torch.Tensor,
-        slots: torch.Tensor,
-        cache_positions: torch.Tensor,
-        lens: torch.Tensor,
-        window: int | None,
-    ) -> int:
-        """Every decoder layer of a decode-only step in one call (``decode_layers.c``); the
-        caller (:mod:`splitserve.engine.model.fused_decode`) checks that it applies.
-
-        Args:
-            ptrs: ``[L * 15]`` int64 per-layer weight addresses (``decode_layers.layer_pointers``).
-            x: ``[M, hidden]`` bfloat16 contiguous hidden states, updated in place.
-            cfg: the ``ModelConfig`` (sizes, ``rms_norm_eps``).
-            rope: the model's ``RotaryEmbedding`` (float32 tables).
-            positions: ``[M]`` int64 token positions.
-            pool_buffer: the KV pool ``[pages, L, 2, page_size, Hkv, D]`` bfloat16 contiguous.
-            page_ids: ``[M]`` int64 page of each new token; offsets: ``[M]`` its slot there.
-            kt: ``[L, slots, Hkv, D, cap]`` decode-cache keys; v: ``[L, slots, Hkv, cap, D]``.
-            slots: ``[M]`` int64 cache slot of each row; cache_positions: ``[M]`` its position.
-            lens: ``[M]`` int64 KV length after the step.
-            window: sliding window, or None.
-
-        Returns:
-            0, or the failing kernel's error code (-1: out of memory).
-        """
-        m, hid = x.shape
-        return self._layers(
-            ptrs.numel() // 15, ptrs.data_ptr(), x.data_ptr(), m, hid, cfg.num_heads,
-            cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
-            cfg.head_dim**-0.5, window or 0, positions.data_ptr(), rope.cos.data_ptr(),
-            rope.sin.data_ptr(), pool_buffer.data_ptr(), pool_buffer.stride(1),
-            pool_buffer.stride(2), pool_buffer.stride(0), page_ids.data_ptr(),
-            offsets.data_ptr(), kt.data_ptr(), v.data_ptr(), kt.stride(0), kt.shape[4],
-            slots.data_ptr(), cache_positions.data_ptr(), lens.data_ptr(),
-        )
-
-    def kv_append(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        pool_buffer: torch.Tensor,
-        layer: int,
-        page_ids: torch.Tensor,
-        offsets: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    ) -> None:
-        """Write new tokens' K/V of ``layer`` into the pool and, optionally, the decode cache.
-
-        Args:
-            k: ``[T, Hkv, D]`` bfloat16, each row's heads contiguous (rows may be strided).
-            v: the same for values.
-            pool_buffer: the pool, ``[num_pages, L, 2, page_size, Hkv, D]`` bfloat16,
-                contiguous.
-            layer: layer index.
-            page_ids: ``[T]`` int64 page of each token; offsets: ``[T]`` int64 slot in it.
-            cache: ``(kt [slots, Hkv, D, cap], v [slots, Hkv, cap, D], slots [T], pos [T])``
-                of this layer (contiguous; int64 indices), or None to write the pool only.
-        """
-        t, hkv, d = k.shape
-        base = pool_buffer[0, layer]
-        ckt, cv, slots, pos = cache if cache is not None else (None, None, None, None)
-        self._append(
-            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, hkv, d,
-            base[0].data_ptr(), base[1].data_ptr(), pool_buffer.stride(0),
-            page_ids.data_ptr(), offsets.data_ptr(),
-            None if ckt is None else ckt.data_ptr(), None if cv is None else cv.data_ptr(),
-            0 if ckt is None else ckt.shape[3],
-            None if slots is None else slots.data_ptr(), None if pos is None else pos.data_ptr(),
-        )
 
     @staticmethod
     def can_pack_decode(weight: torch.Tensor) -> bool:

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 SOURCES = (
     "decode_attention.c", "extend_attention.c", "gemv.c", "gemm_bf16.c", "kv_append.c",
     "elementwise.c", "greedy.c", "decode_layers.c", "gemm_w8.c",
-    "gemm_w4.c",
+    "gemm_w4.c", "kv_quant.c",
 )
 HEADERS = ("bf16.h", "fast_exp.h", "kernels.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")

@@ -37,17 +37,20 @@ static int project(const int64_t *ptrs, int64_t l, int w, const uint16_t *x, int
 }
 
 /* dims: H, Hq, Hkv, D, I (intermediate); pool: this step's K of layer 0 page 0 at pool,
- * layers layer_stride elements apart, V at + v_offset, pages page_stride apart; cache: kt / cv
- * of layer 0, layers cache_stride apart (NULL kt: no cache, attention not supported then).
+ * layers layer_stride elements apart, V at + v_offset, pages page_stride apart; kv_kind: the
+ * pool's values (KV_BF16: bfloat16 elements; KV_INT8 / KV_FP8_E4M3: bytes, the strides in bytes
+ * and each page's scales from byte value_bytes, kv_quant.c); cache: kt / cv of layer 0, layers
+ * cache_stride apart (NULL kt: no cache, attention not supported then).
  * Returns 0, -1 if out of memory, or a kernel's error code. */
 int decode_layers_bf16(int64_t n_layers, const int64_t *ptrs, uint16_t *x, int64_t m,
                        int64_t hid, int64_t hq, int64_t hkv, int64_t d, int64_t inter,
                        float eps, float scale, int64_t window, const int64_t *positions,
-                       const float *cos_table, const float *sin_table, uint16_t *pool,
+                       const float *cos_table, const float *sin_table, void *pool,
                        int64_t layer_stride, int64_t v_offset, int64_t page_stride,
                        const int64_t *page_ids, const int64_t *offsets, uint16_t *ckt,
                        uint16_t *cv, int64_t cache_stride, int64_t cap, const int64_t *slots,
-                       const int64_t *pos, const int64_t *lens) {
+                       const int64_t *pos, const int64_t *lens, int64_t kv_kind,
+                       int64_t value_bytes) {
     int64_t nqkv = (hq + 2 * hkv) * d;
     size_t need = (size_t)m * (size_t)(hid + nqkv + hq * d + hid + 2 * inter + inter + hid);
     uint16_t *buf = malloc(sizeof(uint16_t) * need);
@@ -60,10 +63,17 @@ int decode_layers_bf16(int64_t n_layers, const int64_t *ptrs, uint16_t *x, int64
         rc = project(ptrs, l, QKV_W, h, m, nqkv, hid, qkv);
         if (rc) break;
         rope_bf16(qkv, nqkv, m, hq + hkv, d, positions, cos_table, sin_table);
-        uint16_t *pk = pool + l * layer_stride;
-        kv_append_bf16(qkv + hq * d, nqkv, qkv + (hq + hkv) * d, nqkv, m, hkv, d, pk,
-                       pk + v_offset, page_stride, page_ids, offsets, ckt + l * cache_stride,
-                       cv + l * cache_stride, cap, slots, pos);
+        if (kv_kind == KV_BF16) {
+            uint16_t *pk = (uint16_t *)pool + l * layer_stride;
+            kv_append_bf16(qkv + hq * d, nqkv, qkv + (hq + hkv) * d, nqkv, m, hkv, d, pk,
+                           pk + v_offset, page_stride, page_ids, offsets,
+                           ckt + l * cache_stride, cv + l * cache_stride, cap, slots, pos);
+        } else {
+            kv_append_q8(qkv + hq * d, nqkv, qkv + (hq + hkv) * d, nqkv, m, hkv, d, pool,
+                         l * layer_stride, l * layer_stride + v_offset, page_stride,
+                         value_bytes, kv_kind, page_ids, offsets, ckt + l * cache_stride,
+                         cv + l * cache_stride, cap, slots, pos);
+        }
         rc = decode_attention_bf16(qkv, nqkv, ckt + l * cache_stride, cv + l * cache_stride,
                                    slots, lens, m, hkv, hq / hkv, d, cap, window, scale, att);
         if (rc) break;

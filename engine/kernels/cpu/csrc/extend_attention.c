@@ -26,6 +26,7 @@
 
 #include "bf16.h"
 #include "fast_exp.h"
+#include "kernels.h"
 
 #define KB 32  /* keys per block: two vectors of 16 scores */
 #define RT 12  /* query rows per task: 24 score accumulators + 2 key vectors fit 32 registers */
@@ -51,20 +52,46 @@ ALWAYS_INLINE __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* One layer's K or V in the pool: bfloat16 pages (kind KV_BF16: base is this layer's K or V of
+ * page 0, page_stride in elements) or 8-bit ones (base is the pool's first byte, off this
+ * layer's K or V in a page, page_stride in bytes, scales from byte value_bytes of a page:
+ * kv_quant.c's layout). */
+struct kv_rows {
+    const void *base;
+    int64_t page_stride, ps, hkv, off, value_bytes, kind;
+};
+
+/* Key `key`'s row of head h as bfloat16: in the pool, or de-quantized into tmp [d_n] as
+ * kv_quant.dequantize_kv reads it (bf16(float(q) * scale)). */
+static const uint16_t *kv_row(const struct kv_rows *src, const int64_t *pages, int64_t key,
+                              int64_t h, int64_t d_n, uint16_t *tmp) {
+    int64_t at = (key % src->ps) * src->hkv * d_n + h * d_n;
+    if (src->kind == KV_BF16)
+        return (const uint16_t *)src->base + pages[key / src->ps] * src->page_stride + at;
+    const uint8_t *page = (const uint8_t *)src->base + pages[key / src->ps] * src->page_stride;
+    const uint8_t *q = page + src->off + at;
+    float s;
+    memcpy(&s, page + src->value_bytes + 4 * ((src->off + at) / d_n), sizeof s);
+    for (int64_t e = 0; e < d_n; e++) {
+        float x = src->kind == KV_INT8 ? (float)(int8_t)q[e] : fp8_e4m3_to_f32(q[e]);
+        tmp[e] = f32_to_bf16(x * s);
+    }
+    return tmp;
+}
+
 /* Keys [blk * KB, +KB) of one head as (d, d+1) pairs: kp[p * KB + j] holds dimensions 2p and
  * 2p+1 of key j, so one 32-bit broadcast of a query pair scores 16 keys per instruction. */
-static void pack_keys(const uint16_t *k_base, int64_t page_stride, int64_t ps,
-                      const int64_t *pages, int64_t seq_len, int64_t hkv, int64_t h,
-                      int64_t d_n, int64_t blk, uint32_t *kp) {
+static void pack_keys(const struct kv_rows *src, const int64_t *pages, int64_t seq_len,
+                      int64_t h, int64_t d_n, int64_t blk, uint32_t *kp) {
     int64_t pairs = d_n / 2;
+    uint16_t tmp[DMAX];
     for (int64_t j = 0; j < KB; j++) {
         int64_t key = blk * KB + j;
         if (key >= seq_len) {
             for (int64_t p = 0; p < pairs; p++) kp[p * KB + j] = 0;
             continue;
         }
-        const uint16_t *row = k_base + pages[key / ps] * page_stride + (key % ps) * hkv * d_n
-                              + h * d_n;
+        const uint16_t *row = kv_row(src, pages, key, h, d_n, tmp);
         uint32_t w[DMAX / 2];
         memcpy(w, row, sizeof(uint16_t) * (size_t)d_n);
         for (int64_t p = 0; p < pairs; p++) kp[p * KB + j] = w[p];
@@ -73,9 +100,8 @@ static void pack_keys(const uint16_t *k_base, int64_t page_stride, int64_t ps,
 
 /* Values of keys [blk * KB, +KB) of one head as (key 2t, key 2t+1) pairs per column:
  * vp[t * D + c] (t < KB / 2), low half the even key. */
-static void pack_values(const uint16_t *v_base, int64_t page_stride, int64_t ps,
-                        const int64_t *pages, int64_t seq_len, int64_t hkv, int64_t h,
-                        int64_t d_n, int64_t blk, uint32_t *vp) {
+static void pack_values(const struct kv_rows *src, const int64_t *pages, int64_t seq_len,
+                        int64_t h, int64_t d_n, int64_t blk, uint32_t *vp) {
     /* index e < 32 of a pair of 32-column chunks: even e from a, odd from b (the +32) */
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
@@ -83,14 +109,12 @@ static void pack_values(const uint16_t *v_base, int64_t page_stride, int64_t ps,
     const __m512i hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25,
                                         56, 24, 55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18,
                                         49, 17, 48, 16);
-    uint16_t zero[DMAX] = {0};
+    uint16_t zero[DMAX] = {0}, tmp[2][DMAX];
     for (int64_t t = 0; t < KB / 2; t++) {
         const uint16_t *rows[2];
         for (int s = 0; s < 2; s++) {
             int64_t key = blk * KB + 2 * t + s;
-            rows[s] = key < seq_len ? v_base + pages[key / ps] * page_stride
-                                          + (key % ps) * hkv * d_n + h * d_n
-                                    : zero;
+            rows[s] = key < seq_len ? kv_row(src, pages, key, h, d_n, tmp[s]) : zero;
         }
         uint32_t *out = vp + t * d_n;
         int64_t c = 0;
@@ -246,10 +270,10 @@ static void attend_task(const uint16_t *q, int64_t q_stride, int64_t n, int64_t 
  * page_stride elements apart); pages [ceil(seq_len / ps)] int64. window > 0 keeps each query's
  * last `window` keys (itself included). out [n, Hkv * G, D] contiguous. D even and at most 256.
  * Returns 0, -1 if out of memory, -2 where the kernel does not apply (no AVX512-BF16, shape). */
-int extend_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t n, const uint16_t *k_base,
-                          const uint16_t *v_base, int64_t page_stride, int64_t ps,
-                          const int64_t *pages, int64_t seq_len, int64_t hkv, int64_t g_n,
-                          int64_t d_n, int64_t window, float scale, uint16_t *out) {
+static int extend_attention(const uint16_t *q, int64_t q_stride, int64_t n,
+                            const struct kv_rows *k_src, const struct kv_rows *v_src,
+                            const int64_t *pages, int64_t seq_len, int64_t hkv, int64_t g_n,
+                            int64_t d_n, int64_t window, float scale, uint16_t *out) {
     if (n < 1 || n > seq_len || g_n < 1 || d_n % 16 != 0 || d_n > DMAX || seq_len >= INT32_MAX)
         return -2;
     int64_t blocks = (seq_len + KB - 1) / KB;
@@ -269,10 +293,8 @@ int extend_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t n, const 
         for (int64_t t = 0; t < hkv * (blocks - first); t++) {
             int64_t h = t / (blocks - first), blk = first + t % (blocks - first);
             uint32_t *kh = kp + per_head * (size_t)h, *vh = vp + per_head * (size_t)h;
-            pack_keys(k_base, page_stride, ps, pages, seq_len, hkv, h, d_n, blk,
-                      kh + blk * KB * d_n / 2);
-            pack_values(v_base, page_stride, ps, pages, seq_len, hkv, h, d_n, blk,
-                        vh + blk * KB * d_n / 2);
+            pack_keys(k_src, pages, seq_len, h, d_n, blk, kh + blk * KB * d_n / 2);
+            pack_values(v_src, pages, seq_len, h, d_n, blk, vh + blk * KB * d_n / 2);
         }
         /* Later rows see more keys: hand out the longest tasks first. */
 #pragma omp for schedule(dynamic, 1)
@@ -287,7 +309,44 @@ int extend_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t n, const 
     return 0;
 }
 
+int extend_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t n, const uint16_t *k_base,
+                          const uint16_t *v_base, int64_t page_stride, int64_t ps,
+                          const int64_t *pages, int64_t seq_len, int64_t hkv, int64_t g_n,
+                          int64_t d_n, int64_t window, float scale, uint16_t *out) {
+    struct kv_rows k = {k_base, page_stride, ps, hkv, 0, 0, KV_BF16};
+    struct kv_rows v = {v_base, page_stride, ps, hkv, 0, 0, KV_BF16};
+    return extend_attention(q, q_stride, n, &k, &v, pages, seq_len, hkv, g_n, d_n, window,
+                            scale, out);
+}
+
+/* extend_attention_bf16 over an 8-bit pool (kind KV_INT8 or KV_FP8_E4M3): pool is its first
+ * byte, this layer's K at byte k_off of a page and V at v_off, pages page_stride bytes apart,
+ * scales from byte value_bytes of a page. Rows are de-quantized as they are packed: the result
+ * is the bfloat16 kernel's over a pool holding the de-quantized values. */
+int extend_attention_q8(const uint16_t *q, int64_t q_stride, int64_t n, const uint8_t *pool,
+                        int64_t k_off, int64_t v_off, int64_t page_stride, int64_t value_bytes,
+                        int64_t kind, int64_t ps, const int64_t *pages, int64_t seq_len,
+                        int64_t hkv, int64_t g_n, int64_t d_n, int64_t window, float scale,
+                        uint16_t *out) {
+    if (kind != KV_INT8 && kind != KV_FP8_E4M3) return -2;
+    struct kv_rows k = {pool, page_stride, ps, hkv, k_off, value_bytes, kind};
+    struct kv_rows v = {pool, page_stride, ps, hkv, v_off, value_bytes, kind};
+    return extend_attention(q, q_stride, n, &k, &v, pages, seq_len, hkv, g_n, d_n, window,
+                            scale, out);
+}
+
 #else
+
+int extend_attention_q8(const uint16_t *q, int64_t q_stride, int64_t n, const uint8_t *pool,
+                        int64_t k_off, int64_t v_off, int64_t page_stride, int64_t value_bytes,
+                        int64_t kind, int64_t ps, const int64_t *pages, int64_t seq_len,
+                        int64_t hkv, int64_t g_n, int64_t d_n, int64_t window, float scale,
+                        uint16_t *out) {
+    (void)q, (void)q_stride, (void)n, (void)pool, (void)k_off, (void)v_off, (void)page_stride;
+    (void)value_bytes, (void)kind, (void)ps, (void)pages, (void)seq_len, (void)hkv, (void)g_n;
+    (void)d_n, (void)window, (void)scale, (void)out;
+    return -2;
+}
 
 int extend_attention_bf16(const uint16_t *q, int64_t q_stride, int64_t n, const uint16_t *k_base,
                           const uint16_t *v_base, int64_t page_stride, int64_t ps,

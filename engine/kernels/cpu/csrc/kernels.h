@@ -3,6 +3,7 @@
 #define SPLITSERVE_KERNELS_H
 
 #include <stdint.h>
+#include <string.h>
 
 int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kt,
                           const uint16_t *v, const int64_t *slots, const int64_t *lens,
@@ -25,6 +26,28 @@ void kv_append_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int6
                     int64_t page_stride, const int64_t *page_ids, const int64_t *offsets,
                     uint16_t *ckt, uint16_t *cv, int64_t cap, const int64_t *slots,
                     const int64_t *pos);
+/* KV pool kinds (decode_layers_bf16's kv_kind; kv_quant.c): bfloat16 pages, or 8-bit values
+ * with per-token-and-head float32 scales. */
+enum { KV_BF16 = 0, KV_INT8 = 1, KV_FP8_E4M3 = 2 };
+
+/* A float8_e4m3fn code's value (sign, 4 exponent bits biased by 7, 3 mantissa bits; exponent 0:
+ * subnormal, m * 2^-9). The NaN codes (0x7f, 0xff) are never written by kv_quant.c. */
+static inline float fp8_e4m3_to_f32(uint8_t c) {
+    uint32_t e = (c >> 3) & 15, m = c & 7, bits = (uint32_t)(c & 0x80) << 24;
+    float f;
+    if (e) { /* normal: 2^(e-7) * (1 + m/8), the same fields in float32 */
+        bits |= ((e - 7 + 127) << 23) | (m << 20);
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    f = (float)m * 0x1p-9f;
+    return (c & 0x80) ? -f : f;
+}
+void kv_append_q8(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
+                  int64_t t, int64_t hkv, int64_t d, uint8_t *pool, int64_t k_off, int64_t v_off,
+                  int64_t page_stride, int64_t value_bytes, int64_t kind,
+                  const int64_t *page_ids, const int64_t *offsets, uint16_t *ckt, uint16_t *cv,
+                  int64_t cap, const int64_t *slots, const int64_t *pos);
 void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *residual,
                    const uint16_t *w, float eps, int64_t t, int64_t h, uint16_t *res_out,
                    uint16_t *out);
