@@ -41,6 +41,7 @@ from splitserve.ipc.messages import (
     StatsQuery,
     TokenBatch,
     TokenOutput,
+    WeightsMsg,
     WorkerReady,
     WorkerStats,
 )
@@ -80,6 +81,11 @@ class BaseWorker:
         self.dtype = resolve_dtype(e.dtype, e.device)[0]
         model, self.model_config = load_model(
             e.model, dtype=getattr(torch, self.dtype), device=e.device, engine=e
+        )
+        # What the KV handshake checks besides the pool layout (prefill.worker refuses a peer
+        # with other weights).
+        self.weights = WeightsMsg(
+            self.model_config.architecture, self.model_config.fingerprint(), e.quantization
         )
         layout = self.model_config.kv_layout(e.page_size, self.dtype, e.kv_cache_dtype)
         num_pages = max(2, e.kv_cache_mb * 2**20 // layout.page_bytes)

@@ -6,8 +6,9 @@ A GGUF file's metadata is first turned into the same ``config.json`` form
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,17 @@ class ModelConfig:
     def attention_scale(self) -> float:
         """The softmax scale: ``query_pre_attn_scalar ** -0.5`` (Gemma) or ``head_dim ** -0.5``."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def fingerprint(self) -> str:
+        """16 hex digits hashing every parsed field (shapes, norms, RoPE, windows, tokens).
+
+        Two workers with different fingerprints run different models and must not exchange KV
+        (the KV handshake compares it). Checkpoints of the same shape and family, such as two
+        fine-tunes of one base, share a fingerprint: it identifies the architecture, not the
+        weight values.
+        """
+        text = json.dumps(asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def kv_layout(self, page_size: int, dtype_str: str, kv_cache_dtype: str = "auto") -> KVLayout:
         """The KV pool geometry for this model at ``page_size`` tokens per page, read back in
