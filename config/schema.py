@@ -140,7 +140,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rate_limit_rps: float = 0.0
     rate_limit_tps: float = 0.0
     chat_template: str | None = None  # a Jinja chat template file replacing the model's
-    tool_call_parser: str = "auto"  # or a TOOL_CALL_PARSER name; auto: from the chat template
+    tool_call_parser: str = "auto"  # or a TOOL_CALL_PARSER name; auto: the template, else the family
 
     @property
     def url(self) -> str:
