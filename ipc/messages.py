@@ -243,7 +243,8 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     kv_cache_dtype: str = "auto"  # how the pool stores K/V (--kv-cache-dtype)
     decode_cache_bytes: int = 0
     weight_bytes: int = 0
-    # Which kernel serves the decode-step products (engine.model.kernel_plan), in words.
+    # Which kernel serves the decode-step products (engine.model.kernel_plan), in words; on
+    # CPU without a plan, the C kernels' state ("C kernels: BUILD FAILED (cause), torch ops").
     kernel_plan: str = ""
     # Speculative decoding since start: draft tokens proposed, and those verification kept.
     spec_draft_tokens: int = 0
