@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.engine.kv_pool import KVLayout
+from splitserve.engine.model.compressed import read_quantization
 from splitserve.engine.model.registry import SUPPORTED_ARCHITECTURES, get_architecture
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig"]
@@ -66,6 +67,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[bool, ...] = ()
+    # How the checkpoint stores its weights when not as floats ("compressed-tensors 4-bit
+    # group 64 symmetric": engine.model.compressed); part of the fingerprint, so two workers
+    # on differently quantized checkpoints of one model refuse each other's KV.
+    weight_format: str = ""
 
     @property
     def q_size(self) -> int:
@@ -164,6 +169,8 @@ class ModelConfig:
 
         Raises:
             FileNotFoundError: the folder or its ``config.json`` is missing.
+            ValueError: an unsupported architecture, or weight quantization
+                (``engine.model.compressed``), naming the file and the cause.
         """
         path = Path(path)
         if not path.is_dir():
@@ -173,7 +180,13 @@ class ModelConfig:
             raise FileNotFoundError(f"config.json not found in model folder {path}")
         gen_file = path / "generation_config.json"
         gen = json.loads(gen_file.read_text()) if gen_file.exists() else None
-        return cls.from_hf(json.loads(cfg_file.read_text()), gen)
+        cfg = json.loads(cfg_file.read_text())
+        # An unsupported quantized checkpoint fails here, at launch.
+        scheme = read_quantization(cfg, str(cfg_file))
+        config = cls.from_hf(cfg, gen)
+        if scheme is not None:
+            config.weight_format = scheme.describe()
+        return config
 
 
 def _as_list(x: int | list[int] | None) -> list[int]:
