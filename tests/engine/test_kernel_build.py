@@ -93,3 +93,19 @@ def test_worker_reports_a_failed_build(model_path, monkeypatch, caplog) -> None:
         worker.inbox.close()
         worker.outbox.close()
         worker.ctx.term()
+
+
+def test_launch_prints_a_failed_build(model_path, monkeypatch, capsys) -> None:
+    """The command builds the kernels once before starting workers and prints the outcome;
+    with a failed build it does not claim the int8 C products."""
+    from splitserve import cli
+    from tests.cluster_config import worker_config
+
+    failed = KernelBuild(None, FAILED, "fake-cc: linking failed (exit 1): ld: boom")
+    monkeypatch.setattr(build, "cpu_kernel_build", lambda: failed)
+    config = worker_config(model_path, "colocated", "tcp://127.0.0.1:1", dtype="bfloat16",
+                           cpu_kernels=True, quantization="int8", device="cpu")
+    cli._resolve_engine(config, report=True)
+    err = capsys.readouterr().err
+    assert "splitserve: C kernels: BUILD FAILED (fake-cc: linking failed" in err
+    assert "AVX512-VNNI C products" not in err and "the C kernels built" in err
