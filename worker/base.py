@@ -150,15 +150,15 @@ class BaseWorker:
         self.num_failed = 0
         self.num_transfer_failures = 0
         self.num_orphaned = 0
-        self.kernel_plan = kernel_report(model, e)
-        if "BUILD FAILED" in self.kernel_plan:
-            logger.error("%s worker %s: %s", self.role, config.worker_id, self.kernel_plan)
+        kernels = kernel_report(model, e)
+        if e.device == "cpu" and e.cpu_kernels and cpu_kernel_build().failed:
+            logger.error("%s worker %s: %s", self.role, config.worker_id, kernels)
         logger.info(
             "%s worker %s: %s, %s on %s (%s attention), %d KV pages of %d tokens "
             "(KV %s, %.0f bytes/token), %s, inbox %s",
             self.role, config.worker_id, e.model, self.dtype, e.device,
             type(model.attn_backend).__name__, num_pages - 1, e.page_size,
-            e.kv_cache_dtype, layout.bytes_per_token, self.kernel_plan, config.addr,
+            e.kv_cache_dtype, layout.bytes_per_token, kernels, config.addr,
         )
 
     def _rejoin(self, i: int) -> tuple[str, WorkerReady] | None:
@@ -460,7 +460,7 @@ class BaseWorker:
             kv_cache_dtype=self.pool.layout.kv_cache_dtype,
             decode_cache_bytes=model.attn_backend.cache_bytes(),
             weight_bytes=model.weight_bytes(),
-            kernel_plan=self.kernel_plan,
+            kernel_plan=kernel_report(model, self.config.engine),
             spec_draft_tokens=self.scheduler.num_draft_tokens,
             spec_accepted_tokens=self.scheduler.num_accepted_tokens,
             node=self.config.node or socket.gethostname(),
