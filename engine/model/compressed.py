@@ -64,34 +64,47 @@ def read_quantization(cfg: dict[str, Any], source: str) -> PackScheme | None:
 
     method = qc.get("quant_method")
     if method != QUANT_METHOD:
-        raise refuse(f"quant_method {method!r} is not supported (only {QUANT_METHOD!r}, "
-                     f"format {PACKED_FORMAT!r})")
+        raise refuse(
+            f"quant_method {method!r} is not supported (only {QUANT_METHOD!r}, "
+            f"format {PACKED_FORMAT!r})"
+        )
     if qc.get("quantization_status", "compressed") != "compressed":
-        raise refuse(f"quantization_status {qc['quantization_status']!r}: only compressed "
-                     "checkpoints are supported")
+        raise refuse(
+            f"quantization_status {qc['quantization_status']!r}: only compressed "
+            "checkpoints are supported"
+        )
     for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
         if qc.get(key):
             raise refuse(f"{key} is not supported (weight-only quantization only)")
     groups = qc.get("config_groups") or {}
     if not groups:
         raise refuse("no config_groups")
-    schemes = {_group_scheme(name, group, qc.get("format"), refuse)
-               for name, group in groups.items()}
+    schemes = {
+        _group_scheme(name, group, qc.get("format"), refuse) for name, group in groups.items()
+    }
     if len(schemes) > 1:
         raise refuse(f"config groups with different weight schemes are not supported: {schemes}")
     return schemes.pop()
 
 
-def _group_scheme(name: str, group: dict[str, Any], default_format: str | None,
-                  refuse: Callable[[str], ValueError]) -> PackScheme:
+def _group_scheme(
+    name: str,
+    group: dict[str, Any],
+    default_format: str | None,
+    refuse: Callable[[str], ValueError],
+) -> PackScheme:
     fmt = group.get("format") or default_format
     if fmt != PACKED_FORMAT:
-        raise refuse(f"config group {name}: format {fmt!r} is not supported (only "
-                     f"{PACKED_FORMAT!r}: W4A16 / W8A16)")
+        raise refuse(
+            f"config group {name}: format {fmt!r} is not supported (only "
+            f"{PACKED_FORMAT!r}: W4A16 / W8A16)"
+        )
     for key in ("input_activations", "output_activations"):
         if group.get(key):
-            raise refuse(f"config group {name}: {key} are quantized (activation "
-                         "quantization is not supported; weight-only W4A16 / W8A16 only)")
+            raise refuse(
+                f"config group {name}: {key} are quantized (activation "
+                "quantization is not supported; weight-only W4A16 / W8A16 only)"
+            )
     w = group.get("weights") or {}
     if w.get("type", "int") != "int":
         raise refuse(f"config group {name}: weight type {w.get('type')!r} (only int)")
@@ -105,8 +118,10 @@ def _group_scheme(name: str, group: dict[str, Any], default_format: str | None,
     if w.get("dynamic"):
         raise refuse(f"config group {name}: dynamic weight quantization")
     if w.get("actorder") not in (None, False, "weight", "static"):
-        raise refuse(f"config group {name}: actorder {w.get('actorder')!r} (group activation "
-                     "ordering, g_idx, is not supported)")
+        raise refuse(
+            f"config group {name}: actorder {w.get('actorder')!r} (group activation "
+            "ordering, g_idx, is not supported)"
+        )
     group_size = int(w["group_size"]) if strategy == "group" else None
     return PackScheme(int(w["num_bits"]), strategy, group_size, bool(w.get("symmetric", True)))
 
@@ -122,8 +137,10 @@ def unpack(packed: torch.Tensor, num_bits: int, num_cols: int) -> torch.Tensor:
         raise ValueError("compressed-tensors unpacking assumes a little-endian host")
     per_word = 32 // num_bits
     if packed.dtype != torch.int32 or packed.shape[-1] * per_word < num_cols:
-        raise ValueError(f"packed tensor {packed.dtype} {tuple(packed.shape)} cannot hold "
-                         f"{num_cols} {num_bits}-bit values per row")
+        raise ValueError(
+            f"packed tensor {packed.dtype} {tuple(packed.shape)} cannot hold "
+            f"{num_cols} {num_bits}-bit values per row"
+        )
     data = packed.contiguous().view(torch.uint8).to(torch.int32)  # little-endian bytes
     if num_bits == 4:
         data = torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)
@@ -144,14 +161,17 @@ def dequantize_packed(parts: dict[str, torch.Tensor], scheme: PackScheme) -> tor
     scale = parts["weight_scale"].float()
     num_groups = 1 if scheme.group_size is None else -(-in_features // scheme.group_size)
     if tuple(scale.shape) != (out_features, num_groups):
-        raise ValueError(f"weight_scale has shape {tuple(scale.shape)}, expected "
-                         f"{(out_features, num_groups)}")
+        raise ValueError(
+            f"weight_scale has shape {tuple(scale.shape)}, expected {(out_features, num_groups)}"
+        )
     values = q.float()
     if not scheme.symmetric:
         zero = unpack(parts["weight_zero_point"].t(), scheme.num_bits, out_features).t()
         if tuple(zero.shape) != (out_features, num_groups):
-            raise ValueError(f"weight_zero_point unpacks to {tuple(zero.shape)}, expected "
-                             f"{(out_features, num_groups)}")
+            raise ValueError(
+                f"weight_zero_point unpacks to {tuple(zero.shape)}, expected "
+                f"{(out_features, num_groups)}"
+            )
         values = values - _per_column(zero.float(), scheme, in_features)
     return values * _per_column(scale, scheme, in_features)
 
@@ -188,8 +208,11 @@ def dequantized(tensors: Tensors, scheme: PackScheme) -> Tensors:
         wheres.setdefault(prefix, where)
         if needed <= parts.keys():
             done = pending.pop(prefix)
-            yield (f"{prefix}.weight", f"{wheres.pop(prefix)} (compressed-tensors, de-quantized)",
-                   lambda done=done: dequantize_packed(done, scheme))
+            yield (
+                f"{prefix}.weight",
+                f"{wheres.pop(prefix)} (compressed-tensors, de-quantized)",
+                lambda done=done: dequantize_packed(done, scheme),
+            )
     for prefix, parts in pending.items():
         missing = sorted(needed - parts.keys())
         raise ValueError(f"{wheres[prefix]}: layer {prefix} lacks {', '.join(missing)}")

@@ -24,8 +24,9 @@ from compressed_tensors.quantization import (
 
 
 def _scheme(num_bits: int, strategy: str, group_size: int | None, symmetric: bool):
-    args = QuantizationArgs(num_bits=num_bits, type="int", symmetric=symmetric,
-                            strategy=strategy, group_size=group_size)
+    args = QuantizationArgs(
+        num_bits=num_bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size
+    )
     return QuantizationScheme(targets=["Linear"], weights=args)
 
 
@@ -38,8 +39,9 @@ def _compress(w: torch.Tensor, scheme, gen: torch.Generator) -> dict[str, torch.
     absmax = w.reshape(w.shape[0], groups, -1).abs().amax(-1)
     state = {"weight": w, "weight_scale": (absmax / top).clamp_min(1e-8)}
     if not args.symmetric:
-        state["weight_zero_point"] = torch.randint(-2, 3, (w.shape[0], groups), generator=gen,
-                                                   dtype=torch.int8)
+        state["weight_zero_point"] = torch.randint(
+            -2, 3, (w.shape[0], groups), generator=gen, dtype=torch.int8
+        )
     return PackedQuantizationCompressor.compress(state, scheme)
 
 
@@ -76,15 +78,21 @@ def test_w4a16_checkpoint_loads_as_the_package_decompresses(model_path, tmp_path
             compressed |= {f"{prefix}.{k}": v for k, v in parts.items()}
             decompressed[name] = PackedQuantizationCompressor.decompress(parts, scheme)["weight"]
     config = json.loads((model_path / "config.json").read_text())
-    qc = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
-                            quantization_status="compressed", ignore=["lm_head"])
+    qc = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format="pack-quantized",
+        quantization_status="compressed",
+        ignore=["lm_head"],
+    )
     for folder, tensors, extra in (
         (tmp_path / "w4a16", compressed, {"quantization_config": qc.model_dump(mode="json")}),
         (tmp_path / "float", decompressed, {}),
     ):
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(config | extra))
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors")
+        )
     quantized, _ = load_model(tmp_path / "w4a16", torch.float32)
     reference, _ = load_model(tmp_path / "float", torch.float32)
     ref_params = dict(reference.named_parameters())

@@ -29,8 +29,10 @@ def test_failing_compiler_is_a_failed_build_naming_the_cause(tmp_path, caplog) -
     assert "compiling decode_attention.c failed (exit 1)" in got.detail
     assert "no such instruction" in got.detail
     assert "BUILD FAILED" in got.describe() and cc in got.describe()
-    assert any(r.levelno == logging.ERROR and "no such instruction" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        r.levelno == logging.ERROR and "no such instruction" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_hanging_compiler_times_out_as_a_failed_build(tmp_path) -> None:
@@ -81,14 +83,23 @@ def test_worker_reports_a_failed_build(model_path, monkeypatch, caplog) -> None:
     monkeypatch.setattr(build, "cpu_kernel_build", lambda: failed)  # the engine's layers
     monkeypatch.setattr(worker_base, "cpu_kernel_build", lambda: failed)
     with caplog.at_level(logging.ERROR):
-        worker = create_worker(worker_config(model_path, "colocated", "tcp://127.0.0.1:1",
-                                             kv_cache_mb=8, dtype="bfloat16", cpu_kernels=True))
+        worker = create_worker(
+            worker_config(
+                model_path,
+                "colocated",
+                "tcp://127.0.0.1:1",
+                kv_cache_mb=8,
+                dtype="bfloat16",
+                cpu_kernels=True,
+            )
+        )
     try:
         assert worker.runner.model.kernels is None  # torch ops serve
         plan = worker.stats().kernel_plan
         assert "BUILD FAILED" in plan and "gemv.c timed out" in plan
-        assert any(r.levelno == logging.ERROR and "BUILD FAILED" in r.getMessage()
-                   for r in caplog.records)
+        assert any(
+            r.levelno == logging.ERROR and "BUILD FAILED" in r.getMessage() for r in caplog.records
+        )
     finally:
         worker.inbox.close()
         worker.outbox.close()
@@ -103,8 +114,15 @@ def test_launch_prints_a_failed_build(model_path, monkeypatch, capsys) -> None:
 
     failed = KernelBuild(None, FAILED, "fake-cc: linking failed (exit 1): ld: boom")
     monkeypatch.setattr(build, "cpu_kernel_build", lambda: failed)
-    config = worker_config(model_path, "colocated", "tcp://127.0.0.1:1", dtype="bfloat16",
-                           cpu_kernels=True, quantization="int8", device="cpu")
+    config = worker_config(
+        model_path,
+        "colocated",
+        "tcp://127.0.0.1:1",
+        dtype="bfloat16",
+        cpu_kernels=True,
+        quantization="int8",
+        device="cpu",
+    )
     cli._resolve_engine(config, report=True)
     err = capsys.readouterr().err
     assert "splitserve: C kernels: BUILD FAILED (fake-cc: linking failed" in err

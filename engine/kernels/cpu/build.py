@@ -36,8 +36,15 @@ from splitserve.engine.kernels.cpu.bindings import CpuKernels
 log = logging.getLogger(__name__)
 
 SOURCES = (
-    "decode_attention.c", "extend_attention.c", "gemv.c", "gemm_bf16.c", "kv_append.c",
-    "elementwise.c", "greedy.c", "decode_layers.c", "gemm_w8.c",
+    "decode_attention.c",
+    "extend_attention.c",
+    "gemv.c",
+    "gemm_bf16.c",
+    "kv_append.c",
+    "elementwise.c",
+    "greedy.c",
+    "decode_layers.c",
+    "gemm_w8.c",
     "gemm_w4.c",
 )
 HEADERS = ("bf16.h", "fast_exp.h", "kernels.h")
@@ -103,7 +110,9 @@ def _run(cmd: list[str], what: str, timeout_s: float) -> None:
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise RuntimeError(f"{what} timed out after {timeout_s:g} s (an overloaded machine?)") from None
+        raise RuntimeError(
+            f"{what} timed out after {timeout_s:g} s (an overloaded machine?)"
+        ) from None
     except subprocess.CalledProcessError as exc:
         message = (exc.stderr or exc.stdout or "").strip()[-2000:]
         raise RuntimeError(f"{what} failed (exit {exc.returncode}): {message}") from None
@@ -129,8 +138,10 @@ def build_library(compiler: str, cache_dir: Path, timeout_s: float = STEP_TIMEOU
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         objects = [str(Path(tmp) / (Path(n).stem + ".o")) for n in SOURCES]
-        steps = [([compiler, *FLAGS, "-c", "-o", obj, str(src_dir / name)], f"compiling {name}")
-                 for name, obj in zip(SOURCES, objects, strict=True)]
+        steps = [
+            ([compiler, *FLAGS, "-c", "-o", obj, str(src_dir / name)], f"compiling {name}")
+            for name, obj in zip(SOURCES, objects, strict=True)
+        ]
         with ThreadPoolExecutor(max_workers=min(len(steps), os.cpu_count() or 1)) as pool:
             for future in [pool.submit(_run, cmd, what, timeout_s) for cmd, what in steps]:
                 future.result()  # the first failure, in source order
@@ -140,8 +151,11 @@ def build_library(compiler: str, cache_dir: Path, timeout_s: float = STEP_TIMEOU
     return lib
 
 
-def build_kernels(compiler: str | None, cache_dir: Path, timeout_s: float = STEP_TIMEOUT_S,
-                  ) -> KernelBuild:
+def build_kernels(
+    compiler: str | None,
+    cache_dir: Path,
+    timeout_s: float = STEP_TIMEOUT_S,
+) -> KernelBuild:
     """Build (or reuse) and load the kernels with ``compiler`` (None: there is none).
 
     Never raises: a failure is returned as a :data:`FAILED` build, logged at error level."""
@@ -152,8 +166,9 @@ def build_kernels(compiler: str | None, cache_dir: Path, timeout_s: float = STEP
         kernels = CpuKernels(ctypes.CDLL(str(build_library(compiler, cache_dir, timeout_s))))
     except (OSError, RuntimeError) as exc:
         build = KernelBuild(None, FAILED, f"{compiler}: {exc}")
-        log.error("the CPU C kernels failed to build; serving with torch ops, slower. %s",
-                  build.detail)
+        log.error(
+            "the CPU C kernels failed to build; serving with torch ops, slower. %s", build.detail
+        )
         return build
     return KernelBuild(kernels, BUILT, compiler)
 
