@@ -15,6 +15,8 @@ looks at the environment: it gets its switches from :class:`splitserve.config.En
 ``SPLITSERVE_API_KEY``          ``security.api_key`` default (keeps the key out of ``ps``)
 ``SPLITSERVE_CACHE``            the cache folder (default ``~/.cache/splitserve``): converted
                                 models, compiled C kernels
+``CC``                           the C compiler that builds the CPU kernels (default: ``cc``,
+                                else ``gcc``, on ``PATH``)
 =============================== ================================================================
 
 Process plumbing between the launcher and its children (not configuration) also lives here:
@@ -37,6 +39,7 @@ API_KEY = "SPLITSERVE_API_KEY"
 CACHE = "SPLITSERVE_CACHE"
 CPU_AFFINITY = "SPLITSERVE_CPU_AFFINITY"  # "0,1": CPUs a child pins itself to at start-up
 DIE_WITH_PARENT = "SPLITSERVE_DIE_WITH_PARENT"  # "1": a child exits when its launcher dies
+CC = "CC"  # the C compiler (engine.kernels.cpu.build)
 
 
 def text(name: str, default: str) -> str:

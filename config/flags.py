@@ -173,8 +173,8 @@ SERVER_FLAGS = (
     Flag("--chat-template", "server.chat_template", "a Jinja chat template file used instead "
          "of the model's", parse=str),
     Flag("--tool-call-parser", "server.tool_call_parser", "how tool calls are parsed out of "
-         "the model's text (auto: the format the chat template names, else the built-in "
-         "tool prompt's)", choices=("auto", *TOOL_CALL_PARSER.names)),
+         "the model's text (auto: the format the chat template names, else the model family's "
+         "(engine.model.registry), else the built-in tool prompt's)", choices=("auto", *TOOL_CALL_PARSER.names)),
 )
 CLUSTER_FLAGS = (
     Flag("--threads-per-worker", "cluster.threads_per_worker", "0: split the cores"),

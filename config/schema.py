@@ -38,8 +38,9 @@ SPECULATIVE_CHOICES = ("none", "ngram")
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What a worker runs: model, dtype, memory, step budget and the engine's switches.
 
-    Prefill and decode workers of one cluster must agree on ``model``, ``dtype``, ``page_size``,
-    ``kv_cache_dtype`` and ``kv_transfer`` (the KV handshake refuses a mismatch).
+    Prefill and decode workers of one cluster must agree on ``model`` (its parsed config),
+    ``quantization``, ``dtype``, ``page_size``, ``kv_cache_dtype`` and ``kv_transfer`` (the KV
+    handshake refuses a mismatch, naming both sides).
     """
 
     model: str = ""  # a Hugging Face model folder or .gguf file ("": the default model; the CLI resolves it)
@@ -132,7 +133,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rate_limit_rps: float = 0.0
     rate_limit_tps: float = 0.0
     chat_template: str | None = None  # a Jinja chat template file replacing the model's
-    tool_call_parser: str = "auto"  # or a TOOL_CALL_PARSER name; auto: from the chat template
+    tool_call_parser: str = "auto"  # or a TOOL_CALL_PARSER name; auto: the template, else the family
 
     @property
     def url(self) -> str:

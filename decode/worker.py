@@ -105,6 +105,7 @@ class DecodeWorker(BaseWorker):
                 page_ids=list(page_ids),
                 layout=layout_to_msg(self.pool.layout),
                 kv_transfer=self.receiver.name,
+                weights=self.weights,
                 endpoint=self.receiver.endpoint(),
             ))
 

@@ -92,6 +92,19 @@ class KVLayoutMsg(msgspec.Struct, frozen=True):
     kv_cache_dtype: str = "auto"  # "int8" / "fp8_e4m3": 8-bit values + per-token-head scales
 
 
+class WeightsMsg(msgspec.Struct, frozen=True):
+    """Which weights a worker serves: what the KV handshake checks besides the pool layout.
+
+    ``config_fingerprint`` is ``ModelConfig.fingerprint()`` (a hash of the parsed model
+    config: two checkpoints of one shape and family agree on it, fine-tunes included);
+    ``quantization`` is ``EngineConfig.quantization`` ("none", "int8", "int4").
+    """
+
+    architecture: str
+    config_fingerprint: str
+    quantization: str
+
+
 # ---- server -> worker -------------------------------------------------------------------------
 
 
@@ -230,7 +243,8 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     kv_cache_dtype: str = "auto"  # how the pool stores K/V (--kv-cache-dtype)
     decode_cache_bytes: int = 0
     weight_bytes: int = 0
-    # Which kernel serves the decode-step products (engine.model.kernel_plan), in words.
+    # Which kernel serves the decode-step products (engine.model.kernel_plan), in words; on
+    # CPU without a plan, the C kernels' state ("C kernels: BUILD FAILED (cause), torch ops").
     kernel_plan: str = ""
     # Speculative decoding since start: draft tokens proposed, and those verification kept.
     spec_draft_tokens: int = 0
@@ -249,6 +263,9 @@ class KVBootstrap(msgspec.Struct, tag="kv_bootstrap", kw_only=True):
     page_ids: list[int]
     layout: KVLayoutMsg
     kv_transfer: str = "zmq"  # backend name; the prefill worker refuses one that is not its own
+    # The decode worker's weights; the prefill worker refuses a bootstrap whose weights differ
+    # from its own, or that does not say (None), as their KV would not be the decode model's.
+    weights: WeightsMsg | None = None
     endpoint: dict[str, str] = {}  # backend-specific: where the pages live (shm segment, ...)
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from splitserve.engine.kv_pool import KVLayout, KVPool
 from splitserve.ipc.frames import Frames
-from splitserve.ipc.messages import KVBootstrap, KVLayoutMsg, KVPages
+from splitserve.ipc.messages import KVBootstrap, KVLayoutMsg, KVPages, WeightsMsg
 from splitserve.ipc.sockets import Outbox
 from splitserve.kv_transfer.metrics import TransferMetrics
 
@@ -39,6 +39,23 @@ def layout_from_msg(msg: KVLayoutMsg) -> KVLayout:
         msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.page_size, msg.dtype,
         msg.kv_cache_dtype,
     )
+
+
+def weights_mismatch(here: WeightsMsg, peer: WeightsMsg | None) -> str | None:
+    """A message naming every field of the weights identity that differs between this worker
+    (``here``) and the decode worker (``peer``), or None when they agree.
+
+    KV computed by one model (or one weight quantization) is wrong for another, and the
+    decode side would continue from it silently; so a missing identity is a mismatch too.
+    """
+    if peer is None:
+        return "weights mismatch (the decode worker's bootstrap does not name its weights)"
+    diffs = [
+        f"{name}: {getattr(here, name)} here vs {getattr(peer, name)} on the decode worker"
+        for name in WeightsMsg.__struct_fields__
+        if getattr(here, name) != getattr(peer, name)
+    ]
+    return "weights mismatch (" + "; ".join(diffs) + ")" if diffs else None
 
 
 def contiguous_runs(page_ids: list[int]) -> list[tuple[int, int]]:

@@ -32,7 +32,7 @@ from splitserve.ipc.messages import (
     WorkerStats,
 )
 from splitserve.ipc.sockets import PeerUnreachable
-from splitserve.kv_transfer.base import layout_from_msg
+from splitserve.kv_transfer.base import layout_from_msg, weights_mismatch
 from splitserve.kv_transfer.registry import create_kv_sender
 from splitserve.kv_transfer.send_session import SendSessions
 from splitserve.kv_transfer.session import TransferState
@@ -116,10 +116,15 @@ class PrefillWorker(BaseWorker):
 
     def _on_bootstrap(self, boot: KVBootstrap) -> None:
         session = self.sessions.get(boot.rid)
-        mismatch = self.pool.layout.mismatch(layout_from_msg(boot.layout))
+        mismatches = [
+            self.pool.layout.mismatch(layout_from_msg(boot.layout)),
+            weights_mismatch(self.weights, boot.weights),
+        ]
         if boot.kv_transfer != self.config.engine.kv_transfer:
-            mismatch = (f"KV transfer backend mismatch: {self.config.engine.kv_transfer!r} here "
-                        f"vs {boot.kv_transfer!r} on the decode worker")
+            backend = self.config.engine.kv_transfer
+            wrong = f"KV transfer backend mismatch: {backend!r} here vs {boot.kv_transfer!r}"
+            mismatches = [wrong + " on the decode worker"]
+        mismatch = "; ".join(m for m in mismatches if m)
         if mismatch:
             message = f"refused by prefill worker: {mismatch}"
             try:

@@ -2,9 +2,9 @@
 
 :class:`ChatRenderer` decides once, at start-up, whether the template renders ``tools`` (it
 renders a probe function into the prompt) and which tool-call format the model writes
-(``--tool-call-parser``, or ``auto``: the format the template's text names, else the built-in
-tool prompt's). Templates that ignore tools get the built-in tool prompt and their tool history
-rewritten into plain messages (``server.tools.prompt``).
+(``--tool-call-parser``, or ``auto``: see :meth:`ChatRenderer._pick_format`). Templates that
+ignore tools get the built-in tool prompt and their tool history rewritten into plain messages
+(``server.tools.prompt``).
 """
 
 from __future__ import annotations
@@ -31,19 +31,24 @@ class ChatRenderer:
         tokenizer: the model's Hugging Face tokenizer.
         template: a Jinja chat template that replaces the tokenizer's (``--chat-template``).
         tool_call_parser: a ``config.registry.TOOL_CALL_PARSER`` name or ``"auto"``.
+        family_format: the ``tool_call_format`` that ``engine.model.registry`` gives the
+            model's architecture (a ``TOOL_CALL_PARSER`` name), or None where it gives none;
+            ``auto`` reads it (:meth:`_pick_format`).
 
     Raises:
-        ValueError: an unknown ``tool_call_parser``.
+        ValueError: an unknown ``tool_call_parser`` or ``family_format``.
     """
 
     def __init__(self, tokenizer: Any, template: str | None = None,
-                 tool_call_parser: str = AUTO_PARSER) -> None:
+                 tool_call_parser: str = AUTO_PARSER, family_format: str | None = None) -> None:
         if tool_call_parser != AUTO_PARSER:
             TOOL_CALL_PARSER.check(tool_call_parser)
+        if family_format is not None:
+            TOOL_CALL_PARSER.check(family_format)
         self.tokenizer = tokenizer
         self.template: str | None = template or getattr(tokenizer, "chat_template", None)
         self.renders_tools = self._renders_tools()
-        self.tool_format = self._pick_format(tool_call_parser)
+        self.tool_format = self._pick_format(tool_call_parser, family_format)
         self.begin_token = special_token_id(tokenizer, self.tool_format.begin)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
@@ -73,18 +78,32 @@ class ChatRenderer:
             return False
         return _PROBE_NAME in text
 
-    def _pick_format(self, parser: str) -> ToolCallFormat:
+    def _pick_format(self, parser: str, family_format: str | None) -> ToolCallFormat:
+        """The named parser, or for ``auto``, in order: the built-in prompt's format when the
+        template ignores tools (the built-in prompt then says which format to write); the
+        format the template's text names; the format of the model's family; the built-in one.
+
+        The template's text comes before the family because a checkpoint's template is what
+        it was trained with, and fine-tunes change it within one architecture (Hermes 3 is a
+        ``LlamaForCausalLM`` writing ``<tool_call>`` blocks); the family decides when the
+        template renders tools but names no format."""
         if parser != AUTO_PARSER:
             return TOOL_CALL_PARSER.load(parser)
         if not self.renders_tools:
             return BUILTIN_FORMAT
         found = detect_format(self.template)
-        if found is None:
-            logger.warning("the chat template renders tools in a format none of the tool-call "
-                           "parsers names; parsing %s (set --tool-call-parser)",
-                           BUILTIN_FORMAT.name)
-            return BUILTIN_FORMAT
-        return found
+        if found is not None:
+            if family_format is not None and found.name != family_format:
+                logger.info("the chat template names tool-call format %s, the model's family %s: "
+                            "parsing %s", found.name, family_format, found.name)
+            return found
+        if family_format is not None:
+            logger.info("the chat template names no tool-call format: parsing the model "
+                        "family's, %s", family_format)
+            return TOOL_CALL_PARSER.load(family_format)
+        logger.warning("the chat template renders tools in a format none of the tool-call "
+                       "parsers names; parsing %s (set --tool-call-parser)", BUILTIN_FORMAT.name)
+        return BUILTIN_FORMAT
 
 
 def special_token_id(tokenizer: Any, text: str) -> int | None:

@@ -21,12 +21,20 @@ from splitserve.server.tenancy import KeyRing, Tenancy
 from splitserve.server.worker_client import ZmqEngineClient
 
 
-def read_model_limits(model_path: str) -> tuple[int, list[int]]:
-    """``(context_len, eos_token_ids)`` from the model folder's config files, without torch."""
+def read_model_facts(model_path: str) -> tuple[int, list[int], str | None]:
+    """``(context_len, eos_token_ids, tool_call_format)`` from the model folder's config
+    files; the last is the ``engine.model.registry`` format of its architecture (None: the
+    family declares none).
+
+    Raises:
+        FileNotFoundError: no ``config.json``. ValueError: an unsupported architecture.
+    """
     from splitserve.engine.model.config import ModelConfig
+    from splitserve.engine.model.registry import get_architecture
 
     cfg = ModelConfig.from_dir(model_path)
-    return cfg.context_len, list(cfg.eos_token_ids)
+    family_format = get_architecture(cfg.architecture).tool_call_format
+    return cfg.context_len, list(cfg.eos_token_ids), family_format
 
 
 def run_api_server(
@@ -42,7 +50,7 @@ def run_api_server(
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s api %(levelname)s %(message)s")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    context_len, eos_ids = read_model_limits(model_path)
+    context_len, eos_ids, family_format = read_model_facts(model_path)
     curve = None
     if config.security.curve_keys:
         from splitserve.ipc.security import CurveKeys
@@ -59,7 +67,7 @@ def run_api_server(
     keys = KeyRing.from_config(config.security.api_key, config.security.api_key_file)
     tenancy = Tenancy(RateLimiter(s.rate_limit_rps, s.rate_limit_tps))
     template = Path(s.chat_template).read_text() if s.chat_template else None
-    chat = ChatRenderer(tokenizer, template, s.tool_call_parser)
+    chat = ChatRenderer(tokenizer, template, s.tool_call_parser, family_format)
     app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids,
                      tenancy=tenancy, chat=chat, metrics=metrics)
     install_membership(app, client.pool)

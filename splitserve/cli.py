@@ -114,13 +114,23 @@ def _resolve_engine(config: ServeConfig | WorkerConfig, report: bool = False) ->
     e.dtype, why = resolve_dtype(e.dtype, e.device)
     if report:
         print(f"splitserve: dtype {e.dtype} ({why})", file=sys.stderr, flush=True)
+    kernels_built = True
+    if report and e.device == "cpu" and e.cpu_kernels:
+        from splitserve.engine.kernels.cpu.build import cpu_kernel_build
+
+        # Built here once, before the workers start (they load the cached library): a
+        # failure is printed where the command was typed, not only in a worker's log.
+        build = cpu_kernel_build()
+        kernels_built = build.kernels is not None
+        print(f"splitserve: {build.describe()}", file=sys.stderr, flush=True)
     if report and e.quantization != "none":
         from splitserve.engine.kernels.cpu.features import cpu_flags
 
         vnni = "avx512_vnni" in cpu_flags() and e.device == "cpu" and e.dtype == "bfloat16"
+        vnni = vnni and kernels_built
         how = ("AVX512-VNNI C products for decode steps" if vnni else
-               f"no {e.quantization} kernel here (needs CPU bfloat16 with avx512_vnni): the "
-               "de-quantized weights serve, no faster than unquantized")
+               f"no {e.quantization} kernel here (needs CPU bfloat16 with avx512_vnni and the "
+               "C kernels built): the de-quantized weights serve, no faster than unquantized")
         if e.quantization == "int4" and vnni:
             from splitserve.engine.model.quant_int4 import torch_int4_available
 

@@ -20,8 +20,9 @@ import msgspec
 import torch
 import zmq
 
-from splitserve.config import WorkerConfig
+from splitserve.config import EngineConfig, WorkerConfig
 from splitserve.engine.core import EngineCore
+from splitserve.engine.kernels.cpu.build import cpu_kernel_build
 from splitserve.engine.kernels.cpu.features import resolve_dtype
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.runner.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphRunner
@@ -41,6 +42,7 @@ from splitserve.ipc.messages import (
     StatsQuery,
     TokenBatch,
     TokenOutput,
+    WeightsMsg,
     WorkerReady,
     WorkerStats,
 )
@@ -57,6 +59,19 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGES_PER_STEP = 256  # bound the time spent draining the inbox between forward passes
 MAX_GRAPH_BATCH = 160  # largest decode batch captured as a CUDA graph (engine.cuda_graph)
 COMPILE_POLL_MS = 5  # inbox wait while only grammar compiles are pending (no busy loop)
+
+
+def kernel_report(model: torch.nn.Module, engine: EngineConfig) -> str:
+    """What serves the decode-step products, in words (the start-up line, ``WorkerStats``):
+    the kernel plan where there is one, else whether the CPU C kernels are off, built, or
+    missing (no compiler; or BUILD FAILED, with the cause)."""
+    plan = model.kernel_plan.summary() if model.kernel_plan else ""
+    if torch.device(engine.device).type != "cpu":
+        return plan
+    if not engine.cpu_kernels:
+        return "C kernels off (--disable-cpu-kernels)"
+    build = cpu_kernel_build()  # already built (or tried) by the model's layers
+    return plan if plan and build.kernels is not None else build.describe()
 
 
 class BaseWorker:
@@ -80,6 +95,11 @@ class BaseWorker:
         self.dtype = resolve_dtype(e.dtype, e.device)[0]
         model, self.model_config = load_model(
             e.model, dtype=getattr(torch, self.dtype), device=e.device, engine=e
+        )
+        # What the KV handshake checks besides the pool layout (prefill.worker refuses a peer
+        # with other weights).
+        self.weights = WeightsMsg(
+            self.model_config.architecture, self.model_config.fingerprint(), e.quantization
         )
         layout = self.model_config.kv_layout(e.page_size, self.dtype, e.kv_cache_dtype)
         num_pages = max(2, e.kv_cache_mb * 2**20 // layout.page_bytes)
@@ -130,12 +150,15 @@ class BaseWorker:
         self.num_failed = 0
         self.num_transfer_failures = 0
         self.num_orphaned = 0
+        kernels = kernel_report(model, e)
+        if e.device == "cpu" and e.cpu_kernels and cpu_kernel_build().failed:
+            logger.error("%s worker %s: %s", self.role, config.worker_id, kernels)
         logger.info(
             "%s worker %s: %s, %s on %s (%s attention), %d KV pages of %d tokens "
-            "(KV %s, %.0f bytes/token), inbox %s",
+            "(KV %s, %.0f bytes/token), %s, inbox %s",
             self.role, config.worker_id, e.model, self.dtype, e.device,
             type(model.attn_backend).__name__, num_pages - 1, e.page_size,
-            e.kv_cache_dtype, layout.bytes_per_token, config.addr,
+            e.kv_cache_dtype, layout.bytes_per_token, kernels, config.addr,
         )
 
     def _rejoin(self, i: int) -> tuple[str, WorkerReady] | None:
@@ -437,7 +460,7 @@ class BaseWorker:
             kv_cache_dtype=self.pool.layout.kv_cache_dtype,
             decode_cache_bytes=model.attn_backend.cache_bytes(),
             weight_bytes=model.weight_bytes(),
-            kernel_plan=model.kernel_plan.summary() if model.kernel_plan else "",
+            kernel_plan=kernel_report(model, self.config.engine),
             spec_draft_tokens=self.scheduler.num_draft_tokens,
             spec_accepted_tokens=self.scheduler.num_accepted_tokens,
             node=self.config.node or socket.gethostname(),

@@ -6,12 +6,14 @@ A GGUF file's metadata is first turned into the same ``config.json`` form
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from splitserve.engine.kv_pool import KVLayout
+from splitserve.engine.model.compressed import read_quantization
 from splitserve.engine.model.registry import SUPPORTED_ARCHITECTURES, get_architecture
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig"]
@@ -65,6 +67,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[bool, ...] = ()
+    # How the checkpoint stores its weights when not as floats ("compressed-tensors 4-bit
+    # group 64 symmetric": engine.model.compressed); part of the fingerprint, so two workers
+    # on differently quantized checkpoints of one model refuse each other's KV.
+    weight_format: str = ""
 
     @property
     def q_size(self) -> int:
@@ -83,6 +89,17 @@ class ModelConfig:
     def attention_scale(self) -> float:
         """The softmax scale: ``query_pre_attn_scalar ** -0.5`` (Gemma) or ``head_dim ** -0.5``."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def fingerprint(self) -> str:
+        """16 hex digits hashing every parsed field (shapes, norms, RoPE, windows, tokens).
+
+        Two workers with different fingerprints run different models and must not exchange KV
+        (the KV handshake compares it). Checkpoints of the same shape and family, such as two
+        fine-tunes of one base, share a fingerprint: it identifies the architecture, not the
+        weight values.
+        """
+        text = json.dumps(asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def kv_layout(self, page_size: int, dtype_str: str, kv_cache_dtype: str = "auto") -> KVLayout:
         """The KV pool geometry for this model at ``page_size`` tokens per page, read back in
@@ -152,6 +169,8 @@ class ModelConfig:
 
         Raises:
             FileNotFoundError: the folder or its ``config.json`` is missing.
+            ValueError: an unsupported architecture, or weight quantization
+                (``engine.model.compressed``), naming the file and the cause.
         """
         path = Path(path)
         if not path.is_dir():
@@ -161,7 +180,13 @@ class ModelConfig:
             raise FileNotFoundError(f"config.json not found in model folder {path}")
         gen_file = path / "generation_config.json"
         gen = json.loads(gen_file.read_text()) if gen_file.exists() else None
-        return cls.from_hf(json.loads(cfg_file.read_text()), gen)
+        cfg = json.loads(cfg_file.read_text())
+        # An unsupported quantized checkpoint fails here, at launch.
+        scheme = read_quantization(cfg, str(cfg_file))
+        config = cls.from_hf(cfg, gen)
+        if scheme is not None:
+            config.weight_format = scheme.describe()
+        return config
 
 
 def _as_list(x: int | list[int] | None) -> list[int]:

@@ -21,6 +21,7 @@ from splitserve.engine.attention.base import (
     default_attention_backend,
 )
 from splitserve.engine.model.base import DecoderLM
+from splitserve.engine.model.compressed import dequantized, read_quantization
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.gguf.config import hf_config
 from splitserve.engine.model.gguf.reader import GGUFFile, open_gguf
@@ -104,7 +105,8 @@ def load_model(
 
     Args:
         path: a folder with ``config.json`` and ``*.safetensors`` (single file or sharded +
-            index) or one ``*.gguf`` weights file, or a ``.gguf`` file itself (config from its
+            index; float, or compressed-tensors ``pack-quantized``, ``engine.model.compressed``)
+            or one ``*.gguf`` weights file, or a ``.gguf`` file itself (config from its
             metadata).
         dtype: serving dtype (weights are converted, GGUF ones de-quantized, while copying).
         device: where parameters live.
@@ -137,6 +139,10 @@ def load_model(
             exact_params = q4_0_params(gguf, config, wanted)
     else:
         tensors, source = _safetensors(weight_files(path)), f"model folder {path}"
+        config_file = path / "config.json"
+        scheme = read_quantization(json.loads(config_file.read_text()), str(config_file))
+        if scheme is not None:  # compressed-tensors: de-quantized here, served as float
+            tensors = dequantized(tensors, scheme)
     if attn_backend is None:
         name = default_attention_backend(device, engine.attention)
         options = {"use_decode_cache": engine.decode_kv_cache,

@@ -20,7 +20,7 @@ import openai
 import pytest
 import torch
 
-from splitserve.engine.kernels.cpu.build import load_cpu_kernels
+from tests.cpu_kernels import load_or_fail
 from tests.e2e.conftest import _launch
 from tests.e2e.test_greedy_vs_hf import assert_matches, hf_greedy
 
@@ -80,7 +80,7 @@ def _gaps(hf, prompt_ids: list[int], new_ids: list[int]) -> list[float]:
     return (rows.max(-1).values - chosen).tolist()
 
 
-@pytest.mark.skipif(load_cpu_kernels() is None or not load_cpu_kernels().has_w4,
+@pytest.mark.skipif(load_or_fail() is None or not load_or_fail().has_w4,
                     reason="no C compiler or no AVX512-VNNI")
 def test_bf16_int4_served_disaggregated_is_the_dequantized_models_choice(
     model_path, tokenizer, dequantized_hf

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from splitserve.engine.kernels.cpu.build import load_cpu_kernels
+from tests.cpu_kernels import load_or_fail
 from tests.e2e.conftest import _launch
 from tests.e2e.test_greedy_vs_hf import assert_matches, hf_greedy
 
@@ -83,7 +83,7 @@ def _in_process_greedy(model_path, tokenizer, quantization: str) -> list[list[in
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(load_cpu_kernels() is None or not load_cpu_kernels().has_w8,
+@pytest.mark.skipif(load_or_fail() is None or not load_or_fail().has_w8,
                     reason="no C compiler or no AVX512-VNNI")
 def test_bf16_int8_served_disaggregated_equals_in_process(model_path, tokenizer) -> None:
     got = served_greedy(model_path, tokenizer, dtype="bfloat16", num_prefill=1, num_decode=1)

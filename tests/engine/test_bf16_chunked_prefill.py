@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.kv_pool import KVPool
+from tests.cpu_kernels import load_or_fail
 
-pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(load_or_fail() is None, reason="no C compiler")
 
 
 def test_prompt_over_the_token_budget_prefills_in_chunks(model_path) -> None:

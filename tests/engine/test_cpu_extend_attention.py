@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from splitserve.engine.attention.torch_backend import TorchAttentionBackend
 from splitserve.engine.forward_batch import build_forward_batch
-from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.kv_pool import KVLayout, KVPool, pages_for
+from tests.cpu_kernels import load_or_fail
 
-kernels = load_cpu_kernels()
+kernels = load_or_fail()
 probe = torch.zeros(1, 1, 2, 16, 1, 16, dtype=torch.bfloat16)  # one page of one layer
 has_kernel = kernels is not None and (
     kernels.extend_attention(torch.zeros(1, 1, 16, dtype=torch.bfloat16), probe, 0,

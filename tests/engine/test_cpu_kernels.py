@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from splitserve.engine.kernels.cpu.bindings import SKINNY_MAX_ROWS, CpuKernels
-from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.model.layers import Linear, can_pack
+from tests.cpu_kernels import load_or_fail
 
-kernels = load_cpu_kernels()
+kernels = load_or_fail()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the kernel is off")
 
 

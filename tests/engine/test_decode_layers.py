@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from splitserve.config import EngineConfig
-from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.kv_pool import KVPool
+from tests.cpu_kernels import load_or_fail
 
-pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(load_or_fail() is None, reason="no C compiler")
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])

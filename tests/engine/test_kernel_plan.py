@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from splitserve.config import EngineConfig
-from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.model import kernel_plan
 from splitserve.engine.model.kernel_plan import ProductPlan, choose_product_plan, crossover
 from splitserve.engine.model.layers import Linear, can_pack, packed_linear
 from splitserve.engine.sched.request import Req
 from splitserve.ipc.messages import SamplingParams
+from tests.cpu_kernels import load_or_fail
 from tests.engine_core import make_core
 
-kernels = load_cpu_kernels()
+kernels = load_or_fail()
 needs_both = pytest.mark.skipif(
     kernels is None or not can_pack(torch.empty(1, 1, dtype=torch.bfloat16)),
     reason="needs the C kernels and oneDNN bf16 packing",

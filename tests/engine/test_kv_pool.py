@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -105,3 +107,19 @@ def test_build_forward_batch_too_few_pages() -> None:
 
 def test_pages_for() -> None:
     assert [pages_for(n, 4) for n in (0, 1, 4, 5, 8)] == [0, 1, 1, 2, 2]
+
+
+def test_model_fingerprint_tells_models_apart(model_path) -> None:
+    """The weights identity the KV handshake compares: stable for one config, different when
+    any parsed field differs."""
+    import dataclasses
+
+    from splitserve.engine.model.config import ModelConfig
+
+    config = ModelConfig.from_hf(json.loads((model_path / "config.json").read_text()))
+    again = ModelConfig.from_hf(json.loads((model_path / "config.json").read_text()))
+    assert config.fingerprint() == again.fingerprint()
+    assert len(config.fingerprint()) == 16
+    for change in ({"num_layers": config.num_layers + 1}, {"rope_theta": config.rope_theta * 2},
+                   {"eos_token_ids": [*config.eos_token_ids, 7]}):
+        assert dataclasses.replace(config, **change).fingerprint() != config.fingerprint(), change

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.config import EngineConfig
-from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.model.layers import Linear, can_pack
 from splitserve.engine.model.quant import dequantize_int8, quantize_int8
 from splitserve.engine.model.quant_int4 import (
@@ -25,10 +24,11 @@ from splitserve.engine.model.quant_int4 import (
     torch_int4_weight,
     unpack_int4,
 )
+from tests.cpu_kernels import load_or_fail
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-KERNELS = load_cpu_kernels()
+KERNELS = load_or_fail()
 needs_w4 = pytest.mark.skipif(KERNELS is None or not KERNELS.has_w4,
                               reason="no C compiler or no AVX512-VNNI")
 needs_torch_int4 = pytest.mark.skipif(not torch_int4_available(),

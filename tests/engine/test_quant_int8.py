@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.config import EngineConfig
-from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.model.quant import Int8Weight, dequantize_int8, quantize_int8
+from tests.cpu_kernels import load_or_fail
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-KERNELS = load_cpu_kernels()
+KERNELS = load_or_fail()
 needs_w8 = pytest.mark.skipif(KERNELS is None or not KERNELS.has_w8,
                               reason="no C compiler or no AVX512-VNNI")
 

@@ -116,6 +116,19 @@ def test_backend_mismatch_refused_naming_both(ctx, model_path) -> None:
     decode.receiver.close()
 
 
+def test_weight_quantization_mismatch_refused_naming_both(ctx, model_path) -> None:
+    """int8 weights on the prefill side, unquantized on the decode side: same KV layout, but
+    the prompt's KV would come from other weights, so the handshake refuses it."""
+    prefill, decode, msgs = _refused_handshake(
+        ctx, model_path, {"kv_transfer": "zmq", "quantization": "int8"},
+        {"kv_transfer": "zmq"},
+    )
+    assert any("quantization: int8 here vs none on the decode worker" in m for m in msgs), msgs
+    assert not any("KV layout" in m for m in msgs), msgs
+    assert decode.receiver.metrics.messages_received == 0
+    assert prefill.sender.metrics.messages_sent == 0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sender_dies_mid_transfer(ctx, model_path, backend) -> None:
     """The prefill worker sends its first chunks, then stops for good: the decode worker times
@@ -170,6 +183,7 @@ def test_failed_sends_notify_decode(ctx, model_path) -> None:
                                   sampling=SamplingParams(max_new_tokens=4, temperature=0)), [])
     prefill.dispatch(KVBootstrap(rid="r1", dst_addr=decode_inbox.addr, page_ids=list(range(1, 7)),
                                  layout=layout_to_msg(prefill.pool.layout), kv_transfer="shm",
+                                 weights=prefill.weights,
                                  endpoint={"shm_name": PREFIX + "0-missing", "num_pages": "8"}), [])
     got = run_until([prefill], decode_inbox, lambda g: any(isinstance(m, KVFailed) for m in g))
     assert "cannot map shm segment" in next(m for m in got if isinstance(m, KVFailed)).message

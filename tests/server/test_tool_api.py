@@ -171,3 +171,47 @@ def test_forced_parser_and_template_file(tokenizer, tmp_path) -> None:
     prompt = tokenizer.decode(fake.requests[-1][1])
     assert prompt.startswith("user: Weather in Paris?\nTOOLS [{") and "get_weather" in prompt
     assert ChatRenderer(tokenizer, template, "mistral").tool_format is MISTRAL
+
+
+# Renders tools and names no format (no tool-call marker in its text).
+PLAIN_TOOLS_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                        "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}assistant:")
+
+
+def test_auto_parser_takes_the_model_family_format(tokenizer) -> None:
+    """``auto`` with a template that names no format: the family's declared format is parsed
+    (before: the built-in Hermes one), end to end through the API."""
+    assert ChatRenderer(tokenizer, PLAIN_TOOLS_TEMPLATE).tool_format is HERMES  # no family
+    mistral_reply = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    client, _ = _app(tokenizer, reply=mistral_reply, template=PLAIN_TOOLS_TEMPLATE,
+                     family_format="mistral")
+    call = _post(client, tools=[WEATHER])["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["arguments"] == '{"city": "Rome"}'
+    assert len(call["id"]) == 9  # Mistral's call ids (Hermes': call_...)
+    assert ChatRenderer(tokenizer, PLAIN_TOOLS_TEMPLATE, family_format="mistral").tool_format is (
+        MISTRAL)
+
+
+def test_auto_parser_order(tokenizer) -> None:
+    """The template's own format comes before the family's; a template that ignores tools
+    keeps the built-in prompt's format; a named parser overrides both; a bad family name is
+    an error."""
+    hermes_template = PLAIN_TOOLS_TEMPLATE.replace("TOOLS", "<tool_call>")
+    assert ChatRenderer(tokenizer, hermes_template, family_format="llama3_json").tool_format is HERMES
+    assert ChatRenderer(tokenizer, family_format="mistral").tool_format is HERMES  # SmolLM2's
+    renderer = ChatRenderer(tokenizer, PLAIN_TOOLS_TEMPLATE, "hermes", family_format="mistral")
+    assert renderer.tool_format is HERMES
+    with pytest.raises(ValueError, match="tool-call parser"):
+        ChatRenderer(tokenizer, family_format="nope")
+
+
+def test_server_reads_the_family_format_from_config(model_path, tmp_path) -> None:
+    """The API server learns the family's format from ``config.json``'s architecture (no
+    weights loaded); a family with none gives None."""
+    from splitserve.server.main import read_model_facts
+
+    assert read_model_facts(str(model_path))[2] == "llama3_json"  # SmolLM2: LlamaForCausalLM
+    config = json.loads((model_path / "config.json").read_text())
+    for arch, expected in (("Qwen2ForCausalLM", "hermes"), ("Phi3ForCausalLM", None)):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": [arch]}))
+        assert read_model_facts(str(tmp_path))[2] == expected, arch

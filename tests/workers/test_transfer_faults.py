@@ -20,6 +20,7 @@ from splitserve.ipc.messages import (
     RequestError,
     SamplingParams,
     TokenBatch,
+    WeightsMsg,
 )
 from splitserve.ipc.sockets import Inbox, free_tcp_addr
 from splitserve.kv_transfer.session import TransferState
@@ -112,6 +113,36 @@ def test_prefill_refuses_mismatched_layout(ctx, model_path) -> None:
     assert_pages_back(worker)
 
 
+@pytest.mark.parametrize("weights", [
+    WeightsMsg("Qwen2ForCausalLM", "0123456789abcdef", "none"),  # another model's config
+    None,  # a bootstrap that does not say
+])
+def test_prefill_refuses_other_weights(ctx, model_path, weights) -> None:
+    """The decode worker's layout matches but its model does not (or it does not say which):
+    the prefill worker refuses, naming both sides, and frees its pages."""
+    server, decode = Inbox(ctx, free_tcp_addr()), Inbox(ctx, free_tcp_addr())
+    worker = make_worker(model_path, "prefill", server.addr)
+    worker.dispatch(task(server), [])
+    lay = worker.pool.layout
+    layout = KVLayoutMsg(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype)
+    worker.dispatch(KVBootstrap(rid="r1", dst_addr=decode.addr, page_ids=[1, 2, 3, 4],
+                                layout=layout, kv_transfer=worker.config.engine.kv_transfer,
+                                weights=weights), [])
+    got = pump(worker, decode, lambda g: g)
+    assert isinstance(got[0], KVFailed) and "weights mismatch" in got[0].message
+    if weights is not None:
+        here = worker.weights.config_fingerprint
+        assert f"config_fingerprint: {here} here vs 0123456789abcdef on the decode worker" in (
+            got[0].message)
+        assert "quantization" not in got[0].message  # only the fields that differ are named
+    else:
+        assert "does not name its weights" in got[0].message
+    err = pump(worker, server, lambda g: errors(g))
+    assert "weights mismatch" in errors(err)[0].message
+    worker.run_once()
+    assert_pages_back(worker)
+
+
 def test_prompt_larger_than_pool_is_refused(ctx, model_path) -> None:
     server = Inbox(ctx, free_tcp_addr())
     worker = make_worker(model_path, "colocated", server.addr)
@@ -177,7 +208,8 @@ def test_prefill_acks_the_bootstrap(ctx, model_path) -> None:
     lay = worker.pool.layout
     layout = KVLayoutMsg(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype)
     worker.dispatch(KVBootstrap(rid="r1", dst_addr=decode.addr, page_ids=[1, 2, 3, 4],
-                                layout=layout, kv_transfer=worker.config.engine.kv_transfer), [])
+                                layout=layout, kv_transfer=worker.config.engine.kv_transfer,
+                                weights=worker.weights), [])
     got = pump(worker, decode, lambda g: any(isinstance(m, KVPages) and m.last for m in g))
     assert isinstance(got[0], KVKeepalive)  # the ack comes before any page
 
@@ -249,7 +281,7 @@ def test_a_duplicate_bootstrap_is_logged_and_dropped(ctx, model_path, caplog) ->
     lay = worker.pool.layout
     layout = KVLayoutMsg(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype)
     boot = KVBootstrap(rid="r1", dst_addr=decode.addr, page_ids=[1, 2, 3, 4], layout=layout,
-                       kv_transfer=worker.config.engine.kv_transfer)
+                       kv_transfer=worker.config.engine.kv_transfer, weights=worker.weights)
     worker.dispatch(boot, [])
     worker.dispatch(boot, [])
     assert "BOOTSTRAP in state TRANSFERRING" in caplog.text
