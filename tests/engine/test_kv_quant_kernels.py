@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.kv_quant import quantize_kv, round_trip_kv
+from tests.cpu_kernels import load_or_fail
 
-kernels = load_cpu_kernels()
+kernels = load_or_fail()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler")
 KINDS = ["int8", "fp8_e4m3"]
 
