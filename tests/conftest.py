@@ -3,9 +3,17 @@ the model loaded once per session, by the engine and by ``transformers`` (the re
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton decides between compiler and CPU interpreter when it is first imported and when each
+# kernel is decorated, and third-party packages import it early (compressed-tensors does): set
+# the interpreter before any test module loads, not only in triton_device.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DATA = Path(__file__).resolve().parent / "data"  # data sets, with licences: data/MANIFEST.json
 
