@@ -30,6 +30,8 @@ class ForwardBatch:
             last new token of each sequence that finishes its prompt or decodes).
         seq_ids: ``B`` ints identifying each sequence across steps (unique among live
             sequences, never reused), or None. Attention backends may key caches by them.
+        logits_every_token: ``logit_indices`` is ``arange(T)`` (a decode step that samples
+            every row): the model may score the hidden states without gathering them.
     """
 
     input_ids: torch.Tensor
@@ -41,6 +43,7 @@ class ForwardBatch:
     out_offsets: torch.Tensor
     logit_indices: torch.Tensor
     seq_ids: list[int] | None = None
+    logits_every_token: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -112,6 +115,16 @@ def build_forward_batch(
     def as_long(xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=device)
 
+    logit_rows = (
+        [ends[i] for i in logit_seq_indices]
+        if logit_counts is None
+        else [
+            t
+            for i, c in zip(logit_seq_indices, logit_counts, strict=True)
+            for t in range(ends[i] - c + 1, ends[i] + 1)
+        ]
+    ) + [t for i in all_logit_seq_indices for t in range(starts[i], ends[i] + 1)]
+
     return ForwardBatch(
         input_ids=as_long(ids),
         positions=as_long(positions),
@@ -120,14 +133,7 @@ def build_forward_batch(
         page_table=table.to(device),
         out_page_ids=as_long(out_pages),
         out_offsets=as_long(out_offsets),
-        logit_indices=as_long(
-            (
-                [ends[i] for i in logit_seq_indices]
-                if logit_counts is None
-                else [t for i, c in zip(logit_seq_indices, logit_counts, strict=True)
-                      for t in range(ends[i] - c + 1, ends[i] + 1)]
-            )
-            + [t for i in all_logit_seq_indices for t in range(starts[i], ends[i] + 1)]
-        ),
+        logit_indices=as_long(logit_rows),
         seq_ids=seq_ids,
+        logits_every_token=logit_rows == list(range(len(ids))),
     )

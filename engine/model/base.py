@@ -238,7 +238,8 @@ class DecoderLM(nn.Module):
         if not (self.fused_decode and run_fused_decode_layers(self, x, meta, pool)):
             for layer, rope in zip(self.layers, ropes, strict=True):
                 x = layer(x, rope, self.attn_backend, meta, pool)
-        # The norm is per row, so only the scored rows need it (and the vocab projection).
-        h = self.norm(x[batch.logit_indices])
+        # The norm is per row, so only the scored rows need it (and the vocab projection); a
+        # step that scores every row in order needs no gather (a copy of x).
+        h = self.norm(x if batch.logits_every_token else x[batch.logit_indices])
         logits = self.compute_logits(h)
         return (logits, h) if return_hidden else logits
