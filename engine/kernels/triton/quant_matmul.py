@@ -60,10 +60,16 @@ def _w8_kernel(
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         mask_k = k < K
-        x = tl.load(X + offs_m[:, None] * stride_xm + k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        q = tl.load(Q + offs_n[None, :] * stride_qn + k[:, None],
-                    mask=mask_k[:, None] & mask_n[None, :], other=0)
+        x = tl.load(
+            X + offs_m[:, None] * stride_xm + k[None, :],
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        q = tl.load(
+            Q + offs_n[None, :] * stride_qn + k[:, None],
+            mask=mask_k[:, None] & mask_n[None, :],
+            other=0,
+        )
         if UPCAST:  # the CPU interpreter has no bfloat16 arithmetic: compute in float32 there
             x = x.to(tl.float32)
             w = q.to(tl.float32)
@@ -76,8 +82,11 @@ def _w8_kernel(
     acc = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(
+        Y + offs_m[:, None] * stride_ym + offs_n[None, :],
+        acc.to(Y.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
 @triton.jit
@@ -94,12 +103,13 @@ def _w4_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for g in range(0, K // 32):
+    for g in range(K // 32):
         x_rows = X + offs_m[:, None] * stride_xm + g * 32 + offs_j[None, :]
         x_lo = tl.load(x_rows, mask=mask_m[:, None], other=0.0)
         x_hi = tl.load(x_rows + 16, mask=mask_m[:, None], other=0.0)
-        b = tl.load(P + (g * 16 + offs_j)[:, None] * N + offs_n[None, :],
-                    mask=mask_n[None, :], other=0)
+        b = tl.load(
+            P + (g * 16 + offs_j)[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0
+        )
         s = tl.load(S + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         m = tl.load(O + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         w_lo = (b & 0x0F).to(tl.float32) * s + m
@@ -120,8 +130,11 @@ def _w4_kernel(
             acc += tl.dot(x_hi, w_hi)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(
+        Y + offs_m[:, None] * stride_ym + offs_n[None, :],
+        acc.to(Y.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -143,8 +156,10 @@ class TritonInt8Weight:
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor) -> None:
         if q.dtype != torch.int8 or q.dim() != 2 or scales.shape != (q.shape[0],):
-            raise ValueError(f"int8 weight needs q [N, K] int8 and scales [N], got "
-                             f"{tuple(q.shape)} {q.dtype} and {tuple(scales.shape)}")
+            raise ValueError(
+                f"int8 weight needs q [N, K] int8 and scales [N], got "
+                f"{tuple(q.shape)} {q.dtype} and {tuple(scales.shape)}"
+            )
         self.q = q.contiguous()
         self.scales = scales.float().contiguous()
 
@@ -181,8 +196,9 @@ class TritonInt8Weight:
         return y.reshape(*x.shape[:-1], n)
 
 
-def pack_int4_gpu(u: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_int4_gpu(
+    u: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_int4``'s ``(U [N, K] uint8 in 0..15, s, m [N, K / 32] float16)`` -> this
     module's layout: ``(packed [K / 2, N] uint8, scales [K / 32, N], offsets [K / 32, N]
     float16)`` (module docstring).
@@ -192,17 +208,20 @@ def pack_int4_gpu(u: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
     """
     n, k = u.shape
     if k % GROUP or scales.shape != (n, k // GROUP) or offsets.shape != scales.shape:
-        raise ValueError(f"int4 weight needs U [N, K] (K % {GROUP} == 0) and s, m [N, K / "
-                         f"{GROUP}], got {tuple(u.shape)}, {tuple(scales.shape)}, "
-                         f"{tuple(offsets.shape)}")
+        raise ValueError(
+            f"int4 weight needs U [N, K] (K % {GROUP} == 0) and s, m [N, K / "
+            f"{GROUP}], got {tuple(u.shape)}, {tuple(scales.shape)}, "
+            f"{tuple(offsets.shape)}"
+        )
     v = u.to(torch.uint8).reshape(n, k // GROUP, 2, 16)
     b = v[:, :, 0, :] | (v[:, :, 1, :] << 4)  # [N, G, 16]
     packed = b.reshape(n, k // 2).t().contiguous()
     return packed, scales.half().t().contiguous(), offsets.half().t().contiguous()
 
 
-def unpack_int4_gpu(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def unpack_int4_gpu(
+    packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of :func:`pack_int4_gpu`: ``(U [N, K] uint8, s, m [N, K / 32] float16)``."""
     half_k, n = packed.shape
     b = packed.t().reshape(n, half_k // 16, 1, 16)
