@@ -117,6 +117,24 @@ def test_int4_gpu_layout_round_trips_and_is_n_contiguous() -> None:
         pack_int4_gpu(u[:, :40], s, o)
 
 
+def test_gguf_q4_0_weight_keeps_its_grid_on_the_gpu_path() -> None:
+    """``exact`` (a Q4_0 tensor's float32 values) is quantized on Q4_0's symmetric grid, as on
+    CPU: the packed levels and scales are the file's (here: built from chosen levels)."""
+    from splitserve.engine.model.quant_gpu import gpu_int4
+
+    gen = torch.Generator().manual_seed(11)
+    d = (torch.rand(8, 2, generator=gen) + 0.5).half()
+    levels = torch.randint(0, 16, (8, 64), generator=gen, dtype=torch.uint8)
+    levels[:, 0] = 0  # -8 d in every group: the largest magnitude, so d is recovered exactly
+    levels[:, 32] = 0
+    exact = dequantize_int4(levels, d, (-8 * d.float()).half())
+    weight = exact.bfloat16().to(DEVICE)  # the rounded serving copy, not what is quantized
+    packed = gpu_int4(weight, exact)
+    u, s, m = unpack_int4_gpu(packed.packed, packed.scales, packed.offsets)
+    assert torch.equal(u.cpu(), levels) and torch.equal(s.cpu(), d)
+    assert torch.equal(m.cpu(), (-8 * d.float()).half())
+
+
 # --- the model: the Triton path equals the CPU float32 path on the de-quantized weights --------
 
 
