@@ -19,9 +19,13 @@
 #   1. the machine (nvidia-smi, python, torch, triton);
 #   2. import path: the wheels into /tmp/site, and links splitserve/<component> -> ../<component>
 #      (what pyproject's package-dir does for `pip install -e`);
-#   3. Triton kernel tests and CUDA-graph decode tests, compiled and captured on CUDA;
+#   3. Triton kernel tests and CUDA-graph decode tests, compiled and captured on CUDA; then the
+#      weight-only int8/int4 Triton products (tests/engine/test_triton_quant_matmul.py, so far
+#      run only under Triton's CPU interpreter);
 #   4. the SmolLM2-shaped random model; its greedy tokens on CUDA (Triton backend, float32) equal
-#      transformers' (tests/engine/test_default_model_vs_hf.py pointed at it);
+#      transformers' (tests/engine/test_default_model_vs_hf.py pointed at it); then its decode
+#      step, bf16 weights vs --quantization int8 / int4 on the Triton products
+#      (bench/quant_decode_step.py --device cuda; the ratios are in logs.txt);
 #   5. bench/serving.py on the same GPU: transformers `generate` on static batches (bf16) against
 #      a colocated splitserve cluster with CUDA graphs (bf16), concurrency 1 and 32;
 #   6. the same cluster without CUDA graphs (--disable-cuda-graph): what capture buys;
@@ -98,6 +102,7 @@ export SPLITSERVE_DEVICE=${GPU_CHECK_DEVICE:-cuda}  # cpu: a dry run of the plum
 # 3. Kernels and CUDA graphs on CUDA.
 step kernels_and_graphs 150 "${PYTEST[@]}" tests/engine/test_cuda_graph.py \
   tests/engine/test_triton_attention.py
+step quant_matmul 120 "${PYTEST[@]}" tests/engine/test_triton_quant_matmul.py
 
 # 4. The SmolLM2-135M architecture with random weights, greedy vs transformers in float32.
 export SPLITSERVE_CACHE=/tmp/splitserve-cache
@@ -118,6 +123,8 @@ model.save_pretrained(dst)
 print("random-weight", cfg.model_type, sum(p.numel() for p in model.parameters()), "params at", dst)
 EOF
 step greedy_vs_hf_random_smollm2 150 "${PYTEST[@]}" tests/engine/test_default_model_vs_hf.py
+step quant_decode_step 90 "$PY" bench/quant_decode_step.py --device cuda --model "$MODEL" \
+  --batch 1 8 32 --steps 20 --configs none int8 int4
 
 # 5./6. Serving on the GPU: transformers static batches vs our cluster, with and without graphs.
 SERVING=(bench/serving.py --model "$MODEL" --dtype bfloat16 --dataset random --input-len 256

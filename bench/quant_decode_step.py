@@ -13,7 +13,11 @@ one-call decode layers off), to measure in the same run what the fused path is w
 Usage::
 
     python bench/quant_decode_step.py [--batch 1 8 32] [--steps 40] [--threads 1] [--kernels c]
-        [--configs none int8 int4 int4:unfused]
+        [--configs none int8 int4 int4:unfused] [--device cuda] [--model PATH]
+
+On ``--device cuda`` the quantized configs run the Triton weight-only kernels
+(``engine/kernels/triton/quant_matmul.py``) and there is no kernel plan or fused path
+(``bench/gpu_check.sh`` runs it so, on a random-weight SmolLM2).
 """
 
 from __future__ import annotations
@@ -50,15 +54,17 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=list(QUANTIZATIONS),
                     help="QUANTIZATION or QUANTIZATION:unfused (the fused one-call decode "
                          "layers off); the first is the baseline")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--model", default=None, help="model folder (default: the default model)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    path = ensure_default_model()
+    path = args.model or ensure_default_model()
     models = {}
     for spec in args.configs:
         q, _, how = spec.partition(":")
         if q not in QUANTIZATIONS or how not in ("", "unfused"):
             raise SystemExit(f"bad config {spec!r}: QUANTIZATION[:unfused], one of {QUANTIZATIONS}")
-        models[spec] = load_model(path, torch.bfloat16, engine=EngineConfig(
+        models[spec] = load_model(path, torch.bfloat16, device=args.device, engine=EngineConfig(
             quantization=q, kernels=args.kernels, fused_decode=how != "unfused"))
     with open("/proc/cpuinfo") as f:
         cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
@@ -70,8 +76,10 @@ def main() -> None:
         cores = {}
         for q, (model, cfg) in models.items():
             model.attn_backend.decode_cache = None
-            pool = KVPool(cfg.kv_layout(16, "bfloat16"), batch * (4 + args.steps // 16) + 8)
-            core = make_core(model, pool, cfg.eos_token_ids, max_running=batch)
+            pool = KVPool(cfg.kv_layout(16, "bfloat16"), batch * (4 + args.steps // 16) + 8,
+                          args.device)
+            core = make_core(model, pool, cfg.eos_token_ids, runner={"device": args.device},
+                             max_running=batch)
             for i in range(batch):
                 ids = torch.randint(100, 40000, (32,), generator=torch.Generator().manual_seed(i))
                 params = SamplingParams(temperature=0.0, max_new_tokens=args.steps + 4,
@@ -84,6 +92,8 @@ def main() -> None:
             for q, core in cores.items():
                 t0 = time.perf_counter()
                 core.step()
+                if args.device != "cpu":
+                    torch.cuda.synchronize()
                 best[q] = min(best[q], time.perf_counter() - t0)
         base = best[args.configs[0]]
         cells = "  ".join(f"{q} {t * 1e3:7.2f} ms/step ({base / t:4.2f}x)" for q, t in best.items())

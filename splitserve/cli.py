@@ -131,6 +131,9 @@ def _resolve_engine(config: ServeConfig | WorkerConfig, report: bool = False) ->
         how = ("AVX512-VNNI C products for decode steps" if vnni else
                f"no {e.quantization} kernel here (needs CPU bfloat16 with avx512_vnni and the "
                "C kernels built): the de-quantized weights serve, no faster than unquantized")
+        if e.device.startswith("cuda"):
+            how = ("Triton weight-only kernels on CUDA, only the quantized weights on the "
+                   "device; not yet timed on a GPU")
         if e.quantization == "int4" and vnni:
             from splitserve.engine.model.quant_int4 import torch_int4_available
 

@@ -22,6 +22,7 @@ from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.fused_decode import run_fused_decode_layers
 from splitserve.engine.model.kernel_plan import ProductPlan
 from splitserve.engine.model.layers import Embedding, GatedMLP, Linear, LMHead, RMSNorm, can_pack
+from splitserve.engine.model.quant_gpu import release
 from splitserve.engine.model.rope import RotaryEmbedding, StepRope
 
 # Where one checkpoint tensor goes: (our parameter's name, the index into that parameter's data
@@ -154,6 +155,8 @@ class DecoderLM(nn.Module):
         # bits it was all of int4's loss (bench/quality.py, 2048 tokens: +3.05% perplexity
         # with a 4-bit head, -0.03% with an 8-bit one), for ~15% more weight bytes per token.
         self.head.quantize_int8()
+        if self.lm_head is not None and self.head.gpu_weight is not None:
+            release(self.lm_head.weight)  # CUDA: only the Triton kernel's int8 copy serves
 
     def set_product_plan(self, plan: ProductPlan) -> None:
         """Use the C products for decode steps of at most ``plan.layer_rows`` rows in every

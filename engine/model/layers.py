@@ -6,6 +6,8 @@ random init of a large model would cost seconds for nothing.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,7 +15,11 @@ from torch import nn
 from splitserve.engine.kernels.cpu.bindings import CpuKernels
 from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.model.quant import Int8Weight, quantize_weight_int8
+from splitserve.engine.model.quant_gpu import gpu_int4, gpu_int8, on_cuda, release
 from splitserve.engine.model.quant_int4 import Int4Weight, quantize_weight_int4, torch_int4_mm
+
+if TYPE_CHECKING:
+    from splitserve.engine.kernels.triton.quant_matmul import TritonInt4Weight, TritonInt8Weight
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -106,15 +112,28 @@ class Linear(nn.Module):
         self.int8: Int8Weight | None = None  # set by quantize_int8(): the C products' weight
         self.int4: Int4Weight | None = None  # set by quantize_int4()
         self.w4_c_rows = 1 << 30  # int4: our kernel up to here, torch's above (kernel plan)
+        # CUDA: the Triton kernels' weight, set by quantize_int8/int4 (engine.model.quant_gpu);
+        # every product takes it and the float parameter is released.
+        self.gpu_weight: TritonInt8Weight | TritonInt4Weight | None = None
 
     def quantize_int8(self) -> None:
-        """Weight-only int8 (``engine.model.quant``): the weight becomes its de-quantized
-        value; decode steps then take the int8 C products. Call after loading, before pack."""
+        """Weight-only int8 (``engine.model.quant``): on CPU the weight becomes its
+        de-quantized value and decode steps take the int8 C products; on CUDA every product
+        takes the Triton kernel and the float weight is released (``engine.model.quant_gpu``).
+        Call after loading, before pack."""
+        if on_cuda(self.weight):
+            self.gpu_weight = gpu_int8(self.weight.data)
+            release(self.weight)
+            return
         self.int8 = quantize_weight_int8(self.weight.data)
 
     def quantize_int4(self, exact: torch.Tensor | None = None) -> None:
         """Group-wise int4 (``engine.model.quant_int4``), like :meth:`quantize_int8`;
         ``exact``: the loaded weight in float32 where the loader kept it (GGUF Q4_0)."""
+        if on_cuda(self.weight):
+            self.gpu_weight = gpu_int4(self.weight.data, exact)
+            release(self.weight)
+            return
         self.int4 = quantize_weight_int4(self.weight.data, exact)
 
     def pack(self, use_cpu_kernels: bool = True) -> None:
@@ -135,6 +154,7 @@ class Linear(nn.Module):
         is opaque to torch) and of the int8 or int4 weight."""
         int8 = self.int8.nbytes if self.int8 is not None else 0
         int8 += self.int4.nbytes if self.int4 is not None else 0
+        int8 += self.gpu_weight.nbytes if self.gpu_weight is not None else 0
         return (_bytes(self.weight) if self.packed is not None else 0) + _bytes(
             self.decode_packed) + int8
 
@@ -151,6 +171,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, in]`` -> ``[T, out]``."""
+        if self.gpu_weight is not None:
+            return self.gpu_weight(x, self.bias)
         has_c_weight = (self.int8 is not None or self.int4 is not None
                         or self.decode_packed is not None)
         if (self.kernels is not None and has_c_weight and x.dim() == 2
@@ -177,15 +199,24 @@ class LMHead:
         self.int4: Int4Weight | None = None
         self.w4_c_rows = 1 << 30
         self.bias = None  # for c_product's signature: a vocab projection has none
+        self.gpu_weight: TritonInt8Weight | TritonInt4Weight | None = None  # as Linear's
 
     def quantize_int8(self) -> None:
         """Like :meth:`Linear.quantize_int8`, on a copy: a tied head shares the embedding table,
-        which stays unquantized (a lookup reads one row per token)."""
+        which stays unquantized (a lookup reads one row per token). On CUDA no float copy is
+        made: the Triton kernel's int8 weight only (``DecoderLM.quantize_weights`` releases an
+        untied head's parameter)."""
+        if on_cuda(self.weight):
+            self.gpu_weight = gpu_int8(self.weight.detach())
+            return
         self.weight = self.weight.detach().clone()
         self.int8 = quantize_weight_int8(self.weight)
 
     def quantize_int4(self, exact: torch.Tensor | None = None) -> None:
         """Like :meth:`quantize_int8`, int4 (``engine.model.quant_int4``)."""
+        if on_cuda(self.weight):
+            self.gpu_weight = gpu_int4(self.weight.detach(), exact)
+            return
         self.weight = self.weight.detach().clone()
         self.int4 = quantize_weight_int4(self.weight, exact)
 
@@ -204,12 +235,15 @@ class LMHead:
         # After quantize_int8 the weight is a copy too (the parameter it came from stays).
         int8 = self.int8.nbytes + _bytes(self.weight) if self.int8 is not None else 0
         int8 += self.int4.nbytes + _bytes(self.weight) if self.int4 is not None else 0
+        int8 += self.gpu_weight.nbytes if self.gpu_weight is not None else 0
         return (_bytes(self.weight) if self.packed is not None else 0) + _bytes(
             self.decode_packed) + int8
 
     c_product = Linear.c_product
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if self.gpu_weight is not None:
+            return self.gpu_weight(h).float()
         if h.shape[0] == 0:  # a step of prompt chunks that finish no prompt samples nothing
             return h.new_empty(0, self.weight.shape[0], dtype=torch.float32)
         if self.kernels is not None and h.shape[0] <= self.c_max_rows:
