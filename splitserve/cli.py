@@ -154,8 +154,8 @@ def kv_cache_report(model_config: ModelConfig, e: EngineConfig) -> str:
         f"({full / ours:.2f}x the tokens in --kv-cache-mb {e.kv_cache_mb}); on CPU bfloat16 "
         "the C KV append and fused C decode layers quantize new K/V into the pages, the C "
         "extend attention de-quantizes pages as it reads them, and decode rows read the "
-        "decode KV cache's de-quantized copy (C decode attention); elsewhere torch ops "
-        "de-quantize as attention reads"
+        "decode KV cache's de-quantized copy (C decode attention); on CUDA the Triton "
+        "attention kernels de-quantize pages as they read them, elsewhere torch ops do"
     )
 
 
