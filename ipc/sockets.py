@@ -9,6 +9,7 @@ receiver can check the header and then receive each frame straight into its pool
 from __future__ import annotations
 
 import logging
+import random
 import socket
 
 import msgspec
@@ -24,8 +25,33 @@ logger = logging.getLogger(__name__)
 SEND_HWM = 10_000
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_tcp_addr(host: str = "127.0.0.1") -> str:
-    """A ``tcp://host:port`` address with a port that was free a moment ago."""
+    """A ``tcp://host:port`` address with a port that was free a moment ago.
+
+    The port is drawn below the kernel's ephemeral range where there is room (10000 up to it):
+    a port the kernel hands out for ``bind(0)`` or an outgoing connection (UCX in a NIXL worker
+    opens several) is then never the one a worker was told to bind a moment later. Falls back
+    to a kernel-chosen port.
+    """
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64 if low > 10_000 else 0):
+        port = rng.randrange(10_000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return f"tcp://{host}:{port}"
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return f"tcp://{host}:{s.getsockname()[1]}"

@@ -8,7 +8,6 @@ equality tests compare against ``transformers`` in float32, whatever the CPU.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,8 @@ from splitserve.ipc.sockets import free_tcp_addr
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the ephemeral range, as the launcher's worker ports (``free_tcp_addr``)."""
+    return int(free_tcp_addr().rsplit(":", 1)[1])
 
 
 def engine_config(model_path: str | Path, **fields: Any) -> EngineConfig:
