@@ -46,7 +46,8 @@ def w8_error_bound(x: torch.Tensor, w_deq: torch.Tensor, ref: torch.Tensor) -> t
 @pytest.mark.parametrize(("m", "n", "k", "bias"), [
     (1, 960, 576, False),   # SmolLM2 qkv at batch 1
     (2, 48, 577, True),     # odd K (a zero pad column), N not a multiple of 64 (3-vector tail)
-    (11, 16, 1, True),      # one K, one 16-column block, a 6-row tile plus a 5-row tail
+    (11, 16, 1, True),      # one K, one 16-column block, two 4-row tiles plus a 3-row tail
+    (1, 48, 1537, False),   # one row (two sum sets), chunks of 256 pairs, an odd pair last
     (13, 576, 1536, False),  # K over 512: int32 sums flushed to float32 three times
     (32, 3072, 576, True),  # SmolLM2 gate_up at batch 32
 ])
