@@ -20,6 +20,12 @@ Usage::
     python bench/quality.py [--tokens 4096] [--window 512]
         [--configs bfloat16:none bfloat16:int8 bfloat16:int4]
     python bench/quality.py --configs bfloat16:none bfloat16:none:int8 bfloat16:none:fp8_e4m3
+    python bench/quality.py --decode   # through decode steps: the served C products
+
+``--decode`` scores every window through one-token decode steps, all windows as one batch
+(teacher-forced), so the products are the decode kernels the server runs at that many rows:
+for int8/int4 the C products with their activations quantized per group of 32 (``gemm_w8.c``,
+``gemm_w4.c``), which the prompt-step default does not exercise.
 
 A config is ``DTYPE:QUANTIZATION[:KV_CACHE_DTYPE]`` (``--kv-cache-dtype``, default auto): with an
 8-bit KV cache every window's K/V are quantized as they are stored, and attention reads them
@@ -80,6 +86,28 @@ def window_logits(model, cfg, ids: list[int], dtype: str, kv_dtype: str = "auto"
     return model(batch, pool)
 
 
+def decode_logits(model, cfg, windows: list[list[int]], dtype: str,
+                  kv_dtype: str = "auto") -> list[torch.Tensor]:
+    """float32 logits ``[len(w), vocab]`` per window, every window decoded at once as a batch
+    of one-token steps (teacher-forced: step t feeds each window's token t), so the products
+    are the decode steps' kernels at ``len(windows)`` rows (the C products, int8/int4 included,
+    and the fused decode layers where they apply) rather than a prompt step's oneDNN path."""
+    pages_each = pages_for(max(len(w) for w in windows), PAGE_SIZE)
+    pool = KVPool(cfg.kv_layout(PAGE_SIZE, dtype, kv_dtype), pages_each * len(windows) + 1)
+    pages = [pool.allocator.alloc(pages_each) for _ in windows]
+    model.attn_backend.decode_cache = None
+    out: list[list[torch.Tensor]] = [[] for _ in windows]
+    for t in range(max(len(w) for w in windows)):
+        live = [i for i, w in enumerate(windows) if t < len(w)]
+        batch = build_forward_batch([[windows[i][t]] for i in live], [t] * len(live),
+                                    [pages[i] for i in live], PAGE_SIZE, list(range(len(live))),
+                                    seq_ids=live)
+        logits = model(batch, pool)
+        for row, i in enumerate(live):
+            out[i].append(logits[row].float())
+    return [torch.stack(rows) for rows in out]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
@@ -91,6 +119,13 @@ def main() -> None:
         help="DTYPE:QUANTIZATION[:KV_CACHE_DTYPE], the first is the agreement baseline",
     )
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--decode",
+        action="store_true",
+        help="score through decode steps (all windows as one batch, a token per step): the "
+        "served decode products (C int8/int4 kernels, their activation quantization) instead "
+        "of a prompt step's",
+    )
     ap.add_argument(
         "--llamacpp",
         action="store_true",
@@ -135,8 +170,13 @@ def main() -> None:
         )
         nll, count, argmaxes = 0.0, 0, []
         with torch.inference_mode():
-            for w in windows:
-                logits = window_logits(model, cfg, w, dtype, kv_dtype or "auto")[:-1]
+            if args.decode:
+                all_logits = decode_logits(model, cfg, windows, dtype, kv_dtype or "auto")
+            else:
+                all_logits = [window_logits(model, cfg, w, dtype, kv_dtype or "auto")
+                              for w in windows]
+            for w, logits in zip(windows, all_logits, strict=True):
+                logits = logits[:-1]
                 target = torch.tensor(w[1:])
                 nll += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
                 count += len(target)

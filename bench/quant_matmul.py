@@ -9,7 +9,7 @@ the fastest repeat kept (the machine is shared):
 - ``bf16 C``: ``CpuKernels.linear_decode`` (gemv.c / gemm_bf16.c), today's decode products;
 - ``bf16 oneDNN``: ``mkldnn._linear_pointwise`` on the oneDNN-packed weight;
 - ``int8 torch``: ``aten._weight_int8pack_mm`` (per-channel int8, converts in registers);
-- ``int8 C``: ``CpuKernels.linear_w8`` (gemm_w8.c, AVX512-VNNI, x as int16 per row);
+- ``int8 C``: ``CpuKernels.linear_w8`` (gemm_w8.c, AVX512-VNNI, x as int8 per group of 32);
 - ``int4 torch``: ``aten._weight_int4pack_mm_for_cpu`` on ``--quantization int4``'s weights
   (symmetric groups of 32, ``engine.model.quant_int4``; its scales in bfloat16);
 - ``int4 C``: ``CpuKernels.linear_w4`` (gemm_w4.c, AVX512-VNNI, x as int8 per group of 32),

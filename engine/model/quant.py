@@ -5,7 +5,8 @@ of LLM.int8()'s weight half: for each output row ``n`` of ``W [N, K]``,
 ``s[n] = max_k |W[n, k]| / 127`` and ``Q[n, k] = round(W[n, k] / s[n])`` in ``-127..127``
 (round half to even, as ``torch.round``). The served model is the de-quantized one,
 ``W' = s[:, None] * Q``: every product computes ``x @ W'.T``, either exactly in integers
-(``csrc/gemm_w8.c`` for decode steps, x quantized per row to int16 there) or with ``W'``
+(``csrc/gemm_w8.c`` for decode steps, x quantized per row and group of 32 to int8 there, as
+llama.cpp's Q8_0 activations) or with ``W'``
 materialized in the serving dtype (oneDNN for prompt steps and above the kernel plan's
 crossover; float32 serving: ``F.linear`` on ``W'``, so ``transformers`` loaded with ``W'`` is an
 exact reference). Which weights: every decoder ``Linear`` and the LM head; not the token
@@ -35,10 +36,11 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * scales[:, None]
 
 
-def pack_int8_pairs(q: torch.Tensor) -> torch.Tensor:
-    """``Q [N, K]`` int8 (N a multiple of 16) -> ``[N / 16, ceil(K / 2), 16, 2]`` int8, the
-    layout of ``csrc/gemm_w8.c`` (the bfloat16 pair layout, one byte per weight; an odd K gets
-    a zero column).
+def pack_int8_quads(q: torch.Tensor) -> torch.Tensor:
+    """``Q [N, K]`` int8 (N a multiple of 16) -> ``[N / 16, G * 8, 16, 4]`` uint8 with ``G =
+    ceil(K / 32)``, the layout of ``csrc/gemm_w8.c``: ``U = Q + 128`` (vpdpbusd's unsigned
+    operand), each 4 consecutive K of 16 columns one 64-byte vector, K padded to ``32 G`` with
+    ``U = 128`` (a zero weight).
 
     Raises:
         ValueError: N not a multiple of 16.
@@ -46,19 +48,20 @@ def pack_int8_pairs(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     if n % 16:
         raise ValueError(f"int8 weight packing needs N % 16 == 0, got N = {n}")
-    if k % 2:
-        q = torch.cat([q, q.new_zeros(n, 1)], dim=1)
-    return q.reshape(n // 16, 16, (k + 1) // 2, 2).transpose(1, 2).contiguous()
+    kp = -(-k // 32) * 32
+    u = torch.full((n, kp), 128, dtype=torch.int16)
+    u[:, :k] = q.to(torch.int16) + 128
+    return u.to(torch.uint8).reshape(n // 16, 16, kp // 4, 4).transpose(1, 2).contiguous()
 
 
 class Int8Weight:
-    """One projection's int8 weight: ``packed`` (:func:`pack_int8_pairs`) and ``scales [N]``
+    """One projection's int8 weight: ``packed`` (:func:`pack_int8_quads`) and ``scales [N]``
     float32, for :meth:`CpuKernels.linear_w8`; ``nbytes``: their size in bytes."""
 
     __slots__ = ("packed", "scales")
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor) -> None:
-        self.packed = pack_int8_pairs(q)
+        self.packed = pack_int8_quads(q)
         self.scales = scales.contiguous()
 
     @property

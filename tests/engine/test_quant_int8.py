@@ -36,19 +36,27 @@ def test_quantize_int8_is_per_channel_absmax_round_to_nearest() -> None:
 
 def w8_error_bound(x: torch.Tensor, w_deq: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """What ``gemm_w8.c`` may differ from ``x @ W'.T`` in float32, per output: x is rounded
-    per row to int16 steps of ``max|x_r| / 32767`` (half a step each, times ``sum_k |W'[n, k]|``),
-    the output to bfloat16 (2^-9 relative, taken as 2^-8), plus float32 sums (1e-5 relative)."""
-    half_step = x.float().abs().amax(1, keepdim=True) / 32767 / 2
-    return half_step * w_deq.abs().sum(1)[None, :] + ref.abs() * (2**-8 + 1e-5) + 1e-6
+    per row and group of 32 to int8 steps of ``max|x_g| / 127`` (half a step each, times
+    ``sum_{k in g} |W'[n, k]|``, summed over groups), the output to bfloat16 (2^-9 relative,
+    taken as 2^-8), plus float32 sums (1e-5 relative)."""
+    m, k = x.shape
+    kp = -(-k // 32) * 32
+    xf = torch.zeros(m, kp)
+    xf[:, :k] = x.float()
+    wf = torch.zeros(w_deq.shape[0], kp)
+    wf[:, :k] = w_deq
+    half_step = xf.abs().reshape(m, -1, 32).amax(2) / 127 / 2  # [m, groups]
+    w_group = wf.abs().reshape(wf.shape[0], -1, 32).sum(2)  # [n, groups]
+    return half_step @ w_group.T + ref.abs() * (2**-8 + 1e-5) + 1e-6
 
 
 @needs_w8
 @pytest.mark.parametrize(("m", "n", "k", "bias"), [
     (1, 960, 576, False),   # SmolLM2 qkv at batch 1
     (2, 48, 577, True),     # odd K (a zero pad column), N not a multiple of 64 (3-vector tail)
-    (11, 16, 1, True),      # one K, one 16-column block, two 4-row tiles plus a 3-row tail
-    (1, 48, 1537, False),   # one row (two sum sets), chunks of 256 pairs, an odd pair last
-    (13, 576, 1536, False),  # K over 512: int32 sums flushed to float32 three times
+    (11, 16, 1, True),      # one K (a group of 31 zero pads), one 16-column block, 6 + 5 rows
+    (1, 48, 1537, False),   # one row, the last group one K and 31 pads
+    (13, 576, 1536, False),  # two 6-row tiles and a 1-row tail over 48 groups
     (32, 3072, 576, True),  # SmolLM2 gate_up at batch 32
 ])
 def test_w8_product_within_bound_of_dequantized_reference(m, n, k, bias) -> None:
@@ -67,16 +75,18 @@ def test_w8_product_within_bound_of_dequantized_reference(m, n, k, bias) -> None
 
 
 @needs_w8
-def test_w8_sums_do_not_overflow_int32_at_the_largest_codes() -> None:
-    """Every x code 32767 and every weight code 127 over K = 1536: 6.4e9 in one int32 would
-    wrap; the kernel flushes to float32 every 256 pairs, so the sum is exact."""
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_w8_sums_are_exact_at_the_largest_codes(sign) -> None:
+    """Every x code 127 and every weight code +-127 (U = 255 or 1, the offset by 128 at both
+    ends) over K = 1536: each group's int32 sum and the -128 * sum(xq) start are exact, so the
+    result is exactly +-K."""
     k = 1536
-    w = torch.ones(16, k)
+    w = torch.full((16, k), sign)
     x = torch.ones(1, k, dtype=torch.bfloat16)
     q, s = quantize_int8(w)
     packed = Int8Weight(q, s)
     got = KERNELS.linear_w8(x, packed.packed, packed.scales, None)
-    assert torch.equal(got, torch.full((1, 16), float(k), dtype=torch.bfloat16))
+    assert torch.equal(got, torch.full((1, 16), sign * k, dtype=torch.bfloat16))
 
 
 @needs_w8

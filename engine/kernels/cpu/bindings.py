@@ -187,12 +187,14 @@ class CpuKernels(PoolKernels):
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
         """``x @ (scales[:, None] * Q).T + bias`` on int8 weights (``gemm_w8.c``, AVX512-VNNI;
-        check :attr:`has_w8`): ``x`` is quantized per row to int16 inside, sums are exact
-        integers, scaled in float32 and rounded to bfloat16 once.
+        check :attr:`has_w8`): ``x`` is quantized per row and group of 32 to int8 inside
+        (``x_quant.h``), each group's sum is an exact integer, scaled and added in float32,
+        rounded to bfloat16 once.
 
         Args:
             x: ``[M, K]`` bfloat16, ``M >= 1``, last dim contiguous (rows may be strided).
-            packed: ``Q`` from ``engine.model.quant.pack_int8_pairs`` (int8, ``[N/16, P, 16, 2]``).
+            packed: ``Q`` from ``engine.model.quant.pack_int8_quads`` (uint8,
+                ``[N/16, 8 * ceil(K/32), 16, 4]``).
             scales: ``[N]`` float32 per-output-channel scales.
             bias: ``[N]`` bfloat16 or None.
 
@@ -200,7 +202,7 @@ class CpuKernels(PoolKernels):
             ``[M, N]`` bfloat16.
 
         Raises:
-            MemoryError: no memory for the int16 copy of ``x``.
+            MemoryError: no memory for the int8 copy of ``x``.
             ValueError: the kernel does not run (no AVX512-VNNI in this build).
         """
         m, k = x.shape

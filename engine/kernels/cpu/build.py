@@ -48,7 +48,7 @@ SOURCES = (
     "gemm_w4.c",
     "kv_quant.c",
 )
-HEADERS = ("bf16.h", "fast_exp.h", "kernels.h")
+HEADERS = ("bf16.h", "fast_exp.h", "kernels.h", "x_quant.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-std=c11")
 LINK_FLAGS = ("-shared", "-fopenmp")
 # One compile or the link, in seconds. The slowest file takes ~10 s on a quiet core; a

@@ -32,7 +32,7 @@ static int project(const int64_t *ptrs, int64_t l, int w, const uint16_t *x, int
         return gemm_w4_bf16(x, k, m, (const uint8_t *)P(l, w), (const uint16_t *)scales,
                             P(l, w + 1), n, k, y);
     if (scales)
-        return gemm_w8_bf16(x, k, m, (const int8_t *)P(l, w), scales, P(l, w + 1), n, k, y);
+        return gemm_w8_bf16(x, k, m, (const uint8_t *)P(l, w), scales, P(l, w + 1), n, k, y);
     return decode_linear_bf16(x, k, m, P(l, w), P(l, w + 1), n, k, y);
 }
 

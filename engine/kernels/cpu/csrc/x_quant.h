@@ -1,0 +1,56 @@
+/* Activations quantized per row and per group of 32 input channels to int8, for the vpdpbusd
+ * products of gemm_w8.c and gemm_w4.c (header-only, AVX-512).
+ *
+ * For each row r and group g of x [m, k] bfloat16: xscale[r, g] = max|x_g| / 127 (1 for an
+ * all-zero group), xq = round(x / xscale) to nearest even, clamped to -127..127, and xsum[r, g]
+ * = sum(xq) as an int32 (both kernels' offset terms need the group's quantized sum). A group
+ * past k (k not a multiple of 32) is padded with zeros. This is llama.cpp's Q8_0 block for
+ * activations: a step of 1/254 of the group's largest value, ~2x bfloat16's own relative
+ * rounding for that value, and one outlier costs precision in its own group only.
+ */
+#ifndef SPLITSERVE_X_QUANT_H
+#define SPLITSERVE_X_QUANT_H
+
+#include <stdint.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#define XQ_GROUP 32
+
+static inline __m512 xq_load16(const uint16_t *p, int64_t left) {
+    __mmask16 mk = left >= 16 ? (__mmask16)0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, p)), 16));
+}
+
+/* x [m, k] bfloat16, rows x_stride elements apart; groups = ceil(k / 32). Writes xq [m, groups *
+ * 32] int8 (row-major, zero past k), xscale and xsum [m, groups]. */
+static inline void quantize_x_groups(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                                     int64_t groups, int8_t *xq, float *xscale, int32_t *xsum) {
+    const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+    for (int64_t r = 0; r < m; r++) {
+        const uint16_t *row = x + r * x_stride;
+        for (int64_t g = 0; g < groups; g++) {
+            int64_t i = g * XQ_GROUP;
+            __m512 v0 = xq_load16(row + i, k - i), v1 = xq_load16(row + i + 16, k - i - 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+            __m512 inv = _mm512_set1_ps(1.0f / s);
+            __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, inv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, inv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q0 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, q0));
+            q1 = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, q1));
+            int8_t *q = xq + r * groups * XQ_GROUP + i;
+            _mm_storeu_si128((void *)q, _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((void *)(q + 16), _mm512_cvtepi32_epi8(q1));
+            xscale[r * groups + g] = s;
+            xsum[r * groups + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+    }
+}
+#endif
+
+#endif
