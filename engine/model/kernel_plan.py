@@ -85,8 +85,13 @@ class ProductPlan:
         text = (f"C products for decode steps of <= {self.layer_rows} rows (LM head <= "
                 f"{self.head_rows}), oneDNN above ({self.source})")
         if self.w4_table:
-            text += (f"; int4: ours <= {self.w4_layer_rows} rows (head <= {self.w4_head_rows}), "
-                     "torch's int4 kernel above")
+            if min(self.w4_layer_rows, self.w4_head_rows) >= NO_LIMIT:
+                text += "; int4: ours at every timed size (faster than torch's int4 kernel)"
+            else:
+                layer, head = (str(n) if n < NO_LIMIT else "all" for n in
+                               (self.w4_layer_rows, self.w4_head_rows))
+                text += (f"; int4: ours <= {layer} rows (head <= {head}), torch's int4 "
+                         "kernel above")
         return text
 
     def lines(self) -> list[str]:
