@@ -8,8 +8,10 @@ the fastest repeat kept (the machine is shared):
 
 - ``bf16 C``: ``CpuKernels.linear_decode`` (gemv.c / gemm_bf16.c), today's decode products;
 - ``bf16 oneDNN``: ``mkldnn._linear_pointwise`` on the oneDNN-packed weight;
-- ``int8 torch``: ``aten._weight_int8pack_mm`` (per-channel int8, converts in registers);
-- ``int8 C``: ``CpuKernels.linear_w8`` (gemm_w8.c, AVX512-VNNI, x as int8 per group of 32);
+- ``int8 torch``: ``aten._weight_int8pack_mm`` (per-channel int8, converts in registers; the
+  op takes no block scales);
+- ``int8 C``: ``CpuKernels.linear_w8`` (gemm_w8.c, AVX512-VNNI, weight scales and x as int8
+  per block of 32: ``--quantization int8`` on CPU);
 - ``int4 torch``: ``aten._weight_int4pack_mm_for_cpu`` on ``--quantization int4``'s weights
   (symmetric groups of 32, ``engine.model.quant_int4``; its scales in bfloat16);
 - ``int4 C``: ``CpuKernels.linear_w4`` (gemm_w4.c, AVX512-VNNI, x as int8 per group of 32),
@@ -34,7 +36,7 @@ import torch
 from splitserve.engine.kernels.cpu.bindings import CpuKernels
 from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.model.layers import pack_weight, packed_linear
-from splitserve.engine.model.quant import Int8Weight, quantize_int8
+from splitserve.engine.model.quant import Int8Weight, quantize_int8, quantize_int8_groups
 from splitserve.engine.model.quant_int4 import Int4Weight, quantize_int4, torch_int4_mm
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K) per layer
@@ -64,7 +66,7 @@ def make_weights(layers: int) -> list[dict]:
         w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
         q, s = quantize_int8(w)
         out.append({"k": k, "c": CpuKernels.pack_decode(w), "onednn": pack_weight(w),
-                    "q": q, "s": s.bfloat16(), "w8": Int8Weight(q, s),
+                    "q": q, "s": s.bfloat16(), "w8": Int8Weight(*quantize_int8_groups(w)),
                     "w4": Int4Weight(*quantize_int4(w))})
     return out
 

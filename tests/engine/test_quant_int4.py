@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from splitserve.config import EngineConfig
 from splitserve.engine.model.layers import Linear, can_pack
-from splitserve.engine.model.quant import dequantize_int8, quantize_int8
+from splitserve.engine.model.quant import dequantize_int8_groups, quantize_int8_groups
 from splitserve.engine.model.quant_int4 import (
     GROUP,
     Int4Weight,
@@ -267,7 +267,7 @@ def dequantized_hf(hf):
         for name, module in hf.named_modules():
             if name.rsplit(".", 1)[-1] in names:
                 module.weight.copy_(dequantize_int4(*quantize_int4(module.weight)))
-        head = dequantize_int8(*quantize_int8(hf.lm_head.weight))
+        head = dequantize_int8_groups(*quantize_int8_groups(hf.lm_head.weight))
         hf.lm_head.weight = torch.nn.Parameter(head)
     return hf
 

@@ -1,4 +1,5 @@
-"""``--quantization int8``: the quantizer, the AVX512-VNNI product against the de-quantized
+"""``--quantization int8``: the quantizers (per block of 32 on CPU, per row on CUDA), the
+AVX512-VNNI product against the de-quantized
 float32 reference within a stated bound, and a float32 int8 model equal to ``transformers``
 loaded with the same de-quantized weights (an exact reference: the float32 path computes
 ``x @ W'.T`` with ``W' = s * Q`` materialized)."""
@@ -10,7 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.config import EngineConfig
-from splitserve.engine.model.quant import Int8Weight, dequantize_int8, quantize_int8
+from splitserve.engine.model.quant import (
+    Int8Weight,
+    dequantize_int8,
+    dequantize_int8_groups,
+    quantize_int8,
+    quantize_int8_groups,
+)
 from tests.cpu_kernels import load_or_fail
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,6 +39,25 @@ def test_quantize_int8_is_per_channel_absmax_round_to_nearest() -> None:
     # Round to nearest: each weight within half a step of its de-quantized value.
     err = (w - dequantize_int8(q, s)).abs()
     assert bool((err <= s[:, None] / 2 * (1 + 1e-6)).all())
+
+
+def test_quantize_int8_groups_is_absmax_per_row_and_block_of_32() -> None:
+    """K = 70: blocks 0-31, 32-63 and a short last one, 64-69; each block's scale is its
+    largest |weight| / 127 rounded to float16 (so that weight gets code +-126 or +-127), an
+    all-zero block's 1."""
+    w = torch.randn(16, 70, generator=torch.Generator().manual_seed(0))
+    w[3, 32:64] *= 100  # one large block must not coarsen the row's other blocks
+    w[7, 64:] = 0.0
+    q, s = quantize_int8_groups(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (16, 3)
+    for g, (a, b) in enumerate(((0, 32), (32, 64), (64, 70))):
+        block = w[:, a:b].abs().amax(1)
+        want = torch.where(block > 0, block / 127, torch.ones_like(block)).half().float()
+        assert torch.equal(s[:, g], want)
+    assert s[7, 2] == 1.0 and not q[7, 64:].any()
+    assert int(q[3, :32].abs().max()) >= 126  # its own scale, not the large block's
+    err = (w - dequantize_int8_groups(q, s)).abs()
+    assert bool((err <= s.repeat_interleave(32, 1)[:, :70] / 2 * (1 + 1e-6)).all())
 
 
 def w8_error_bound(x: torch.Tensor, w_deq: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -64,8 +90,8 @@ def test_w8_product_within_bound_of_dequantized_reference(m, n, k, bias) -> None
     w = torch.randn(n, k, generator=gen) * 0.05
     x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
     b = (torch.randn(n, generator=gen)).bfloat16() if bias else None
-    q, s = quantize_int8(w)
-    w_deq = dequantize_int8(q, s)
+    q, s = quantize_int8_groups(w)
+    w_deq = dequantize_int8_groups(q, s)
     packed = Int8Weight(q, s)
     got = KERNELS.linear_w8(x, packed.packed, packed.scales, b)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
@@ -83,7 +109,7 @@ def test_w8_sums_are_exact_at_the_largest_codes(sign) -> None:
     k = 1536
     w = torch.full((16, k), sign)
     x = torch.ones(1, k, dtype=torch.bfloat16)
-    q, s = quantize_int8(w)
+    q, s = quantize_int8_groups(w)
     packed = Int8Weight(q, s)
     got = KERNELS.linear_w8(x, packed.packed, packed.scales, None)
     assert torch.equal(got, torch.full((1, 16), sign * k, dtype=torch.bfloat16))
@@ -93,7 +119,7 @@ def test_w8_sums_are_exact_at_the_largest_codes(sign) -> None:
 def test_w8_rows_are_independent_of_the_batch() -> None:
     """Each row's result is the same alone or in a batch (x is quantized per row)."""
     gen = torch.Generator().manual_seed(3)
-    q, s = quantize_int8(torch.randn(64, 96, generator=gen))
+    q, s = quantize_int8_groups(torch.randn(64, 96, generator=gen))
     packed = Int8Weight(q, s)
     x = torch.randn(9, 96, generator=gen).bfloat16()
     x[4] *= 100  # a row with a large scale must not change the others
@@ -108,14 +134,14 @@ def test_w8_rows_are_independent_of_the_batch() -> None:
 
 def _dequantized_hf(hf):
     """``hf`` with every projection and the LM head replaced by their int8 de-quantized
-    weights (per output channel of each HF tensor: the same rows as our fused ones); the
+    weights (per row and block of 32 of each HF tensor: the same rows as our fused ones); the
     embedding table stays (a tied head is untied)."""
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     with torch.no_grad():
         for name, module in hf.named_modules():
             if name.rsplit(".", 1)[-1] in names:
-                module.weight.copy_(dequantize_int8(*quantize_int8(module.weight)))
-        head = dequantize_int8(*quantize_int8(hf.lm_head.weight))
+                module.weight.copy_(dequantize_int8_groups(*quantize_int8_groups(module.weight)))
+        head = dequantize_int8_groups(*quantize_int8_groups(hf.lm_head.weight))
         hf.lm_head.weight = torch.nn.Parameter(head)  # its own tensor: unties the embedding
     return hf
 

@@ -186,7 +186,8 @@ class CpuKernels(PoolKernels):
         self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        """``x @ (scales[:, None] * Q).T + bias`` on int8 weights (``gemm_w8.c``, AVX512-VNNI;
+        """``x @ (s * Q).T + bias`` on int8 weights with a scale per row and block of 32
+        (``gemm_w8.c``, AVX512-VNNI;
         check :attr:`has_w8`): ``x`` is quantized per row and group of 32 to int8 inside
         (``x_quant.h``), each group's sum is an exact integer, scaled and added in float32,
         rounded to bfloat16 once.
@@ -195,7 +196,8 @@ class CpuKernels(PoolKernels):
             x: ``[M, K]`` bfloat16, ``M >= 1``, last dim contiguous (rows may be strided).
             packed: ``Q`` from ``engine.model.quant.pack_int8_quads`` (uint8,
                 ``[N/16, 8 * ceil(K/32), 16, 4]``).
-            scales: ``[N]`` float32 per-output-channel scales.
+            scales: ``engine.model.quant.Int8Weight.scales`` (float16 ``[N/16, G, 16]``, G =
+                ``ceil(K/32)``).
             bias: ``[N]`` bfloat16 or None.
 
         Returns:

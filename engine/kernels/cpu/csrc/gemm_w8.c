@@ -1,7 +1,7 @@
 /* Weight-only int8 products y = x @ (s * Q).T (+ b) for decode steps (1-128 rows), AVX512-VNNI.
  *
- * Q [N, K] int8 in -127..127 with one float32 scale s[n] per output channel (--quantization
- * int8). A decode step is memory-bound at a few rows, so the point is reading 1 byte per weight
+ * Q [N, K] int8 in -127..127 with one float16 scale s[n, g] per output channel and block g of
+ * 32 input channels (--quantization int8 on CPU: llama.cpp's Q8_0 grid, engine/model/quant.py). A decode step is memory-bound at a few rows, so the point is reading 1 byte per weight
  * instead of bfloat16's 2; from ~8 rows on it is compute-bound, so the point is the most
  * multiply-adds per instruction. vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes and adds
  * the 4 products into one int32 lane: 64 multiply-adds per instruction, twice vdpbf16ps's 32.
@@ -12,14 +12,15 @@
  *
  * one group's sum exact in int32 (32 * 127 * 255 < 2^31), started at -128 * sum(xq) (the
  * group's quantized sum, from the quantizer) instead of zero. Per group, row and 16 columns:
- * acc = that sum, y += float(acc) * x_scale[r, g]; at the end y * s[n] + b, rounded to bfloat16
- * once, nearest even. (The int16 x of the first version, with vpdpwssd, was exact to 3e-5 of a
+ * acc = that sum, y += float(acc) * (x_scale[r, g] * s[n, g]); at the end y + b, rounded to
+ * bfloat16 once, nearest even. (The int16 x of the first version, with vpdpwssd, was exact to 3e-5 of a
  * row's largest value but 32 multiply-adds per instruction plus a sign extension per 32
  * weights: 0.7x bfloat16 at 32 rows.)
  *
  * Packing (quant.pack_int8_quads): wq [N / 16, G * 8, 16, 4] uint8, G = ceil(K / 32): for 16
  * output columns, each 4 consecutive K are one 64-byte vector (column c's 4 bytes at 4c); K is
- * padded to G * 32 with U = 128 (a zero weight). Threads split the N blocks (NV vectors each).
+ * padded to G * 32 with U = 128 (a zero weight). Scales ws [N / 16, G, 16] float16: per block
+ * of 16 columns and group, the 16 columns' scales. Threads split the N blocks (NV vectors each).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -55,10 +56,10 @@ static inline __m512i bcast4_w8(const int8_t *p) {
 
 /* One mr x (nv * 16) tile over all groups. xq: mr rows of groups * 32 int8 (xs apart); xscale,
  * xoff: per row (groups apart) the group's x scale and -128 * its quantized sum; wb: the first
- * of nv N blocks (ps bytes apart); ws: nv * 16 weight scales. */
+ * of nv N blocks (ps bytes apart); ws: their float16 scales (groups * 16 apart). */
 static inline __attribute__((always_inline)) void tile_w8(
     const int8_t *xq, int64_t xs, const float *xscale, const int32_t *xoff, int64_t groups,
-    int mr, const uint8_t *wb, int64_t ps, int nv, const float *ws, const uint16_t *bias,
+    int mr, const uint8_t *wb, int64_t ps, int nv, const uint16_t *ws, const uint16_t *bias,
     uint16_t *y, int64_t ys) {
     __m512 accf[W8_MR][W8_NV];
     for (int r = 0; r < mr; r++)
@@ -83,21 +84,24 @@ static inline __attribute__((always_inline)) void tile_w8(
                 for (int j = 0; j < nv; j++) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], w[j], a);
             }
         }
+        __m512 sw[W8_NV];
+        for (int j = 0; j < nv; j++)
+            sw[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(ws + (j * groups + g) * 16)));
         for (int r = 0; r < mr; r++) {
-            __m512 s = _mm512_set1_ps(xscale[r * groups + g]);
+            __m512 sx = _mm512_set1_ps(xscale[r * groups + g]);
             for (int j = 0; j < nv; j++)
-                accf[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][j]), s, accf[r][j]);
+                accf[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][j]),
+                                             _mm512_mul_ps(sw[j], sx), accf[r][j]);
         }
     }
     for (int j = 0; j < nv; j++) {
-        __m512 s = _mm512_loadu_ps(ws + j * 16);
         __m512 b = _mm512_setzero_ps();
         if (bias)
             b = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(bias + j * 16))), 16));
         for (int r = 0; r < mr; r++)
             _mm256_storeu_si256((void *)(y + r * ys + j * 16),
-                                round_bf16x16_w8(_mm512_fmadd_ps(accf[r][j], s, b)));
+                                round_bf16x16_w8(_mm512_add_ps(accf[r][j], b)));
     }
 }
 
@@ -121,7 +125,7 @@ static inline __attribute__((always_inline)) void tile_w8(
 
 static void block_w8(int nv, const int8_t *xq, int64_t xs, const float *xscale,
                      const int32_t *xoff, int64_t groups, int64_t m, const uint8_t *wb,
-                     int64_t ps, const float *ws, const uint16_t *bias, uint16_t *y, int64_t ys) {
+                     int64_t ps, const uint16_t *ws, const uint16_t *bias, uint16_t *y, int64_t ys) {
     if (nv == 1)
         W8_ROWS(1);
     else
@@ -130,11 +134,11 @@ static void block_w8(int nv, const int8_t *xq, int64_t xs, const float *xscale,
 #endif
 
 /* x [m, k] bfloat16 (rows x_stride elements apart), m >= 1; wq [n_out / 16, ceil(k / 32) * 8,
- * 16, 4] uint8 (see above); ws [n_out] float32 scales; bias [n_out] bfloat16 or NULL; y [m,
- * n_out] bfloat16 contiguous. Returns 0, -1 out of memory, -2 for n_out not a multiple of 16 or
+ * 16, 4] uint8 and ws [n_out / 16, ceil(k / 32), 16] float16 scales (see above); bias [n_out]
+ * bfloat16 or NULL; y [m, n_out] bfloat16 contiguous. Returns 0, -1 out of memory, -2 for n_out not a multiple of 16 or
  * a build without AVX512-VNNI (callers keep their torch path). */
 int gemm_w8_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *wq,
-                 const float *ws, const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y) {
+                 const uint16_t *ws, const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (n_out % 16 != 0 || m < 1 || k < 1) return -2;
     int64_t groups = (k + XQ_GROUP - 1) / XQ_GROUP, xs = groups * XQ_GROUP;
@@ -153,7 +157,7 @@ int gemm_w8_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *
     for (int64_t b = 0; b < nblocks; b++) {
         int64_t v0 = b * W8_NV;
         int nv = (int)(vecs - v0 < W8_NV ? vecs - v0 : W8_NV);
-        block_w8(nv, xq, xs, xscale, xoff, groups, m, wq + v0 * ps, ps, ws + v0 * 16,
+        block_w8(nv, xq, xs, xscale, xoff, groups, m, wq + v0 * ps, ps, ws + v0 * groups * 16,
                  bias ? bias + v0 * 16 : NULL, y + v0 * 16, n_out);
     }
     free(xq), free(xscale), free(xoff);
