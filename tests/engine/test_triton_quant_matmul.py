@@ -30,7 +30,7 @@ from splitserve.engine.kernels.triton.quant_matmul import (
     unpack_int4_gpu,
 )
 from splitserve.engine.kv_pool import KVPool, pages_for
-from splitserve.engine.model import layers, quant_int4
+from splitserve.engine.model import layers, quant, quant_int4
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.model.quant import dequantize_int8, quantize_int8
 from splitserve.engine.model.quant_int4 import dequantize_int4, quantize_int4
@@ -168,7 +168,14 @@ def test_quantized_model_on_triton_path_equals_cpu_float32(
     )  # fmt: skip
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     engine = EngineConfig(quantization=scheme)
-    ref_model, ref_cfg = load_model(tmp_path, torch.float32, engine=engine)  # CPU: F.linear on W'
+    # The CPU reference with CUDA's int8 scheme (one scale per row, where the CPU's int8 has one
+    # per block of 32): the row's scale repeated for each of its blocks is that scheme exactly.
+    with monkeypatch.context() as m:
+        def per_row_as_blocks(w):
+            q, s = quantize_int8(w)
+            return q, s[:, None].expand(-1, -(-w.shape[1] // quant.GROUP)).contiguous()
+        m.setattr(quant, "quantize_int8_groups", per_row_as_blocks)
+        ref_model, ref_cfg = load_model(tmp_path, torch.float32, engine=engine)  # F.linear on W'
     plain, _ = load_model(tmp_path, torch.float32)
     if DEVICE == "cpu":  # no CUDA: the CUDA wiring, on CPU tensors, with interpreted kernels
         monkeypatch.setattr(layers, "on_cuda", lambda weight: True)
