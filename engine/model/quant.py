@@ -1,8 +1,9 @@
 """Weight-only quantization at load time (``EngineConfig.quantization``, ``--quantization``).
 
-``int8`` on CPU: symmetric int8 with one float16 scale per output row and **block of 32 input
+``int8`` on CPU: symmetric int8 with one float32 scale per output row and **block of 32 input
 channels**, llama.cpp's Q8_0 grid: for row ``n`` of ``W [N, K]`` and block ``g``,
-``s[n, g] = max_{k in g} |W[n, k]| / 127`` rounded to float16 (8.5 bits per weight), and ``Q[n, k] = round(W[n, k] / s[n, g])`` in
+``s[n, g] = max_{k in g} |W[n, k]| / 127`` (9 bits per weight; Q8_0's float16 scales cost
++0.14% perplexity on SmolLM2 against +0.02% with float32, ``bench/quality.py``), and ``Q[n, k] = round(W[n, k] / s[n, g])`` in
 ``-127..127`` (round half to even, as ``torch.round``; a last, shorter block where 32 does not
 divide K). One scale per row (torch's ``_weight_int8pack_mm``, LLM.int8()'s weight half) cost
 +0.56% perplexity on SmolLM2 against Q8_0's +0.41%; per block it follows each block's range.
@@ -42,8 +43,8 @@ GROUP = 32  # input channels per scale of the CPU int8 weights (Q8_0's block)
 
 def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [N, K]`` (any float dtype) -> ``(Q [N, K] int8 in -127..127, s [N, G] float32)``
-    with ``G = ceil(K / 32)``, one scale per row and block of 32 (see the module docstring),
-    each a float16 value (the kernel stores them so); an all-zero block gets ``s = 1``."""
+    with ``G = ceil(K / 32)``, one scale per row and block of 32 (see the module docstring); an
+    all-zero block gets ``s = 1``."""
     w = weight.detach().float()
     n, k = w.shape
     g = -(-k // GROUP)
@@ -51,7 +52,6 @@ def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     padded[:, :k] = w
     amax = padded.abs().reshape(n, g, GROUP).amax(dim=2)
     scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
-    scales = scales.half().float()  # a block whose scale rounds down clamps its largest to 127
     q = torch.round(w / _per_channel(scales, k)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scales
 
@@ -92,7 +92,7 @@ def pack_int8_quads(q: torch.Tensor) -> torch.Tensor:
 
 class Int8Weight:
     """One projection's int8 weight for :meth:`CpuKernels.linear_w8`: ``packed``
-    (:func:`pack_int8_quads`) and ``scales`` float16 ``[N / 16, G, 16]`` (per 16-column block,
+    (:func:`pack_int8_quads`) and ``scales`` float32 ``[N / 16, G, 16]`` (per 16-column block,
     per block of 32 input channels, the 16 columns' scales: what ``gemm_w8.c`` loads as one
     vector), from ``Q [N, K]`` and ``s [N, G]`` (:func:`quantize_int8_groups`); ``nbytes``:
     their size in bytes."""
@@ -102,7 +102,7 @@ class Int8Weight:
     def __init__(self, q: torch.Tensor, scales: torch.Tensor) -> None:
         n, g = scales.shape
         self.packed = pack_int8_quads(q)
-        self.scales = scales.half().reshape(n // 16, 16, g).transpose(1, 2).contiguous()
+        self.scales = scales.float().reshape(n // 16, 16, g).transpose(1, 2).contiguous()
 
     @property
     def nbytes(self) -> int:

@@ -196,7 +196,7 @@ class CpuKernels(PoolKernels):
             x: ``[M, K]`` bfloat16, ``M >= 1``, last dim contiguous (rows may be strided).
             packed: ``Q`` from ``engine.model.quant.pack_int8_quads`` (uint8,
                 ``[N/16, 8 * ceil(K/32), 16, 4]``).
-            scales: ``engine.model.quant.Int8Weight.scales`` (float16 ``[N/16, G, 16]``, G =
+            scales: ``engine.model.quant.Int8Weight.scales`` (float32 ``[N/16, G, 16]``, G =
                 ``ceil(K/32)``).
             bias: ``[N]`` bfloat16 or None.
 

@@ -27,12 +27,14 @@ enum {
 /* Projection W of layer l (W, W + 1, W + 2: weight, bias, scales) on x [m, k] -> y [m, n]. */
 static int project(const int64_t *ptrs, int64_t l, int w, const uint16_t *x, int64_t m,
                    int64_t n, int64_t k, uint16_t *y) {
-    /* float16 scales either way: int4's per group (scales, offsets), int8's per block of 32 */
-    const uint16_t *scales = (const uint16_t *)(uintptr_t)ptrs[l * NPTR + w + 2];
+    /* int4: float16 scales and offsets per group; int8: float32 scales per block of 32 */
+    const void *scales = (const void *)(uintptr_t)ptrs[l * NPTR + w + 2];
     if (scales && ptrs[l * NPTR + BITS] == 4)
-        return gemm_w4_bf16(x, k, m, (const uint8_t *)P(l, w), scales, P(l, w + 1), n, k, y);
+        return gemm_w4_bf16(x, k, m, (const uint8_t *)P(l, w), (const uint16_t *)scales,
+                            P(l, w + 1), n, k, y);
     if (scales)
-        return gemm_w8_bf16(x, k, m, (const uint8_t *)P(l, w), scales, P(l, w + 1), n, k, y);
+        return gemm_w8_bf16(x, k, m, (const uint8_t *)P(l, w), (const float *)scales,
+                            P(l, w + 1), n, k, y);
     return decode_linear_bf16(x, k, m, P(l, w), P(l, w + 1), n, k, y);
 }
 

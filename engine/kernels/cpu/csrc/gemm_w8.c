@@ -1,6 +1,6 @@
 /* Weight-only int8 products y = x @ (s * Q).T (+ b) for decode steps (1-128 rows), AVX512-VNNI.
  *
- * Q [N, K] int8 in -127..127 with one float16 scale s[n, g] per output channel and block g of
+ * Q [N, K] int8 in -127..127 with one float32 scale s[n, g] per output channel and block g of
  * 32 input channels (--quantization int8 on CPU: llama.cpp's Q8_0 grid, engine/model/quant.py). A decode step is memory-bound at a few rows, so the point is reading 1 byte per weight
  * instead of bfloat16's 2; from ~8 rows on it is compute-bound, so the point is the most
  * multiply-adds per instruction. vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes and adds
@@ -19,7 +19,7 @@
  *
  * Packing (quant.pack_int8_quads): wq [N / 16, G * 8, 16, 4] uint8, G = ceil(K / 32): for 16
  * output columns, each 4 consecutive K are one 64-byte vector (column c's 4 bytes at 4c); K is
- * padded to G * 32 with U = 128 (a zero weight). Scales ws [N / 16, G, 16] float16: per block
+ * padded to G * 32 with U = 128 (a zero weight). Scales ws [N / 16, G, 16] float32: per block
  * of 16 columns and group, the 16 columns' scales. Threads split the N blocks (NV vectors each).
  */
 #include <stdint.h>
@@ -56,10 +56,10 @@ static inline __m512i bcast4_w8(const int8_t *p) {
 
 /* One mr x (nv * 16) tile over all groups. xq: mr rows of groups * 32 int8 (xs apart); xscale,
  * xoff: per row (groups apart) the group's x scale and -128 * its quantized sum; wb: the first
- * of nv N blocks (ps bytes apart); ws: their float16 scales (groups * 16 apart). */
+ * of nv N blocks (ps bytes apart); ws: their scales (groups * 16 floats apart). */
 static inline __attribute__((always_inline)) void tile_w8(
     const int8_t *xq, int64_t xs, const float *xscale, const int32_t *xoff, int64_t groups,
-    int mr, const uint8_t *wb, int64_t ps, int nv, const uint16_t *ws, const uint16_t *bias,
+    int mr, const uint8_t *wb, int64_t ps, int nv, const float *ws, const uint16_t *bias,
     uint16_t *y, int64_t ys) {
     __m512 accf[W8_MR][W8_NV];
     for (int r = 0; r < mr; r++)
@@ -85,8 +85,7 @@ static inline __attribute__((always_inline)) void tile_w8(
             }
         }
         __m512 sw[W8_NV];
-        for (int j = 0; j < nv; j++)
-            sw[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(ws + (j * groups + g) * 16)));
+        for (int j = 0; j < nv; j++) sw[j] = _mm512_loadu_ps(ws + (j * groups + g) * 16);
         for (int r = 0; r < mr; r++) {
             __m512 sx = _mm512_set1_ps(xscale[r * groups + g]);
             for (int j = 0; j < nv; j++)
@@ -125,7 +124,7 @@ static inline __attribute__((always_inline)) void tile_w8(
 
 static void block_w8(int nv, const int8_t *xq, int64_t xs, const float *xscale,
                      const int32_t *xoff, int64_t groups, int64_t m, const uint8_t *wb,
-                     int64_t ps, const uint16_t *ws, const uint16_t *bias, uint16_t *y, int64_t ys) {
+                     int64_t ps, const float *ws, const uint16_t *bias, uint16_t *y, int64_t ys) {
     if (nv == 1)
         W8_ROWS(1);
     else
@@ -134,11 +133,11 @@ static void block_w8(int nv, const int8_t *xq, int64_t xs, const float *xscale,
 #endif
 
 /* x [m, k] bfloat16 (rows x_stride elements apart), m >= 1; wq [n_out / 16, ceil(k / 32) * 8,
- * 16, 4] uint8 and ws [n_out / 16, ceil(k / 32), 16] float16 scales (see above); bias [n_out]
+ * 16, 4] uint8 and ws [n_out / 16, ceil(k / 32), 16] float32 scales (see above); bias [n_out]
  * bfloat16 or NULL; y [m, n_out] bfloat16 contiguous. Returns 0, -1 out of memory, -2 for n_out not a multiple of 16 or
  * a build without AVX512-VNNI (callers keep their torch path). */
 int gemm_w8_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *wq,
-                 const uint16_t *ws, const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y) {
+                 const float *ws, const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (n_out % 16 != 0 || m < 1 || k < 1) return -2;
     int64_t groups = (k + XQ_GROUP - 1) / XQ_GROUP, xs = groups * XQ_GROUP;

@@ -17,7 +17,7 @@ int gemm_packed_bf16_available(void);
 int decode_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *wp,
                        const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y);
 int gemm_w8_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *wq,
-                 const uint16_t *ws, const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y);
+                 const float *ws, const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y);
 int gemm_w4_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *wq,
                  const uint16_t *ws, const uint16_t *bias, int64_t n_out, int64_t k,
                  uint16_t *y);
