@@ -2,10 +2,10 @@
 
 ``int8`` on CPU: symmetric int8 with one float32 scale per output row and **block of 32 input
 channels**, llama.cpp's Q8_0 grid: for row ``n`` of ``W [N, K]`` and block ``g``,
-``s[n, g] = max_{k in g} |W[n, k]| / 127`` (9 bits per weight; Q8_0's float16 scales cost
-+0.14% perplexity on SmolLM2 against +0.02% with float32, ``bench/quality.py``), and ``Q[n, k] = round(W[n, k] / s[n, g])`` in
+``s[n, g] = max_{k in g} |W[n, k]| / 127`` and ``Q[n, k] = round(W[n, k] / s[n, g])`` in
 ``-127..127`` (round half to even, as ``torch.round``; a last, shorter block where 32 does not
-divide K). One scale per row (torch's ``_weight_int8pack_mm``, LLM.int8()'s weight half) cost
+divide K). 9 bits per weight: Q8_0's float16 scales cost +0.14% perplexity on SmolLM2 against
++0.02% with float32 (``bench/quality.py``). One scale per row (torch's ``_weight_int8pack_mm``, LLM.int8()'s weight half) cost
 +0.56% perplexity on SmolLM2 against Q8_0's +0.41%; per block it follows each block's range.
 The served model is the de-quantized one, ``W' = s * Q`` (each scale over its block): every
 product computes ``x @ W'.T``, either exactly in integers per block (``csrc/gemm_w8.c`` for

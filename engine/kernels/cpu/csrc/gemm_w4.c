@@ -7,10 +7,10 @@
  * with an AND and a shift-and-AND into two vectors of unsigned 4-bit values, which are
  * vpdpbusd's unsigned byte operand directly: 4 byte products summed into each int32 lane, 64
  * multiply-adds per instruction. x is quantized per row and per group of 32 to int8 (x_quant.h:
- * symmetric, scale max|x_g| / 127: vpdpbusd's signed operand, broadcast from memory), so a group's sum is exact in int32 (32 * 15 * 127 < 2^31);
- * the offset's share is m * sum(x_g), from the group's precomputed (quantized) sum. Per group,
- * row and 16 columns: acc = sum(xq * U); y += float(acc) * (s * x_scale) + m * (x_scale *
- * sum(xq)), in float32. Per-group x scales follow the weight's groups, so one outlier in x
+ * symmetric, scale max|x_g| / 127: vpdpbusd's signed operand, broadcast from memory), so a
+ * group's sum is exact in int32 (32 * 15 * 127 < 2^31); the offset's share is m * sum(x_g),
+ * from the group's precomputed (quantized) sum. Per group, row and 16 columns: acc = sum(xq *
+ * U); y += float(acc) * (s * x_scale) + m * (x_scale * sum(xq)), in float32. Per-group x scales follow the weight's groups, so one outlier in x
  * costs precision in its own group only. The bound this gives against x @ W'.T in exact
  * arithmetic is in tests/engine/test_quant_int4.py.
  *

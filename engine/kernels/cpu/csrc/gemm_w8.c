@@ -1,8 +1,9 @@
 /* Weight-only int8 products y = x @ (s * Q).T (+ b) for decode steps (1-128 rows), AVX512-VNNI.
  *
  * Q [N, K] int8 in -127..127 with one float32 scale s[n, g] per output channel and block g of
- * 32 input channels (--quantization int8 on CPU: llama.cpp's Q8_0 grid, engine/model/quant.py). A decode step is memory-bound at a few rows, so the point is reading 1 byte per weight
- * instead of bfloat16's 2; from ~8 rows on it is compute-bound, so the point is the most
+ * 32 input channels (--quantization int8 on CPU: llama.cpp's Q8_0 grid, engine/model/quant.py).
+ * A decode step is memory-bound at a few rows, so the point is reading 1 byte per weight instead
+ * of bfloat16's 2; from ~8 rows on it is compute-bound, so the point is the most
  * multiply-adds per instruction. vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes and adds
  * the 4 products into one int32 lane: 64 multiply-adds per instruction, twice vdpbf16ps's 32.
  * x is quantized per row and group of 32 to int8 (x_quant.h: llama.cpp's Q8_0 activations, as
@@ -13,9 +14,9 @@
  * one group's sum exact in int32 (32 * 127 * 255 < 2^31), started at -128 * sum(xq) (the
  * group's quantized sum, from the quantizer) instead of zero. Per group, row and 16 columns:
  * acc = that sum, y += float(acc) * (x_scale[r, g] * s[n, g]); at the end y + b, rounded to
- * bfloat16 once, nearest even. (The int16 x of the first version, with vpdpwssd, was exact to 3e-5 of a
- * row's largest value but 32 multiply-adds per instruction plus a sign extension per 32
- * weights: 0.7x bfloat16 at 32 rows.)
+ * bfloat16 once, nearest even. (The int16 x of the first version, with vpdpwssd, was exact to
+ * 3e-5 of a row's largest value but 32 multiply-adds per instruction plus a sign extension per
+ * 32 weights: 0.7x bfloat16 at 32 rows.)
  *
  * Packing (quant.pack_int8_quads): wq [N / 16, G * 8, 16, 4] uint8, G = ceil(K / 32): for 16
  * output columns, each 4 consecutive K are one 64-byte vector (column c's 4 bytes at 4c); K is
@@ -134,8 +135,8 @@ static void block_w8(int nv, const int8_t *xq, int64_t xs, const float *xscale,
 
 /* x [m, k] bfloat16 (rows x_stride elements apart), m >= 1; wq [n_out / 16, ceil(k / 32) * 8,
  * 16, 4] uint8 and ws [n_out / 16, ceil(k / 32), 16] float32 scales (see above); bias [n_out]
- * bfloat16 or NULL; y [m, n_out] bfloat16 contiguous. Returns 0, -1 out of memory, -2 for n_out not a multiple of 16 or
- * a build without AVX512-VNNI (callers keep their torch path). */
+ * bfloat16 or NULL; y [m, n_out] bfloat16 contiguous. Returns 0, -1 out of memory, -2 for n_out
+ * not a multiple of 16 or a build without AVX512-VNNI (callers keep their torch path). */
 int gemm_w8_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *wq,
                  const float *ws, const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
