@@ -173,8 +173,9 @@ def main() -> None:
             if args.decode:
                 all_logits = decode_logits(model, cfg, windows, dtype, kv_dtype or "auto")
             else:
-                all_logits = [window_logits(model, cfg, w, dtype, kv_dtype or "auto")
-                              for w in windows]
+                # one window at a time: a window's logits are ~100 MB (512 x 49,152 float32)
+                all_logits = (window_logits(model, cfg, w, dtype, kv_dtype or "auto")
+                              for w in windows)
             for w, logits in zip(windows, all_logits, strict=True):
                 logits = logits[:-1]
                 target = torch.tensor(w[1:])

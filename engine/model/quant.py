@@ -52,19 +52,19 @@ def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     padded[:, :k] = w
     amax = padded.abs().reshape(n, g, GROUP).amax(dim=2)
     scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
-    q = torch.round(w / _per_channel(scales, k)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    q = torch.round(w / _expand_blocks(scales, k)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scales
 
 
-def _per_channel(scales: torch.Tensor, k: int) -> torch.Tensor:
-    """``[N, G]`` block scales -> ``[N, K]``, each over its block."""
+def _expand_blocks(scales: torch.Tensor, k: int) -> torch.Tensor:
+    """``[N, G]`` block scales -> ``[N, K]``: each repeated over its block of 32."""
     return scales.repeat_interleave(GROUP, dim=1)[:, :k]
 
 
 def dequantize_int8_groups(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``s * Q`` in float32 ``[N, K]``, each scale of ``s [N, G]`` over its block of 32: the
     weight the CPU int8 model serves."""
-    return q.float() * _per_channel(scales, q.shape[1])
+    return q.float() * _expand_blocks(scales, q.shape[1])
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
