@@ -14,7 +14,11 @@ workers and ``D`` decode workers (or ``C`` colocated workers) that behave as the
   budget (chunked prefill as in Sarathi-Serve and the engine's scheduler).
 
 Step times come from a :class:`StepModel` fitted to steps measured on the real engine
-(``bench/pd_profile.py``). KV pool limits are not modelled (the default pool holds far more than
+(``bench/pd_profile.py``). What a real cluster spends outside the engine's steps (HTTP, the
+router, ZeroMQ hops, the KV handshake, detokenizing and streaming each token, the worker's own
+Python around a step) is a :class:`ServingOverhead`, calibrated on closed-loop runs of the real
+server (``plan_pd.py calibrate``); without it the model predicts forward steps only, which
+under-predicts latency at light load. KV pool limits are not modelled (the default pool holds far more than
 these workloads keep in flight). Outputs are ``serving_metrics.RequestOutput`` records, so
 goodput is computed exactly as ``bench/serving.py`` computes it for a real run.
 """
@@ -59,6 +63,25 @@ class StepModel:
         if not tokens:
             return self.decode(rows, ctx)
         return self.decode(rows, ctx) + self.prefill(tokens, pairs) - self.p0
+
+
+@dataclass(frozen=True, slots=True)
+class ServingOverhead:
+    """Seconds a real cluster spends outside the engine's steps, measured on this machine
+    (``plan_pd.calibrate``; zero: forward steps only).
+
+    ``request_s``: once per request, between the client's send and its prompt entering a
+    worker's queue plus its first token's way back (HTTP, the router, ZeroMQ, the handshake).
+    ``step_s``: added to every step (the worker's Python around the forward pass, and the
+    server's per-step work where it shares the worker's cores). ``token_s``: added to a step per
+    token it emits (detokenizing and streaming each one, where the server shares the cores)."""
+
+    request_s: float = 0.0
+    step_s: float = 0.0
+    token_s: float = 0.0
+
+
+NO_OVERHEAD = ServingOverhead()  # forward steps only
 
 
 @dataclass(slots=True)
@@ -106,9 +129,14 @@ def simulate(
     shape: ClusterShape,
     prefill_model: StepModel,
     decode_model: StepModel,
+    overhead: ServingOverhead = NO_OVERHEAD,
+    concurrency: int | None = None,
 ) -> list[RequestOutput]:
     """Run ``requests`` (arrival s, prompt tokens, output tokens) through ``shape``; colocated
-    workers use ``decode_model`` for both parts. Returns one record per request, in order."""
+    workers use ``decode_model`` for both parts. With ``concurrency`` the load is a closed loop
+    as ``bench/serving.py --concurrency`` runs it: the arrival times are ignored, the first
+    ``concurrency`` requests start at 0 and each finished one starts the next. Returns one
+    record per request, in order."""
     if shape.num_colocated:
         workers = [_Worker("colocated", decode_model) for _ in range(shape.num_colocated)]
         prefills, decodes = workers, workers
@@ -119,8 +147,20 @@ def simulate(
     reqs = [SimRequest(a, p, o, out=RequestOutput("sim", p, start=a)) for a, p, o in requests]
     events: list[tuple[float, int, str, object]] = []
     seq = itertools.count()
-    for r in reqs:
-        heapq.heappush(events, (r.arrival, next(seq), "arrive", r))
+    pending = deque(reqs)
+
+    def send(r: SimRequest, now: float) -> None:
+        r.arrival = r.out.start = now
+        # Half the per-request overhead before the queue, half on the first token's way back:
+        # which half is which does not change TTFT, only when the worker sees the prompt.
+        heapq.heappush(events, (now + overhead.request_s / 2, next(seq), "arrive", r))
+
+    if concurrency:
+        for _ in range(min(concurrency, len(pending))):
+            send(pending.popleft(), 0.0)
+    else:
+        for r in reqs:
+            send(r, r.arrival)
 
     def start_step(w: _Worker, now: float) -> None:
         if w.stepping or not (w.queue or w.running):
@@ -137,13 +177,17 @@ def simulate(
         ctx = sum(r.prompt_len + r.generated for r in rows)
         tokens = sum(n for _, n in chunks)
         pairs = sum(n * (r.prefilled + n / 2) for r, n in chunks)
+        emitted = len(rows) + sum(r.prefilled + n == r.prompt_len for r, n in chunks)
         w.stepping = True
-        end = now + w.model.mixed(len(rows), ctx, tokens, pairs)
+        end = now + w.model.mixed(len(rows), ctx, tokens, pairs) + overhead.step_s \
+            + overhead.token_s * emitted
         heapq.heappush(events, (end, next(seq), "step", (w, list(rows), chunks)))
 
     def finish(r: SimRequest, now: float) -> None:
-        r.out.latency = now - r.arrival
+        r.out.latency = now + overhead.request_s / 2 - r.arrival
         r.out.output_tokens = r.generated
+        if concurrency and pending:
+            send(pending.popleft(), now + overhead.request_s / 2)
 
     def to_decode(r: SimRequest, now: float) -> None:
         d = min(decodes, key=lambda w: w.load)
@@ -176,7 +220,7 @@ def simulate(
                     continue
                 w.queue.remove(r)
                 r.generated, r.last_token = 1, now
-                r.out.ttft = now - r.arrival
+                r.out.ttft = now + overhead.request_s / 2 - r.arrival
                 if r.output_len <= 1:
                     finish(r, now)
                 elif w.kind == "colocated":

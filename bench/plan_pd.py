@@ -7,7 +7,13 @@ placement question, answered by simulation: ``pd_sim``).
     # 2. plan: every split of 4 cores, ShareGPT-like requests, SLOs TTFT 2 s / ITL 200 ms
     python bench/plan_pd.py plan --profile bench/results/pd_profile.json --cores 4 \\
         --workload sharegpt --slo ttft:2000 itl:200
-    # 3. check the model against a real run of bench/serving.py with --request-rate
+    # 3. calibrate the serving overhead (HTTP, streaming, handshake) on closed-loop runs of the
+    #    real server at two concurrencies, per mode; it is written into the profile
+    python bench/serving.py --launch colocated --concurrency 1 8 --num-prompts 32 \\
+        --output-len 128 --out bench/results/calib
+    python bench/plan_pd.py calibrate --profile bench/results/pd_profile.json \\
+        --results bench/results/calib/results.json
+    # 4. check the model against other runs of bench/serving.py (--request-rate or closed loop)
     python bench/plan_pd.py compare --profile bench/results/pd_profile.json \\
         --results bench/results/<run>/results.json
 
@@ -28,7 +34,7 @@ import sys
 from pathlib import Path
 
 from common import DATA_DIR, SEED, add_data_argument, cpu_line, load_prompts, resolve_model
-from pd_sim import ClusterShape, StepModel, simulate
+from pd_sim import NO_OVERHEAD, ClusterShape, ServingOverhead, StepModel, simulate
 from serving_metrics import meets_slos, parse_slos, summarize
 
 WORKLOADS = ("sharegpt", "gsm8k", "long")
@@ -70,6 +76,14 @@ def arrivals(num: int, rate: float, seed: int = SEED) -> list[float]:
 def load_profile(path: Path) -> dict[int, StepModel]:
     data = json.loads(path.read_text())
     return {int(k): StepModel(**v["model"]) for k, v in data["threads"].items()}
+
+
+def load_overheads(path: Path) -> dict[str, ServingOverhead]:
+    """The profile's calibrated serving overheads by mode (``colocated``, ``disaggregated``);
+    empty before ``calibrate`` ran on it."""
+    data = json.loads(path.read_text())
+    return {mode: ServingOverhead(**{k: o[k] for k in ("request_s", "step_s", "token_s")})
+            for mode, o in data.get("overheads", {}).items()}
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
@@ -118,18 +132,19 @@ def shapes_for(cores: int, profiles: dict[int, StepModel]) -> list[tuple[Cluster
 
 
 def attainment(reqs: list[tuple[float, int, int]], shape: ClusterShape,
-               profiles: dict[int, StepModel], pt: int, dt: int, slos: dict) -> float:
-    outs = simulate(reqs, shape, profiles[pt], profiles[dt])
+               profiles: dict[int, StepModel], pt: int, dt: int, slos: dict,
+               overhead: ServingOverhead = NO_OVERHEAD) -> float:
+    outs = simulate(reqs, shape, profiles[pt], profiles[dt], overhead)
     return sum(meets_slos(o, slos) for o in outs) / len(outs)
 
 
 def max_rate(lengths: list[tuple[int, int]], shape: ClusterShape, profiles, pt: int, dt: int,
-             slos: dict, target: float) -> float:
+             slos: dict, target: float, overhead: ServingOverhead = NO_OVERHEAD) -> float:
     """The largest Poisson rate (req/s, to 2%) whose SLO attainment is at least ``target``."""
     def ok(rate: float) -> bool:
         starts = arrivals(len(lengths), rate)
         reqs = [(s, p, o) for s, (p, o) in zip(starts, lengths)]
-        return attainment(reqs, shape, profiles, pt, dt, slos) >= target
+        return attainment(reqs, shape, profiles, pt, dt, slos, overhead) >= target
 
     lo, hi = 0.0, 1.0
     while ok(hi) and hi < 1e4:
@@ -148,11 +163,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{sum(p for p, _ in lengths) / len(lengths):.0f} tokens; SLOs "
           f"{', '.join(f'{k} {v * 1e3:.0f} ms' for k, v in slos.items())}; attainment "
           f">= {args.attainment:.0%}; {args.cores} cores")
+    # The overhead calibrated for a mode stands in for every shape of that mode (it was measured
+    # at one worker count and thread split).
+    overheads = load_overheads(args.profile)
+    print("  serving overhead: " + (", ".join(
+        f"{m} {o.request_s * 1e3:.1f} ms/request + {o.step_s * 1e3:.2f} ms/step + "
+        f"{o.token_s * 1e3:.3f} ms/token" for m, o in overheads.items())
+        or "none calibrated (steps only: latency is under-predicted at light load)"))
     rows = []
     for shape, pt, dt in shapes_for(args.cores, profiles):
         shape = ClusterShape(shape.num_prefill, shape.num_decode, shape.num_colocated,
                              args.max_batch_tokens, args.max_running)
-        rate = max_rate(lengths, shape, profiles, pt, dt, slos, args.attainment)
+        mode = "colocated" if shape.num_colocated else "disaggregated"
+        rate = max_rate(lengths, shape, profiles, pt, dt, slos, args.attainment,
+                        overheads.get(mode, NO_OVERHEAD))
         rows.append((rate, shape.describe(), pt))
         print(f"  {shape.describe():>12} ({pt} thread(s) per worker): goodput {rate:6.2f} req/s, "
               f"{rate / args.cores:6.3f} req/s per core", flush=True)
@@ -161,38 +185,112 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
-    """Simulate each ``--request-rate`` run of a ``bench/serving.py`` results file on the same
-    prompts and arrivals, and print simulated vs measured goodput and p99 ITL."""
-    profiles = load_profile(args.profile)
-    res = json.loads(args.results.read_text())
+def _run_setup(run: dict, res: dict, cores: int) -> tuple[str, ClusterShape, int]:
+    """A serving.py run's mode (``colocated`` or ``disaggregated``, from its target name), the
+    cluster shape it launched and the threads per worker (1P1D splits the cores)."""
+    words = run["target"].split()
+    mode = "colocated" if "colocated" in words else "disaggregated"
+    threads = res["config"].get("threads_per_worker") or 0
+    if mode == "colocated":
+        return mode, ClusterShape(num_colocated=1), threads or cores
+    return mode, ClusterShape(1, 1), threads or max(1, cores // 2)
+
+
+def _lengths_of(res: dict) -> list[tuple[int, int]]:
     cfg = res["config"]
     ns = argparse.Namespace(model=cfg.get("model"), max_input_len=cfg["max_input_len"],
                             output_len=cfg["output_len"], data=Path(cfg.get("data") or DATA_DIR))
-    lengths = workload(cfg["dataset"], cfg["num_prompts"], ns)
+    return workload(cfg["dataset"], cfg["num_prompts"], ns)
+
+
+def simulate_run(run: dict, lengths: list[tuple[int, int]], shape: ClusterShape, model: StepModel,
+                 overhead: ServingOverhead, slos: dict) -> dict:
+    """The ``serving_metrics.summarize`` of one serving.py run (Poisson or closed loop),
+    simulated on the same prompts and arrivals."""
+    closed = run["load_kind"] == "concurrency"
+    starts = [0.0] * len(lengths) if closed else arrivals(len(lengths), float(run["load_value"]))
+    outs = simulate([(s, p, o) for s, (p, o) in zip(starts, lengths)], shape, model, model,
+                    overhead, concurrency=int(run["load_value"]) if closed else None)
+    return summarize(outs, max(o.start + o.latency for o in outs), slos)
+
+
+def calibrate(runs: list[dict], lengths: list[tuple[int, int]], shape: ClusterShape,
+              model: StepModel) -> ServingOverhead:
+    """The serving overhead that makes the simulated closed-loop runs match the measured ones:
+    ``step_s`` and ``token_s`` from the p50 ITL excess over the steps-only simulation at the
+    lowest and highest concurrency (a step's excess is ``step_s + token_s * rows``), then
+    ``request_s`` from the lowest concurrency's p50 TTFT excess with those two in place.
+    Negative estimates (noise) are clipped to 0.
+
+    Raises:
+        ValueError: fewer than two closed-loop concurrencies among ``runs``.
+    """
+    closed = sorted((r for r in runs if r["load_kind"] == "concurrency"),
+                    key=lambda r: int(r["load_value"]))
+    if len({int(r["load_value"]) for r in closed}) < 2:
+        raise ValueError("calibrate needs closed-loop runs at two concurrencies (e.g. "
+                         "bench/serving.py --concurrency 1 8)")
+    lo, hi = closed[0], closed[-1]
+    c_lo, c_hi = int(lo["load_value"]), int(hi["load_value"])
+
+    def excess(run: dict, overhead: ServingOverhead, key: str) -> float:
+        sim = simulate_run(run, lengths, shape, model, overhead, {})
+        return (run["summary"][key]["p50"] - sim[key]["p50"]) / 1e3
+
+    a_lo, a_hi = excess(lo, NO_OVERHEAD, "itl_ms"), excess(hi, NO_OVERHEAD, "itl_ms")
+    token_s = max(0.0, (a_hi - a_lo) / (c_hi - c_lo))
+    step_s = max(0.0, a_lo - token_s * c_lo)
+    steps = ServingOverhead(0.0, step_s, token_s)
+    return ServingOverhead(max(0.0, excess(lo, steps, "ttft_ms")), step_s, token_s)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit each mode's :class:`ServingOverhead` on the closed-loop runs of a serving.py
+    results file and store it in the profile."""
+    profiles = load_profile(args.profile)
+    res = json.loads(args.results.read_text())
+    lengths = _lengths_of(res)
+    by_mode: dict[str, tuple[ClusterShape, int, list[dict]]] = {}
+    for run in res["runs"]:
+        mode, shape, threads = _run_setup(run, res, args.cores)
+        by_mode.setdefault(mode, (shape, threads, []))[2].append(run)
+    data = json.loads(args.profile.read_text())
+    for mode, (shape, threads, runs) in by_mode.items():
+        o = calibrate(runs, lengths, shape, profiles[threads])
+        data.setdefault("overheads", {})[mode] = {
+            "request_s": o.request_s, "step_s": o.step_s, "token_s": o.token_s,
+            "threads": threads, "calibrated_on": str(args.results)}
+        print(f"{mode} ({threads} thread(s) per worker): {o.request_s * 1e3:.1f} ms per request, "
+              f"{o.step_s * 1e3:.2f} ms per step, {o.token_s * 1e3:.3f} ms per token")
+    args.profile.write_text(json.dumps(data, indent=1))
+    print(f"written into {args.profile}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Simulate each run of a ``bench/serving.py`` results file (``--request-rate`` or closed
+    loop) on the same prompts and arrivals, with and without the calibrated serving overhead,
+    and print simulated vs measured goodput, p99 ITL and p50 TTFT."""
+    profiles = load_profile(args.profile)
+    overheads = load_overheads(args.profile)
+    res = json.loads(args.results.read_text())
+    lengths = _lengths_of(res)
     slos = {k: v / 1e3 for k, v in (res["runs"][0]["summary"].get("slos_ms") or {}).items()}
     print(cpu_line())
+    if not overheads:
+        print("  (no calibrated serving overhead in the profile: steps only; see calibrate)")
     for run in res["runs"]:
-        if run["load_kind"] != "request_rate":
-            print(f"  skip {run['target']} {run['load']}: closed-loop loads are not simulated")
-            continue
-        mode = run["target"].split()[-1]
-        cores = args.cores
-        if mode == "colocated":
-            shape, pt, dt = ClusterShape(num_colocated=1), cores, cores
-        else:
-            shape, pt, dt = ClusterShape(1, 1), cores // 2, cores // 2
-        starts = arrivals(len(lengths), float(run["load_value"]))
-        outs = simulate([(s, p, o) for s, (p, o) in zip(starts, lengths)], shape,
-                        profiles[pt], profiles[dt])
-        sim = summarize(outs, max(o.start + o.latency for o in outs), slos)
+        mode, shape, threads = _run_setup(run, res, args.cores)
+        bare = simulate_run(run, lengths, shape, profiles[threads], NO_OVERHEAD, slos)
+        full = simulate_run(run, lengths, shape, profiles[threads],
+                            overheads.get(mode, NO_OVERHEAD), slos) if overheads else bare
         real = run["summary"]
-        for key, label in (("goodput", "goodput req/s"), ("itl_ms", "ITL p99 ms"),
-                           ("ttft_ms", "TTFT p50 ms")):
-            s = sim[key]["p99" if key == "itl_ms" else "p50"] if key != "goodput" else sim[key]
-            r = real[key]["p99" if key == "itl_ms" else "p50"] if key != "goodput" else real[key]
-            print(f"  {run['target']:>26} {run['load']:>8} {label:>14}: simulated {s:9.2f} "
-                  f"measured {r:9.2f} ({s / r if r else float('nan'):.2f}x)")
+        for key, label, stat in (("goodput", "goodput req/s", None),
+                                 ("itl_ms", "ITL p99 ms", "p99"), ("ttft_ms", "TTFT p50 ms", "p50")):
+            s0, s1, r = ((d[key][stat] if stat else d[key]) for d in (bare, full, real))
+            x0, x1 = (f"{s / r:.2f}x" if r else "nan" for s in (s0, s1))
+            print(f"  {run['target']:>26} {run['load']:>8} {label:>14}: measured {r:9.2f}; "
+                  f"steps only {s0:9.2f} ({x0}); with overhead {s1:9.2f} ({x1})")
     return 0
 
 
@@ -205,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--dtype", default="auto")
     m.add_argument("--out", type=Path, default=Path("bench/results/pd_profile.json"))
     p = sub.add_parser("plan", help="goodput of every cluster shape for a workload")
-    c = sub.add_parser("compare", help="simulate a bench/serving.py --request-rate run")
-    for q in (p, c):
+    c = sub.add_parser("compare", help="simulate the runs of a bench/serving.py results file")
+    k = sub.add_parser("calibrate", help="fit the serving overhead on closed-loop serving runs")
+    for q in (p, c, k):
         q.add_argument("--profile", type=Path, default=Path("bench/results/pd_profile.json"))
         q.add_argument("--cores", type=int, default=2)
     p.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
@@ -219,9 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     add_data_argument(p)
-    c.add_argument("--results", type=Path, required=True)
+    for q in (c, k):
+        q.add_argument("--results", type=Path, required=True)
     args = ap.parse_args(argv)
-    return {"measure": cmd_measure, "plan": cmd_plan, "compare": cmd_compare}[args.command](args)
+    return {"measure": cmd_measure, "plan": cmd_plan, "compare": cmd_compare,
+            "calibrate": cmd_calibrate}[args.command](args)
 
 
 if __name__ == "__main__":

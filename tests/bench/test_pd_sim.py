@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from pd_sim import ClusterShape, StepModel, simulate
+from pd_sim import ClusterShape, ServingOverhead, StepModel, simulate
 
 # Decode: 10 ms + 1 ms per row; prefill: 20 ms + 0.1 ms per token (no context terms).
 MODEL = StepModel(d0=0.010, d_row=0.001, d_ctx=0.0, p0=0.020, p_tok=0.0001, p_pair=0.0)
@@ -44,3 +44,48 @@ def test_decode_requests_go_to_the_least_loaded_worker() -> None:
     outs = simulate([(0.0, 10, 20), (0.0, 10, 20)], ClusterShape(1, 2), MODEL, MODEL)
     # Each decodes alone on its own worker: every gap is a one-row step.
     assert all(gap == pytest.approx(0.011) for o in outs for gap in o.itls[1:])
+
+
+def test_serving_overhead_adds_to_requests_steps_and_tokens() -> None:
+    over = ServingOverhead(request_s=0.004, step_s=0.002, token_s=0.001)
+    (out,) = simulate([(0.0, 100, 3)], ClusterShape(num_colocated=1), MODEL, MODEL, over)
+    # Half the request overhead to the queue, the prefill step (+ one step, one token), half
+    # back; each later step is one decode row plus one step and one token of overhead.
+    assert out.ttft == pytest.approx(0.002 + 0.030 + 0.003 + 0.002)
+    assert out.itls == pytest.approx([0.014, 0.014])
+    assert out.latency == pytest.approx(out.ttft + 0.028)
+
+
+def test_closed_loop_starts_the_next_request_when_one_finishes() -> None:
+    over = ServingOverhead(request_s=0.004)
+    reqs = [(5.0, 100, 1), (9.0, 100, 1), (0.0, 100, 1)]  # arrival times are ignored
+    a, b, c = simulate(reqs, ClusterShape(num_colocated=1), MODEL, MODEL, over, concurrency=2)
+    assert a.start == b.start == 0.0
+    # a's arrival starts a step alone (30 ms); b waits for it; c is sent when a's answer is
+    # back (34 ms), reaches the queue 2 ms later and waits for b's step to end (62 ms).
+    assert a.latency == pytest.approx(0.002 + 0.030 + 0.002)
+    assert b.ttft == pytest.approx(0.062 + 0.002)
+    assert c.start == pytest.approx(a.latency)
+    assert c.ttft == pytest.approx(0.092 + 0.002 - 0.034)
+
+
+def test_calibrate_recovers_the_overhead_that_made_the_runs() -> None:
+    from plan_pd import calibrate
+    from serving_metrics import summarize
+
+    truth = ServingOverhead(request_s=0.025, step_s=0.0015, token_s=0.0004)
+    lengths = [(40 + 7 * i % 90, 32) for i in range(24)]
+    shape = ClusterShape(num_colocated=1)
+    runs = []
+    for c in (1, 8):
+        outs = simulate([(0.0, p, o) for p, o in lengths], shape, MODEL, MODEL, truth,
+                        concurrency=c)
+        wall = max(o.start + o.latency for o in outs)
+        runs.append({"load_kind": "concurrency", "load_value": c,
+                     "summary": summarize(outs, wall, {})})
+    got = calibrate(runs, lengths, shape, MODEL)
+    assert got.step_s == pytest.approx(truth.step_s, rel=0.05, abs=1e-4)
+    assert got.token_s == pytest.approx(truth.token_s, rel=0.05, abs=5e-5)
+    assert got.request_s == pytest.approx(truth.request_s, rel=0.1)
+    with pytest.raises(ValueError, match="two concurrencies"):
+        calibrate(runs[:1], lengths, shape, MODEL)
