@@ -97,12 +97,17 @@ class WeightsMsg(msgspec.Struct, frozen=True):
 
     ``config_fingerprint`` is ``ModelConfig.fingerprint()`` (a hash of the parsed model
     config: two checkpoints of one shape and family agree on it, fine-tunes included);
-    ``quantization`` is ``EngineConfig.quantization`` ("none", "int8", "int4").
+    ``quantization`` is ``EngineConfig.quantization`` ("none", "int8", "int4");
+    ``weights_digest`` is the loaded model's ``weights_digest`` (``engine.model.weight_digest``:
+    16 hex digits over a fixed sample of every checkpoint tensor's values as loaded, before
+    quantization), which tells apart checkpoints whose configs agree, such as two fine-tunes of
+    one base.
     """
 
     architecture: str
     config_fingerprint: str
     quantization: str
+    weights_digest: str
 
 
 # ---- server -> worker -------------------------------------------------------------------------

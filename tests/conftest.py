@@ -27,6 +27,25 @@ def model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def fine_tune_path(model_path: Path, tmp_path_factory) -> Path:
+    """A copy of the default model folder with one tensor's values changed throughout, as a
+    fine-tune changes them: the same config and shapes, other weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("fine_tune")
+    for f in model_path.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, path / f.name)
+    tensors = load_file(model_path / "model.safetensors")
+    w = tensors["model.layers.0.mlp.down_proj.weight"]
+    w += 1e-3 * torch.randn(w.shape, generator=torch.Generator().manual_seed(0))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_path: Path):
     from transformers import AutoTokenizer
 

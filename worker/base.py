@@ -99,7 +99,8 @@ class BaseWorker:
         # What the KV handshake checks besides the pool layout (prefill.worker refuses a peer
         # with other weights).
         self.weights = WeightsMsg(
-            self.model_config.architecture, self.model_config.fingerprint(), e.quantization
+            self.model_config.architecture, self.model_config.fingerprint(), e.quantization,
+            model.weights_digest,
         )
         layout = self.model_config.kv_layout(e.page_size, self.dtype, e.kv_cache_dtype)
         num_pages = max(2, e.kv_cache_mb * 2**20 // layout.page_bytes)

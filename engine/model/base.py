@@ -86,6 +86,9 @@ class DecoderLM(nn.Module):
         self.c_max_rows = 0  # decode steps up to this many rows take the C products
         self.kernel_plan: ProductPlan | None = None
         self.fused_decode = fused_decode
+        # The loaded checkpoint's identity for the KV handshake (engine.model.weight_digest),
+        # set by the loader; "" until then.
+        self.weights_digest = ""
         self._fused_layer_ptrs: torch.Tensor | None = None
         self.layers: nn.ModuleList
         self.norm: nn.Module
@@ -171,7 +174,6 @@ class DecoderLM(nn.Module):
                 module.c_max_rows = self.c_max_rows
                 module.w4_c_rows = plan.w4_layer_rows
         self.head.c_max_rows = min(plan.head_rows, limit)
-        self.head.w4_c_rows = plan.w4_head_rows
 
     def weight_bytes(self) -> int:
         """Bytes of the parameters plus the packed copies :meth:`pack_weights` made (oneDNN's

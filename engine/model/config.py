@@ -94,9 +94,10 @@ class ModelConfig:
         """16 hex digits hashing every parsed field (shapes, norms, RoPE, windows, tokens).
 
         Two workers with different fingerprints run different models and must not exchange KV
-        (the KV handshake compares it). Checkpoints of the same shape and family, such as two
-        fine-tunes of one base, share a fingerprint: it identifies the architecture, not the
-        weight values.
+        (the KV handshake compares it). It identifies the architecture, not the weight values:
+        checkpoints of the same shape and family, such as two fine-tunes of one base, share a
+        fingerprint, and the handshake tells them apart by the loaded weights' digest
+        (``engine.model.weight_digest``, ``ipc.messages.WeightsMsg.weights_digest``).
         """
         text = json.dumps(asdict(self), sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -20,11 +20,11 @@ batch-1 step to oneDNN at 1.75x the cost, for good). ``EngineConfig.kernels`` (`
 ``auto`` (measure), ``c`` (C products up to the tiles' limit, 128 rows), ``torch`` (oneDNN for
 every product), or the path of a plan file written by an earlier run.
 
-Under ``--quantization int4`` the C products have two kernels, ours (``gemm_w4.c``) and
-torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``), timed against each other at every
-bucket as well: ours serves steps of at most :attr:`ProductPlan.w4_layer_rows` rows
-(:attr:`ProductPlan.w4_head_rows` in the LM head), torch's above, and the oneDNN crossover is
-taken on the faster of the two.
+Under ``--quantization int4`` the decoder layers' C products have two kernels, ours
+(``gemm_w4.c``) and torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``), timed against each
+other at every bucket as well: ours serves steps of at most :attr:`ProductPlan.w4_layer_rows`
+rows, torch's above, and the oneDNN crossover is taken on the faster of the two. (The LM head
+stays at int8 under int4: ``DecoderLM.quantize_weights``.)
 
 Following oneDNN's and Triton's practice of choosing a kernel by timing it on the machine at
 hand (Triton's ``autotune``), with the decision rule kept to one crossover per product group
@@ -69,11 +69,10 @@ class ProductPlan:
     head_rows: int
     source: str
     table: tuple[tuple[int, float, float, float, float], ...] = ()
-    # int4 only: ours up to these rows, torch's int4 kernel above; w4_table: (rows, layers
-    # ours, layers torch int4, head ours, head torch int4) in microseconds.
+    # int4 only: the layers take ours up to these rows, torch's int4 kernel above; w4_table:
+    # (rows, layers ours, layers torch int4) in microseconds.
     w4_layer_rows: int = NO_LIMIT
-    w4_head_rows: int = NO_LIMIT
-    w4_table: tuple[tuple[int, float, float, float, float], ...] = ()
+    w4_table: tuple[tuple[int, float, float], ...] = ()
     load: float = 0.0  # 1-minute load average per usable core when timed (0: not timed)
 
     @property
@@ -85,13 +84,10 @@ class ProductPlan:
         text = (f"C products for decode steps of <= {self.layer_rows} rows (LM head <= "
                 f"{self.head_rows}), oneDNN above ({self.source})")
         if self.w4_table:
-            if min(self.w4_layer_rows, self.w4_head_rows) >= NO_LIMIT:
+            if self.w4_layer_rows >= NO_LIMIT:
                 text += "; int4: ours at every timed size (faster than torch's int4 kernel)"
             else:
-                layer, head = (str(n) if n < NO_LIMIT else "all" for n in
-                               (self.w4_layer_rows, self.w4_head_rows))
-                text += (f"; int4: ours <= {layer} rows (head <= {head}), torch's int4 "
-                         "kernel above")
+                text += f"; int4: ours <= {self.w4_layer_rows} rows, torch's int4 kernel above"
         return text
 
     def lines(self) -> list[str]:
@@ -100,9 +96,9 @@ class ProductPlan:
         for rows, lc, lo, hc, ho in self.table:
             out.append(f"  {rows:4d} rows: layers C {lc / 1e3:7.2f} ms, oneDNN {lo / 1e3:7.2f} ms; "
                        f"head C {hc / 1e3:6.2f} ms, oneDNN {ho / 1e3:6.2f} ms")
-        for rows, lc, lt, hc, ht in self.w4_table:
+        for rows, lc, lt in self.w4_table:
             out.append(f"  {rows:4d} rows int4: layers ours {lc / 1e3:7.2f} ms, torch "
-                       f"{lt / 1e3:7.2f} ms; head ours {hc / 1e3:6.2f} ms, torch {ht / 1e3:6.2f} ms")
+                       f"{lt / 1e3:7.2f} ms")
         return out
 
     def to_json(self) -> str:
@@ -114,10 +110,11 @@ class ProductPlan:
         try:
             d = json.loads(text)
             table = tuple(tuple(row) for row in d.get("table", ()))
-            w4 = tuple(tuple(row) for row in d.get("w4_table", ()))
+            # A file written before the head kept int8 under int4 has two head columns more.
+            w4 = tuple(tuple(row[:3]) for row in d.get("w4_table", ()))
             return cls(int(d["layer_rows"]), int(d["head_rows"]), source, table,  # type: ignore[arg-type]
-                       int(d.get("w4_layer_rows", NO_LIMIT)), int(d.get("w4_head_rows", NO_LIMIT)),
-                       w4, load=float(d.get("load", 0.0)))  # type: ignore[arg-type]
+                       int(d.get("w4_layer_rows", NO_LIMIT)), w4,  # type: ignore[arg-type]
+                       load=float(d.get("load", 0.0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a kernel plan: {exc}") from exc
 
@@ -174,7 +171,6 @@ def measure(model: torch.nn.Module, max_rows: int) -> ProductPlan:
     buckets = tuple(b for b in BUCKETS if b <= max_rows)
     gen = torch.Generator().manual_seed(0)
     int4 = all(m.int4 is not None and m.int4.torch_packed is not None for m in layer)
-    head4 = head.int4 is not None and head.int4.torch_packed is not None  # else an int8 head
     table, w4_table = [], []
     losses = 0
     for rows in buckets:
@@ -199,13 +195,8 @@ def measure(model: torch.nn.Module, max_rows: int) -> ProductPlan:
                     torch_int4_mm(x, m.int4.torch_packed, m.int4.torch_sz, m.bias)
 
             l4, lt = (t * num_layers for t in _best_pair_us(layer_c, layer_t4))
-            h4 = ht = hc
-            if head4:
-                h4, ht = _best_pair_us(
-                    lambda h=h: head.c_product(h),
-                    lambda h=h: torch_int4_mm(h, head.int4.torch_packed, head.int4.torch_sz, None))
-            w4_table.append((rows, l4, lt, h4, ht))
-            lc, hc = min(lc, lt), min(hc, ht)  # the C column: the faster int4 kernel
+            w4_table.append((rows, l4, lt))
+            lc = min(lc, lt)  # the layers' C column: the faster int4 kernel (the head is int8)
         table.append((rows, lc, lo, hc, ho))
         losses = losses + 1 if (lc > lo * TIE and hc > ho * TIE) else 0
         if losses == 2:
@@ -216,10 +207,8 @@ def measure(model: torch.nn.Module, max_rows: int) -> ProductPlan:
     if not int4:
         return ProductPlan(layer_rows, head_rows, "measured", tuple(table))
     w4_layer = crossover([t[1] for t in w4_table], [t[2] for t in w4_table], timed)
-    w4_head = crossover([t[3] for t in w4_table], [t[4] for t in w4_table], timed)
     return ProductPlan(layer_rows, head_rows, "measured", tuple(table),
-                       NO_LIMIT if w4_layer == timed[-1] else w4_layer,
-                       NO_LIMIT if w4_head == timed[-1] else w4_head, tuple(w4_table))
+                       NO_LIMIT if w4_layer == timed[-1] else w4_layer, tuple(w4_table))
 
 
 def _cache_key(model: torch.nn.Module, max_rows: int) -> str:
@@ -234,11 +223,10 @@ def _cache_key(model: torch.nn.Module, max_rows: int) -> str:
     shapes = [(tuple(m.weight.shape), m.int8 is not None, m.int4 is not None)
               for m in model.layers[0].modules() if isinstance(m, Linear)]  # type: ignore[attr-defined]
     head = model.head  # type: ignore[attr-defined]
-    shapes.append((tuple(head.weight.shape), head.int8 is not None, head.int4 is not None))
+    shapes.append((tuple(head.weight.shape), head.int8 is not None))
     parts = [cpu.decode(errors="replace"), torch.__version__, str(torch.get_num_threads()),
              str(getattr(model.head.kernels, "library_path", "")), str(shapes),  # type: ignore[attr-defined]
              str(tuple(model.head.weight.shape)), str(model.head.int8 is not None),  # type: ignore[attr-defined]
-             str(model.head.int4 is not None),  # type: ignore[attr-defined]
              str(len(model.layers)), str(max_rows)]  # type: ignore[attr-defined]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 

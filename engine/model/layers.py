@@ -65,13 +65,13 @@ def int4_kernels(weight: torch.Tensor, use_cpu_kernels: bool = True) -> CpuKerne
     return kernels if kernels is not None and kernels.has_w4 else None
 
 
-def _quant_kernels(layer: Linear | LMHead, use_cpu_kernels: bool) -> CpuKernels | None:
+def _quant_kernels(layer: Linear, use_cpu_kernels: bool) -> CpuKernels | None:
     if layer.int4 is not None:
         return int4_kernels(layer.weight, use_cpu_kernels)
     return int8_kernels(layer.weight, use_cpu_kernels)
 
 
-def _int4_product(layer: Linear | LMHead, x: torch.Tensor) -> torch.Tensor:
+def _int4_product(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     """The int4 decode product: ours (``gemm_w4.c``) up to ``w4_c_rows`` rows, torch's CPU
     int4 kernel above (the kernel plan measures which is faster: ``engine.model.kernel_plan``)."""
     w = layer.int4
@@ -195,11 +195,10 @@ class LMHead:
         self.kernels: CpuKernels | None = None
         self.decode_packed: torch.Tensor | None = None
         self.c_max_rows = 0
+        # Set by quantize_int8, under --quantization int8 and int4 alike (the head stays at 8
+        # bits under int4: DecoderLM.quantize_weights).
         self.int8: Int8Weight | None = None
-        self.int4: Int4Weight | None = None
-        self.w4_c_rows = 1 << 30
-        self.bias = None  # for c_product's signature: a vocab projection has none
-        self.gpu_weight: TritonInt8Weight | TritonInt4Weight | None = None  # as Linear's
+        self.gpu_weight: TritonInt8Weight | None = None  # as Linear's
 
     def quantize_int8(self) -> None:
         """Like :meth:`Linear.quantize_int8`, on a copy: a tied head shares the embedding table,
@@ -212,20 +211,12 @@ class LMHead:
         self.weight = self.weight.detach().clone()
         self.int8 = quantize_weight_int8(self.weight)
 
-    def quantize_int4(self, exact: torch.Tensor | None = None) -> None:
-        """Like :meth:`quantize_int8`, int4 (``engine.model.quant_int4``)."""
-        if on_cuda(self.weight):
-            self.gpu_weight = gpu_int4(self.weight.detach(), exact)
-            return
-        self.weight = self.weight.detach().clone()
-        self.int4 = quantize_weight_int4(self.weight, exact)
-
     def pack(self, use_cpu_kernels: bool = True) -> CpuKernels | None:
         """Pack like :meth:`Linear.pack`; returns the C kernels when they serve."""
         if can_pack(self.weight):
             self.packed = pack_weight(self.weight.data)
-        if self.int8 is not None or self.int4 is not None:
-            self.kernels = _quant_kernels(self, use_cpu_kernels)
+        if self.int8 is not None:
+            self.kernels = int8_kernels(self.weight, use_cpu_kernels)
         else:
             self.kernels, self.decode_packed = pack_decode(self.weight, use_cpu_kernels)
         self.c_max_rows = self.kernels.decode_max_rows if self.kernels is not None else 0
@@ -234,12 +225,17 @@ class LMHead:
     def packed_bytes(self) -> int:
         # After quantize_int8 the weight is a copy too (the parameter it came from stays).
         int8 = self.int8.nbytes + _bytes(self.weight) if self.int8 is not None else 0
-        int8 += self.int4.nbytes + _bytes(self.weight) if self.int4 is not None else 0
         int8 += self.gpu_weight.nbytes if self.gpu_weight is not None else 0
         return (_bytes(self.weight) if self.packed is not None else 0) + _bytes(
             self.decode_packed) + int8
 
-    c_product = Linear.c_product
+    def c_product(self, h: torch.Tensor) -> torch.Tensor:
+        """The C decode product on ``h [T, hidden]`` bfloat16 (``kernels`` set by :meth:`pack`):
+        the int8 weight after :meth:`quantize_int8`, else the bfloat16 pair layout."""
+        assert self.kernels is not None
+        if self.int8 is not None:
+            return self.kernels.linear_w8(h, self.int8.packed, self.int8.scales, None)
+        return self.kernels.linear_decode(h, self.decode_packed, None)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         if self.gpu_weight is not None:

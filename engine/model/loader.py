@@ -28,6 +28,7 @@ from splitserve.engine.model.gguf.reader import GGUFFile, open_gguf
 from splitserve.engine.model.gguf.tensors import iter_tensors
 from splitserve.engine.model.kernel_plan import choose_product_plan
 from splitserve.engine.model.registry import get_architecture
+from splitserve.engine.model.weight_digest import WeightDigest
 
 INDEX_FILE = "model.safetensors.index.json"
 # (HF name, a description for errors, load the tensor)
@@ -116,7 +117,9 @@ def load_model(
             ``pack_weights``, ``fused_decode``, ``quantization`` (default: ``EngineConfig()``'s).
 
     Returns:
-        ``(model, config)``; the model is in eval mode.
+        ``(model, config)``; the model is in eval mode, its ``weights_digest`` set
+        (``engine.model.weight_digest``: the checkpoint's values as loaded, before
+        ``quantization``).
 
     Raises:
         FileNotFoundError: folder, ``config.json`` or a weights file missing.
@@ -152,7 +155,9 @@ def load_model(
         model = model_cls(config, dtype, attn_backend, fused_decode=engine.fused_decode)
     for table in model.rotary_tables():
         table.to(device)
-    exact = _fill(model, wanted, tensors, source, exact_params)
+    digest = WeightDigest()
+    exact = _fill(model, wanted, digest.watch(tensors), source, exact_params)
+    model.weights_digest = digest.hexdigest()
     # Before packing: the packs read the weights.
     model.quantize_weights(engine.quantization, exact)
     del exact

@@ -98,9 +98,12 @@ def test_w4a16_checkpoint_loads_as_the_package_decompresses(model_path, tmp_path
     ref_params = dict(reference.named_parameters())
     for name, param in quantized.named_parameters():
         assert torch.equal(param, ref_params[name]), name
-    plain = dict(load_model(model_path, torch.float32)[0].named_parameters())
+    plain_model = load_model(model_path, torch.float32)[0]
+    plain = dict(plain_model.named_parameters())
     changed = [n for n, p in quantized.named_parameters() if not torch.equal(p, plain[n])]
     assert changed and all("proj" in n for n in changed)  # 4-bit levels, not the float weights
+    # The weights digest is of the values as loaded: the de-quantized ones.
+    assert quantized.weights_digest == reference.weights_digest != plain_model.weights_digest
 
 
 def test_layer_missing_its_scale_is_refused(model_path, tmp_path) -> None:

@@ -46,11 +46,11 @@ CASES = {
 }
 
 
-def _tiny_gguf(name: str, tmp: Path) -> Path:
+def _tiny_gguf(name: str, tmp: Path, seed: int = 0) -> Path:
     import transformers
 
     cls, arch, extra, qtype, embed = CASES[name]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     hf_cfg = {**COMMON, **extra}
     if cls == "Gemma3TextConfig":
         hf_cfg["rope_parameters"] = {
@@ -106,6 +106,23 @@ def test_gguf_records_tensor_types(tiny_gguf: Path) -> None:
     types = open_gguf(tiny_gguf).tensor_types
     assert types["blk.0.attn_output.weight"] == kind
     assert types["output_norm.weight"] == "F32"
+
+
+def test_weights_digest_of_gguf_files(tmp_path: Path) -> None:
+    """The KV handshake's weights digest (``engine.model.weight_digest``) of a GGUF file: one
+    on every load of it (two workers), the same under ``--quantization`` (taken before it), and
+    another for a file of the same config whose values differ."""
+    from splitserve.config import EngineConfig
+    from splitserve.engine.model.loader import read_config
+
+    one = _tiny_gguf("llama_q8_0", tmp_path / "one")
+    other = _tiny_gguf("llama_q8_0", tmp_path / "other", seed=1)
+    assert read_config(one).fingerprint() == read_config(other).fingerprint()
+    digest = load_model(one, torch.float32)[0].weights_digest
+    assert load_model(one, torch.float32)[0].weights_digest == digest
+    int8 = load_model(one, torch.float32, engine=EngineConfig(quantization="int8"))[0]
+    assert int8.weights_digest == digest
+    assert load_model(other, torch.float32)[0].weights_digest != digest
 
 
 # --- bad files ------------------------------------------------------------------------------

@@ -7,8 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 
+from splitserve.engine.model.loader import load_model
 from splitserve.ipc.messages import (
     GenerateTask,
     KVBootstrap,
@@ -113,15 +115,11 @@ def test_prefill_refuses_mismatched_layout(ctx, model_path) -> None:
     assert_pages_back(worker)
 
 
-@pytest.mark.parametrize("weights", [
-    WeightsMsg("Qwen2ForCausalLM", "0123456789abcdef", "none"),  # another model's config
-    None,  # a bootstrap that does not say
-])
-def test_prefill_refuses_other_weights(ctx, model_path, weights) -> None:
-    """The decode worker's layout matches but its model does not (or it does not say which):
-    the prefill worker refuses, naming both sides, and frees its pages."""
-    server, decode = Inbox(ctx, free_tcp_addr()), Inbox(ctx, free_tcp_addr())
-    worker = make_worker(model_path, "prefill", server.addr)
+def refused_bootstrap(ctx, worker, server: Inbox, weights: WeightsMsg | None) -> str:
+    """Send the prefill ``worker`` a bootstrap whose layout matches its own and whose weights
+    are ``weights``; returns the refusal the decode side gets, once the server has been told
+    and every page is back."""
+    decode = Inbox(ctx, free_tcp_addr())
     worker.dispatch(task(server), [])
     lay = worker.pool.layout
     layout = KVLayoutMsg(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size, lay.dtype)
@@ -130,17 +128,49 @@ def test_prefill_refuses_other_weights(ctx, model_path, weights) -> None:
                                 weights=weights), [])
     got = pump(worker, decode, lambda g: g)
     assert isinstance(got[0], KVFailed) and "weights mismatch" in got[0].message
-    if weights is not None:
-        here = worker.weights.config_fingerprint
-        assert f"config_fingerprint: {here} here vs 0123456789abcdef on the decode worker" in (
-            got[0].message)
-        assert "quantization" not in got[0].message  # only the fields that differ are named
-    else:
-        assert "does not name its weights" in got[0].message
     err = pump(worker, server, lambda g: errors(g))
     assert "weights mismatch" in errors(err)[0].message
     worker.run_once()
     assert_pages_back(worker)
+    return got[0].message
+
+
+@pytest.mark.parametrize("weights", [
+    # another model's config (and so its weights)
+    WeightsMsg("Qwen2ForCausalLM", "0123456789abcdef", "none", "fedcba9876543210"),
+    None,  # a bootstrap that does not say
+])
+def test_prefill_refuses_other_weights(ctx, model_path, weights) -> None:
+    """The decode worker's layout matches but its model does not (or it does not say which):
+    the prefill worker refuses, naming both sides, and frees its pages."""
+    server = Inbox(ctx, free_tcp_addr())
+    worker = make_worker(model_path, "prefill", server.addr)
+    message = refused_bootstrap(ctx, worker, server, weights)
+    if weights is not None:
+        here = worker.weights.config_fingerprint
+        assert f"config_fingerprint: {here} here vs 0123456789abcdef on the decode worker" in (
+            message)
+        assert "quantization" not in message  # only the fields that differ are named
+    else:
+        assert "does not name its weights" in message
+
+
+def test_prefill_refuses_a_fine_tune_of_its_model(ctx, model, model_path, fine_tune_path) -> None:
+    """A decode worker on another checkpoint of the same config (a fine-tune: one tensor's
+    values changed) sends the weights identity its load gives; the prefill worker refuses it,
+    naming both weights digests and nothing else."""
+    server = Inbox(ctx, free_tcp_addr())
+    worker = make_worker(model_path, "prefill", server.addr)
+    tuned, config = load_model(fine_tune_path, torch.float32)
+    here = worker.weights
+    assert here.weights_digest == model[0].weights_digest  # the worker sends its model's
+    peer = WeightsMsg(config.architecture, config.fingerprint(), here.quantization,
+                      tuned.weights_digest)
+    assert peer.config_fingerprint == here.config_fingerprint  # the config cannot tell
+    message = refused_bootstrap(ctx, worker, server, peer)
+    assert (f"weights_digest: {here.weights_digest} here vs {tuned.weights_digest} on the "
+            "decode worker") in message
+    assert "config_fingerprint" not in message and "quantization" not in message
 
 
 def test_prompt_larger_than_pool_is_refused(ctx, model_path) -> None:
