@@ -101,13 +101,14 @@ class WeightsMsg(msgspec.Struct, frozen=True):
     ``weights_digest`` is the loaded model's ``weights_digest`` (``engine.model.weight_digest``:
     16 hex digits over a fixed sample of every checkpoint tensor's values as loaded, before
     quantization), which tells apart checkpoints whose configs agree, such as two fine-tunes of
-    one base.
+    one base. It defaults to "" so that a worker of an earlier version, which does not send it,
+    is refused by name at the handshake (the digests differ) instead of failing to decode.
     """
 
     architecture: str
     config_fingerprint: str
     quantization: str
-    weights_digest: str
+    weights_digest: str = ""
 
 
 # ---- server -> worker -------------------------------------------------------------------------

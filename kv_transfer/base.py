@@ -51,7 +51,8 @@ def weights_mismatch(here: WeightsMsg, peer: WeightsMsg | None) -> str | None:
     if peer is None:
         return "weights mismatch (the decode worker's bootstrap does not name its weights)"
     diffs = [
-        f"{name}: {getattr(here, name)} here vs {getattr(peer, name)} on the decode worker"
+        f"{name}: {getattr(here, name) or '(not sent)'} here vs "
+        f"{getattr(peer, name) or '(not sent)'} on the decode worker"
         for name in WeightsMsg.__struct_fields__
         if getattr(here, name) != getattr(peer, name)
     ]

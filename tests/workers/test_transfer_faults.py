@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -25,6 +26,7 @@ from splitserve.ipc.messages import (
     WeightsMsg,
 )
 from splitserve.ipc.sockets import Inbox, free_tcp_addr
+from splitserve.kv_transfer.base import weights_mismatch
 from splitserve.kv_transfer.session import TransferState
 from splitserve.worker.main import create_worker
 from tests.cluster_config import worker_config
@@ -171,6 +173,19 @@ def test_prefill_refuses_a_fine_tune_of_its_model(ctx, model, model_path, fine_t
     assert (f"weights_digest: {here.weights_digest} here vs {tuned.weights_digest} on the "
             "decode worker") in message
     assert "config_fingerprint" not in message and "quantization" not in message
+
+
+def test_a_peer_of_an_earlier_version_is_refused_by_name() -> None:
+    """A bootstrap from a decode worker that predates the weights digest decodes (the field
+    defaults to empty) and is refused, naming the digest, rather than dropped as malformed."""
+    old = msgspec.msgpack.encode(
+        {"architecture": "LlamaForCausalLM", "config_fingerprint": "f", "quantization": "none"})
+    peer = msgspec.msgpack.decode(old, type=WeightsMsg)
+    here = WeightsMsg("LlamaForCausalLM", "f", "none", "0123456789abcdef")
+    assert weights_mismatch(here, peer) == (
+        "weights mismatch (weights_digest: 0123456789abcdef here vs (not sent) on the decode "
+        "worker)")
+    assert weights_mismatch(here, here) is None
 
 
 def test_prompt_larger_than_pool_is_refused(ctx, model_path) -> None:
