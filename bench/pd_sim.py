@@ -117,6 +117,10 @@ class ClusterShape:
     max_batch_tokens: int = 2048
     max_running: int = 64
     transfer_s_per_token: float = 0.0
+    # Cores the workers share (0: each has its own). When the busy workers' threads exceed
+    # them, a step starting then takes (busy threads / cores) times longer: time-sharing, as
+    # three one-thread workers on two cores get (2P1D on this machine).
+    cores: int = 0
 
     def describe(self) -> str:
         if self.num_colocated:
@@ -179,8 +183,12 @@ def simulate(
         pairs = sum(n * (r.prefilled + n / 2) for r, n in chunks)
         emitted = len(rows) + sum(r.prefilled + n == r.prompt_len for r, n in chunks)
         w.stepping = True
-        end = now + w.model.mixed(len(rows), ctx, tokens, pairs) + overhead.step_s \
-            + overhead.token_s * emitted
+        share = 1.0
+        if shape.cores:
+            busy = sum(x.model.threads for x in workers if x.stepping)
+            share = max(1.0, busy / shape.cores)
+        end = now + share * (w.model.mixed(len(rows), ctx, tokens, pairs) + overhead.step_s
+                             + overhead.token_s * emitted)
         heapq.heappush(events, (end, next(seq), "step", (w, list(rows), chunks)))
 
     def finish(r: SimRequest, now: float) -> None:

@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -185,15 +186,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_setup(run: dict, res: dict, cores: int) -> tuple[str, ClusterShape, int]:
-    """A serving.py run's mode (``colocated`` or ``disaggregated``, from its target name), the
-    cluster shape it launched and the threads per worker (1P1D splits the cores)."""
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"2P1D"`` -> ``(2, 1)``."""
+    m = re.fullmatch(r"(\d+)P(\d+)D", text.upper())
+    if not m:
+        raise SystemExit(f"bad --shape {text!r}: use e.g. 2P1D")
+    return int(m[1]), int(m[2])
+
+
+def _run_setup(run: dict, res: dict, cores: int,
+               shape: str | None = None) -> tuple[str, ClusterShape, int]:
+    """A serving.py run's mode (``colocated`` or ``disaggregated``, from its target name, or
+    ``shape``, e.g. ``2P1D``, for a cluster started by hand), the cluster shape and the threads
+    per worker (a launched 1P1D splits the cores; ``--threads-per-worker`` when the run set
+    it). The workers share ``cores``."""
     words = run["target"].split()
-    mode = "colocated" if "colocated" in words else "disaggregated"
     threads = res["config"].get("threads_per_worker") or 0
-    if mode == "colocated":
-        return mode, ClusterShape(num_colocated=1), threads or cores
-    return mode, ClusterShape(1, 1), threads or max(1, cores // 2)
+    if shape:
+        p, d = parse_shape(shape)
+        return "disaggregated", ClusterShape(p, d, cores=cores), threads or 1
+    if "colocated" in words:
+        return "colocated", ClusterShape(num_colocated=1, cores=cores), threads or cores
+    return "disaggregated", ClusterShape(1, 1, cores=cores), threads or max(1, cores // 2)
 
 
 def _lengths_of(res: dict) -> list[tuple[int, int]]:
@@ -252,7 +266,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     lengths = _lengths_of(res)
     by_mode: dict[str, tuple[ClusterShape, int, list[dict]]] = {}
     for run in res["runs"]:
-        mode, shape, threads = _run_setup(run, res, args.cores)
+        mode, shape, threads = _run_setup(run, res, args.cores, args.shape)
         by_mode.setdefault(mode, (shape, threads, []))[2].append(run)
     data = json.loads(args.profile.read_text())
     for mode, (shape, threads, runs) in by_mode.items():
@@ -280,7 +294,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if not overheads:
         print("  (no calibrated serving overhead in the profile: steps only; see calibrate)")
     for run in res["runs"]:
-        mode, shape, threads = _run_setup(run, res, args.cores)
+        mode, shape, threads = _run_setup(run, res, args.cores, args.shape)
         bare = simulate_run(run, lengths, shape, profiles[threads], NO_OVERHEAD, slos)
         full = simulate_run(run, lengths, shape, profiles[threads],
                             overheads.get(mode, NO_OVERHEAD), slos) if overheads else bare
@@ -320,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     add_data_argument(p)
     for q in (c, k):
         q.add_argument("--results", type=Path, required=True)
+        q.add_argument("--shape", default=None,
+                       help="the cluster's shape, e.g. 2P1D, for a run against --base-url "
+                       "(default: from the target: a launched colocated worker or 1P1D)")
     args = ap.parse_args(argv)
     return {"measure": cmd_measure, "plan": cmd_plan, "compare": cmd_compare,
             "calibrate": cmd_calibrate}[args.command](args)

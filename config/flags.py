@@ -91,7 +91,8 @@ ENGINE_FLAGS = (
     Flag("--dtype", "engine.dtype", "auto: bfloat16 on CPUs with AMX/avx512_bf16 (and CUDA), "
          "else float32", choices=DTYPES),
     Flag("--quantization", "engine.quantization", "weights quantized at load: int8 "
-         "(weight-only, one scale per output channel; AVX512-VNNI decode products), int4 "
+         "(weight-only; CPU: one float32 scale per output channel and 32 input channels, "
+         "AVX512-VNNI decode products; CUDA: one per output channel), int4 "
          "(weight-only, one float16 scale and offset per 32 input channels; GGUF Q4_0 kept "
          "as stored), or none",
          choices=QUANTIZATIONS),

@@ -89,3 +89,12 @@ def test_calibrate_recovers_the_overhead_that_made_the_runs() -> None:
     assert got.request_s == pytest.approx(truth.request_s, rel=0.1)
     with pytest.raises(ValueError, match="two concurrencies"):
         calibrate(runs[:1], lengths, shape, MODEL)
+
+
+def test_workers_sharing_cores_slow_each_other_down() -> None:
+    # Two prefill workers on one core: the second step to start, while the first runs, gets
+    # half the core (the share is taken when a step starts).
+    a, b = simulate([(0.0, 100, 1), (0.0, 100, 1)], ClusterShape(2, 1, cores=1), MODEL, MODEL)
+    assert a.ttft == pytest.approx(0.030) and b.ttft == pytest.approx(0.060)
+    a, b = simulate([(0.0, 100, 1), (0.0, 100, 1)], ClusterShape(2, 1), MODEL, MODEL)
+    assert a.ttft == b.ttft == pytest.approx(0.030)  # a core each
