@@ -32,6 +32,9 @@ class ForwardBatch:
             sequences, never reused), or None. Attention backends may key caches by them.
         logits_every_token: ``logit_indices`` is ``arange(T)`` (a decode step that samples
             every row): the model may score the hidden states without gathering them.
+        max_seq_lens: ``B`` ints, the most KV each sequence can reach on this worker (prompt +
+            ``max_new_tokens`` - 1), or None when unknown. The decode KV cache reserves room by
+            them, so it need not grow in the middle of a sequence's decoding.
     """
 
     input_ids: torch.Tensor
@@ -44,6 +47,7 @@ class ForwardBatch:
     logit_indices: torch.Tensor
     seq_ids: list[int] | None = None
     logits_every_token: bool = False
+    max_seq_lens: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -65,6 +69,7 @@ def build_forward_batch(
     all_logit_seq_indices: Sequence[int] = (),
     seq_ids: list[int] | None = None,
     logit_counts: Sequence[int] | None = None,
+    max_seq_lens: list[int] | None = None,
 ) -> ForwardBatch:
     """Build a :class:`ForwardBatch`.
 
@@ -82,6 +87,7 @@ def build_forward_batch(
         logit_counts: per entry of ``logit_seq_indices``, how many of its last new tokens get
             logits (default 1; speculative rows verify a draft at every drafted position), in
             position order; so the first rows of the logits are ``sum(logit_counts)`` long.
+        max_seq_lens: per sequence, the most KV it can reach here (see :class:`ForwardBatch`).
 
     Raises:
         ValueError: a sequence's pages cannot hold its tokens.
@@ -136,4 +142,5 @@ def build_forward_batch(
         logit_indices=as_long(logit_rows),
         seq_ids=seq_ids,
         logits_every_token=logit_rows == list(range(len(ids))),
+        max_seq_lens=max_seq_lens,
     )

@@ -11,14 +11,22 @@ It is a cache of the pool, never the source of truth: the pool is still written 
 a sequence is copied in from the pool whenever its cached length is not exactly one token short
 (new to decoding, back from an extend, retracted, its KV received by transfer). A sequence absent
 from a step's decode rows loses its slot. Memory: ``2 * num_layers * slots * Hkv * D * cap``
-elements (slots = highest live slot + headroom, cap = longest decode sequence + headroom), never
-more than ``max_bytes`` (the backend passes the pool's own size): above that, :meth:`plan`
-returns None and the caller gathers from the pool instead. With no decode rows it frees it all.
+elements (slots = highest live slot + headroom, cap = the longest reservation + headroom, see
+below), never more than ``max_bytes`` (the backend passes the pool's own size): above that,
+:meth:`plan` returns None and the caller gathers from the pool instead.
+
+Growing means a fresh buffer, a copy, and the page faults of the fresh memory: at batch 32 and
+~300 positions, ~100 ms of CPU on an idle core, several decode steps. So the cache grows when a
+sequence joins, not while it decodes: it reserves each sequence's final length (prompt +
+``max_new_tokens``, :func:`reserve_len`; at most twice its length, or 256 more, when that is
+far off) in the step that admits it (its prompt's step, which already carries prefill work, or,
+on a decode worker, the step that copies its received KV in). A step with no decode rows keeps
+the buffers for the prompts it runs (:meth:`hold`) and frees them when it runs none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,17 +34,29 @@ import torch
 from splitserve.engine.attention.decode_attention import decode_bias
 from splitserve.engine.kv_pool import KVPool, pages_for
 
-# The products run over all ``cap`` positions: a slice of the position dim would make oneDNN
-# copy K and V first (measured ~2x slower). Growing means a fresh buffer and a copy, and the fresh
-# memory's page faults cost most (at batch 32, ~200 tokens: ~100 ms, about one step), so the
-# capacity grows by a quarter at a time (rounded to CAP_ALIGN): rare growth, at the price of
-# products over up to ~25% masked positions.
+# The torch products run over all ``cap`` positions (the C kernels only over each row's length):
+# a slice of the position dim would make oneDNN copy K and V first (measured ~2x slower). The
+# capacity grows to the reservations plus a quarter (rounded to CAP_ALIGN), so that a later
+# sequence with a slightly longer prompt still fits: rare growth, at the price of up to ~25%
+# unused positions (masked positions in the torch products).
 CAP_ALIGN = 32
 CAP_GROWTH = 1.25
+# What a sequence whose final length is far off (no max_tokens: the context) reserves at most:
+# twice its length, or this many positions more.
+RESERVE_AHEAD = 256
 
 
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
+
+
+def reserve_len(seq_len: int, max_seq_len: int | None) -> int:
+    """Positions the cache reserves for a sequence of ``seq_len`` tokens that can reach
+    ``max_seq_len`` (None: unknown, nothing ahead): all of them, up to twice ``seq_len`` or
+    ``RESERVE_AHEAD`` more, whichever is larger."""
+    if max_seq_len is None:
+        return seq_len
+    return max(seq_len, min(max_seq_len, seq_len + max(seq_len, RESERVE_AHEAD)))
 
 
 @dataclass(slots=True)
@@ -146,8 +166,7 @@ class DecodeKVCache:
     def clear(self) -> None:
         """Drop every sequence and free the memory."""
         self.kt = self.v = None
-        self.slot_of, self.len_of = {}, []
-        self._layers_left = 0
+        self._drop_all()
 
     def plan(
         self,
@@ -155,6 +174,8 @@ class DecodeKVCache:
         lens: list[int],
         pages: torch.Tensor,
         window: int | None | Iterable[int | None],
+        max_lens: Sequence[int | None] | None = None,
+        joining: Sequence[tuple[int, int]] = (),
     ) -> DecodePlan | None:
         """Assign slots for one step's decode rows, copy stale rows in from the pool (all layers
         at once) and build the step's indices and mask. Call before the step's first layer.
@@ -165,6 +186,11 @@ class DecodeKVCache:
             pages: ``[Bd, P]`` int64 page ids of each row (``P`` pages cover the longest row).
             window: sliding window, or None; or every distinct window of the step's layers
                 (a mask is built for each).
+            max_lens: ``Bd`` most KV each row can reach (None: unknown); a row new to the
+                cache gets its :func:`reserve_len`, so it need not grow while it decodes.
+            joining: ``(length after the step, most KV it can reach)`` of each sequence that
+                decodes from a later step (this step's prompt rows): slots and capacity are
+                reserved for them now, in the step that admits them.
 
         Returns:
             The plan, or None when the cache would exceed ``max_bytes`` or ``seq_ids`` repeat
@@ -178,19 +204,27 @@ class DecodeKVCache:
         live = dict.fromkeys(seq_ids)
         for sid in [s for s in self.slot_of if s not in live]:
             self.len_of[self.slot_of.pop(sid)] = 0
+        bounds = [None] * len(lens) if max_lens is None else max_lens
         slots, stale = [], []
-        for i, (sid, n) in enumerate(zip(seq_ids, lens, strict=True)):
+        wanted = reserved = 0  # reservations: of rows new to the cache, of every row
+        for i, (sid, n, bound) in enumerate(zip(seq_ids, lens, bounds, strict=True)):
             slot = self.slot_of.get(sid)
+            reserve = self._reserve(n, bound)
             if slot is None:
                 slot = self._free_slot()
                 self.slot_of[sid] = slot
+                wanted = max(wanted, reserve)
             if self.len_of[slot] != n - 1:
                 stale.append(i)
             self.len_of[slot] = n
             slots.append(slot)
+            reserved = max(reserved, reserve)
+        for n, bound in joining:
+            wanted = max(wanted, self._reserve(n, bound))
+        reserved = max(reserved, wanted)
         num_slots = max(slots) + 1
         num_keys = max(pages.shape[1] * self.pool.page_size, max(lens))
-        if not self._fit(num_slots, num_keys):
+        if not self._fit(num_slots, num_keys, self._slots_with(len(joining)), wanted, reserved):
             self.clear()
             return None
         for i in stale:
@@ -198,6 +232,24 @@ class DecodeKVCache:
         self._layers_left = self.num_layers
         windows = [window] if window is None or isinstance(window, int) else list(window)
         return self._build_plan(slots, num_slots, windows)
+
+    def hold(self, joining: Sequence[tuple[int, int]]) -> None:
+        """A step with no decode rows: every sequence loses its slot, and the buffers are kept
+        (or made) for ``joining`` (``(length after the step, most KV it can reach)`` of the
+        step's prompt rows that will decode), in the step that admits them. They are freed
+        when there are none, and reallocated (nothing to copy) when they are too small for the
+        reservations or would use under a quarter of them."""
+        if not joining:
+            self.clear()
+            return
+        self._drop_all()
+        want_slots = len(joining)
+        want_keys = max(self._reserve(n, bound) for n, bound in joining)
+        size = self._bytes(_round_up(want_slots, 8), _round_up(want_keys, CAP_ALIGN))
+        slots, cap = (0, 0) if self.kt is None else (self.kt.shape[1], self.kt.shape[4])
+        resize = want_slots > slots or want_keys > cap or 4 * size < self.nbytes
+        if resize and not self._fit(0, 0, want_slots, want_keys, want_keys, keep=False):
+            self.clear()
 
     def append(self, layer: int, plan: DecodePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' ``k``/``v [Bd, Hkv, D]`` of ``layer``."""
@@ -245,6 +297,11 @@ class DecodeKVCache:
 
     # ---- internals ----------------------------------------------------------------------------
 
+    def _drop_all(self) -> None:
+        """Drop every sequence, keeping the memory."""
+        self.slot_of, self.len_of = {}, []
+        self._layers_left = 0
+
     def _free_slot(self) -> int:
         # A taken slot has a length >= 1 from the moment it is assigned.
         for slot, n in enumerate(self.len_of):
@@ -253,31 +310,61 @@ class DecodeKVCache:
         self.len_of.append(0)
         return len(self.len_of) - 1
 
+    def _reserve(self, seq_len: int, max_seq_len: int | None) -> int:
+        # Whole pages: a sequence is copied in from the pool a page at a time.
+        return _round_up(reserve_len(seq_len, max_seq_len), self.pool.page_size)
+
+    def _slots_with(self, num_joining: int) -> int:
+        """Slots needed once ``num_joining`` more sequences take the lowest free ones."""
+        free = [s for s, n in enumerate(self.len_of) if n == 0]
+        if num_joining <= len(free):
+            return free[num_joining - 1] + 1 if num_joining else 0
+        return len(self.len_of) + num_joining - len(free)
+
     def _bytes(self, slots: int, cap: int) -> int:
         return 2 * self.num_layers * slots * self.hkv * self.d * cap * self.dtype.itemsize
 
-    def _fit(self, num_slots: int, num_keys: int) -> bool:
-        """Grow the buffers to hold ``num_slots`` slots of ``num_keys`` positions, within
-        ``max_bytes``. Returns False if that cannot fit."""
-        old_slots, old_cap = (0, 0) if self.kt is None else (self.kt.shape[1], self.kt.shape[4])
-        if num_slots <= old_slots and num_keys <= old_cap:
+    def _fit(
+        self,
+        num_slots: int,
+        num_keys: int,
+        want_slots: int,
+        want_keys: int,
+        reserved: int,
+        keep: bool = True,
+    ) -> bool:
+        """Make the buffers hold ``num_slots`` slots of ``num_keys`` positions (this step's
+        need) and ``want_slots`` slots of ``want_keys`` (the reservations of sequences new to
+        the cache), within ``max_bytes``: a growth (the only allocation) sizes the capacity to
+        ``reserved`` (every live sequence's reservation) plus headroom, and is clipped to what
+        fits. ``keep``: copy the cached sequences over (False: none are cached; the buffers
+        are sized afresh, and kept if that is their size). Returns False if the need cannot
+        fit."""
+        held = (0, 0) if self.kt is None else (self.kt.shape[1], self.kt.shape[4])
+        old_slots, old_cap = held if keep else (0, 0)
+        need_slots, need_keys = max(num_slots, want_slots), max(num_keys, want_keys)
+        if need_slots <= old_slots and need_keys <= old_cap:
             return True
-        slots = max(num_slots, old_slots)
-        if num_slots > old_slots:
-            slots = _round_up(max(num_slots, old_slots * 3 // 2), 8)
+        slots = old_slots
+        if need_slots > old_slots:
+            slots = _round_up(max(need_slots, old_slots * 3 // 2), 8)
         cap = old_cap
-        if num_keys > old_cap:
-            cap = _round_up(int(max(num_keys, old_cap) * CAP_GROWTH), CAP_ALIGN)
-        if self._bytes(slots, cap) > self.max_bytes:  # try again without headroom
-            slots, cap = max(num_slots, old_slots), max(_round_up(num_keys, CAP_ALIGN), old_cap)
+        if need_keys > old_cap:
+            cap = _round_up(int(max(need_keys, reserved, old_cap) * CAP_GROWTH), CAP_ALIGN)
+        if self._bytes(slots, cap) > self.max_bytes:  # no slot headroom; the capacity that fits
+            slots = max(num_slots or want_slots, old_slots)
+            fits = self.max_bytes // self._bytes(slots, 1) // CAP_ALIGN * CAP_ALIGN
+            cap = max(min(cap, fits), _round_up(num_keys, CAP_ALIGN), old_cap)
             if self._bytes(slots, cap) > self.max_bytes:
                 return False
+        if cap == 0 or (slots, cap) == held:  # only reservations that do not fit missed
+            return True
         shape = (self.num_layers, slots, self.hkv)
         # Zeros, not empty: masked positions still enter the products (as -inf scores and
         # probability-0 values), so they must hold finite numbers.
         kt = torch.zeros(*shape, self.d, cap, dtype=self.dtype, device=self.device)
         v = torch.zeros(*shape, cap, self.d, dtype=self.dtype, device=self.device)
-        if self.kt is not None and self.v is not None:
+        if keep and self.kt is not None and self.v is not None:
             kt[:, :old_slots, :, :, :old_cap] = self.kt
             v[:, :old_slots, :, :old_cap] = self.v
         self.kt, self.v = kt, v

@@ -69,6 +69,18 @@ class TorchAttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [Bd] int64
 
 
+def _joining(batch: ForwardBatch) -> list[tuple[int, int]]:
+    """``(length after the step, most KV it can reach)`` of the step's prompt rows that will
+    decode afterwards: the decode cache reserves room for them in this step."""
+    bounds = batch.max_seq_lens
+    if bounds is None:
+        return []
+    return [
+        (n, bound) for n, bound, chunk in zip(batch.seq_lens, bounds, batch.extend_lens)
+        if chunk > 1 and bound > n
+    ]
+
+
 # Decode rows attend head-major (decode_attention.attend) in bfloat16: three batched ops per
 # layer with no wasted score arithmetic, over K/V the decode cache holds in place or that one
 # gather copies out of the pool. Float32 keeps the SDPA path, so greedy-vs-transformers numerics
@@ -121,8 +133,12 @@ class TorchAttentionBackend(BaseAttentionBackend):
             batch, windows, None, None, {}, extends, len(dec_rows) == len(batch.extend_lens)
         )
         if not dec_rows:
-            if self.decode_cache is not None:
-                self.decode_cache.clear()  # nothing decodes: hold no memory
+            # Nothing decodes: the cache keeps (or makes) room only for the prompts that will.
+            joining, cache = _joining(batch), self.decode_cache
+            if cache is None and joining and _use_head_major(pool.dtype):
+                cache = self._decode_cache_for(pool, batch)
+            if cache is not None:
+                cache.hold(joining)
             return meta
         lens = [batch.seq_lens[i] for i in dec_rows]
         num_pages = pages_for(max(lens), ps)
@@ -140,7 +156,11 @@ class TorchAttentionBackend(BaseAttentionBackend):
         cache = self._decode_cache_for(pool, batch)
         if cache is not None:
             ids = [batch.seq_ids[i] for i in dec_rows]  # type: ignore[index]
-            meta.decode_plan = cache.plan(ids, lens, meta.decode_pages, distinct)
+            bounds = batch.max_seq_lens
+            max_lens = None if bounds is None else [bounds[i] for i in dec_rows]
+            meta.decode_plan = cache.plan(
+                ids, lens, meta.decode_pages, distinct, max_lens, _joining(batch)
+            )
         if self._kernels_for(pool) is not None:
             meta.decode_lens = torch.tensor(lens, dtype=torch.long, device=device)
         if meta.decode_plan is None:

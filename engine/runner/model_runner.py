@@ -113,6 +113,7 @@ class ModelRunner:
                 all_logit_seq_indices=scored,
                 seq_ids=[r.uid for r in reqs],
                 logit_counts=counts if drafts else None,
+                max_seq_lens=step.max_seq_lens or None,
             )
             graphs = self.decode_graphs
             if graphs is not None and graphs.can_run(batch, sample_rows, scored):

@@ -19,13 +19,16 @@ class ScheduledBatch:
     rows whose chunk covers a position that predicts a prompt token whose logprob is still
     wanted (``Req.next_prompt_logprob``). ``drafts``: row -> the speculative draft tokens
     appended to its chunk (a decoding row's chunk is then its missing token plus the draft; the
-    runner verifies the draft, ``runner.verify``)."""
+    runner verifies the draft, ``runner.verify``). ``max_seq_lens``: per row, the most KV the
+    sequence can reach on this worker (prompt + ``max_new_tokens`` - 1); empty when unknown, and
+    on a prefill worker (its rows leave with their first token)."""
 
     reqs: list[Req]
     chunk_lens: list[int]
     sample_rows: list[int]
     scored_rows: list[int] = field(default_factory=list)
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    max_seq_lens: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -141,7 +141,11 @@ class Scheduler:
             i for i, (r, n) in enumerate(zip(reqs, chunks)) if n == r.extend_len or i in drafts
         ]
         scored = [i for i, (r, n) in enumerate(zip(reqs, chunks)) if _scores_prompt(r, n)]
-        return ScheduledBatch(reqs, chunks, sample_rows, scored, drafts)
+        # A prefill worker's rows never decode here: no bounds, so nothing reserves for them.
+        max_lens = [] if self.prefill_only else [
+            r.prompt_len + r.sampling.max_new_tokens - 1 for r in reqs
+        ]
+        return ScheduledBatch(reqs, chunks, sample_rows, scored, drafts, max_lens)
 
     def update(self, batch: ScheduledBatch, output: ModelOutput) -> list[StepOutput]:
         """Apply what the runner computed for ``batch`` (from :meth:`schedule`, run once):

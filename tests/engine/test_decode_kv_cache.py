@@ -8,7 +8,7 @@ import pytest
 import torch
 from attention_reference import reference
 
-from splitserve.engine.attention.decode_kv_cache import DecodeKVCache
+from splitserve.engine.attention.decode_kv_cache import RESERVE_AHEAD, DecodeKVCache, reserve_len
 from splitserve.engine.attention.torch_backend import TorchAttentionBackend
 from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.kv_pool import KVLayout, KVPool, pages_for
@@ -35,15 +35,16 @@ class Sim:
         self.v = [torch.randn(shape).to(torch.bfloat16) for _ in range(num_seqs)]
 
     def step(self, backend: TorchAttentionBackend, rows: list[int], chunks: list[int],
-             with_ids: bool) -> list[torch.Tensor]:
-        """Extend ``rows`` by ``chunks`` tokens; returns each layer's output ``[T, Hq, D]``."""
+             with_ids: bool, max_lens: list[int] | None = None) -> list[torch.Tensor]:
+        """Extend ``rows`` by ``chunks`` tokens (``max_lens``: the most KV each can reach);
+        returns each layer's output ``[T, Hq, D]``."""
         for i, n in zip(rows, chunks, strict=True):
             need = pages_for(self.lens[i] + n, PAGE) - len(self.pages[i])
             self.pages[i] += self.pool.allocator.alloc(need)
         batch = build_forward_batch(
             [[0] * n for n in chunks], [self.lens[i] for i in rows],
             [self.pages[i] for i in rows], PAGE, [], "cpu",
-            seq_ids=rows if with_ids else None,
+            seq_ids=rows if with_ids else None, max_seq_lens=max_lens,
         )
         meta = backend.prepare(batch, self.pool, self.window)
         outs, scale = [], self.d**-0.5
@@ -140,6 +141,58 @@ def test_interrupted_step_drops_the_cache() -> None:
     assert cache._layers_left == 0 and set(cache.slot_of) == {0, 1}
 
 
+@pytest.mark.parametrize("use_cpu_kernels", [True, False])
+def test_cache_grows_only_when_a_sequence_is_admitted(use_cpu_kernels) -> None:
+    """With each sequence's final length known, the cache's buffers are replaced only in steps
+    that admit a sequence (its prompt step), never while it decodes; the outputs still match
+    the reference (the torch path reads the reserved, masked positions: they must be finite)."""
+    torch.manual_seed(0)
+    sim = Sim(3, 3, None, 4)
+    backend = TorchAttentionBackend(use_cpu_kernels=use_cpu_kernels)
+    final = [40, 30, 64, 50]  # prompt + max_new_tokens - 1 of each sequence
+    prompts = [5, 9, 20, 3]
+    replaced_in = []  # (step, admitted a sequence)
+    for step in range(100):  # sequence i arrives at step 8 * i
+        live = [i for i in range(4) if 0 < sim.lens[i] < final[i]]
+        new = [i for i in range(4) if sim.lens[i] == 0 and step >= 8 * i]
+        rows = live + new
+        if not rows:
+            break
+        chunks = [1] * len(live) + [prompts[i] for i in new]
+        before = None if backend.decode_cache is None else backend.decode_cache.kt
+        sim.step(backend, rows, chunks, with_ids=True, max_lens=[final[i] for i in rows])
+        cache = backend.decode_cache
+        if cache is not None and cache.kt is not before:
+            replaced_in.append((step, bool(new)))
+    assert sim.lens == final
+    assert replaced_in and all(admits for _, admits in replaced_in), replaced_in
+    assert len(replaced_in) <= 4  # at most one growth per admitted sequence
+
+
+def test_reservation_is_clipped_to_the_memory_bound() -> None:
+    torch.manual_seed(0)
+    sim = Sim(2, 2, None, 2)
+    backend = TorchAttentionBackend()
+    # 2 slots x 128 positions: 2 * LAYERS * 2 * 2 * 16 * 128 * 2 bytes = 32 KiB; a final
+    # length of 1000 would need far more: the cache reserves what fits (in the prompt step),
+    # keeps it, and still serves the steps.
+    cache = backend.decode_cache = DecodeKVCache(sim.pool, max_bytes=32 * 1024)
+    sim.step(backend, [0, 1], [9, 5], with_ids=True, max_lens=[1000, 1000])
+    kt = cache.kt
+    assert kt is not None and cache.nbytes == cache.max_bytes
+    for _ in range(8):
+        sim.step(backend, [0, 1], [1, 1], with_ids=True, max_lens=[1000, 1000])
+        assert cache.kt is kt and set(cache.slot_of) == {0, 1}
+
+
+def test_reserve_len() -> None:
+    assert reserve_len(10, None) == 10  # unknown: nothing ahead
+    assert reserve_len(10, 137) == 137  # the final length, when it is near
+    assert reserve_len(10, 8191) == 10 + RESERVE_AHEAD  # far off: a bounded step ahead
+    assert reserve_len(1000, 8191) == 2000
+    assert reserve_len(50, 40) == 50
+
+
 def test_scheduler_tokens_equal_with_and_without_cache(model_path) -> None:
     """The default model in bfloat16 through the scheduler (chunked prefill interleaved with
     decodes, requests finishing at different steps): same greedy tokens either way."""
@@ -181,3 +234,55 @@ def test_scheduler_tokens_equal_with_and_without_cache(model_path) -> None:
         assert run(True) == run(False)
     finally:
         torch.set_num_threads(before)
+
+
+def test_scheduler_growth_only_at_admission(model_path) -> None:
+    """Requests arriving while others decode (bfloat16, the default model): the decode cache's
+    buffers are replaced only in steps that run a prompt (at most once per request), and the
+    greedy tokens equal the gather path's."""
+    from splitserve.engine.model.loader import load_model
+    from splitserve.engine.sched.request import Req
+    from splitserve.ipc.messages import SamplingParams
+    from tests.engine_core import make_core
+
+    model, cfg = load_model(model_path, dtype=torch.bfloat16)
+    # The first outgrows a capacity sized to its prompt before the others arrive.
+    prompt_lens, new_tokens, arrivals = [7, 60, 23, 140], [60, 30, 48, 20], [0, 30, 36, 42]
+
+    def run(use_cache: bool) -> tuple[list[list[int]], list[bool]]:
+        backend = model.attn_backend
+        backend.use_decode_cache, backend.decode_cache = use_cache, None
+        pool = KVPool(cfg.kv_layout(16, "bfloat16"), 200)
+        core = make_core(model, pool, cfg.eos_token_ids, max_batch_tokens=64, max_running=8)
+        sched = core.scheduler
+        g = torch.Generator().manual_seed(1)
+        reqs = [
+            Req(rid=str(i), input_ids=torch.randint(100, 40000, (n,), generator=g).tolist(),
+                sampling=SamplingParams(temperature=0.0, max_new_tokens=m, ignore_eos=True))
+            for i, (n, m) in enumerate(zip(prompt_lens, new_tokens))
+        ]
+        replaced_in = []  # per replacement of the buffers: did its step run a prompt?
+        step = 0
+        while step <= arrivals[-1] or sched.has_work:
+            for req, at in zip(reqs, arrivals):
+                if at == step:
+                    sched.add(req)
+            before = None if backend.decode_cache is None else backend.decode_cache.kt
+            batch = sched.schedule()
+            if batch is not None:
+                sched.update(batch, core.runner.run(batch))
+                cache = backend.decode_cache
+                if cache is not None and cache.kt is not None and cache.kt is not before:
+                    replaced_in.append(any(n > 1 for n in batch.chunk_lens))
+            step += 1
+        return [r.output_ids for r in reqs], replaced_in
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        (cached, replaced_in), (gathered, _) = run(True), run(False)
+    finally:
+        torch.set_num_threads(before)
+    assert [len(t) for t in cached] == new_tokens
+    assert cached == gathered
+    assert replaced_in and all(replaced_in) and len(replaced_in) <= len(prompt_lens)
