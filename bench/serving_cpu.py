@@ -6,8 +6,8 @@ Python spends per token delays the next step).
 Starts a local cluster (``bench/common.py`` ``launch_cluster``), sends ``--num-prompts``
 ShareGPT prompts one at a time to ``/v1/completions`` (``ignore_eos``, greedy), streamed and
 then not, and reads each process's CPU seconds from ``/proc`` around every request. In the
-worker a probe (a ``sitecustomize`` put on the children's ``PYTHONPATH``, nothing in splitserve)
-sums the CPU spent inside ``ModelRunner.run`` (all threads: the model step) and the main
+worker a probe (``serving_cpu_probe.py``, loaded by a ``sitecustomize`` put on the children's
+``PYTHONPATH``; nothing in splitserve) sums the CPU spent inside ``ModelRunner.run`` (all threads: the model step) and the main
 thread's CPU in the scheduler and in ``emit_decoded``; the rest of the worker's CPU is its loop
 (polling, messages) and its other threads (ZeroMQ I/O, heartbeat, OpenMP threads spinning
 between steps).
@@ -27,7 +27,6 @@ import argparse
 import json
 import mmap
 import os
-import struct
 import sys
 import tempfile
 import time
@@ -38,85 +37,17 @@ from pathlib import Path
 
 import httpx
 from common import cpu_line, launch_cluster, load_prompts, resolve_model
+from serving_cpu_probe import FIELDS as PROBE_FIELDS
+from serving_cpu_probe import FORMAT as PROBE
 
-# The probe's counters, doubles in a file per worker: CPU seconds inside ModelRunner.run
-# (process, then main thread), main-thread seconds in Scheduler.schedule/update and in
-# emit_decoded, and the number of model steps.
-PROBE_FIELDS = ("run_process", "run_thread", "sched_thread", "emit_thread", "steps")
-PROBE = struct.Struct(f"{len(PROBE_FIELDS)}d")
-SITECUSTOMIZE = '''
+# Put on the cluster's PYTHONPATH: loads the probe into worker processes only.
+SITECUSTOMIZE = """
 import os, sys
 if os.environ.get("SERVING_CPU_PROBE") and "worker" in sys.argv:
-    sys.path.insert(0, {folder!r})
+    sys.path.append({bench!r})
     import serving_cpu_probe
     serving_cpu_probe.install(os.environ["SERVING_CPU_PROBE"])
-'''
-PROBE_MODULE = '''
-"""Written by bench/serving_cpu.py: wraps worker methods once splitserve.worker.base loads."""
-import importlib.util, mmap, os, struct, sys, time
-
-FMT = struct.Struct("{n}d")
-
-
-def install(folder):
-    sys.meta_path.insert(0, _Hook(folder))
-
-
-class _Hook:
-    def __init__(self, folder):
-        self.folder = folder
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "splitserve.worker.base":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run_module = spec.loader.exec_module
-
-        def exec_module(module):
-            run_module(module)
-            _wrap(module, self.folder)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-def _wrap(base, folder):
-    path = os.path.join(folder, f"{{os.getpid()}}.probe")
-    with open(path, "wb") as f:
-        f.write(bytes(FMT.size))
-    f = open(path, "r+b")
-    buf = mmap.mmap(f.fileno(), FMT.size)
-    acc = [0.0] * {n}
-    pt, tt = time.process_time, time.thread_time
-
-    def timed_run(fn):
-        def run(*a, **k):
-            p0, t0 = pt(), tt()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[0] += pt() - p0
-                acc[1] += tt() - t0
-                acc[4] += 1
-                FMT.pack_into(buf, 0, *acc)
-        return run
-
-    def timed(fn, slot):
-        def call(*a, **k):
-            t0 = tt()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[slot] += tt() - t0
-                FMT.pack_into(buf, 0, *acc)
-        return call
-
-    base.ModelRunner.run = timed_run(base.ModelRunner.run)
-    base.Scheduler.schedule = timed(base.Scheduler.schedule, 2)
-    base.Scheduler.update = timed(base.Scheduler.update, 2)
-    base.BaseWorker.emit_decoded = timed(base.BaseWorker.emit_decoded, 3)
-'''
+"""
 
 
 def package_farm(tree: Path, folder: Path) -> Path:
@@ -270,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.num_prompts} prompts x {args.output_len} tokens, one at a time")
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         probe_dir = Path(tmp)
-        (probe_dir / "sitecustomize.py").write_text(SITECUSTOMIZE.format(folder=tmp))
-        (probe_dir / "serving_cpu_probe.py").write_text(PROBE_MODULE.format(n=len(PROBE_FIELDS)))
+        bench = str(Path(__file__).resolve().parent)
+        (probe_dir / "sitecustomize.py").write_text(SITECUSTOMIZE.format(bench=bench))
         clusters = []  # (label, url, pids)
         for i, tree in enumerate(args.tree or [None]):
             path = [tmp] if tree is None else [str(package_farm(tree, probe_dir / f"t{i}")), tmp]

@@ -23,7 +23,6 @@ logger = logging.getLogger(__name__)
 
 # Bounded queues: a peer that stops reading makes sends fail fast instead of growing memory.
 SEND_HWM = 10_000
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum arithmetic per poll
 
 
 def _ephemeral_low() -> int:
@@ -83,8 +82,6 @@ class Inbox:
 
     def poll(self, timeout_ms: int) -> bool:
         self._discard_unread()  # else the unread frames would count as a new message
-        if timeout_ms == 0:  # a worker between busy steps: the socket's flags, no poll call
-            return bool(self.sock.getsockopt(_EVENTS) & _POLLIN)
         return bool(self.sock.poll(timeout_ms, zmq.POLLIN))
 
     def recv(self) -> tuple[Message, SocketFrames] | None:
