@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.pathsep)).rstrip(os.pathsep), "SERVING_CPU_PROBE": tmp}
             url = stack.enter_context(launch_cluster(
                 mode, model, dtype, quantization=quantization or "none", extra_env=env))
-            label = str(tree) if tree is not None else "this checkout"
+            label = f"cluster {i + 1}, " + (str(tree) if tree is not None else "this checkout")
             clusters.append((label, url, cluster_pids(int(url.rsplit(":", 1)[1]))))
         client = stack.enter_context(httpx.Client(timeout=600))
         everyone = [pid for _, _, pids in clusters for pid in pids.values()]
