@@ -69,10 +69,11 @@ def violation(schema_text: str, output: str) -> str | None:
     return f"{error.message} at /{'/'.join(str(p) for p in error.absolute_path)}"
 
 
-async def checked_pieces(
+def checked_pieces(
     job: Job, pieces: AsyncIterator[Piece], violations: Any | None
 ) -> AsyncIterator[Piece]:
-    """``pieces``, with the last one held until the whole output has been validated.
+    """``pieces``, with the last one held until the whole output has been validated (the same
+    iterator when there is nothing to validate).
 
     Args:
         job: the job the pieces belong to.
@@ -83,15 +84,15 @@ async def checked_pieces(
         APIError: 500 ``constraint_violation`` when a strict schema's output does not validate.
     """
     constraint = job.sampling.constraint
-    if constraint is None or constraint.kind != "json_schema":
-        async for piece in pieces:
-            yield piece
-        return
     # A stop string may cut the JSON short of its end; such an output is not finished.
-    if job.stop:
-        async for piece in pieces:
-            yield piece
-        return
+    if constraint is None or constraint.kind != "json_schema" or job.stop:
+        return pieces
+    return _validated(job, constraint, pieces, violations)
+
+
+async def _validated(
+    job: Job, constraint: Any, pieces: AsyncIterator[Piece], violations: Any | None
+) -> AsyncIterator[Piece]:
     parts: list[str] = []
     try:
         async for piece in pieces:

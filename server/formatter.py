@@ -7,8 +7,10 @@ beyond text (logprobs, token ids) is handed in ready-made; the formatter only pl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from splitserve.server.sse import EventTemplate
 
 
 @dataclass(slots=True)
@@ -37,6 +39,9 @@ class ResponseFormatter:
     model: str
     is_chat: bool
     include_usage: bool = False
+    # Per choice index, the template of its text chunks' events (text_event).
+    _text_events: dict[int, EventTemplate] = field(default_factory=dict, init=False, repr=False,
+                                                   compare=False)
 
     def _envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -110,6 +115,15 @@ class ResponseFormatter:
         if self.include_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the last
         return body
+
+    def text_event(self, text: str, index: int = 0) -> str:
+        """The SSE event of ``chunk(text, index=index)``, the chunk of most streamed tokens,
+        without building and encoding the body each time (``server.sse.EventTemplate``)."""
+        template = self._text_events.get(index)
+        if template is None:
+            template = EventTemplate(self.chunk(EventTemplate.MARK, index=index))
+            self._text_events[index] = template
+        return template.event(text)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         """The final chunk of ``stream_options.include_usage``: empty choices, full usage."""

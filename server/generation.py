@@ -64,7 +64,7 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
                 raise APIError(ev.error, status_code=ev.error_code)
             start = len(job.output_ids)
             record(job, ev)
-            span = {"token_start": start, "token_end": len(job.output_ids)}
+            end = len(job.output_ids)
             job.usage.prompt_tokens = ev.prompt_len or job.usage.prompt_tokens
             job.usage.cached_tokens = max(job.usage.cached_tokens, ev.cached_len)
             text = stops.feed(detok.push(ev.token_ids))
@@ -72,12 +72,12 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
                 engine_done = True
                 text += stops.feed(detok.flush(cut=ev.finish_reason == "length"))
                 text += stops.flush()
-                yield Piece(text, "stop" if stops.stopped else ev.finish_reason, **span)
+                yield Piece(text, "stop" if stops.stopped else ev.finish_reason, start, end)
                 return
             if stops.stopped:  # engine still running: the finally aborts it
-                yield Piece(text, "stop", **span)
+                yield Piece(text, "stop", start, end)
                 return
-            yield Piece(text, **span)
+            yield Piece(text, None, start, end)
         engine_done = True
         raise APIError("the engine ended the request without a finish reason", status_code=500)
     finally:

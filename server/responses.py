@@ -118,14 +118,15 @@ async def streaming_response(
     return SSEResponse(_sse_events(jobs, sources))
 
 
-async def _sse_events(jobs: list[Job], sources: list[AsyncIterator[dict[str, Any]]]
-                      ) -> AsyncIterator[str]:
-    """The chunks of every choice as they come, then one usage chunk (if asked) and ``[DONE]``.
+async def _sse_events(jobs: list[Job], sources: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The events of every choice as they come, then one usage chunk (if asked) and ``[DONE]``.
     An error in any choice ends the stream with an error event (the others are aborted)."""
     fmt = jobs[0].formatter
+    events = sources[0] if len(sources) == 1 else _interleave(sources)
     try:
-        async for chunk in _interleave(sources):
-            yield encode_event(chunk)
+        async with contextlib.aclosing(events):  # type: ignore[type-var]
+            async for event in events:
+                yield event
     except APIError as err:
         yield encode_event(err.body())
         yield DONE_EVENT
@@ -139,11 +140,6 @@ async def _interleave(sources: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
     """The items of every source, each as soon as it is ready (one task per source). The first
     exception of any source is raised here; closing this iterator, or an exception, closes
     every source (which aborts its request on the workers)."""
-    if len(sources) == 1:
-        async with contextlib.aclosing(sources[0]):  # type: ignore[type-var]
-            async for item in sources[0]:
-                yield item
-        return
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
     async def pump(source: AsyncIterator[Any]) -> None:
@@ -198,10 +194,11 @@ class _ChunkLogprobs:
 
 
 async def _choice_chunks(job: Job, first: Piece | None, pieces: AsyncIterator[Piece],
-                         speller: TokenSpeller) -> AsyncIterator[dict[str, Any]]:
-    """The streamed chunks of one choice (``first``: its first piece if already read), each
-    naming ``job.index``; the role chunk first (chat), its own ``finish_reason`` last. With
-    tools, content and tool-call deltas (``server.tools.stream``), never the call markup.
+                         speller: TokenSpeller) -> AsyncIterator[str]:
+    """The SSE events of one choice's streamed chunks (``first``: its first piece if already
+    read), each naming ``job.index``; the role chunk first (chat), its own ``finish_reason``
+    last. With tools, content and tool-call deltas (``server.tools.stream``), never the call
+    markup.
 
     Raises:
         APIError: the worker failed this choice.
@@ -211,7 +208,7 @@ async def _choice_chunks(job: Job, first: Piece | None, pieces: AsyncIterator[Pi
     calls = None if job.tool_format is None else ToolCallStream(job.tool_format)
     async with contextlib.aclosing(pieces):  # type: ignore[type-var]
         if fmt.is_chat:
-            yield fmt.chunk("", role=True, index=index)
+            yield encode_event(fmt.chunk("", role=True, index=index))
         piece = first if first is not None else await anext(pieces, None)
         while piece is not None:
             if calls is not None:
@@ -219,26 +216,26 @@ async def _choice_chunks(job: Job, first: Piece | None, pieces: AsyncIterator[Pi
                 if piece.finish_reason:
                     deltas += calls.finish()
                 for delta in deltas:
-                    yield fmt.chunk(delta.get("content"), tool_calls=delta.get("tool_calls"),
-                                    index=index)
+                    yield encode_event(fmt.chunk(delta.get("content"),
+                                                 tool_calls=delta.get("tool_calls"), index=index))
                 if piece.finish_reason:
-                    yield fmt.chunk(None, calls.finish_reason(piece.finish_reason), index=index)
+                    yield encode_event(
+                        fmt.chunk(None, calls.finish_reason(piece.finish_reason), index=index))
             else:
-                for chunk in _text_chunks(fmt, piece, chunk_logprobs.of(piece), index):
-                    yield chunk
+                for event in _text_events(fmt, piece, chunk_logprobs.of(piece), index):
+                    yield event
             piece = await anext(pieces, None)
 
 
-def _text_chunks(fmt: Any, piece: Piece, lp: dict[str, Any] | None,
-                 index: int) -> list[dict[str, Any]]:
-    """The chunks of one piece of a choice without tools (none for an empty piece)."""
-    if not (piece.text or piece.finish_reason or lp is not None):
-        return []
+def _text_events(fmt: Any, piece: Piece, lp: dict[str, Any] | None, index: int) -> list[str]:
+    """The events of one piece of a choice without tools (none for an empty piece)."""
+    if not (piece.finish_reason or lp is not None):
+        return [fmt.text_event(piece.text, index)] if piece.text else []
     if piece.finish_reason and fmt.is_chat:
         # The finish chunk of chat has an empty delta, as OpenAI sends it.
         out = []
         if piece.text or lp is not None:
             out.append(fmt.chunk(piece.text, logprobs=lp, index=index))
         out.append(fmt.chunk(None, piece.finish_reason, index=index))
-        return out
-    return [fmt.chunk(piece.text, piece.finish_reason, logprobs=lp, index=index)]
+        return [encode_event(chunk) for chunk in out]
+    return [encode_event(fmt.chunk(piece.text, piece.finish_reason, logprobs=lp, index=index))]

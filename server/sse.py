@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from json.encoder import encode_basestring
 from typing import Any
 
 DONE = "[DONE]"  # the data of the last event of an OpenAI stream (not JSON)
@@ -20,6 +21,29 @@ DONE_EVENT = f"data: {DONE}\n\n"
 def encode_event(body: dict[str, Any]) -> str:
     """One event carrying ``body`` as compact JSON (non-ASCII text kept as is)."""
     return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class EventTemplate:
+    """The events of bodies that differ in one string only (the text of streamed chunks): the
+    body is encoded once with :attr:`MARK` where that string goes, and each event is the string's
+    JSON put in its place, the same text :func:`encode_event` makes of the whole body.
+
+    Raises:
+        ValueError: ``body`` does not hold :attr:`MARK` exactly once.
+    """
+
+    MARK = "\x00\x00"
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        # encode_basestring is the string encoder json.dumps uses with ensure_ascii=False.
+        parts = encode_event(body).split(encode_basestring(self.MARK))
+        if len(parts) != 2:
+            raise ValueError("the body must hold EventTemplate.MARK exactly once")
+        self.head, self.tail = parts
+
+    def event(self, text: str) -> str:
+        """``encode_event`` of the body with ``text`` in place of the mark."""
+        return self.head + encode_basestring(text) + self.tail
 
 
 class SSEDecoder:
