@@ -74,11 +74,16 @@ class ServingOverhead:
     worker's queue plus its first token's way back (HTTP, the router, ZeroMQ, the handshake).
     ``step_s``: added to every step (the worker's Python around the forward pass, and the
     server's per-step work where it shares the worker's cores). ``token_s``: added to a step per
-    token it emits (detokenizing and streaming each one, where the server shares the cores)."""
+    token it emits (detokenizing and streaming each one, where the server shares the cores).
+    ``itl_tail_s``: added to the reported p99 ITL only (``plan_pd.simulate_run``): the real
+    gaps' tail beyond the simulated one (preemption by the server and client sharing the cores,
+    timer and scheduler jitter), which mean per-step terms do not produce; SLO attainment and
+    goodput do not use it."""
 
     request_s: float = 0.0
     step_s: float = 0.0
     token_s: float = 0.0
+    itl_tail_s: float = 0.0
 
 
 NO_OVERHEAD = ServingOverhead()  # forward steps only

@@ -32,6 +32,7 @@ import math
 import random
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from common import DATA_DIR, SEED, add_data_argument, cpu_line, load_prompts, resolve_model
@@ -83,7 +84,8 @@ def load_overheads(path: Path) -> dict[str, ServingOverhead]:
     """The profile's calibrated serving overheads by mode (``colocated``, ``disaggregated``);
     empty before ``calibrate`` ran on it."""
     data = json.loads(path.read_text())
-    return {mode: ServingOverhead(**{k: o[k] for k in ("request_s", "step_s", "token_s")})
+    return {mode: ServingOverhead(o["request_s"], o["step_s"], o["token_s"],
+                                  o.get("itl_tail_s", 0.0))
             for mode, o in data.get("overheads", {}).items()}
 
 
@@ -225,7 +227,10 @@ def simulate_run(run: dict, lengths: list[tuple[int, int]], shape: ClusterShape,
     starts = [0.0] * len(lengths) if closed else arrivals(len(lengths), float(run["load_value"]))
     outs = simulate([(s, p, o) for s, (p, o) in zip(starts, lengths)], shape, model, model,
                     overhead, concurrency=int(run["load_value"]) if closed else None)
-    return summarize(outs, max(o.start + o.latency for o in outs), slos)
+    summary = summarize(outs, max(o.start + o.latency for o in outs), slos)
+    if overhead.itl_tail_s and summary["itl_ms"]:
+        summary["itl_ms"]["p99"] += overhead.itl_tail_s * 1e3
+    return summary
 
 
 def calibrate(runs: list[dict], lengths: list[tuple[int, int]], shape: ClusterShape,
@@ -233,8 +238,9 @@ def calibrate(runs: list[dict], lengths: list[tuple[int, int]], shape: ClusterSh
     """The serving overhead that makes the simulated closed-loop runs match the measured ones:
     ``step_s`` and ``token_s`` from the p50 ITL excess over the steps-only simulation at the
     lowest and highest concurrency (a step's excess is ``step_s + token_s * rows``), then
-    ``request_s`` from the lowest concurrency's p50 TTFT excess with those two in place.
-    Negative estimates (noise) are clipped to 0.
+    ``request_s`` from the lowest concurrency's p50 TTFT excess with those two in place;
+    ``itl_tail_s``, last, the mean p99 ITL excess of every closed-loop run with the rest in
+    place. Negative estimates (noise) are clipped to 0.
 
     Raises:
         ValueError: fewer than two closed-loop concurrencies among ``runs``.
@@ -247,15 +253,17 @@ def calibrate(runs: list[dict], lengths: list[tuple[int, int]], shape: ClusterSh
     lo, hi = closed[0], closed[-1]
     c_lo, c_hi = int(lo["load_value"]), int(hi["load_value"])
 
-    def excess(run: dict, overhead: ServingOverhead, key: str) -> float:
+    def excess(run: dict, overhead: ServingOverhead, key: str, stat: str = "p50") -> float:
         sim = simulate_run(run, lengths, shape, model, overhead, {})
-        return (run["summary"][key]["p50"] - sim[key]["p50"]) / 1e3
+        return (run["summary"][key][stat] - sim[key][stat]) / 1e3
 
     a_lo, a_hi = excess(lo, NO_OVERHEAD, "itl_ms"), excess(hi, NO_OVERHEAD, "itl_ms")
     token_s = max(0.0, (a_hi - a_lo) / (c_hi - c_lo))
     step_s = max(0.0, a_lo - token_s * c_lo)
     steps = ServingOverhead(0.0, step_s, token_s)
-    return ServingOverhead(max(0.0, excess(lo, steps, "ttft_ms")), step_s, token_s)
+    fitted = ServingOverhead(max(0.0, excess(lo, steps, "ttft_ms")), step_s, token_s)
+    tails = [excess(r, fitted, "itl_ms", "p99") for r in closed]
+    return replace(fitted, itl_tail_s=max(0.0, sum(tails) / len(tails)))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -273,9 +281,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         o = calibrate(runs, lengths, shape, profiles[threads])
         data.setdefault("overheads", {})[mode] = {
             "request_s": o.request_s, "step_s": o.step_s, "token_s": o.token_s,
-            "threads": threads, "calibrated_on": str(args.results)}
+            "itl_tail_s": o.itl_tail_s, "threads": threads, "calibrated_on": str(args.results)}
         print(f"{mode} ({threads} thread(s) per worker): {o.request_s * 1e3:.1f} ms per request, "
-              f"{o.step_s * 1e3:.2f} ms per step, {o.token_s * 1e3:.3f} ms per token")
+              f"{o.step_s * 1e3:.2f} ms per step, {o.token_s * 1e3:.3f} ms per token, "
+              f"p99 ITL tail {o.itl_tail_s * 1e3:.1f} ms")
     args.profile.write_text(json.dumps(data, indent=1))
     print(f"written into {args.profile}")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -87,8 +88,33 @@ def test_calibrate_recovers_the_overhead_that_made_the_runs() -> None:
     assert got.step_s == pytest.approx(truth.step_s, rel=0.05, abs=1e-4)
     assert got.token_s == pytest.approx(truth.token_s, rel=0.05, abs=5e-5)
     assert got.request_s == pytest.approx(truth.request_s, rel=0.1)
+    assert got.itl_tail_s == pytest.approx(0.0, abs=2e-4)  # simulated runs have no extra tail
     with pytest.raises(ValueError, match="two concurrencies"):
         calibrate(runs[:1], lengths, shape, MODEL)
+
+
+def test_calibrate_fits_the_p99_itl_tail_and_reports_it() -> None:
+    """Runs whose p99 ITL sits 9 ms above what their steps explain: the fit finds the 9 ms, and
+    a simulated run with the fitted overhead reports it in p99 ITL (and only there)."""
+    from plan_pd import calibrate, simulate_run
+    from serving_metrics import summarize
+
+    truth = ServingOverhead(request_s=0.02, step_s=0.001, token_s=0.0002)
+    lengths = [(40 + 7 * i % 90, 32) for i in range(24)]
+    shape = ClusterShape(num_colocated=1)
+    runs = []
+    for c in (1, 8):
+        outs = simulate([(0.0, p, o) for p, o in lengths], shape, MODEL, MODEL, truth,
+                        concurrency=c)
+        summary = summarize(outs, max(o.start + o.latency for o in outs), {})
+        summary["itl_ms"]["p99"] += 9.0
+        runs.append({"load_kind": "concurrency", "load_value": c, "summary": summary})
+    got = calibrate(runs, lengths, shape, MODEL)
+    assert got.itl_tail_s == pytest.approx(0.009, abs=5e-4)
+    plain = simulate_run(runs[1], lengths, shape, MODEL, replace(got, itl_tail_s=0.0), {})
+    tailed = simulate_run(runs[1], lengths, shape, MODEL, got, {})
+    assert tailed["itl_ms"]["p99"] == pytest.approx(plain["itl_ms"]["p99"] + 9.0, abs=0.5)
+    assert tailed["itl_ms"]["p50"] == plain["itl_ms"]["p50"]
 
 
 def test_workers_sharing_cores_slow_each_other_down() -> None:
