@@ -42,8 +42,7 @@ class ModelRunner:
         eos_token_ids: the model's EOS ids, which ``min_tokens`` masks (``runner.penalties``).
         verify_as_decode_rows: run a speculative verify step as one decode row per drafted
             position where the fused decode layers take it (:meth:`_verify_as_decode_rows`);
-            False (the default until its tests have run: issue 20, item 3) keeps every verify
-            step on the extend path.
+            False keeps every verify step on the extend path.
 
     The logits of the sampled rows go through, in this order: raw logprobs (of the model's
     distribution, ``runner.logprobs``) -> penalties, ``logit_bias``, ``min_tokens``
@@ -61,7 +60,7 @@ class ModelRunner:
         decode_graphs: DecodeGraphRunner | None = None,
         use_cpu_kernels: bool = True,
         eos_token_ids: list[int] | tuple[int, ...] = (),
-        verify_as_decode_rows: bool = False,
+        verify_as_decode_rows: bool = True,
     ) -> None:
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
