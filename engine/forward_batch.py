@@ -30,6 +30,7 @@ class ForwardBatch:
             last new token of each sequence that finishes its prompt or decodes).
         seq_ids: ``B`` ints identifying each sequence across steps (unique among live
             sequences, never reused), or None. Attention backends may key caches by them.
+            Consecutive one-token rows of one sequence share its id (:meth:`as_decode_rows`).
         logits_every_token: ``logit_indices`` is ``arange(T)`` (a decode step that samples
             every row): the model may score the hidden states without gathering them.
         max_seq_lens: ``B`` ints, the most KV each sequence can reach on this worker (prompt +
@@ -57,6 +58,38 @@ class ForwardBatch:
     def is_decode_only(self) -> bool:
         """Every sequence extends by exactly one token."""
         return all(n == 1 for n in self.extend_lens)
+
+    def as_decode_rows(self) -> ForwardBatch:
+        """The same step with every new token as a row of its own: ``T`` rows of one token,
+        token ``t`` at KV length ``positions[t] + 1`` over its sequence's pages, id and bound.
+
+        Every token keeps its index in ``T``, so ``input_ids``, ``positions``, the write slots
+        and ``logit_indices`` are unchanged. Attention is unchanged too where the backend
+        writes every row's K/V before any row attends (the decode path does): a row then sees
+        its sequence's keys up to its own position, as the causal extend would. Rows of one
+        sequence stay consecutive with lengths one apart, and share its ``seq_ids`` entry (the
+        decode KV cache gives them one slot). A speculative verify step runs so on the decode
+        path (``runner.model_runner``)."""
+        lens = self.extend_lens
+        seq_lens = [s - n + 1 + t for n, s in zip(lens, self.seq_lens) for t in range(n)]
+        rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+
+        def repeated(xs: list[int] | None) -> list[int] | None:
+            return None if xs is None else [x for x, n in zip(xs, lens) for _ in range(n)]
+
+        return ForwardBatch(
+            input_ids=self.input_ids,
+            positions=self.positions,
+            extend_lens=[1] * len(seq_lens),
+            seq_lens=seq_lens,
+            page_table=self.page_table[rows.to(self.page_table.device)],
+            out_page_ids=self.out_page_ids,
+            out_offsets=self.out_offsets,
+            logit_indices=self.logit_indices,
+            seq_ids=repeated(self.seq_ids),
+            logits_every_token=self.logits_every_token,
+            max_seq_lens=repeated(self.max_seq_lens),
+        )
 
 
 def build_forward_batch(

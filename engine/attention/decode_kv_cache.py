@@ -8,9 +8,14 @@ the layout :func:`~splitserve.engine.attention.decode_attention.attend` reads, s
 appends the new token and the products read the cache in place.
 
 It is a cache of the pool, never the source of truth: the pool is still written every step, and
-a sequence is copied in from the pool whenever its cached length is not exactly one token short
-(new to decoding, back from an extend, retracted, its KV received by transfer). A sequence absent
-from a step's decode rows loses its slot. Memory: ``2 * num_layers * slots * Hkv * D * cap``
+a sequence is copied in from the pool whenever it holds fewer tokens than the step's row needs
+(new to decoding, its KV received by transfer). A sequence absent from a step's decode rows loses
+its slot (back from an extend, retracted), so a slot's first ``n`` positions always equal the
+pool's as long as it is kept. A slot may hold more than a row needs: a speculative verify step
+runs as one decode row per drafted position sharing the sequence's slot
+(``ForwardBatch.as_decode_rows``), and after it only the kept drafts' positions are valid; the
+rejected ones lie past the next row's length, so no row reads them before it overwrites them, as
+in the pool. Memory: ``2 * num_layers * slots * Hkv * D * cap``
 elements (slots = highest live slot + headroom, cap = the longest reservation + headroom, see
 below), never more than ``max_bytes`` (the backend passes the pool's own size): above that,
 :meth:`plan` returns None and the caller gathers from the pool instead.
@@ -72,6 +77,8 @@ class DecodePlan:
         num_slots: slots the products run over (``max(slots) + 1``; free slots in between
             compute discarded rows).
         is_identity: ``slots == arange(Bd)`` and ``num_slots == Bd``: no scatter/gather of q/out.
+        shares_slots: some rows share a slot (a sequence's drafted positions); ``slot_lens``
+            then has the slot's last row's length, and q cannot be scattered to slots.
         num_keys: key positions the products read: the cache's whole capacity, so that each
             layer's ``kt``/``v`` of the first ``num_slots`` slots is one contiguous block.
         lens: ``[Bd]`` int64 KV length of each row after the step (for the C kernels, which
@@ -85,6 +92,7 @@ class DecodePlan:
     slots: torch.Tensor
     num_slots: int
     is_identity: bool
+    shares_slots: bool
     num_keys: int
     lens: torch.Tensor
     positions: torch.Tensor
@@ -181,7 +189,9 @@ class DecodeKVCache:
         at once) and build the step's indices and mask. Call before the step's first layer.
 
         Args:
-            seq_ids: ``Bd`` sequence ids, unique and stable while a sequence lives.
+            seq_ids: ``Bd`` sequence ids, stable while a sequence lives; unique, but for
+                consecutive rows of one sequence with lengths one apart (its drafted
+                positions), which share its slot.
             lens: ``Bd`` KV lengths after the step (the new token sits at ``lens[i] - 1``).
             pages: ``[Bd, P]`` int64 page ids of each row (``P`` pages cover the longest row).
             window: sliding window, or None; or every distinct window of the step's layers
@@ -194,11 +204,11 @@ class DecodeKVCache:
 
         Returns:
             The plan, or None when the cache would exceed ``max_bytes`` or ``seq_ids`` repeat
-            (the cache is then empty and the caller gathers from the pool).
+            otherwise (the cache is then empty and the caller gathers from the pool).
         """
         if self._layers_left:  # the last planned step did not finish: its appends are partial
             self.clear()
-        if len(set(seq_ids)) != len(seq_ids):
+        if not _runs_of_one_sequence(seq_ids, lens):
             self.clear()
             return None
         live = dict.fromkeys(seq_ids)
@@ -208,17 +218,24 @@ class DecodeKVCache:
         slots, stale = [], []
         wanted = reserved = 0  # reservations: of rows new to the cache, of every row
         for i, (sid, n, bound) in enumerate(zip(seq_ids, lens, bounds, strict=True)):
-            slot = self.slot_of.get(sid)
             reserve = self._reserve(n, bound)
+            reserved = max(reserved, reserve)
+            if i and sid == seq_ids[i - 1]:  # the next drafted position: same slot, one on
+                self.len_of[slots[-1]] = n
+                slots.append(slots[-1])
+                continue
+            slot = self.slot_of.get(sid)
             if slot is None:
                 slot = self._free_slot()
                 self.slot_of[sid] = slot
                 wanted = max(wanted, reserve)
-            if self.len_of[slot] != n - 1:
+            # A kept slot's first len_of positions equal the pool's (module docstring): enough
+            # when they cover the row's prefix; past it, rejected drafts' stale K/V, which this
+            # step's rows overwrite before any row reads them.
+            if self.len_of[slot] < n - 1:
                 stale.append(i)
             self.len_of[slot] = n
             slots.append(slot)
-            reserved = max(reserved, reserve)
         for n, bound in joining:
             wanted = max(wanted, self._reserve(n, bound))
         reserved = max(reserved, wanted)
@@ -231,7 +248,7 @@ class DecodeKVCache:
             self._fill(slots[i], lens[i] - 1, pages[i])
         self._layers_left = self.num_layers
         windows = [window] if window is None or isinstance(window, int) else list(window)
-        return self._build_plan(slots, num_slots, windows)
+        return self._build_plan(slots, list(lens), num_slots, windows)
 
     def hold(self, joining: Sequence[tuple[int, int]]) -> None:
         """A step with no decode rows: every sequence loses its slot, and the buffers are kept
@@ -388,10 +405,9 @@ class DecodeKVCache:
         )
 
     def _build_plan(
-        self, slots: list[int], num_slots: int, windows: list[int | None]
+        self, slots: list[int], lens: list[int], num_slots: int, windows: list[int | None]
     ) -> DecodePlan:
         assert self.kt is not None
-        lens = [self.len_of[s] for s in slots]
         # One tensor for the three per-row vectors: each row of it is contiguous.
         rows = torch.tensor(
             [slots, lens, [n - 1 for n in lens]], dtype=torch.long, device=self.device
@@ -400,6 +416,7 @@ class DecodeKVCache:
             slots=rows[0],
             num_slots=num_slots,
             is_identity=num_slots == len(slots) and slots == list(range(num_slots)),
+            shares_slots=len(set(slots)) != len(slots),
             num_keys=self.kt.shape[4],
             lens=rows[1],
             positions=rows[2],
@@ -409,3 +426,17 @@ class DecodeKVCache:
             head_dim=self.d,
             dtype=self.dtype,
         )
+
+
+def _runs_of_one_sequence(seq_ids: Sequence[int], lens: Sequence[int]) -> bool:
+    """Whether each repeated id only repeats in consecutive rows with lengths one apart (one
+    sequence's drafted positions, ``ForwardBatch.as_decode_rows``)."""
+    seen: set[int] = set()
+    for i, sid in enumerate(seq_ids):
+        if i and sid == seq_ids[i - 1]:
+            if lens[i] != lens[i - 1] + 1:
+                return False
+        elif sid in seen:
+            return False
+        seen.add(sid)
+    return True

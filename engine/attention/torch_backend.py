@@ -326,6 +326,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
             out = torch.empty(qc.shape, dtype=dtype, device=qc.device)
             kern.decode_attention(qc, kt, vv, plan.slots, plan.lens, window, scale, out)
             return out.to(q.dtype)
+        if plan.shares_slots:
+            return _attend_shared_slots(qc, cache, layer, plan, window, scale).to(q.dtype)
         kt, vv = cache.views(layer, plan)
         bias = plan.biases[window]
         if plan.is_identity:
@@ -384,6 +386,24 @@ class TorchAttentionBackend(BaseAttentionBackend):
             enable_gqa=True,
         )
         return o.squeeze(0).transpose(0, 1)
+
+
+def _attend_shared_slots(
+    q: torch.Tensor, cache: DecodeKVCache, layer: int, plan: DecodePlan, window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """``q [Bd, Hq, D]`` of decode rows some of which share a slot (one sequence's drafted
+    positions, ``ForwardBatch.as_decode_rows``) -> ``[Bd, Hq, D]``, with torch ops: each row
+    over its own copy of its slot's K/V, masked at its own length. Scattering q to slots, as
+    the other rows do, would put a sequence's rows on one. A copy per row per layer is slow;
+    the runner gives rows that share a slot only to the fused C path, so this serves only
+    callers that build such batches where the C kernels are off."""
+    kt_all, v_all = cache.slot_views(layer)  # [slots, Hkv, D, cap], [slots, Hkv, cap, D]
+    hkv = kt_all.shape[1]
+    kt = kt_all.index_select(0, plan.slots).flatten(0, 1)
+    vv = v_all.index_select(0, plan.slots).flatten(0, 1)
+    bias = decode_bias(plan.lens.tolist(), plan.num_keys, hkv, window, q.dtype, q.device)
+    return attend(q, kt, vv, bias, scale)
 
 
 def _extend_mask(

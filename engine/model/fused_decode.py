@@ -55,6 +55,39 @@ def layer_pointers(model: torch.nn.Module) -> torch.Tensor | None:
     return torch.tensor(ptrs, dtype=torch.int64)
 
 
+def fuses_decode_rows(model: torch.nn.Module, pool: KVPool, num_rows: int) -> bool:
+    """Whether :func:`run_fused_decode_layers` takes a decode-only step of ``num_rows`` rows
+    over ``pool``, as far as that is known before the step's attention metadata exists (the
+    same checks, kept in step with it): the
+    model's layers are the ones the C loop implements (the Llama family's, which says so with
+    ``supports_fused_decode``; Qwen3's q/k norms, Gemma 3's norms and GELU, and per-layer
+    windows are not), its fused path and C kernels are on, ``num_rows <= model.c_max_rows``
+    (the rows up to which its kernel plan keeps the C products: ``engine.model.kernel_plan``),
+    the torch backend keeps a decode cache for the CPU pool, and the C attention kernel takes
+    the heads and the pool, and the model computes in bfloat16. What remains is the decode
+    cache's plan (it may not fit its memory bound)."""
+    cfg = getattr(model, "config", None)
+    backend = getattr(model, "attn_backend", None)
+    if cfg is None or getattr(model, "kernels", None) is None:
+        return False
+    if getattr(model, "dtype", None) != torch.bfloat16:  # the hidden state's dtype
+        return False
+    if not getattr(model, "fused_decode", False):
+        return False
+    if not getattr(model, "supports_fused_decode", False):
+        return False
+    if not isinstance(backend, TorchAttentionBackend) or not backend.use_decode_cache:
+        return False
+    if len(set(cfg.layer_windows)) > 1:
+        return False  # the C layer loop is Llama's layer, with one window for every layer
+    if num_rows > model.c_max_rows or num_rows > getattr(model, "w4_c_rows", num_rows):
+        return False  # int4 steps where the plan picked torch's int4 kernel: the per-op path
+    if not CpuKernels.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
+        return False
+    # Its KV append writes bfloat16 or 8-bit pages (``kv_quant.c``), as the per-op path's does.
+    return backend._kernels_for(pool, cfg.num_heads) is not None and pool.buffer.is_contiguous()
+
+
 def run_fused_decode_layers(
     model: torch.nn.Module, x: torch.Tensor, meta: object, pool: KVPool
 ) -> bool:
@@ -64,7 +97,12 @@ def run_fused_decode_layers(
     per-layer windows are not), the model's C kernels are on, ``T <= model.c_max_rows`` (the rows
     up to which its kernel plan keeps the C products: ``engine.model.kernel_plan``), every row
     decodes, the torch backend's decode cache serves the step and its C attention kernel takes
-    the heads.
+    the heads (:func:`fuses_decode_rows` asks the same before a step's metadata exists).
+    Rows of one sequence may share its cache slot (a verify step's drafted positions,
+    ``ForwardBatch.as_decode_rows``): each layer appends every row's K/V (``kv_append_*``)
+    before any row attends, and each row attends to its slot's keys below its own length only
+    (``decode_attention_bf16``), so a row sees its sequence up to its own position, the drafts
+    before it included.
     Returns whether it ran (else nothing was touched and the caller runs the layers).
 
     Raises:

@@ -14,6 +14,7 @@ from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.grammar.batch_mask import BatchMask
 from splitserve.engine.grammar.mask_thread import MaskFillThread
 from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.model.fused_decode import fuses_decode_rows
 from splitserve.engine.runner.cuda_graph import DecodeGraphRunner
 from splitserve.engine.runner.logprobs import raw_logprobs, top_alternatives
 from splitserve.engine.runner.penalties import needs_processing, process_logits
@@ -39,6 +40,9 @@ class ModelRunner:
         decode_graphs: replays decode-only steps it can run (``engine.cuda_graph``); None runs
             every step eagerly.
         eos_token_ids: the model's EOS ids, which ``min_tokens`` masks (``runner.penalties``).
+        verify_as_decode_rows: run a speculative verify step as one decode row per drafted
+            position where the fused decode layers take it (:meth:`_verify_as_decode_rows`);
+            False keeps every verify step on the extend path.
 
     The logits of the sampled rows go through, in this order: raw logprobs (of the model's
     distribution, ``runner.logprobs``) -> penalties, ``logit_bias``, ``min_tokens``
@@ -56,6 +60,7 @@ class ModelRunner:
         decode_graphs: DecodeGraphRunner | None = None,
         use_cpu_kernels: bool = True,
         eos_token_ids: list[int] | tuple[int, ...] = (),
+        verify_as_decode_rows: bool = True,
     ) -> None:
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -67,6 +72,7 @@ class ModelRunner:
         self.grammar_mask: BatchMask | None = None  # made at the first constrained step
         self.mask_thread = MaskFillThread()
         self.decode_graphs = decode_graphs
+        self.verify_as_decode_rows = verify_as_decode_rows
 
     def close(self) -> None:
         """Stop the grammar mask thread (if it was ever started)."""
@@ -115,6 +121,8 @@ class ModelRunner:
                 logit_counts=counts if drafts else None,
                 max_seq_lens=step.max_seq_lens or None,
             )
+            if drafts and self._verify_as_decode_rows(step):
+                batch = batch.as_decode_rows()
             graphs = self.decode_graphs
             if graphs is not None and graphs.can_run(batch, sample_rows, scored):
                 logits = graphs.run(batch)
@@ -142,6 +150,28 @@ class ModelRunner:
         else:
             self._sample(logits, picked, mask, mask_rows, out)
         return out
+
+    def _verify_as_decode_rows(self, step: ScheduledBatch) -> bool:
+        """Whether this step, which verifies drafts, runs as one decode row per drafted
+        position (``ForwardBatch.as_decode_rows``) instead of as extends: the one place that
+        decides it.
+
+        A verify step is then one call of the fused C decode layers (``fused_decode``), which
+        appends every row's K/V before any row attends, so each row sees its sequence up to its
+        own position; as an extend it takes the general path (extend attention over the pool,
+        per-op layers), about twice a fused decode step of as many rows. Only where the fused
+        layers take the step: every row decodes (a prompt chunk, a jump-forward run or prompt
+        logprobs keep the step an extend anyway) and :func:`fuses_decode_rows` holds for its
+        rows. Elsewhere the per-op decode path would serve it (C kernels off, CUDA and its
+        graphs, per-layer windows, shapes the C path refuses), whose torch products cannot
+        scatter rows that share a cache slot (a slow per-row copy serves them): the extend
+        path stays there."""
+        if not self.verify_as_decode_rows or step.scored_rows:
+            return False
+        drafts = step.drafts
+        if any(n != 1 + len(drafts.get(i, ())) for i, n in enumerate(step.chunk_lens)):
+            return False
+        return fuses_decode_rows(self.model, self.pool, step.num_tokens)
 
     def _sample(
         self,

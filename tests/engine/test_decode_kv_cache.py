@@ -1,6 +1,7 @@
 """The bfloat16 head-major decode path (decode_attention + decode_kv_cache) against a float32
 dense reference, over several steps in which sequences join, leave, extend and come back, and
-the decode cache against the gather path it replaces."""
+the decode cache against the gather path it replaces; speculative verify steps run as decode
+rows sharing a slot, then partly rejected, with no copy from the pool."""
 
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ class Sim:
         self.v = [torch.randn(shape).to(torch.bfloat16) for _ in range(num_seqs)]
 
     def step(self, backend: TorchAttentionBackend, rows: list[int], chunks: list[int],
-             with_ids: bool, max_lens: list[int] | None = None) -> list[torch.Tensor]:
-        """Extend ``rows`` by ``chunks`` tokens (``max_lens``: the most KV each can reach);
+             with_ids: bool, max_lens: list[int] | None = None,
+             as_decode_rows: bool = False) -> list[torch.Tensor]:
+        """Extend ``rows`` by ``chunks`` tokens (``max_lens``: the most KV each can reach;
+        ``as_decode_rows``: one decode row per token, ``ForwardBatch.as_decode_rows``);
         returns each layer's output ``[T, Hq, D]``."""
         for i, n in zip(rows, chunks, strict=True):
             need = pages_for(self.lens[i] + n, PAGE) - len(self.pages[i])
@@ -46,6 +49,8 @@ class Sim:
             [self.pages[i] for i in rows], PAGE, [], "cpu",
             seq_ids=rows if with_ids else None, max_seq_lens=max_lens,
         )
+        if as_decode_rows:
+            batch = batch.as_decode_rows()
         meta = backend.prepare(batch, self.pool, self.window)
         outs, scale = [], self.d**-0.5
         q = torch.randn(LAYERS, sum(chunks), self.hq, self.d).to(torch.bfloat16)
@@ -60,6 +65,14 @@ class Sim:
         for i, n in zip(rows, chunks):
             self.lens[i] += n
         return outs
+
+    def reject(self, i: int, num: int) -> None:
+        """Drop sequence ``i``'s last ``num`` tokens, as a verify step that rejects its last
+        ``num`` drafted positions: the tokens that come there next have other K/V."""
+        self.lens[i] -= num
+        end = self.lens[i]
+        self.k[i][:, end:] = torch.randn_like(self.k[i][:, end:], dtype=torch.float32).bfloat16()
+        self.v[i][:, end:] = torch.randn_like(self.v[i][:, end:], dtype=torch.float32).bfloat16()
 
     def check(self, q, out, layer, rows, chunks) -> None:
         t = 0
@@ -107,6 +120,52 @@ def test_decode_cache_matches_reference_and_gather(hkv, group, window) -> None:
             assert torch.allclose(x.float(), y.float(), atol=1e-2, rtol=1e-2)
     cache = with_cache.decode_cache
     assert cache is not None and set(cache.slot_of) == {2, 0, 1, 4}
+
+
+# Speculative steps (rows, chunks, rejected positions per row): a chunk of 1 + K is a verify of
+# K drafts; after it all but the kept drafts and the next token are rejected.
+VERIFY_SCHEDULE = [
+    ([0, 1, 2], [1, 5, 1], [0, 3, 0]),  # row 1 keeps 1 of 4 drafts
+    ([0, 1, 2], [3, 1, 4], [2, 0, 0]),  # every draft of row 2 kept
+    ([2, 0, 1], [5, 2, 1], [4, 0, 0]),  # rows out of slot order; row 2 keeps none
+    ([0, 1, 2], [1, 1, 1], [0, 0, 0]),  # plain decode after the rejections
+    ([1, 0], [4, 1], [1, 0]),  # row 2 leaves
+]
+
+
+@pytest.mark.parametrize("use_cpu_kernels", [True, False])
+@pytest.mark.parametrize("window", [None, 6])
+def test_verify_steps_as_decode_rows_share_a_slot(monkeypatch, use_cpu_kernels, window) -> None:
+    """A verify step run as one decode row per drafted position (``as_decode_rows``): each row
+    attends to its sequence up to its own position, the drafts before it included, through the
+    decode cache (the C kernel, or the torch products' per-row path); after a partial
+    acceptance the rejected positions' stale K/V are overwritten before they are read, so no
+    sequence is copied from the pool again once it decodes."""
+    torch.manual_seed(0)
+    sim = Sim(2, 3, window, 3)
+    backend = TorchAttentionBackend(use_cpu_kernels=use_cpu_kernels)
+    copies: list[int] = []
+    real_fill = DecodeKVCache._fill
+
+    def counting_fill(self, slot, num_tokens, pages):
+        copies.append(num_tokens)
+        return real_fill(self, slot, num_tokens, pages)
+
+    monkeypatch.setattr(DecodeKVCache, "_fill", counting_fill)
+    sim.step(backend, [0, 1, 2], [7, 10, 3], with_ids=True, max_lens=[40, 40, 40])
+    sim.step(backend, [0, 1, 2], [1, 1, 1], with_ids=True, max_lens=[40, 40, 40])
+    assert len(copies) == 3  # each sequence copied in once, when it starts decoding
+    for rows, chunks, rejected in VERIFY_SCHEDULE:
+        sim.step(backend, rows, chunks, with_ids=True, max_lens=[40] * len(rows),
+                 as_decode_rows=True)  # every output checked against the reference
+        for i, num in zip(rows, rejected):
+            sim.reject(i, num)
+    assert len(copies) == 3, copies
+    cache = backend.decode_cache
+    assert cache is not None and set(cache.slot_of) == {0, 1}
+    # Rows of one sequence that are not consecutive, one position apart, are refused.
+    pages = torch.zeros(3, 4, dtype=torch.long)
+    assert cache.plan([5, 6, 5], [3, 3, 4], pages, None) is None
 
 
 def test_decode_cache_respects_its_memory_bound() -> None:
