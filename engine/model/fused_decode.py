@@ -97,7 +97,8 @@ def run_fused_decode_layers(
     per-layer windows are not), the model's C kernels are on, ``T <= model.c_max_rows`` (the rows
     up to which its kernel plan keeps the C products: ``engine.model.kernel_plan``), every row
     decodes, the torch backend's decode cache serves the step and its C attention kernel takes
-    the heads (:func:`fuses_decode_rows` asks the same before a step's metadata exists).
+    the heads (the model-level checks are :func:`fuses_decode_rows`'s, which the runner also asks
+    before a step's metadata exists).
     Rows of one sequence may share its cache slot (a verify step's drafted positions,
     ``ForwardBatch.as_decode_rows``): each layer appends every row's K/V (``kv_append_*``)
     before any row attends, and each row attends to its slot's keys below its own length only
@@ -108,27 +109,19 @@ def run_fused_decode_layers(
     Raises:
         MemoryError / RuntimeError: the C call failed after it may have written (not expected).
     """
-    kernels: CpuKernels | None = getattr(model, "kernels", None)
-    backend = getattr(model, "attn_backend", None)
-    if kernels is None or not isinstance(backend, TorchAttentionBackend):
+    if not fuses_decode_rows(model, pool, x.shape[0]):
         return False
     if not isinstance(meta, TorchAttentionMetadata) or not meta.is_decode_only:
         return False
-    if not getattr(model, "supports_fused_decode", False) or len(set(meta.windows)) != 1:
-        return False  # the C layer loop is Llama's layer, with one window for every layer
-    plan, cache = meta.decode_plan, backend.decode_cache
-    cfg = model.config  # type: ignore[attr-defined]
+    if len(set(meta.windows)) != 1:
+        return False  # the C layer loop has one window for every layer
+    kernels: CpuKernels = model.kernels  # type: ignore[assignment]
+    plan, cache = meta.decode_plan, model.attn_backend.decode_cache  # type: ignore[union-attr]
     if plan is None or cache is None or cache.kt is None or cache.v is None:
         return False
-    if x.dtype != torch.bfloat16 or x.shape[0] > model.c_max_rows or not x.is_contiguous():
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
         return False
-    if x.shape[0] > getattr(model, "w4_c_rows", x.shape[0]):
-        return False  # int4 steps where the plan picked torch's int4 kernel: the per-op path
-    if not CpuKernels.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
-        return False
-    # Its KV append writes bfloat16 or 8-bit pages (``kv_quant.c``), as the per-op path's does.
-    if backend._kernels_for(pool, cfg.num_heads) is None or not pool.buffer.is_contiguous():
-        return False
+    cfg = model.config  # type: ignore[attr-defined]
     ptrs = model._fused_layer_ptrs  # type: ignore[attr-defined]
     if ptrs is None:
         ptrs = layer_pointers(model)

@@ -70,49 +70,50 @@ def test_closed_loop_starts_the_next_request_when_one_finishes() -> None:
     assert c.ttft == pytest.approx(0.092 + 0.002 - 0.034)
 
 
-def test_calibrate_recovers_the_overhead_that_made_the_runs() -> None:
-    from plan_pd import calibrate
+LENGTHS = [(40 + 7 * i % 90, 32) for i in range(24)]  # (prompt, output) tokens
+SHAPE = ClusterShape(num_colocated=1)
+
+
+def _closed_loop_runs(truth: ServingOverhead, extra_p99_ms: float = 0.0) -> list[dict]:
+    """serving.py-like closed-loop runs at c=1 and c=8, simulated with ``truth``, their p99
+    ITL raised by ``extra_p99_ms`` (a tail the steps do not make)."""
     from serving_metrics import summarize
 
-    truth = ServingOverhead(request_s=0.025, step_s=0.0015, token_s=0.0004)
-    lengths = [(40 + 7 * i % 90, 32) for i in range(24)]
-    shape = ClusterShape(num_colocated=1)
     runs = []
     for c in (1, 8):
-        outs = simulate([(0.0, p, o) for p, o in lengths], shape, MODEL, MODEL, truth,
+        outs = simulate([(0.0, p, o) for p, o in LENGTHS], SHAPE, MODEL, MODEL, truth,
                         concurrency=c)
-        wall = max(o.start + o.latency for o in outs)
-        runs.append({"load_kind": "concurrency", "load_value": c,
-                     "summary": summarize(outs, wall, {})})
-    got = calibrate(runs, lengths, shape, MODEL)
+        summary = summarize(outs, max(o.start + o.latency for o in outs), {})
+        summary["itl_ms"]["p99"] += extra_p99_ms
+        runs.append({"load_kind": "concurrency", "load_value": c, "summary": summary})
+    return runs
+
+
+def test_calibrate_recovers_the_overhead_that_made_the_runs() -> None:
+    from plan_pd import calibrate
+
+    truth = ServingOverhead(request_s=0.025, step_s=0.0015, token_s=0.0004)
+    runs = _closed_loop_runs(truth)
+    got = calibrate(runs, LENGTHS, SHAPE, MODEL)
     assert got.step_s == pytest.approx(truth.step_s, rel=0.05, abs=1e-4)
     assert got.token_s == pytest.approx(truth.token_s, rel=0.05, abs=5e-5)
     assert got.request_s == pytest.approx(truth.request_s, rel=0.1)
     assert got.itl_tail_s == pytest.approx(0.0, abs=2e-4)  # simulated runs have no extra tail
     with pytest.raises(ValueError, match="two concurrencies"):
-        calibrate(runs[:1], lengths, shape, MODEL)
+        calibrate(runs[:1], LENGTHS, SHAPE, MODEL)
 
 
 def test_calibrate_fits_the_p99_itl_tail_and_reports_it() -> None:
     """Runs whose p99 ITL sits 9 ms above what their steps explain: the fit finds the 9 ms, and
     a simulated run with the fitted overhead reports it in p99 ITL (and only there)."""
     from plan_pd import calibrate, simulate_run
-    from serving_metrics import summarize
 
-    truth = ServingOverhead(request_s=0.02, step_s=0.001, token_s=0.0002)
-    lengths = [(40 + 7 * i % 90, 32) for i in range(24)]
-    shape = ClusterShape(num_colocated=1)
-    runs = []
-    for c in (1, 8):
-        outs = simulate([(0.0, p, o) for p, o in lengths], shape, MODEL, MODEL, truth,
-                        concurrency=c)
-        summary = summarize(outs, max(o.start + o.latency for o in outs), {})
-        summary["itl_ms"]["p99"] += 9.0
-        runs.append({"load_kind": "concurrency", "load_value": c, "summary": summary})
-    got = calibrate(runs, lengths, shape, MODEL)
+    runs = _closed_loop_runs(ServingOverhead(request_s=0.02, step_s=0.001, token_s=0.0002),
+                             extra_p99_ms=9.0)
+    got = calibrate(runs, LENGTHS, SHAPE, MODEL)
     assert got.itl_tail_s == pytest.approx(0.009, abs=5e-4)
-    plain = simulate_run(runs[1], lengths, shape, MODEL, replace(got, itl_tail_s=0.0), {})
-    tailed = simulate_run(runs[1], lengths, shape, MODEL, got, {})
+    plain = simulate_run(runs[1], LENGTHS, SHAPE, MODEL, replace(got, itl_tail_s=0.0), {})
+    tailed = simulate_run(runs[1], LENGTHS, SHAPE, MODEL, got, {})
     assert tailed["itl_ms"]["p99"] == pytest.approx(plain["itl_ms"]["p99"] + 9.0, abs=0.5)
     assert tailed["itl_ms"]["p50"] == plain["itl_ms"]["p50"]
 

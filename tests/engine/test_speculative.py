@@ -143,6 +143,15 @@ TEXTS = [
 ]
 
 
+def _run_alone(core, req: Req, pool: KVPool) -> list[int]:
+    """Run ``req`` alone on ``core`` to its end; its output ids (every page freed after)."""
+    core.scheduler.add(req)
+    while core.scheduler.has_work:
+        core.step()
+    assert pool.allocator.num_used == 0
+    return req.output_ids
+
+
 def _prompt_ids(tokenizer, text: str) -> list[int]:
     chat = tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
@@ -235,11 +244,7 @@ def test_constrained_output_with_drafts_is_plain_constrained_output(model, token
             compiled.create_matcher(max_rollback_tokens=64), cfg.vocab_size,
             list(cfg.eos_token_ids), lambda s: tokenizer.encode(s, add_special_tokens=False),
         )
-        core.scheduler.add(req)
-        while core.scheduler.has_work:
-            core.step()
-        assert pool.allocator.num_used == 0
-        return req.output_ids, core.scheduler
+        return _run_alone(core, req, pool), core.scheduler
 
     plain, _ = run()
     spec, sched = run(speculative="ngram", num_speculative_tokens=4)
@@ -359,11 +364,7 @@ def test_bf16_verify_steps_take_the_fused_path_without_recopies(bf16_model, toke
         core = make_core(net, pool, cfg.eos_token_ids, runner={"verify_as_decode_rows": True},
                          **engine)
         req = Req(rid="b", input_ids=prompt, sampling=params)
-        core.scheduler.add(req)
-        while core.scheduler.has_work:
-            core.step()
-        assert pool.allocator.num_used == 0
-        return req.output_ids, core.scheduler
+        return _run_alone(core, req, pool), core.scheduler
 
     plain, _ = run()
     calls.clear()
