@@ -18,10 +18,10 @@ the fastest repeat kept (the machine is shared):
   the same levels and scales.
 
 The rows default to decode's buckets (1-32) and a prompt chunk (128). Ratios are against
-``bf16 C`` measured in the same run. Usage::
+the first kernel (``bf16 C`` unless ``--kinds`` names others) measured in the same run. Usage::
 
     python bench/quant_matmul.py [--rows 1 2 4 8 16 32 128] [--repeats 5] [--layers 30]
-        [--threads 1]
+        [--threads 1] [--kinds 'bf16 C' 'int8 C']
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch/OpenMP threads (1: on a loaded shared machine every parallel "
                          "region waits for its slowest thread)")
+    ap.add_argument("--kinds", nargs="+", default=None,
+                    help="only these kernels, e.g. 'bf16 C' 'int8 C' (the first is the baseline)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels()
@@ -98,6 +100,8 @@ def main() -> None:
                                                  None),
         "int4 C": lambda x, w: kernels.linear_w4(x, w["w4"].packed, w["w4"].scales, None),
     }
+    if args.kinds:
+        kinds = {name: kinds[name] for name in args.kinds}
     for rows in args.rows:
         xs = {k: torch.randn(rows, k).bfloat16() for k in {w["k"] for w in weights}}
         best = dict.fromkeys(kinds, float("inf"))
@@ -107,7 +111,7 @@ def main() -> None:
                 for w in weights:
                     fn(xs[w["k"]], w)
                 best[name] = min(best[name], time.perf_counter() - t0)
-        base = best["bf16 C"]
+        base = next(iter(best.values()))
         cells = "  ".join(f"{n} {t * 1e3:7.2f} ms ({base / t:4.2f}x)" for n, t in best.items())
         print(f"rows {rows:3d}: {cells}", flush=True)
 

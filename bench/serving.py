@@ -6,8 +6,9 @@ and the end-to-end latency (E2E); per run, request and output-token throughput a
 rate of requests that met every SLO given with ``--slo``). Every target in one invocation gets
 the same prompts, output lengths and arrival times, so their ratios are measured in one run.
 
-Targets: ``--base-url [NAME=]URL`` (any number) and ``--launch MODE[:int8|:int4]`` (a local
-splitserve cluster, MODE ``disaggregated`` or ``colocated``, with those weights, started for its
+Targets: ``--base-url [NAME=]URL`` (any number) and ``--launch MODE[:int8|:int4][:ngram]`` (a
+local splitserve cluster, MODE ``disaggregated`` or ``colocated``, with those weights and, with
+``:ngram``, n-gram speculative decoding of ``--num-speculative-tokens`` drafts, started for its
 runs and stopped after). Load: ``--concurrency N ...``
 (closed loop, N in flight) or ``--request-rate R ...`` (Poisson arrivals, ``inf`` = all at once;
 ``--max-concurrency`` caps in-flight requests). Datasets: ``sharegpt`` (first user turns from
@@ -201,6 +202,27 @@ def parse_base_url(item: str) -> tuple[str, str]:
     return name, url.rstrip("/").removesuffix("/v1")
 
 
+def launch_fields(value: str, num_speculative_tokens: int) -> tuple[str, str, dict[str, Any]]:
+    """``MODE[:int8|:int4][:ngram]`` -> ``(mode, target name, config fields)``: the weights'
+    ``quantization`` and, with ``:ngram``, n-gram speculative decoding of
+    ``num_speculative_tokens`` drafts.
+
+    Raises:
+        ValueError: an option other than those.
+    """
+    mode, *options = value.split(":")
+    unknown = set(options) - {"int8", "int4", "ngram"}
+    if unknown:
+        raise ValueError(f"--launch {value}: unknown option(s) {sorted(unknown)}")
+    fields: dict[str, Any] = {
+        "quantization": next((o for o in options if o in ("int8", "int4")), "none")
+    }
+    if "ngram" in options:
+        fields["speculative"] = "ngram"
+        fields["num_speculative_tokens"] = num_speculative_tokens
+    return mode, " ".join(["splitserve", mode, *options]), fields
+
+
 def first_model(url: str) -> str:
     """The first model id ``/v1/models`` lists ("default" when it lists none)."""
     try:
@@ -244,10 +266,8 @@ def open_target(spec: tuple[str, str], args: argparse.Namespace) -> Iterator[Tar
         name, url = parse_base_url(value)
         ctx = nullcontext(url)
     else:
-        value, _, quantization = value.partition(":")
-        name = f"splitserve {value}" + (f" {quantization}" if quantization else "")
-        kw: dict[str, Any] = {
-            "quantization": quantization or "none",
+        value, name, kw = launch_fields(value, args.num_speculative_tokens)
+        kw |= {
             "max_running": args.max_running,
             "threads_per_worker": args.threads_per_worker,
             "cuda_graph": not args.disable_cuda_graph,
@@ -350,8 +370,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--launch",
         action="append",
         default=[],
-        choices=[f"{m}{q}" for m in ("disaggregated", "colocated") for q in ("", ":int8", ":int4")],
-        help="start a local splitserve cluster (MODE:int8, MODE:int4: with --quantization)",
+        choices=[
+            f"{m}{q}{s}"
+            for m in ("disaggregated", "colocated")
+            for q in ("", ":int8", ":int4")
+            for s in ("", ":ngram")
+        ],
+        help="start a local splitserve cluster (MODE:int8, MODE:int4: with --quantization; "
+        "...:ngram: with --speculative ngram)",
     )
     t.add_argument(
         "--hf-static",
@@ -394,6 +420,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pin workers, e.g. 'prefill=0 decode=1' or 'colocated=0,1'",
     )
     c.add_argument("--max-running", type=int, default=64)
+    c.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="drafts per step of :ngram launches"
+    )
     c.add_argument(
         "--disable-cuda-graph",
         action="store_true",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from pathlib import Path
 
@@ -78,6 +79,10 @@ def run_api_server(
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await client.start()
+        # Start-up state (tokenizer, app, templates) outlives every request: frozen, a full
+        # collection no longer walks it while tokens stream.
+        gc.collect()
+        gc.freeze()
         yield
         await client.close()
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 from splitserve.config import WorkerConfig
@@ -38,4 +39,9 @@ def run_worker(config: WorkerConfig) -> None:
                                  config.security.api_key)
             for url in config.router_urls
         ]
+    # The model, tokenizer and pools live as long as the process: moved out of the collector's
+    # reach, a full collection no longer walks them between decode steps (vLLM and SGLang do
+    # the same after start-up).
+    gc.collect()
+    gc.freeze()
     worker.serve_forever(inboxes)

@@ -69,7 +69,8 @@ static inline __attribute__((always_inline)) void tile_w4(
         for (int r = 0; r < mr; r++)
             for (int j = 0; j < nv; j++) acc[r][j] = _mm512_setzero_si512();
         const uint8_t *wg = wb + g * (W4_GROUP / 8) * 64;
-        if (mr <= 2) /* memory-bound here: fetch each stream two groups ahead */
+        if (mr == 2) /* fetch each stream two groups ahead (one row: the hardware's prefetch
+                      * alone is faster, 2.2 against 2.5 ms a step, bench/quant_matmul.py) */
             for (int j = 0; j < nv; j++)
                 for (int l = 0; l < 4; l++)
                     _mm_prefetch((const char *)(wg + j * ps + (8 + l) * 64), _MM_HINT_T0);
@@ -168,7 +169,7 @@ int gemm_w4_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *
      * step's int4 layer products, two threads, Zen 5: 1.29-1.42 ms against 1.53-1.60). */
     int64_t nvt = m == 1 ? 1 : W4_NV;
     int64_t vecs = n_out / 16, nblocks = (vecs + nvt - 1) / nvt;
-#pragma omp parallel for schedule(static) if (m * n_out * k >= (1 << 19))
+#pragma omp parallel for schedule(static) if (m * n_out * k >= (1 << 19) || n_out * k >= (1 << 17))
     for (int64_t b = 0; b < nblocks; b++) {
         int64_t v0 = b * nvt;
         int nv = (int)(vecs - v0 < nvt ? vecs - v0 : nvt);

@@ -1,0 +1,33 @@
+"""bench/serving.py's ``--launch MODE[:int8|:int4][:ngram]`` becomes the cluster's config fields."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from serving import launch_fields
+
+from splitserve.config import ServeConfig
+
+
+def test_plain_mode_has_bf16_weights_and_no_speculation():
+    assert launch_fields("colocated", 4) == ("colocated", "splitserve colocated",
+                                             {"quantization": "none"})
+
+
+def test_quantization_and_ngram_options_become_config_fields():
+    mode, name, fields = launch_fields("disaggregated:int8:ngram", 3)
+    assert (mode, name) == ("disaggregated", "splitserve disaggregated int8 ngram")
+    assert fields == {"quantization": "int8", "speculative": "ngram", "num_speculative_tokens": 3}
+    config = ServeConfig.from_fields(model="m", colocated=False, **fields)
+    assert config.engine.speculative == "ngram"
+    assert config.engine.num_speculative_tokens == 3
+
+
+def test_unknown_option_is_refused():
+    with pytest.raises(ValueError, match="eagle"):
+        launch_fields("colocated:eagle", 4)
