@@ -1,35 +1,68 @@
-"""The request-field check of ``server.fields``' table, run on each body before it is parsed.
+"""The request-field check of ``server.fields``' table and ``server.nested_fields``' sub-field
+tables, run on each body before it is parsed.
 
-It refuses (HTTP 400, OpenAI's error body, ``param`` naming the field) a field we do not serve
-and a number or choice outside the field's documented range; everything else is left to the
-pydantic models of ``server.protocol``, which check types and shapes.
+It refuses (HTTP 400, OpenAI's error body, ``param`` naming the field, nested ones by their
+dotted path: ``messages[2].audio``) a field we do not serve and a number or choice outside the
+field's documented range; everything else is left to the pydantic models of
+``server.protocol``, which check types and shapes (a value of the wrong shape is skipped here).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from typing import Any
 
 from splitserve.server.errors import APIError
 from splitserve.server.fields import FIELDS, Endpoint, FieldRule
+from splitserve.server.nested_fields import NESTED_FIELDS, path_steps
 
 
 def check_fields(endpoint: Endpoint, body: Any) -> None:
-    """Refuse what ``endpoint``'s table refuses in ``body`` (a decoded JSON value; anything but
-    an object is left to the parser).
+    """Refuse what ``endpoint``'s tables refuse in ``body`` (a decoded JSON value; anything but
+    an object is left to the parser): its fields, then its nested objects' sub-fields.
 
     Raises:
-        APIError: 400 with ``code`` ``unsupported_parameter`` for a refused field; a value
-            outside its range is a 400 with ``code`` null, as the parser's own errors are.
+        APIError: 400 with ``code`` ``unsupported_parameter`` for a refused field or sub-field;
+            a value outside its range is a 400 with ``code`` null, as the parser's own errors
+            are.
     """
     if not isinstance(body, dict):
         return
-    table = FIELDS[endpoint]
-    for name, value in body.items():
-        rule = table.get(name)
+    _check_object("", body, FIELDS[endpoint])
+    for path, table in NESTED_FIELDS[endpoint].items():
+        for where, obj in objects_at(body, path_steps(path)):
+            _check_object(where, obj, table)
+
+
+def objects_at(value: Any, steps: list[tuple[str, bool]], where: str = ""
+               ) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The objects of ``value`` at the path ``steps`` (``nested_fields.path_steps``), each with
+    its dotted path as a client wrote it (``messages[2]``). A value of another shape than the
+    path expects is passed over: the parser reports it."""
+    if not steps:
+        if isinstance(value, dict):
+            yield where, value
+        return
+    (key, is_list), rest = steps[0], steps[1:]
+    if not isinstance(value, dict) or key not in value:
+        return
+    child, at = value[key], f"{where}.{key}" if where else key
+    if not is_list:
+        yield from objects_at(child, rest, at)
+    elif isinstance(child, list):
+        for i, item in enumerate(child):
+            yield from objects_at(item, rest, f"{at}[{i}]")
+
+
+def _check_object(where: str, obj: dict[str, Any], table: dict[str, FieldRule]) -> None:
+    """Check the fields of ``obj`` (the body, or the nested object at ``where``) by ``table``."""
+    for key, value in obj.items():
+        rule = table.get(key)
         if rule is None or value is None:
             continue
+        name = f"{where}.{key}" if where else key
         if rule.status == "refused":
             _check_refused(name, value, rule)
         elif rule.status == "implemented":

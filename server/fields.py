@@ -16,7 +16,9 @@ A field is
 - ``ignored``: accepted and dropped, because it cannot change the output (``note`` says why).
 
 Fields in neither the spec nor the table are ignored, as OpenAI-compatible servers do (clients
-send their own extras). ``spec=False`` rows are our extensions (vLLM's or SGLang's names).
+send their own extras). ``spec=False`` rows are our extensions (vLLM's or SGLang's names). The
+sub-fields of the nested objects (``messages[]``, ``stream_options``, ``tools[].function``...)
+have tables of the same rules in ``server.nested_fields``.
 
 To change a field's status, edit its one line here; the README table is regenerated from it
 (``python -m splitserve.server.fields``) and a test keeps the two equal.
@@ -87,7 +89,8 @@ _SHARED: dict[str, FieldRule] = {
     "seed": implemented("per-request random stream; a signed 64-bit integer", **_SEED),
     "stop": implemented("up to 4 stop strings"),
     "stream": implemented("server-sent events"),
-    "stream_options": implemented("`include_usage`; `include_obfuscation` is ignored (no padding)"),
+    "stream_options": implemented("`include_usage`, `continuous_usage_stats` (vLLM): see "
+                                  "the sub-fields"),
     "presence_penalty": implemented("", **_PENALTY),
     "frequency_penalty": implemented("", **_PENALTY),
     "logit_bias": implemented("token id -> bias added to its logit"),
@@ -110,7 +113,7 @@ _SHARED: dict[str, FieldRule] = {
 CHAT_FIELDS: dict[str, FieldRule] = {
     **_SHARED,
     "messages": implemented("text content parts; `system`, `developer`, `user`, `assistant`, "
-                            "`tool` roles"),
+                            "`tool` roles; see the sub-fields"),
     "max_completion_tokens": implemented("new tokens at most", minimum=1),
     "max_tokens": implemented("deprecated alias of `max_completion_tokens`", minimum=1),
     "response_format": implemented("`text`, `json_object`, `json_schema` (grammar-enforced)"),
@@ -147,6 +150,7 @@ COMPLETION_FIELDS: dict[str, FieldRule] = {
     # Extensions.
     "logprob_start_len": extension("score prompt tokens from this index on (SGLang)", minimum=0),
     "add_special_tokens": extension("false: the prompt already holds its special tokens"),
+    "response_format": extension("`text`, `json_object`, `json_schema` (grammar-enforced)"),
 }
 
 FIELDS: dict[Endpoint, dict[str, FieldRule]] = {"chat": CHAT_FIELDS,
@@ -171,7 +175,7 @@ def markdown_table() -> str:
             rule = table.get(name)
             cells.append("—" if rule is None else rule.status)
             if rule is not None:
-                notes.append(_rule_note(rule))
+                notes.append(rule_note(rule))
         note = notes[0] if len(set(notes)) == 1 else "; ".join(
             f"{ep}: {n}" for ep, n in zip(("chat", "completions"), notes, strict=False) if n)
         ext = "" if (CHAT_FIELDS.get(name) or COMPLETION_FIELDS[name]).spec else " (ext.)"
@@ -179,7 +183,8 @@ def markdown_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def _rule_note(rule: FieldRule) -> str:
+def rule_note(rule: FieldRule) -> str:
+    """A rule's README note: its note, its range, and the values a refused field accepts."""
     parts = [rule.note] if rule.note else []
     if rule.minimum is not None or rule.maximum is not None:
         lo = "" if rule.minimum is None else _bound(rule.minimum)

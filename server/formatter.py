@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.server.sse import EventTemplate
+from splitserve.server.sse import EventTemplate, encode_event
 
 
 @dataclass(slots=True)
@@ -32,13 +32,19 @@ class Usage:
 
 @dataclass(slots=True)
 class ResponseFormatter:
-    """Builds the response bodies of one request, for either endpoint (``is_chat``)."""
+    """Builds the response bodies of one request, for either endpoint (``is_chat``).
+
+    ``include_usage``: streamed chunks carry ``usage`` (null but on the last, the usage chunk);
+    ``continuous_usage`` (vLLM's ``continuous_usage_stats``): each chunk carries the usage its
+    caller hands in, its choice's so far, instead of null.
+    """
 
     rid: str
     created: int
     model: str
     is_chat: bool
     include_usage: bool = False
+    continuous_usage: bool = False
     # Per choice index, the template of its text chunks' events (text_event).
     _text_events: dict[int, EventTemplate] = field(default_factory=dict, init=False, repr=False,
                                                    compare=False)
@@ -92,11 +98,13 @@ class ResponseFormatter:
         logprobs: dict[str, Any] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
         index: int = 0,
+        usage: Usage | None = None,
     ) -> dict[str, Any]:
         """One streamed chunk of choice ``index``. Chat chunks carry a ``delta``; the first one
         of each choice names the role. ``logprobs``: the object of this chunk's tokens
         (``server.logprobs``), when asked for; ``tool_calls``: OpenAI's call deltas
-        (``server.tools.stream``)."""
+        (``server.tools.stream``); ``usage``: the choice's usage so far, sent when
+        ``continuous_usage``."""
         choice: dict[str, Any] = {
             "index": index, "logprobs": logprobs, "finish_reason": finish_reason
         }
@@ -113,12 +121,17 @@ class ResponseFormatter:
             "chat.completion.chunk" if self.is_chat else "text_completion", [choice]
         )
         if self.include_usage:
-            body["usage"] = None  # OpenAI: null on every chunk but the last
+            # OpenAI: null on every chunk but the last; vLLM's continuous usage: so far.
+            body["usage"] = (usage.as_dict() if self.continuous_usage and usage is not None
+                             else None)
         return body
 
-    def text_event(self, text: str, index: int = 0) -> str:
-        """The SSE event of ``chunk(text, index=index)``, the chunk of most streamed tokens,
-        without building and encoding the body each time (``server.sse.EventTemplate``)."""
+    def text_event(self, text: str, index: int = 0, usage: Usage | None = None) -> str:
+        """The SSE event of ``chunk(text, index=index, usage=usage)``, the chunk of most
+        streamed tokens, without building and encoding the body each time
+        (``server.sse.EventTemplate``) unless its usage changes from chunk to chunk."""
+        if self.continuous_usage:
+            return encode_event(self.chunk(text, index=index, usage=usage))
         template = self._text_events.get(index)
         if template is None:
             template = EventTemplate(self.chunk(EventTemplate.MARK, index=index))

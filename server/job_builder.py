@@ -191,7 +191,7 @@ class JobBuilder:
             )
         self._check_sampling(req, max_tokens)
         fmt = ResponseFormatter(response_id, int(time.time()), req.model, is_chat,
-                                req.include_usage)
+                                req.include_usage, req.continuous_usage)
         sampling = self._sampling(req, room, max_tokens, constraint)
         return Job(rid, input_ids, sampling, req.stop or [], fmt, Usage(len(input_ids)),
                    req.return_token_ids)

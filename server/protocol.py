@@ -2,8 +2,11 @@
 ``server.formatter``.
 
 Models are strict (a string where a number belongs is an error, not coerced) and ignore fields
-they do not know, so clients that send extra OpenAI fields (``user``, ``frequency_penalty``...)
-still work. Checks that need the tokenizer or the context length live in ``server.job_builder``.
+they do not know, so clients that send their own extras still work. Which OpenAI fields and
+sub-fields are refused before parsing is the tables' business (``server.fields``,
+``server.nested_fields``, checked by ``server.field_check``); an OpenAI field dropped here is
+one those tables call ignored. Checks that need the tokenizer or the context length live in
+``server.job_builder``.
 """
 
 from __future__ import annotations
@@ -25,9 +28,23 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is a choice of 
 
 
 class StreamOptions(BaseModel):
+    """``stream_options`` (read when ``stream`` is true). ``continuous_usage_stats`` (vLLM's
+    extension) puts each choice's usage so far on every chunk; as in vLLM it turns
+    ``include_usage`` on when that is not sent, and ``include_usage: false`` with it is a 400
+    (vLLM would send no usage at all, dropping the request's ask)."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    include_usage: bool = False
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _usage_on(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value and info.data.get("include_usage") is False:
+            raise ValueError("usage on every chunk needs include_usage: set it to true or "
+                             "leave it out")
+        return value
 
 
 class JsonSchemaFormat(BaseModel):
@@ -121,7 +138,18 @@ class BaseGenerateRequest(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        """Whether a streamed answer ends with a usage chunk (``stream_options``)."""
+        opts = self.stream_options
+        if opts is None:
+            return False
+        return bool(opts.include_usage or (opts.include_usage is None
+                                           and opts.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries its choice's usage so far (vLLM's
+        ``stream_options.continuous_usage_stats``)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(BaseGenerateRequest):
@@ -253,7 +281,9 @@ class ChatMessage(BaseModel):
     """One message; ``content`` is flattened to a string (text parts joined) for the template.
 
     An assistant message may have ``content: null`` when it carries ``tool_calls``; a ``tool``
-    message answers the call named by ``tool_call_id``.
+    message answers the call named by ``tool_call_id``. ``name`` (the participant's name) goes
+    to the chat template as it is, as vLLM passes it; the template decides whether the model
+    sees it.
     """
 
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -262,6 +292,7 @@ class ChatMessage(BaseModel):
     # Before ``content``, whose check reads them (pydantic validates fields in this order).
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None
+    name: str | None = None
     content: str | None = Field(None, validate_default=True)
 
     @field_validator("content", mode="before")
@@ -287,9 +318,13 @@ class ChatMessage(BaseModel):
         return self
 
     def as_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it: role, content, and ``name`` when given."""
         # Chat templates of open models know "system", not OpenAI's newer "developer".
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.content}
+        item: dict[str, Any] = {"role": role, "content": self.content}
+        if self.name is not None:
+            item["name"] = self.name
+        return item
 
 
 class ChatCompletionRequest(BaseGenerateRequest):

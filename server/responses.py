@@ -21,6 +21,7 @@ from fastapi.responses import Response
 from splitserve.server.choices import prompt_source, summed_usage
 from splitserve.server.disconnect import SSEResponse
 from splitserve.server.errors import APIError
+from splitserve.server.formatter import Usage
 from splitserve.server.generation import Piece
 from splitserve.server.job import Job
 from splitserve.server.logprobs import chat_logprobs, completion_logprobs, echoed_prompt_scores
@@ -203,12 +204,14 @@ async def _choice_chunks(job: Job, first: Piece | None, pieces: AsyncIterator[Pi
     Raises:
         APIError: the worker failed this choice.
     """
-    fmt, index = job.formatter, job.index
+    fmt, index, usage = job.formatter, job.index, job.usage
     chunk_logprobs = _ChunkLogprobs(job, speller)
     calls = None if job.tool_format is None else ToolCallStream(job.tool_format)
     async with contextlib.aclosing(pieces):  # type: ignore[type-var]
         if fmt.is_chat:
-            yield encode_event(fmt.chunk("", role=True, index=index))
+            # Its usage (continuous_usage) counts no token yet, though the lead's first is in.
+            before = Usage(usage.prompt_tokens, 0, usage.cached_tokens)
+            yield encode_event(fmt.chunk("", role=True, index=index, usage=before))
         piece = first if first is not None else await anext(pieces, None)
         while piece is not None:
             if calls is not None:
@@ -216,26 +219,29 @@ async def _choice_chunks(job: Job, first: Piece | None, pieces: AsyncIterator[Pi
                 if piece.finish_reason:
                     deltas += calls.finish()
                 for delta in deltas:
-                    yield encode_event(fmt.chunk(delta.get("content"),
-                                                 tool_calls=delta.get("tool_calls"), index=index))
+                    yield encode_event(fmt.chunk(delta.get("content"), index=index, usage=usage,
+                                                 tool_calls=delta.get("tool_calls")))
                 if piece.finish_reason:
-                    yield encode_event(
-                        fmt.chunk(None, calls.finish_reason(piece.finish_reason), index=index))
+                    yield encode_event(fmt.chunk(None, calls.finish_reason(piece.finish_reason),
+                                                 index=index, usage=usage))
             else:
-                for event in _text_events(fmt, piece, chunk_logprobs.of(piece), index):
+                for event in _text_events(fmt, piece, chunk_logprobs.of(piece), index, usage):
                     yield event
             piece = await anext(pieces, None)
 
 
-def _text_events(fmt: Any, piece: Piece, lp: dict[str, Any] | None, index: int) -> list[str]:
-    """The events of one piece of a choice without tools (none for an empty piece)."""
+def _text_events(fmt: Any, piece: Piece, lp: dict[str, Any] | None, index: int,
+                 usage: Usage) -> list[str]:
+    """The events of one piece of a choice without tools (none for an empty piece); ``usage``
+    is the choice's so far (sent with ``continuous_usage``)."""
     if not (piece.finish_reason or lp is not None):
-        return [fmt.text_event(piece.text, index)] if piece.text else []
+        return [fmt.text_event(piece.text, index, usage)] if piece.text else []
     if piece.finish_reason and fmt.is_chat:
         # The finish chunk of chat has an empty delta, as OpenAI sends it.
         out = []
         if piece.text or lp is not None:
-            out.append(fmt.chunk(piece.text, logprobs=lp, index=index))
-        out.append(fmt.chunk(None, piece.finish_reason, index=index))
+            out.append(fmt.chunk(piece.text, logprobs=lp, index=index, usage=usage))
+        out.append(fmt.chunk(None, piece.finish_reason, index=index, usage=usage))
         return [encode_event(chunk) for chunk in out]
-    return [encode_event(fmt.chunk(piece.text, piece.finish_reason, logprobs=lp, index=index))]
+    return [encode_event(fmt.chunk(piece.text, piece.finish_reason, logprobs=lp, index=index,
+                                   usage=usage))]

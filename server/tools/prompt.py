@@ -54,7 +54,8 @@ def builtin_messages(
     messages: list[dict[str, Any]], fmt: ToolCallFormat, tools: list[dict[str, Any]] | None
 ) -> list[dict[str, str]]:
     """``messages`` (as :func:`hf_messages` makes them) rewritten for a template with no tool
-    support: plain ``role`` + ``content`` strings only (see the module docstring)."""
+    support: plain ``role`` + ``content`` strings, and the sender's ``name`` where a message
+    other than a tool result has one (see the module docstring)."""
     out: list[dict[str, str]] = []
     for msg in messages:
         role, content = msg["role"], msg.get("content") or ""
@@ -71,12 +72,14 @@ def builtin_messages(
                      for c in msg["tool_calls"]]
             content = (content + "\n" if content else "") + fmt.render_calls(calls)
         out.append({"role": role, "content": content})
+        if msg.get("name"):
+            out[-1]["name"] = msg["name"]
     for msg in out:
         msg.pop("_tool", None)
     if tools:
         prompt = builtin_tool_prompt(fmt, tools)
         if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
@@ -86,7 +89,8 @@ def hf_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """Request messages (``server.protocol.ChatMessage``) as Hugging Face chat templates take
     them: an assistant's ``tool_calls`` with ``arguments`` parsed into a dict (templates write
     it with ``tojson``), a ``tool`` message with its ``tool_call_id`` and the ``name`` of the
-    function it answers (found from the call of that id).
+    function it answers (found from the call of that id, unless the message names it), and
+    any other message's ``name`` as the client sent it.
 
     Raises:
         ValueError: naming the message and field, for arguments that are not a JSON object.
@@ -112,7 +116,7 @@ def hf_messages(messages: list[Any]) -> list[dict[str, Any]]:
             item["content"] = item["content"] or ""
         if msg.role == "tool":
             item["tool_call_id"] = msg.tool_call_id
-            if msg.tool_call_id in names:
+            if msg.tool_call_id in names and "name" not in item:
                 item["name"] = names[msg.tool_call_id]
         out.append(item)
     return out
