@@ -15,6 +15,7 @@ from splitserve.ipc.messages import Constraint, SamplingParams
 from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.constraints import constraint_from_request
 from splitserve.server.errors import APIError
+from splitserve.server.format_prompt import with_format_description
 from splitserve.server.formatter import ResponseFormatter, Usage
 from splitserve.server.job import Job
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
@@ -157,6 +158,10 @@ class JobBuilder:
             messages = hf_messages(req.messages)
         except ValueError as exc:
             raise APIError(str(exc), param=str(exc).split(":")[0]) from None
+        fmt = req.response_format
+        if fmt is not None and fmt.json_schema is not None and fmt.json_schema.description:
+            messages = with_format_description(
+                messages, fmt.json_schema.name, fmt.json_schema.description)
         try:
             text = self.chat.render(messages, tools)
         except Exception as exc:  # jinja raises on conversations the template refuses

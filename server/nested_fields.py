@@ -44,11 +44,10 @@ _RESPONSE_FORMAT: dict[str, FieldRule] = {
 }
 
 _JSON_SCHEMA: dict[str, FieldRule] = {
-    "name": ignored("the format's identifier; the grammar enforces the schema whatever its name"),
-    # OpenAI shows the description to the model; ours is shown neither it nor the schema (the
-    # grammar enforces the schema), so a description would change nothing here.
-    "description": refused("a hint for the model, which is not shown the format here (the "
-                           "grammar enforces the schema)", noop=("",)),
+    "name": implemented("named with the description in the system message; without a "
+                        "description only an identifier"),
+    "description": implemented("shown to the model as a line of the system message "
+                               "(server.format_prompt); on /v1/completions a 400"),
     "schema": implemented("a JSON Schema, enforced by the grammar (missing: any JSON object)"),
     "strict": implemented("true: a 400 for a keyword no grammar backend enforces"),
 }
@@ -130,9 +129,17 @@ CHAT_NESTED: dict[str, dict[str, FieldRule]] = {
     "messages[].tool_calls[].function": _CALLED_FUNCTION,
 }
 
+# On /v1/completions the prompt is the client's own text: nothing shows the model a description.
+_JSON_SCHEMA_COMPLETIONS: dict[str, FieldRule] = {
+    **_JSON_SCHEMA,
+    "description": refused("a hint for the model; a completion's prompt is the client's own "
+                           "text, so put it there", noop=("",)),
+}
+
 COMPLETION_NESTED: dict[str, dict[str, FieldRule]] = {
-    path: CHAT_NESTED[path]
-    for path in ("stream_options", "response_format", "response_format.json_schema")
+    "stream_options": CHAT_NESTED["stream_options"],
+    "response_format": CHAT_NESTED["response_format"],
+    "response_format.json_schema": _JSON_SCHEMA_COMPLETIONS,
 }
 
 NESTED_FIELDS: dict[Endpoint, dict[str, dict[str, FieldRule]]] = {

@@ -365,6 +365,41 @@ def test_message_names_reach_the_template(tokenizer, template, with_tools) -> No
     assert "name=" not in tokenizer.decode(fake.requests[-1][1])
 
 
+def _json_schema_format(description: str | None) -> dict:
+    spec = {"name": "person", "schema": {"type": "object", "properties": {"n": {"type": "string"}},
+                                         "required": ["n"]}}
+    if description is not None:
+        spec["description"] = description
+    return {"type": "json_schema", "json_schema": spec}
+
+
+@pytest.mark.parametrize("system", [None, "Be brief."])
+def test_json_schema_description_is_shown_to_the_model(tokenizer, system) -> None:
+    fake = FakeEngineClient(tokenizer, eos_token_id=tokenizer.eos_token_id)
+    client = TestClient(create_app(fake, tokenizer, MODEL, 512, [tokenizer.eos_token_id],
+                                   ChatRenderer(tokenizer, template=NAMED)))
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": "Ada"}]
+    hint = "The person the user names, with their name in n."
+    r = client.post(PATHS["chat"], json={**BASE["chat"], "messages": messages,
+                                         "response_format": _json_schema_format(hint)})
+    assert r.status_code == 200, r.text
+    prompt = tokenizer.decode(fake.requests[-1][1])
+    want = f'<system>{system + chr(10) * 2 if system else ""}Respond in the JSON format "person": {hint}'
+    assert want in prompt, prompt
+    assert prompt.count("<system>") == 1
+    client.post(PATHS["chat"], json={**BASE["chat"], "messages": messages,
+                                     "response_format": _json_schema_format(None)})
+    assert "Respond in the JSON format" not in tokenizer.decode(fake.requests[-1][1])
+
+
+def test_json_schema_description_on_completions_is_a_400(client) -> None:
+    r = client.post(PATHS["completions"], json={**BASE["completions"],
+                                                "response_format": _json_schema_format("a hint")})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "response_format.json_schema.description"
+
+
 # ---- the openai client ------------------------------------------------------------------------
 
 
