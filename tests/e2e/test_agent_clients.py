@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -175,3 +176,27 @@ def test_pydantic_ai_structured_output(base_url) -> None:
     follow_up = agent.run_sync("And in degrees Fahrenheit?",
                                message_history=result.all_messages())
     _check_weather(follow_up.output)
+
+
+def test_pydantic_ai_native_output_sends_and_gets_its_description_used(base_url) -> None:
+    # NativeOutput asks for response_format json_schema with the model's docstring as
+    # json_schema.description: shown to the model here (server.format_prompt), not refused.
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.settings import ModelSettings
+
+    sent: list[dict] = []
+
+    async def record(request: httpx.Request) -> None:
+        sent.append(json.loads(request.content))
+
+    http = httpx.AsyncClient(event_hooks={"request": [record]}, timeout=300)
+    model = OpenAIChatModel("default", provider=OpenAIProvider(
+        base_url=base_url, api_key="none", http_client=http))
+    agent = Agent(model, output_type=NativeOutput(Weather),
+                  model_settings=ModelSettings(temperature=0, max_tokens=MAX_TOKENS))
+    result = agent.run_sync(PROMPT)
+    _check_weather(result.output)
+    assert sent[0]["response_format"]["json_schema"]["description"] == Weather.__doc__
