@@ -159,7 +159,10 @@ class JobBuilder:
         except ValueError as exc:
             raise APIError(str(exc), param=str(exc).split(":")[0]) from None
         fmt = req.response_format
-        if fmt is not None and fmt.json_schema is not None and fmt.json_schema.description:
+        # Only a json_schema format's: under "text" or "json_object" a json_schema is no part
+        # of OpenAI's format (ignored, as its schema is), so its description is not shown.
+        if (fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None
+                and fmt.json_schema.description):
             messages = with_format_description(
                 messages, fmt.json_schema.name, fmt.json_schema.description)
         try:

@@ -47,7 +47,8 @@ _JSON_SCHEMA: dict[str, FieldRule] = {
     "name": implemented("named with the description in the system message; without a "
                         "description only an identifier"),
     "description": implemented("shown to the model as a line of the system message "
-                               "(server.format_prompt); on /v1/completions a 400"),
+                               "(server.format_prompt) when `type` is `json_schema`; on "
+                               "/v1/completions a 400"),
     "schema": implemented("a JSON Schema, enforced by the grammar (missing: any JSON object)"),
     "strict": implemented("true: a 400 for a keyword no grammar backend enforces"),
 }

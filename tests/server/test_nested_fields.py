@@ -393,6 +393,20 @@ def test_json_schema_description_is_shown_to_the_model(tokenizer, system) -> Non
     assert "Respond in the JSON format" not in tokenizer.decode(fake.requests[-1][1])
 
 
+@pytest.mark.parametrize("fmt_type", ["text", "json_object"])
+def test_json_schema_description_is_shown_only_with_its_format(tokenizer, fmt_type) -> None:
+    # Under "text" or "json_object" a json_schema is no part of OpenAI's format and its schema
+    # is not enforced; its description is not shown either (it was, with no schema held).
+    fake = FakeEngineClient(tokenizer, eos_token_id=tokenizer.eos_token_id)
+    client = TestClient(create_app(fake, tokenizer, MODEL, 512, [tokenizer.eos_token_id],
+                                   ChatRenderer(tokenizer, template=NAMED)))
+    fmt = {**_json_schema_format("Answer like a pirate."), "type": fmt_type}
+    r = client.post(PATHS["chat"], json={**BASE["chat"], "response_format": fmt})
+    assert r.status_code == 200, r.text
+    prompt = tokenizer.decode(fake.requests[-1][1])
+    assert "pirate" not in prompt and "<system>" not in prompt, prompt
+
+
 def test_json_schema_description_on_completions_is_a_400(client) -> None:
     r = client.post(PATHS["completions"], json={**BASE["completions"],
                                                 "response_format": _json_schema_format("a hint")})
