@@ -77,19 +77,81 @@ def format_loc(loc: Sequence[str | int]) -> str:
     return out
 
 
-def from_validation_errors(errors: Sequence[Any]) -> APIError:
-    """The first pydantic/FastAPI validation error as a 400 that names its field."""
+_NO_BODY = object()
+
+
+def from_validation_errors(errors: Sequence[Any], body: Any = _NO_BODY) -> APIError:
+    """The first pydantic/FastAPI validation error as a 400 that names its field.
+
+    With ``body`` (the decoded request), a value that matched no member of a union field
+    (``tool_choice``, ``json_schema.schema``) is named by where it sits in the body: pydantic
+    puts each member's tag in the ``loc`` of its error (``tool_choice.literal['none','auto',
+    'required']``, ``schema.dict[str,any]``), which is nothing the client wrote. Of the
+    members' errors, the one that reaches deepest into the body is reported: the member the
+    value was written for (``tool_choice.function.name`` for a named choice whose name is
+    not a string), not the first member tried.
+    """
     if not errors:
         return APIError("invalid request")
     err = errors[0]
-    loc = [p for p in err.get("loc", ()) if p != "body"]  # FastAPI prefixes body fields
     if err.get("type") == "json_invalid":
         return APIError(f"request body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
+    loc = _body_loc(err)
+    if body is not _NO_BODY:
+        err, loc = _union_member_error(errors, body)
     if not loc:
         return APIError(f"request body: {err.get('msg', 'invalid')}")
     param = format_loc(loc)
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     return APIError(f"{param}: {msg}", param=param)
+
+
+def _body_loc(err: Any) -> list[str | int]:
+    return [p for p in err.get("loc", ()) if p != "body"]  # FastAPI prefixes body fields
+
+
+def _in_body(err: Any, body: Any) -> tuple[list[str | int], int | None]:
+    """``err``'s loc without the union-member tags (the steps the body does not have), and
+    the index in its loc of the first tag dropped (None: none). A field the body's object
+    lacks, the last step of its error, is kept (tags such as ``literal['none',...]`` or
+    ``dict[str,any]`` are no identifiers, and a model's tag never ends the loc of an error
+    on an object)."""
+    raw = _body_loc(err)
+    out: list[str | int] = []
+    first_tag = None
+    cur = body
+    for i, step in enumerate(raw):
+        in_dict = isinstance(cur, dict) and step in cur
+        if in_dict or (isinstance(cur, list) and isinstance(step, int) and 0 <= step < len(cur)):
+            cur = cur[step]
+        elif (i == len(raw) - 1 and isinstance(cur, dict) and isinstance(step, str)
+              and step.isidentifier()):
+            pass  # a field of this object the body lacks (missing, or its default refused)
+        else:
+            if first_tag is None:
+                first_tag = i
+            continue
+        out.append(step)
+    return out, first_tag
+
+
+def _union_member_error(errors: Sequence[Any], body: Any) -> tuple[Any, list[str | int]]:
+    """The error to report of ``errors`` (the first one, or its union's deepest member
+    error) and its loc in ``body``."""
+    first = errors[0]
+    loc, tag = _in_body(first, body)
+    if tag is None:
+        return first, loc
+    union_at = _body_loc(first)[:tag]
+    best, best_loc = first, loc
+    for err in errors[1:]:
+        raw = _body_loc(err)
+        if raw[:tag] != union_at or len(raw) <= tag:
+            continue  # another field's error, not a member of the same union
+        err_loc, err_tag = _in_body(err, body)
+        if err_tag == tag and len(err_loc) > len(best_loc):
+            best, best_loc = err, err_loc
+    return best, best_loc
 
 
 async def _api_error_handler(_: Request, exc: Exception) -> JSONResponse:

@@ -210,5 +210,5 @@ async def _parse(
     try:
         return model_cls.model_validate_json(body)
     except ValidationError as exc:
-        raise from_validation_errors(exc.errors()) from None
+        raise from_validation_errors(exc.errors(), decoded) from None
 

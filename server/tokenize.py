@@ -86,7 +86,7 @@ def _validate(model_cls: type[BaseModel], body: dict[str, Any]) -> Any:
     try:
         return model_cls.model_validate(body)
     except ValidationError as exc:
-        raise from_validation_errors(exc.errors()) from None
+        raise from_validation_errors(exc.errors(), body) from None
 
 
 def _check_model(jobs: JobBuilder, model: str) -> None:

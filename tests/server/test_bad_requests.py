@@ -90,6 +90,40 @@ def test_bad_request_is_400_naming_the_field(
     assert client.post(path, json=good).status_code == 200
 
 
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
+# A value that matches no member of a union field: the param is where it sits in the body, not
+# pydantic's member tag (``tool_choice.literal['none','auto','required']``), and the error is
+# the member's the value was written for (a named choice's bad name, not "should be 'auto'").
+UNION_ERRORS = [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": 5}}},
+     "tool_choice.function.name", "valid string"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "f"}},
+     "tool_choice.function", "object|dictionary"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.function", "required"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}},
+     "tool_choice.function.name", "required"),
+    ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice", "'auto'"),
+    ({"tools": TOOLS, "tool_choice": 5}, "tool_choice", "'auto'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": 5}}},
+     "response_format.json_schema.schema", "object|dictionary"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": []}}},
+     "response_format.json_schema.schema", "object|dictionary"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "content is required"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param", "says"), UNION_ERRORS)
+@pytest.mark.parametrize("path", [CH, "/tokenize"])
+def test_union_field_errors_name_the_body_path(client, fake, path, extra, param, says) -> None:
+    r = client.post(path, json={"model": MODEL, "messages": USER, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert err["message"].startswith(f"{param}: "), err
+    assert any(s in err["message"] for s in says.split("|")), err  # /tokenize: "dictionary"
+    assert fake.requests == []
+
+
 @pytest.mark.parametrize("raw", [b"{bad json", b"[1, 2]", b"", b"null"])
 def test_malformed_body_is_400(client, raw: bytes) -> None:
     r = client.post(C, content=raw, headers={"content-type": "application/json"})
