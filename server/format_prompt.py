@@ -4,9 +4,9 @@ by the model to determine how to respond in the format").
 The grammar holds the output to the schema whatever the prompt says; the description is the one
 part of the format meant for the model itself, so a chat request's description becomes a line
 of its system message. (vLLM parses it and uses only the schema; a client that sends one, such
-as pydantic-ai's ``NativeOutput`` for a documented model, gets it seen here.) On ``/v1/completions`` the prompt is
-the client's own text and nothing is added to it: there the sub-field is refused
-(``server.nested_fields``).
+as pydantic-ai's ``NativeOutput`` for a documented model, gets it seen here.) On
+``/v1/completions`` the prompt is the client's own text and nothing is added to it: there the
+sub-field is refused (``server.nested_fields``).
 """
 
 from __future__ import annotations
