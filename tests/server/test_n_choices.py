@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -19,7 +15,6 @@ from fastapi.testclient import TestClient
 from splitserve.server.choices import choice_seed
 from splitserve.server.engine_client import TokenEvent
 from splitserve.server.fake_client import FakeEngineClient
-from splitserve.server.main import create_server
 from splitserve.server.routes import create_app
 from splitserve.server.sse import iter_events
 
@@ -241,24 +236,6 @@ def test_an_error_in_one_choice_aborts_every_sibling(tokenizer, stream) -> None:
     assert len(started) == 3
     assert fake.wait_until(lambda: started <= fake.aborted, 10), (started, fake.aborted)
     assert not started & fake.finished
-
-
-@pytest.fixture
-def live_server(fake, tokenizer) -> Iterator[str]:
-    app = create_app(fake, tokenizer, MODEL, 256, [tokenizer.eos_token_id])
-    server = create_server(app, "127.0.0.1", 0, log_level="warning")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
 
 
 def test_client_disconnect_aborts_every_choice(live_server, fake) -> None:
