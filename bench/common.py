@@ -155,6 +155,27 @@ def percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def launch_fields(value: str, num_speculative_tokens: int) -> tuple[str, str, dict[str, Any]]:
+    """``MODE[:int8|:int4][:ngram]`` -> ``(mode, target name, config fields)``: the weights'
+    ``quantization`` and, with ``:ngram``, n-gram speculative decoding of
+    ``num_speculative_tokens`` drafts.
+
+    Raises:
+        ValueError: an option other than those.
+    """
+    mode, *options = value.split(":")
+    unknown = set(options) - {"int8", "int4", "ngram"}
+    if unknown:
+        raise ValueError(f"--launch {value}: unknown option(s) {sorted(unknown)}")
+    fields: dict[str, Any] = {
+        "quantization": next((o for o in options if o in ("int8", "int4")), "none")
+    }
+    if "ngram" in options:
+        fields["speculative"] = "ngram"
+        fields["num_speculative_tokens"] = num_speculative_tokens
+    return mode, " ".join(["splitserve", mode, *options]), fields
+
+
 @contextmanager
 def launch_cluster(mode: str, model_path: str, dtype: str, **fields: Any) -> Iterator[str]:
     """Start a local cluster (``disaggregated`` or ``colocated``) and yield its base URL.

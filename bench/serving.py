@@ -44,6 +44,7 @@ from common import (
     SEED,
     add_data_argument,
     launch_cluster,
+    launch_fields,
     load_prompts,
     random_prompts,
     resolve_model,
@@ -200,27 +201,6 @@ def parse_base_url(item: str) -> tuple[str, str]:
     else:
         name, url = item.split("://", 1)[-1], item
     return name, url.rstrip("/").removesuffix("/v1")
-
-
-def launch_fields(value: str, num_speculative_tokens: int) -> tuple[str, str, dict[str, Any]]:
-    """``MODE[:int8|:int4][:ngram]`` -> ``(mode, target name, config fields)``: the weights'
-    ``quantization`` and, with ``:ngram``, n-gram speculative decoding of
-    ``num_speculative_tokens`` drafts.
-
-    Raises:
-        ValueError: an option other than those.
-    """
-    mode, *options = value.split(":")
-    unknown = set(options) - {"int8", "int4", "ngram"}
-    if unknown:
-        raise ValueError(f"--launch {value}: unknown option(s) {sorted(unknown)}")
-    fields: dict[str, Any] = {
-        "quantization": next((o for o in options if o in ("int8", "int4")), "none")
-    }
-    if "ngram" in options:
-        fields["speculative"] = "ngram"
-        fields["num_speculative_tokens"] = num_speculative_tokens
-    return mode, " ".join(["splitserve", mode, *options]), fields
 
 
 def first_model(url: str) -> str:

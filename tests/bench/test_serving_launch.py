@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from serving import launch_fields
+from common import launch_fields
 
 from splitserve.config import ServeConfig
 

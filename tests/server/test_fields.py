@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from splitserve.server.fake_client import FakeEngineClient
 from splitserve.server.fields import CHAT_FIELDS, COMPLETION_FIELDS, FIELDS, PATHS, markdown_table
 from splitserve.server.routes import create_app
+from tests.readme_section import generated_section
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "tests" / "data" / "openai-openapi" / "openapi.json"
@@ -77,9 +78,7 @@ def test_implemented_fields_keep_the_spec_range(endpoint: str) -> None:
 
 
 def test_readme_table_is_the_generated_one() -> None:
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("<!-- fields:start")
-    table = readme[readme.index("\n", start) + 1:readme.index("<!-- fields:end -->")]
+    table = generated_section("fields")
     assert table == markdown_table(), (
         "README's field table differs from server.fields: paste `python -m "
         "splitserve.server.fields` between its fields markers")

@@ -18,6 +18,7 @@ from splitserve.server.fields import FIELDS, PATHS
 from splitserve.server.nested_fields import NESTED_FIELDS, markdown_table, path_steps
 from splitserve.server.routes import create_app
 from splitserve.server.sse import DONE, iter_events
+from tests.readme_section import generated_section
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "tests" / "data" / "openai-openapi" / "openapi.json"
@@ -122,9 +123,7 @@ def test_every_nested_object_has_a_table(endpoint: str) -> None:
 
 
 def test_readme_sub_field_table_is_the_generated_one() -> None:
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("<!-- nested-fields:start")
-    table = readme[readme.index("\n", start) + 1:readme.index("<!-- nested-fields:end -->")]
+    table = generated_section("nested-fields")
     assert table == markdown_table(), (
         "README's sub-field table differs from server.nested_fields: paste `python -m "
         "splitserve.server.nested_fields` between its nested-fields markers")
