@@ -90,7 +90,7 @@ _SHARED: dict[str, FieldRule] = {
     "stop": implemented("up to 4 stop strings"),
     "stream": implemented("server-sent events"),
     "stream_options": implemented("`include_usage`, `continuous_usage_stats` (vLLM): see "
-                                  "the sub-fields"),
+                                  "the sub-fields; a 400 without `stream: true`, as in vLLM"),
     "presence_penalty": implemented("", **_PENALTY),
     "frequency_penalty": implemented("", **_PENALTY),
     "logit_bias": implemented("token id -> bias added to its logit"),

@@ -114,6 +114,16 @@ class BaseGenerateRequest(BaseModel):
     min_tokens: int | None = Field(None, ge=0)  # extension (vLLM): EOS/stop ids masked till then
     stop_token_ids: list[int] | None = None  # extension (vLLM): ids that end the output too
 
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_stream(cls, value: StreamOptions | None,
+                             info: ValidationInfo) -> StreamOptions | None:
+        # OpenAI: "only set this when you set stream: true"; vLLM refuses it too. Accepting it
+        # would be a 200 in which the asked-for usage chunks never come.
+        if value is not None and value.model_fields_set and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _logit_bias_ids(cls, value: Any) -> Any:

@@ -460,3 +460,21 @@ def test_openai_client_round_trips_its_own_fields(api) -> None:
             user, {"role": "assistant", "content": None, "refusal": "I cannot."}, user])
     assert info.value.body["param"] == "messages[1].refusal"
     assert info.value.body["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, None])
+def test_stream_options_without_stream_is_a_400(client, endpoint, stream) -> None:
+    # OpenAI's spec: "only set this when you set stream: true" (vLLM refuses it too).
+    body = {**BASE[endpoint], "stream_options": {"include_usage": True}}
+    if stream is not None:
+        body["stream"] = stream
+    r = client.post(PATHS[endpoint], json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "stream_options", err
+    assert "stream" in err["message"], err
+    # An empty or null stream_options asks for nothing: accepted, as vLLM does.
+    for empty in ({}, None):
+        r = client.post(PATHS[endpoint], json={**BASE[endpoint], "stream_options": empty})
+        assert r.status_code == 200, r.text
