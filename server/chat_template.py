@@ -5,6 +5,11 @@ renders a probe function into the prompt) and which tool-call format the model w
 (``--tool-call-parser``, or ``auto``: see :meth:`ChatRenderer._pick_format`). Templates that
 ignore tools get the built-in tool prompt and their tool history rewritten into plain messages
 (``server.tools.prompt``).
+
+A system message we add (the built-in tool prompt, a ``response_format`` description) keeps
+the template's own default system prompt in front of it (:attr:`ChatRenderer.default_system`):
+a template such as SmolLM2's or Qwen2.5's writes one only when the conversation has no system
+message, and Qwen2.5's own tool rendering keeps it too.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ AUTO_PARSER = "auto"
 _PROBE_NAME = "splitserve_probe_function"
 _PROBE_TOOLS = [{"type": "function", "function": {
     "name": _PROBE_NAME, "description": "probe", "parameters": {"type": "object"}}}]
+_PROBE_SYSTEM = "splitserve_probe_system"
 
 
 class ChatRenderer:
@@ -48,6 +54,7 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.template: str | None = template or getattr(tokenizer, "chat_template", None)
         self.renders_tools = self._renders_tools()
+        self.default_system = self._default_system()
         self.tool_format = self._pick_format(tool_call_parser, family_format)
         self.begin_token = special_token_id(tokenizer, self.tool_format.begin)
 
@@ -60,7 +67,8 @@ class ChatRenderer:
                 ``TemplateError`` from ``raise_exception``, ...).
         """
         if not self.renders_tools:
-            messages, tools = builtin_messages(messages, self.tool_format, tools), None
+            messages = builtin_messages(messages, self.tool_format, tools, self.default_system)
+            tools = None
         kwargs: dict[str, Any] = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False, chat_template=self.template,
@@ -77,6 +85,30 @@ class ChatRenderer:
             logger.info("chat template refused a tool (%s): using the built-in tool prompt", exc)
             return False
         return _PROBE_NAME in text
+
+    def _default_system(self) -> str:
+        """The system prompt the template writes when a conversation has none, or ``""``.
+
+        Found by rendering one user message without and with a probe system message: where
+        the two agree around the probe, what stands in its place without it is the default
+        (SmolLM2's "You are a helpful AI assistant named SmolLM, ..."). A template that puts a
+        system message elsewhere (Mistral's, into the first user turn) or refuses one gives
+        ``""``."""
+        user = [{"role": "user", "content": "hi"}]
+        try:
+            plain, probed = (self.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=True, tokenize=False, chat_template=self.template)
+                for msgs in (user, [{"role": "system", "content": _PROBE_SYSTEM}, *user]))
+        except Exception:  # noqa: BLE001 - a template without a system role has no default
+            return ""
+        at = probed.find(_PROBE_SYSTEM)
+        if at < 0:
+            return ""
+        head, tail = probed[:at], probed[at + len(_PROBE_SYSTEM):]
+        if (len(plain) < len(head) + len(tail) or not plain.startswith(head)
+                or not plain.endswith(tail)):
+            return ""
+        return plain[len(head):len(plain) - len(tail)]
 
     def _pick_format(self, parser: str, family_format: str | None) -> ToolCallFormat:
         """The named parser, or for ``auto``, in order: the built-in prompt's format when the

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from splitserve.server.tools.prompt import join_system
+
 
 def with_format_description(
-    messages: list[dict[str, Any]], name: str, description: str
+    messages: list[dict[str, Any]], name: str, description: str, default_system: str = ""
 ) -> list[dict[str, Any]]:
     """``messages`` (Hugging Face chat-template dicts) with ``Respond in the JSON format
     "<name>": <description>`` appended to the first system message, or as a new system message
-    in front when there is none; an empty ``description`` leaves them as they are. The input
-    list and its dicts are not changed."""
+    in front when there is none (after ``default_system``, the template's default system
+    prompt, which it would otherwise replace); an empty ``description`` leaves them as they
+    are. The input list and its dicts are not changed."""
     if not description:
         return messages
     line = f'Respond in the JSON format "{name}": {description}'
@@ -28,4 +31,4 @@ def with_format_description(
         first = dict(messages[0])
         first["content"] = f"{first.get('content') or ''}\n\n{line}".lstrip()
         return [first, *messages[1:]]
-    return [{"role": "system", "content": line}, *messages]
+    return [{"role": "system", "content": join_system(default_system, line)}, *messages]

@@ -164,7 +164,8 @@ class JobBuilder:
         if (fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None
                 and fmt.json_schema.description):
             messages = with_format_description(
-                messages, fmt.json_schema.name, fmt.json_schema.description)
+                messages, fmt.json_schema.name, fmt.json_schema.description,
+                self.chat.default_system)
         try:
             text = self.chat.render(messages, tools)
         except Exception as exc:  # jinja raises on conversations the template refuses

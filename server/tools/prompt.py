@@ -7,7 +7,8 @@ messages first (:func:`builtin_messages`):
 
 - a system block listing the functions (name, description, parameters as JSON, one per line)
   and showing the call envelope of the format in use (``server.tools.formats``, Hermes by
-  default), appended to the first system message or put in front as a new one;
+  default), appended to the first system message or put in front as a new one (after the
+  template's default system prompt, which the new message would otherwise replace);
 - an earlier assistant turn's calls become the text the model would have written for them;
 - ``tool`` results become a user message of ``<tool_response>`` blocks (consecutive results in
   one message), the convention Hermes-style models are trained on.
@@ -51,11 +52,14 @@ def _function_card(function: dict[str, Any]) -> dict[str, Any]:
 
 
 def builtin_messages(
-    messages: list[dict[str, Any]], fmt: ToolCallFormat, tools: list[dict[str, Any]] | None
+    messages: list[dict[str, Any]], fmt: ToolCallFormat, tools: list[dict[str, Any]] | None,
+    default_system: str = "",
 ) -> list[dict[str, str]]:
     """``messages`` (as :func:`hf_messages` makes them) rewritten for a template with no tool
     support: plain ``role`` + ``content`` strings, and the sender's ``name`` where a message
-    other than a tool result has one (see the module docstring)."""
+    other than a tool result has one (see the module docstring). ``default_system``: the
+    template's default system prompt (``ChatRenderer.default_system``), put before the tool
+    prompt when the conversation has no system message."""
     out: list[dict[str, str]] = []
     for msg in messages:
         role, content = msg["role"], msg.get("content") or ""
@@ -81,8 +85,14 @@ def builtin_messages(
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
         else:
-            out.insert(0, {"role": "system", "content": prompt})
+            out.insert(0, {"role": "system", "content": join_system(default_system, prompt)})
     return out
+
+
+def join_system(default_system: str, text: str) -> str:
+    """A new system message's content: ``text`` after the template's default system prompt
+    (if any), a blank line between."""
+    return f"{default_system}\n\n{text}" if default_system else text
 
 
 def hf_messages(messages: list[Any]) -> list[dict[str, Any]]:
