@@ -29,6 +29,6 @@ def with_format_description(
     line = f'Respond in the JSON format "{name}": {description}'
     if messages and messages[0].get("role") == "system":
         first = dict(messages[0])
-        first["content"] = f"{first.get('content') or ''}\n\n{line}".lstrip()
+        first["content"] = join_system(first.get("content") or "", line)
         return [first, *messages[1:]]
     return [{"role": "system", "content": join_system(default_system, line)}, *messages]

@@ -119,8 +119,11 @@ class BaseGenerateRequest(BaseModel):
     def _options_need_stream(cls, value: StreamOptions | None,
                              info: ValidationInfo) -> StreamOptions | None:
         # OpenAI: "only set this when you set stream: true"; vLLM refuses it too. Accepting it
-        # would be a 200 in which the asked-for usage chunks never come.
-        if value is not None and value.model_fields_set and not info.data.get("stream"):
+        # would be a 200 in which the asked-for usage chunks never come. A null sub-field asks
+        # for nothing and is accepted, as everywhere.
+        asks = value is not None and any(
+            getattr(value, name) is not None for name in value.model_fields_set)
+        if asks and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
         return value
 

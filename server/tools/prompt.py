@@ -83,16 +83,17 @@ def builtin_messages(
     if tools:
         prompt = builtin_tool_prompt(fmt, tools)
         if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
+            out[0] = {**out[0], "content": join_system(out[0]["content"], prompt)}
         else:
             out.insert(0, {"role": "system", "content": join_system(default_system, prompt)})
     return out
 
 
-def join_system(default_system: str, text: str) -> str:
-    """A new system message's content: ``text`` after the template's default system prompt
-    (if any), a blank line between."""
-    return f"{default_system}\n\n{text}" if default_system else text
+def join_system(first: str, text: str) -> str:
+    """A system message's content: ``text`` after ``first`` (the client's system text, or the
+    template's default system prompt for a new message), a blank line between; ``text`` alone
+    when ``first`` is empty."""
+    return f"{first}\n\n{text}" if first else text
 
 
 def hf_messages(messages: list[Any]) -> list[dict[str, Any]]:

@@ -59,3 +59,10 @@ def test_the_clients_own_system_message_replaces_the_default(tokenizer) -> None:
         system = _prompt(tokenizer, messages=own, **extra).split("<|im_end|>")[0]
         assert system.startswith("<|im_start|>system\nBe terse.\n\n"), system
         assert SMOL_DEFAULT not in system
+
+
+def test_an_empty_client_system_message_gets_the_tool_prompt_alone(tokenizer) -> None:
+    empty = [{"role": "system", "content": ""}, *USER]
+    system = _prompt(tokenizer, messages=empty, tools=[WEATHER]).split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\n# "), system  # no stray blank lines
+    assert SMOL_DEFAULT not in system

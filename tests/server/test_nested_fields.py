@@ -474,7 +474,7 @@ def test_stream_options_without_stream_is_a_400(client, endpoint, stream) -> Non
     err = r.json()["error"]
     assert err["param"] == "stream_options", err
     assert "stream" in err["message"], err
-    # An empty or null stream_options asks for nothing: accepted, as vLLM does.
-    for empty in ({}, None):
+    # An empty or null stream_options, or null sub-fields, ask for nothing: accepted.
+    for empty in ({}, None, {"include_usage": None, "continuous_usage_stats": None}):
         r = client.post(PATHS[endpoint], json={**BASE[endpoint], "stream_options": empty})
         assert r.status_code == 200, r.text
