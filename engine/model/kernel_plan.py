@@ -274,6 +274,10 @@ def choose_product_plan(model: torch.nn.Module, choice: str, max_rows: int) -> P
     if plan.disturbed:
         logger.warning("kernel choice timed at load %.1f per core (> %.1f): it will be timed "
                        "again at the next start", plan.load, DISTURBED)
-    for line in plan.lines():
-        logger.warning("kernel choice: %s", line)
+    # One line at the default level (a measured plan is news once per machine); the timings
+    # per step size, 15 lines, only at --log-level info.
+    summary, *buckets = plan.lines()
+    logger.warning("kernel choice: %s", summary)
+    for line in buckets:
+        logger.info("kernel choice: %s", line)
     return plan
