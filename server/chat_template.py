@@ -69,6 +69,12 @@ class ChatRenderer:
         if not self.renders_tools:
             messages = builtin_messages(messages, self.tool_format, tools, self.default_system)
             tools = None
+        return self._apply(messages, tools)
+
+    def _apply(self, messages: list[dict[str, Any]],
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The template's text for ``messages`` (and ``tools``), ending with the assistant's
+        turn; raises whatever the template raises."""
         kwargs: dict[str, Any] = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False, chat_template=self.template,
@@ -78,9 +84,7 @@ class ChatRenderer:
         """Whether the template writes a tool it is given into the prompt."""
         probe = [{"role": "user", "content": "hi"}]
         try:
-            text = self.tokenizer.apply_chat_template(
-                probe, tools=_PROBE_TOOLS, add_generation_prompt=True, tokenize=False,
-                chat_template=self.template)
+            text = self._apply(probe, _PROBE_TOOLS)
         except Exception as exc:  # noqa: BLE001 - a template that cannot take tools ignores them
             logger.info("chat template refused a tool (%s): using the built-in tool prompt", exc)
             return False
@@ -96,9 +100,8 @@ class ChatRenderer:
         ``""``."""
         user = [{"role": "user", "content": "hi"}]
         try:
-            plain, probed = (self.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=True, tokenize=False, chat_template=self.template)
-                for msgs in (user, [{"role": "system", "content": _PROBE_SYSTEM}, *user]))
+            plain = self._apply(user)
+            probed = self._apply([{"role": "system", "content": _PROBE_SYSTEM}, *user])
         except Exception:  # noqa: BLE001 - a template without a system role has no default
             return ""
         at = probed.find(_PROBE_SYSTEM)
