@@ -6,7 +6,7 @@ For each cluster mode (``--mode``) and each setting (plain, then ngram with each
 one after another and prints, per workload: output tok/s, the speedup over plain in the same
 run, the draft acceptance rate and the mean tokens gained per verification step (from the
 workers' ``spec_draft_tokens`` / ``spec_accepted_tokens``), and how many outputs equal plain
-decoding's (all of them in float32; bfloat16 may part at near-ties, README "Determinism").
+decoding's (all of them in float32; bfloat16 may part at near-ties, docs/serving.md "Determinism").
 
 The prompts are built here, seeded: code is cut from this repository's own sources (its licence),
 records and tool specs are synthetic.

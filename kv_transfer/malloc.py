@@ -6,7 +6,7 @@ buffer of a few MiB is either ``mmap``-ed fresh (above the dynamic mmap threshol
 at the top of the heap, trimmed back to the kernel: either way the next frame faults in new,
 zeroed pages — measured at 20-40% of the bytes of a 512 MiB transfer in 2 MiB messages, which
 costs about as much CPU as the copy itself. Raising both thresholds keeps freed buffers in the
-heap, so the next frames reuse warm memory (bench/README.md, ``kv_transfer.py``).
+heap, so the next frames reuse warm memory (``bench/kv_transfer.py``; docs/performance.md, "KV transfer").
 """
 
 from __future__ import annotations

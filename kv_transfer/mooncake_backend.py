@@ -13,7 +13,7 @@ fails mid-transfer is fenced until this worker acknowledges that its writes ende
 Speed: Mooncake's TCP transport moves each write request over one pooled connection in 64 KiB
 ``asio`` reads and writes on a single event-loop thread per process (a compiled-in buffer size);
 on this 2-core machine it reached about 0.5-0.6x of the zmq backend, and splitting a transfer
-into several requests (several connections) did not change that (bench/README.md).
+into several requests (several connections) did not change that (docs/performance.md, "KV transfer").
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Why messages of a few MiB rather than one per send: ZeroMQ hands a multipart mes
 once all of it has arrived, in one freshly allocated buffer per frame. A 512 MiB message is
 512 MiB of new memory to fault in, copied into the pool after the last byte arrived; 2 MiB
 messages reuse warm buffers (with ``splitserve.kv_transfer.malloc.keep_freed_buffers``) and are copied
-while the next one is on the wire (bench/README.md, ``kv_transfer.py``). A GPU pool is staged to host memory per message.
+while the next one is on the wire (``bench/kv_transfer.py``; docs/performance.md, "KV transfer"). A GPU pool is staged to host memory per message.
 No pickling and no per-element Python objects anywhere.
 """
 

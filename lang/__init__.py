@@ -10,7 +10,7 @@
     lang.set_default_backend(lang.Endpoint("http://127.0.0.1:8000"))
     print(qa.run(question="What is 2 + 2?")["answer"])
 
-See ``lang/README.md``.
+See ``docs/dsl.md``.
 """
 
 from splitserve.lang.backend import BaseBackend, ChatPrompt, GenOutput, SelectOutput, TextPrompt

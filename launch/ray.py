@@ -4,8 +4,8 @@ cluster.yaml``. Ray is an optional extra (``pip install splitserve[ray]``).
 Ray only places and keeps processes: each worker and the router run as an ordinary
 ``python -m splitserve ...`` child of a small Ray actor that reserves the role's resources on some
 node (``num_cpus``/``num_gpus``/custom ``resources``, or a pinned ``node_ip``). Workers join the
-router with ``--router`` exactly as when started by hand (the plain per-host commands in the
-README), advertising their node's IP. Each child gets its whole config as ``--config-json``
+router with ``--router`` exactly as when started by hand (the plain per-host commands in
+docs/operations.md), advertising their node's IP. Each child gets its whole config as ``--config-json``
 (``engine`` is an :class:`~splitserve.config.EngineConfig`: an unknown key is an error), and
 exits when its actor's process does (``ray.shutdown()``, a killed actor or node), as under the
 local launcher.

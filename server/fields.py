@@ -1,7 +1,7 @@
 """Every request field of ``/v1/chat/completions`` and ``/v1/completions``, and what we do with it.
 
 One table per endpoint, the single source of three things: the check that refuses what we do not
-serve (``server.field_check``), the README's field table (:func:`markdown_table`), and the test
+serve (``server.field_check``), docs/api.md's field table (:func:`markdown_table`), and the test
 that holds both against OpenAI's spec (``tests/data/openai-openapi/openapi.json``:
 ``CreateChatCompletionRequest`` with its ``allOf`` parts, ``CreateCompletionRequest``).
 
@@ -20,7 +20,7 @@ send their own extras). ``spec=False`` rows are our extensions (vLLM's or SGLang
 sub-fields of the nested objects (``messages[]``, ``stream_options``, ``tools[].function``...)
 have tables of the same rules in ``server.nested_fields``.
 
-To change a field's status, edit its one line here; the README table is regenerated from it
+To change a field's status, edit its one line here; docs/api.md's table is regenerated from it
 (``python -m splitserve.server.fields``) and a test keeps the two equal.
 """
 
@@ -165,7 +165,7 @@ def _value_text(value: Any) -> str:
 
 
 def markdown_table() -> str:
-    """The README's field table: one row per field of either endpoint, spec fields first."""
+    """docs/api.md's field table: one row per field of either endpoint, spec fields first."""
     names = sorted(set(CHAT_FIELDS) | set(COMPLETION_FIELDS),
                    key=lambda n: (not (CHAT_FIELDS.get(n) or COMPLETION_FIELDS[n]).spec, n))
     rows = ["| field | chat | completions | notes |", "|---|---|---|---|"]
@@ -184,7 +184,7 @@ def markdown_table() -> str:
 
 
 def rule_note(rule: FieldRule) -> str:
-    """A rule's README note: its note, its range, and the values a refused field accepts."""
+    """A rule's note in that table: its note, its range, and the values a refused field accepts."""
     parts = [rule.note] if rule.note else []
     if rule.minimum is not None or rule.maximum is not None:
         lo = "" if rule.minimum is None else _bound(rule.minimum)

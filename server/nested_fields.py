@@ -13,7 +13,7 @@ extras are. A table exists for each object under an implemented field whose spec
 properties (``tests/server/test_nested_fields.py`` holds that, and each table, against the spec);
 free-form objects (``json_schema.schema``, ``function.parameters``, ``logit_bias``) have none.
 
-The README's sub-field table is generated from here: ``python -m splitserve.server.nested_fields``.
+docs/api.md's sub-field table is generated from here: ``python -m splitserve.server.nested_fields``.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ _CALLED_FUNCTION: dict[str, FieldRule] = {
 }
 
 # Chat parses every object here; completions parses ``stream_options`` and, as an extension
-# (README: structured output on both endpoints), ``response_format``.
+# (docs/api.md: structured output on both endpoints), ``response_format``.
 CHAT_NESTED: dict[str, dict[str, FieldRule]] = {
     "stream_options": _STREAM_OPTIONS,
     "response_format": _RESPONSE_FORMAT,
@@ -154,7 +154,7 @@ def path_steps(path: str) -> list[tuple[str, bool]]:
 
 
 def markdown_table() -> str:
-    """The README's sub-field table: one row per sub-field, by object, spec rows first."""
+    """docs/api.md's sub-field table: one row per sub-field, by object, spec rows first."""
     rows = ["| sub-field | status | notes |", "|---|---|---|"]
     for path, table in CHAT_NESTED.items():
         for name, rule in sorted(table.items(), key=lambda item: not item[1].spec):

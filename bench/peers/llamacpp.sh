@@ -39,7 +39,7 @@
 # AMX kernels (ggml-cpu/amx: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS). On the Intel (AMX) VM
 # of 2026-12-02 the Q8_0 GGUF died with "Illegal instruction" while F16 ran; which of the two
 # raised it was not found (no AMX machine since). On AMD Zen 5 (AVX-512, no AMX) the native
-# build serves Q8_0 and Q4_K_M (bench/README.md). If an AMX machine shows it again, try
+# build serves Q8_0 and Q4_K_M (docs/performance.md). If an AMX machine shows it again, try
 # LLAMACPP_NATIVE=0 (no AMX) and, if it still dies, `gdb -batch -ex run -ex "x/i \$pc" --args
 # $BIN/llama-bench -m Q8_0.gguf -p 64 -n 8` names the instruction.
 set -euo pipefail

@@ -4,7 +4,7 @@
   weights (the exact reference; the tie rule of ``test_greedy_vs_hf``).
 - bfloat16 (the C int8 products), disaggregated over ZeroMQ: greedy tokens equal the same
   int8 model run in-process one request at a time (same kernels, same step shapes: bfloat16
-  sums depend on a step's row count, README "Determinism"), and differ from nothing-quantized
+  sums depend on a step's row count, docs/serving.md "Determinism"), and differ from nothing-quantized
   bfloat16 somewhere (so the served path really is the int8 one).
 """
 

@@ -1,7 +1,7 @@
 """A prompt longer than the step's token budget, alone, in bfloat16 with the C kernels: its first
 chunks finish no prompt, so those steps score no row (a worker crashed on the empty LM-head
 product). The chunked run's first token and its logprob match the unchunked run's (later tokens
-may part: in bfloat16 a row's sums depend on the step's row count, README "Determinism")."""
+may part: in bfloat16 a row's sums depend on the step's row count, docs/serving.md "Determinism")."""
 
 from __future__ import annotations
 

@@ -140,7 +140,7 @@ def test_multinode_placement_and_node_loss(ray_cluster, model_path: Path) -> Non
             return all(v == 0 for v in held.values())
 
         # A prefill worker whose requests' decode worker vanished holds their pages until its
-        # transfer deadline (transfer_timeout_s, 30 s by default; README fault table), then
+        # transfer deadline (transfer_timeout_s, 30 s by default; docs/operations.md fault table), then
         # frees them: the bound is that deadline, not an immediate release.
         wait_until(no_pages, 45, "zero pages held")
     finally:

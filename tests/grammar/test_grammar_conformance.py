@@ -11,7 +11,7 @@ The test that matters: the strict chain accepts **no** invalid instance, and com
 as many schemas as llguidance alone. BASELINE holds the counts measured when this was written;
 a count that drops fails. To update: run
     python -m pytest tests/grammar/test_grammar_conformance.py -q -s
-and copy the printed "conformance" lines into BASELINE (and the README table).
+and copy the printed "conformance" lines into BASELINE (and the table in docs/api.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The field table (``server.fields``) against OpenAI's spec, and the check it drives: every
 property of the spec's request schemas is in the table with the spec's range, every refused field
-is a 400 naming it, and the README's table is the generated one."""
+is a 400 naming it, and docs/api.md's table is the generated one."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from splitserve.server.fake_client import FakeEngineClient
 from splitserve.server.fields import CHAT_FIELDS, COMPLETION_FIELDS, FIELDS, PATHS, markdown_table
 from splitserve.server.routes import create_app
-from tests.readme_section import generated_section
+from tests.doc_section import generated_section
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "tests" / "data" / "openai-openapi" / "openapi.json"
@@ -77,10 +77,10 @@ def test_implemented_fields_keep_the_spec_range(endpoint: str) -> None:
         assert not narrower or rule.note, f"{endpoint}.{name}: narrower than the spec, say why"
 
 
-def test_readme_table_is_the_generated_one() -> None:
+def test_api_doc_table_is_the_generated_one() -> None:
     table = generated_section("fields")
     assert table == markdown_table(), (
-        "README's field table differs from server.fields: paste `python -m "
+        "docs/api.md's field table differs from server.fields: paste `python -m "
         "splitserve.server.fields` between its fields markers")
 
 

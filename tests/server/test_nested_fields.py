@@ -18,7 +18,7 @@ from splitserve.server.fields import FIELDS, PATHS
 from splitserve.server.nested_fields import NESTED_FIELDS, markdown_table, path_steps
 from splitserve.server.routes import create_app
 from splitserve.server.sse import DONE, iter_events
-from tests.readme_section import generated_section
+from tests.doc_section import generated_section
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "tests" / "data" / "openai-openapi" / "openapi.json"
@@ -122,10 +122,10 @@ def test_every_nested_object_has_a_table(endpoint: str) -> None:
     assert sorted(seen) == sorted(tables), "a table for an object no implemented field reaches"
 
 
-def test_readme_sub_field_table_is_the_generated_one() -> None:
+def test_api_doc_sub_field_table_is_the_generated_one() -> None:
     table = generated_section("nested-fields")
     assert table == markdown_table(), (
-        "README's sub-field table differs from server.nested_fields: paste `python -m "
+        "docs/api.md's sub-field table differs from server.nested_fields: paste `python -m "
         "splitserve.server.nested_fields` between its nested-fields markers")
 
 
