@@ -57,6 +57,7 @@ class DisaggState(enum.Enum):
 
     @property
     def is_terminal(self) -> bool:
+        """FINISHED, FAILED, REJECTED or CLOSED: nothing more happens to the request."""
         return self in _TERMINAL
 
 

@@ -44,6 +44,7 @@ class FakeWorker:
         self.addr = f"tcp://{self.name}"
 
     def receive(self, task: GenerateTask) -> None:
+        """``task`` arrived: its pages are held from now (unless its abort came first)."""
         self.tasks[task.rid] = task
         if self.aborts[task.rid] == 0:  # an abort that came first makes it a no-op
             self.held.add(task.rid)
