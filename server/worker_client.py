@@ -1,29 +1,24 @@
-"""The real :class:`BaseEngineClient`: fans each request out to prefill/decode (or colocated)
-workers over ZeroMQ and routes their replies back.
+"""The real :class:`BaseEngineClient`: the ZeroMQ transport between the router and its workers.
 
-Each request goes to one prefill and one decode worker at once (DESIGN.md, step 1); tokens come
-back from both (the first from prefill, the rest from decode) and are put in order by their
-output index. Which workers exist and which are healthy is the pool's business
-(``server.worker_pool``); this file is the requests' side:
+Each request is one :class:`~splitserve.server.disagg_request.DisaggRequest`, which owns its
+life on the workers: which workers get its task, the merge of their tokens, in-flight counts,
+retries and aborts. This client is what those requests do to the world (their
+:class:`~splitserve.server.disagg_request.DisaggPort`) and the way back:
 
 - Targets: a colocated worker, else a prefill (by the routing policy) and a decode worker (the
-  least loaded), each live and not draining.
+  least loaded), each live and not draining (``server.worker_pool``, which also keeps
+  membership and health).
 - Overload: at most ``max_inflight_per_worker`` requests per worker; past that, 503 (the HTTP
   layer adds ``Retry-After``) instead of unbounded queues.
-- A worker declared dead ends its requests: those that have not yet produced a token are re-run
-  once on another healthy prefill/decode pair (under a new wire id, so a late message from the
-  old attempt can never touch the new one's pages); the rest fail fast with HTTP 503. Every other
-  worker of a failed request gets an abort, so its pages are freed at once, not at a timeout.
+- Replies: the event loop's reader callback on the inbox socket hands each worker message to
+  the request whose current attempt has its rid (:class:`RequestTable`), or to the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-from collections import deque
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import msgspec
@@ -32,80 +27,24 @@ import zmq.asyncio
 
 from splitserve.ipc.messages import (
     AbortTask,
-    GenerateTask,
     RequestError,
     SamplingParams,
     TokenBatch,
-    TokenOutput,
     WorkerReady,
     WorkerStats,
     decode,
     encode,
 )
+from splitserve.server.disagg_request import DisaggRequest, RequestTable
 from splitserve.server.engine_client import BaseEngineClient, PromptAffinity, TokenEvent
 from splitserve.server.worker_pool import WorkerHandle, WorkerPool
 
 logger = logging.getLogger(__name__)
 
-MAX_RETRIES = 1  # re-runs of a request that lost a worker before producing any token
 MAX_DRAIN = 256  # inbox messages handled per wake-up before the other tasks get a turn
 # Plain ints: the per-message socket calls skip pyzmq's enum arithmetic.
 _EVENTS, _POLLIN, _RCVMORE, _NOBLOCK = (int(c) for c in (zmq.EVENTS, zmq.POLLIN, zmq.RCVMORE,
                                                           zmq.NOBLOCK))
-
-
-@dataclass(slots=True)
-class _Failure:
-    """A worker of the request was lost (queued internally, never shown to the app)."""
-
-    message: str
-    code: int = 503
-    retryable: bool = True
-
-
-class _Replies:
-    """A request's replies in arrival order for its one reader, ``generate``: the part of an
-    ``asyncio.Queue`` it uses (unbounded, one waiter), at a fraction of the CPU per token."""
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: deque[TokenEvent | _Failure] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put_nowait(self, item: TokenEvent | _Failure) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def get(self) -> TokenEvent | _Failure:
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._items.popleft()
-
-
-@dataclass(slots=True)
-class _ReqState:
-    """One attempt of a request, by wire rid: its workers, and its replies put in order."""
-
-    queue: _Replies
-    workers: list[WorkerHandle]
-    counted: list[WorkerHandle] = field(default_factory=list)  # whose in_flight counts it
-    prefill: WorkerHandle | None = None
-    next_index: int = 0
-    pending: dict[int, TokenOutput] = field(default_factory=dict)
-    done: bool = False
-
-    def depends_on(self, w: WorkerHandle) -> bool:
-        # Once decode has sent token 1 the KV has arrived: the prefill worker is no longer needed.
-        if w is self.prefill and self.next_index > 1:
-            return False
-        return w in self.workers
 
 
 class ZmqEngineClient(BaseEngineClient):
@@ -148,8 +87,9 @@ class ZmqEngineClient(BaseEngineClient):
                 self.pool.connect(role, addr)
         self.max_inflight_per_worker = max_inflight_per_worker
         self.metrics = metrics
-        self.reqs: dict[str, _ReqState] = {}  # by wire rid
-        self.wire_rid: dict[str, str] = {}  # app rid -> current wire rid
+        self.requests = RequestTable()
+        # DisaggPort.heard_from, called per token: the pool's own, with no call in between.
+        self.heard_from = self.pool.heard_from
 
     async def start(self) -> None:
         """Start reading replies and the pool's health tasks (inside the server's event loop)."""
@@ -175,16 +115,39 @@ class ZmqEngineClient(BaseEngineClient):
     async def flush_cache(self) -> list[dict]:
         return await self.pool.flush_cache()
 
-    # ---- requests -------------------------------------------------------------------------------
+    # ---- requests ----------------------------------------------------------------------------
 
-    def _targets(
+    def generate(
+        self, rid: str, input_ids: list[int], sampling: SamplingParams,
+        cache_namespace: str | None = None, affinity: PromptAffinity | None = None,
+    ) -> AsyncIterator[TokenEvent]:
+        """``rid``'s events (``BaseEngineClient.generate``), run by its own
+        :class:`DisaggRequest`."""
+        req = DisaggRequest(rid, input_ids, sampling, self, self.requests,
+                            cache_namespace=cache_namespace, affinity=affinity,
+                            metrics=self.metrics)
+        return req.events()
+
+    async def abort(self, rid: str) -> None:
+        """Close ``rid`` if it is in flight: every worker that got its current attempt's task
+        is aborted, once (:meth:`RequestTable.abort`)."""
+        self.requests.abort(rid)
+
+    def _on_worker_dead(self, w: WorkerHandle, message: str) -> None:
+        """The pool declared ``w`` dead: the requests that depend on it re-run or fail."""
+        self.requests.worker_lost(w, message)
+
+    # ---- what a request does (DisaggPort) --------------------------------------------------------
+
+    def targets(
         self, input_ids: list[int], affinity: PromptAffinity | None = None,
         namespace: str | None = None,
     ) -> list[tuple[WorkerHandle, str | None]] | TokenEvent:
-        """``(worker, prefill_addr)`` pairs to send the task to, or the 503 event that refuses
-        it (no healthy worker, or one of them full). With ``affinity``, the worker that computes
-        the prompt is the one its first request went to, while that one is live. ``namespace``:
-        the request's prefix-cache namespace, the only one the routing policy matches it in."""
+        """``(worker, prefill_addr)`` pairs to send the task to, decode first (it starts
+        reserving pages), or the 503 event that refuses it (no healthy worker, or one of them
+        full). With ``affinity``, the worker that computes the prompt is the one its first
+        request went to, while that one is live. ``namespace``: the request's prefix-cache
+        namespace, the only one the routing policy matches it in."""
         colocated = self._prompt_worker("colocated", input_ids, affinity, namespace)
         if colocated is not None:
             targets = [(colocated, None)]
@@ -193,7 +156,7 @@ class ZmqEngineClient(BaseEngineClient):
             d = self.pool.pick("decode")
             if p is None or d is None:
                 return TokenEvent([], [], error="no healthy prefill/decode worker", error_code=503)
-            targets = [(d, p.addr), (p, None)]  # decode first: it starts reserving pages
+            targets = [(d, p.addr), (p, None)]
         full = [w for w, _ in targets if w.in_flight >= self.max_inflight_per_worker]
         if full:
             return TokenEvent([], [], error_code=503, error=(
@@ -217,108 +180,25 @@ class ZmqEngineClient(BaseEngineClient):
             affinity.worker = chosen
         return chosen
 
-    async def generate(
-        self, rid: str, input_ids: list[int], sampling: SamplingParams,
-        cache_namespace: str | None = None, affinity: PromptAffinity | None = None,
-    ) -> AsyncIterator[TokenEvent]:
-        timer = self.metrics.request_timer() if self.metrics else None
-        for attempt in itertools.count():
-            targets = self._targets(input_ids, affinity, cache_namespace)
-            if isinstance(targets, TokenEvent):
-                if timer:
-                    timer.rejected()
-                yield targets
-                return
-            wire = rid if attempt == 0 else f"{rid}.retry{attempt}"
-            try:
-                frames = [encode(GenerateTask(rid=wire, input_ids=input_ids, sampling=sampling,
-                                              reply_addr=self.inbox_addr, prefill_addr=addr,
-                                              cache_namespace=cache_namespace))
-                          for _, addr in targets]
-            except (OverflowError, msgspec.EncodeError) as exc:
-                # A number the wire cannot carry (an integer past 64 bits): the request's fault,
-                # refused before any worker hears of it or is counted.
-                if timer:
-                    timer.rejected()
-                yield TokenEvent([], [], error=f"a request value is out of range: {exc}",
-                                 error_code=400)
-                return
-            workers = [w for w, _ in targets]
-            state = _ReqState(_Replies(), workers)
-            state.prefill = next((w for w, _ in targets if w.role == "prefill"), None)
-            self.reqs[wire] = state
-            self.wire_rid[rid] = wire
-            outcome = "closed"
-            try:
-                for w, frame in zip(workers, frames, strict=True):
-                    # Counted as sent, so the finally uncounts exactly the workers counted here,
-                    # whichever send fails or is cancelled.
-                    w.in_flight += 1
-                    state.counted.append(w)
-                    await w.sock.send(frame)
-                while True:
-                    event = await state.queue.get()
-                    if isinstance(event, _Failure):
-                        if event.retryable and state.next_index == 0 and attempt < MAX_RETRIES:
-                            logger.warning("re-running %s: %s", rid, event.message)
-                            if self.metrics:
-                                self.metrics.retries.inc()
-                            outcome = "retry"
-                            break
-                        event = TokenEvent([], [], error=event.message, error_code=event.code)
-                    if event.error:
-                        outcome = "error"
-                    elif event.finish_reason:
-                        outcome = "finished"
-                    else:
-                        self._prefill_done(state)
-                    if timer:
-                        timer.on_event(event)
-                    state.done = outcome != "closed"
-                    yield event
-                    if state.done:
-                        return
-            finally:
-                self.reqs.pop(wire, None)
-                if self.wire_rid.get(rid) == wire:
-                    del self.wire_rid[rid]
-                for w in state.counted:
-                    w.in_flight -= 1
-                if outcome != "finished":
-                    # Closed early, failed or re-run: free the pages wherever the request lives.
-                    await self.abort_on(wire, state.workers)
-            if outcome != "retry":
-                return
+    def send_task(self, worker: WorkerHandle, frame: bytes) -> Awaitable[Any]:
+        """Send an encoded task on ``worker``'s link (awaiting it waits while the link is
+        full)."""
+        return worker.sock.send(frame)
 
-    @staticmethod
-    def _prefill_done(state: _ReqState) -> None:
-        """The first token is out: the prefill worker's part is (nearly) done, so it stops
-        counting towards that worker's load, which the routing policy balances."""
-        for w in state.counted:
-            if w.role == "prefill":
-                w.in_flight -= 1
-                state.counted.remove(w)
-                return
+    def send_abort(self, worker: WorkerHandle, rid: str) -> None:
+        """Queue an abort of wire rid ``rid`` to ``worker`` behind what its link already holds,
+        never blocking (a worker whose link is full or gone gets none; its own timeouts free
+        the pages)."""
+        sent = asyncio.ensure_future(worker.sock.send(encode(AbortTask(rid)), zmq.NOBLOCK))
+        sent.add_done_callback(lambda f: _log_undelivered(f, rid, worker.addr))
 
-    async def abort(self, rid: str) -> None:
-        wire = self.wire_rid.get(rid, rid)
-        state = self.reqs.get(wire)
-        await self.abort_on(wire, state.workers if state else self.pool.workers)
+    def count(self, worker: WorkerHandle) -> None:
+        """One more request in flight on ``worker``."""
+        worker.in_flight += 1
 
-    async def abort_on(self, rid: str, workers: list[WorkerHandle]) -> None:
-        """Send an abort of wire rid ``rid`` to each of ``workers``, never blocking (a worker whose
-        link is full or gone gets none; its own timeouts free the pages)."""
-        for w in workers:
-            try:
-                await w.sock.send(encode(AbortTask(rid)), zmq.NOBLOCK)
-            except zmq.Again:
-                logger.warning("abort of %s not delivered to %s", rid, w.addr)
-
-    def _on_worker_dead(self, w: WorkerHandle, message: str) -> None:
-        """End the requests that still depend on ``w`` (``generate`` re-runs or fails them)."""
-        for state in list(self.reqs.values()):
-            if state.depends_on(w) and not state.done:
-                state.queue.put_nowait(_Failure(message))
+    def uncount(self, worker: WorkerHandle) -> None:
+        """One request fewer in flight on ``worker``."""
+        worker.in_flight -= 1
 
     # ---- replies --------------------------------------------------------------------------------
 
@@ -351,31 +231,22 @@ class ZmqEngineClient(BaseEngineClient):
             logger.warning("dropped malformed worker message: %s", exc)
             return
         if isinstance(msg, TokenBatch):
+            by_wire = self.requests.by_wire
             for out in msg.outputs:
-                self._on_tokens(out)
+                req = by_wire.get(out.rid)
+                if req is not None:
+                    req.on_tokens(out)
         elif isinstance(msg, RequestError):
-            state = self.reqs.get(msg.rid)
-            if state is not None and not state.done:
-                state.queue.put_nowait(TokenEvent([], [], error=msg.message, error_code=msg.code))
+            req = self.requests.by_wire.get(msg.rid)
+            if req is not None:
+                req.on_error(msg)
         elif isinstance(msg, WorkerReady):
             self.pool.on_ready(msg)
         elif isinstance(msg, WorkerStats):
             self.pool.on_stats(msg)
 
-    def _on_tokens(self, out: TokenOutput) -> None:
-        state = self.reqs.get(out.rid)
-        if state is None:
-            return
-        # Tokens are a sign of life too: the first comes from prefill, the rest from decode.
-        self.pool.heard_from(state.prefill if out.index == 0 and state.prefill else state.workers[0])
-        state.pending[out.index] = out
-        while state.next_index in state.pending:
-            o = state.pending.pop(state.next_index)
-            state.next_index += len(o.token_ids)
-            state.queue.put_nowait(
-                TokenEvent(o.token_ids, o.logprobs, o.finish_reason,
-                           prompt_len=o.prompt_len, cached_len=o.cached_len,
-                           prompt_logprobs=o.prompt_logprobs, top_ids=o.top_ids,
-                           top_logprobs=o.top_logprobs, prompt_top_ids=o.prompt_top_ids,
-                           prompt_top_logprobs=o.prompt_top_logprobs)
-            )
+
+def _log_undelivered(sent: asyncio.Future, rid: str, addr: str) -> None:
+    """The done-callback of an abort's send: say when the link refused it (full or gone)."""
+    if not sent.cancelled() and sent.exception() is not None:
+        logger.warning("abort of %s not delivered to %s", rid, addr)

@@ -6,8 +6,8 @@
 - Health: a worker process that dies closes its TCP connection: a ZeroMQ socket monitor on our
   link to it sees the disconnect at once. A worker that hangs or whose host vanishes stops its
   heartbeat (a thread in the worker, so a long forward pass does not stop it): after
-  ``dead_after_s`` it is declared dead. Either way ``on_dead`` is called, so the request fan-out
-  (``server.worker_client``) ends the requests that depended on it. A worker that answers again
+  ``dead_after_s`` it is declared dead. Either way ``on_dead`` is called, so the requests that
+  depended on it (``server.disagg_request``) re-run or end. A worker that answers again
   (restarted, or back from a hang) is taken back.
 - The other way: the pool sends every worker a ``RouterBeat`` each ``HEALTH_CHECK_S`` with
   ``dead_after_s``; a worker that hears none for that long (a partition, or this router hung)
@@ -55,7 +55,8 @@ SEND_HWM = 1000
 @dataclass(slots=True, eq=False)
 class WorkerHandle:
     """The router's view of one worker: its link, health and load (``in_flight``: requests the
-    router has on it, kept by the fan-out)."""
+    router has on it, counted and uncounted by each request's owner,
+    ``server.disagg_request``)."""
 
     addr: str
     role: str  # "prefill" | "decode" | "colocated"

@@ -27,7 +27,7 @@ def _prompt_workers(roles: dict[str, int], affinity_flow) -> list:
 
 
 def _pick(client, affinity=None):
-    targets = client._targets([1, 2, 3], affinity)
+    targets = client.targets([1, 2, 3], affinity)
     return next(w for w, _ in targets if w.role in ("prefill", "colocated"))
 
 
