@@ -1,12 +1,12 @@
 """The decode side of a KV handoff: one :class:`RecvSession` per request (states:
 :class:`~splitserve.kv_transfer.session.TransferState`), from the task to the scheduler.
 
-Admission control: a request is bootstrapped only when its prompt's pages can be reserved
-(``Scheduler.can_admit``, asked by the worker in arrival order); until then it is ``QUEUED`` and
-tells the prefill worker so (``KVQueued``) every third of ``transfer_timeout_s``: each one
-delivered restarts the request's deadline there and here, so only a prefill worker that is
-unreachable, or whose link dropped since the task came (it restarted or left, and the prompt's KV
-with it), times a queued request out. Once bootstrapped, every message of the request (pages or
+Admission control: a request is bootstrapped only when the scheduler reserved its prompt's
+pages (``Scheduler.admit_waiting_for_kv``: ``can_admit``, in arrival order); until then it is
+``QUEUED`` and tells the prefill worker so (``KVQueued``) every third of ``transfer_timeout_s``:
+each one delivered restarts the request's deadline there and here, so only a prefill worker
+that is unreachable, or whose link dropped since the task came (it restarted or left, and the
+prompt's KV with it), times a queued request out. Once bootstrapped, every message of the request (pages or
 ``KVKeepalive``) restarts the deadline: a stall is silence from the prefill worker, not a long
 queue there. On expiry the request fails (504) and its pages are freed.
 
