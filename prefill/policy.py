@@ -137,9 +137,8 @@ class PrefillPolicy:
             weights_mismatch(self.weights, boot.weights),
         ]
         if boot.kv_transfer != self.kv_transfer:
-            wrong = f"KV transfer backend mismatch: {self.kv_transfer!r} here vs " \
-                    f"{boot.kv_transfer!r}"
-            mismatches = [wrong + " on the decode worker"]
+            mismatches = [(f"KV transfer backend mismatch: {self.kv_transfer!r} here vs "
+                           f"{boot.kv_transfer!r} on the decode worker")]
         mismatch = "; ".join(m for m in mismatches if m)
         if mismatch:
             message = f"refused by prefill worker: {mismatch}"
