@@ -133,3 +133,16 @@ def test_a_silent_router_loses_its_requests_after_its_bound() -> None:
     (err,) = rig.errors()
     assert err.code == 503 and "sent nothing for 1 s" in err.message
     rig.assert_no_pages_held()
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache() -> None:
+    """With the radix cache, what stays used after the requests is the cache's alone."""
+    rig = make_rig("colocated", prefix_cache="radix")
+    for rid in ("r1", "r2"):
+        rig.worker.dispatch(task(rid, prompt_len=13, max_new=3), [])
+        rig.run_until_idle()
+    outs = rig.tokens()
+    assert outs["r2"][0].cached_len == 12 and outs["r1"][0].cached_len == 0
+    assert joined(outs["r2"]) == joined(outs["r1"])
+    assert rig.scheduler.cache.stats().cached_pages > 0
+    rig.assert_no_pages_held()

@@ -197,3 +197,23 @@ def test_a_router_that_goes_away_loses_its_requests() -> None:
     assert err.code == 503 and err.kind == FailureKind.ROUTER_GONE.value
     assert rig.worker.port.num_orphaned == 1 and not rig.worker.sessions
     rig.assert_no_pages_held()
+
+
+def test_a_cached_prefix_is_the_cache_s_while_the_rest_is_sent() -> None:
+    """Radix cache: the second request's prompt is matched; while its KV is sent, its own
+    pages are the scheduler's (SENDING_KV) and the matched ones the cache's."""
+    rig = make_rig("prefill", prefix_cache="radix")
+    for rid in ("r1", "r2"):
+        rig.worker.dispatch(task(rid, prompt_len=PROMPT_LEN), [])
+        run_until_prefilled(rig, rid)
+        (req,) = rig.scheduler.sending_kv
+        rig.scheduler.check_pages()
+        # Its two full pages are the cache's (cached once computed, or matched), the
+        # partial third one its own.
+        assert req.matched_len == 8 and rig.pages_used() == 1
+        rig.worker.dispatch(bootstrap(rig, rid), [])
+        rig.run()
+        assert not rig.scheduler.sending_kv
+    assert rig.tokens()["r2"][0].cached_len == 8
+    assert rig.scheduler.cache.stats().cached_pages == 2
+    rig.assert_no_pages_held()
