@@ -8,7 +8,7 @@ ShareGPT prompts one at a time to ``/v1/completions`` (``ignore_eos``, greedy), 
 then not, and reads each process's CPU seconds from ``/proc`` around every request. In the
 worker a probe (``serving_cpu_probe.py``, loaded by a ``sitecustomize`` put on the children's
 ``PYTHONPATH``; nothing in splitserve) sums the CPU spent inside ``ModelRunner.run`` (all threads: the model step) and the main
-thread's CPU in the scheduler and in ``emit_decoded``; the rest of the worker's CPU is its loop
+thread's CPU in the scheduler and in emitting token outputs; the rest of the worker's CPU is its loop
 (polling, messages) and its other threads (ZeroMQ I/O, heartbeat, OpenMP threads spinning
 between steps).
 
@@ -168,7 +168,7 @@ def report(label: str, spent: dict[str, float], tokens: int, names: list[str]) -
         print(f"  {name:<14} {total:7.3f} ms/token, {spent[f'{name}/steps'] / tokens:.2f} "
               f"steps/token: model step (ModelRunner.run, all threads) {run_p:.3f}, "
               f"outside it {outside:.3f} =")
-        print(f"  {'':<16} main thread {main_outside:.3f} (scheduler {sched:.3f}, emit_decoded "
+        print(f"  {'':<16} main thread {main_outside:.3f} (scheduler {sched:.3f}, emit "
               f"{emit:.3f}, loop and messages {main_outside - sched - emit:.3f}) + other threads"
               f" {outside - main_outside:.3f}")
     print(f"  {'client':<14} {spent['client'] * per:7.3f} ms/token (this script)")

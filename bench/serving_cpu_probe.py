@@ -1,8 +1,9 @@
 """The worker-side half of ``serving_cpu.py``, loaded into each worker process by the
 ``sitecustomize`` that script puts on the cluster's ``PYTHONPATH`` (nothing in splitserve knows
-of it): once ``splitserve.worker.base`` is imported, its model step, scheduler and output
-sending are wrapped to sum their CPU seconds into a small file the script reads (one per worker,
-``<folder>/<pid>.probe``, :data:`FIELDS` as doubles)."""
+of it): as ``splitserve.worker.build`` and ``splitserve.worker.outputs`` are imported, the model
+step, the scheduler and the token outputs (built, then sent) are wrapped to sum their CPU
+seconds into a small file the script reads (one per worker, ``<folder>/<pid>.probe``,
+:data:`FIELDS` as doubles)."""
 
 from __future__ import annotations
 
@@ -17,45 +18,58 @@ from types import ModuleType
 from typing import Any
 
 # CPU seconds inside ModelRunner.run (whole process, then main thread), main-thread seconds in
-# Scheduler.schedule/update and in BaseWorker.emit_decoded, and the number of model steps.
+# Scheduler.schedule/update and in emitting token outputs (worker.outputs.decoded_outputs and
+# OutboxPort.emit), and the number of model steps.
 FIELDS = ("run_process", "run_thread", "sched_thread", "emit_thread", "steps")
 FORMAT = struct.Struct(f"{len(FIELDS)}d")
+HOOKED = ("splitserve.worker.outputs", "splitserve.worker.build")
 
 
 def install(folder: str) -> None:
-    """Wrap the worker's methods as soon as ``splitserve.worker.base`` is imported."""
+    """Wrap the worker's functions as soon as their modules (:data:`HOOKED`) are imported."""
     sys.meta_path.insert(0, _Hook(folder))
 
 
 class _Hook:
     def __init__(self, folder: str) -> None:
         self.folder = folder
+        self.left = set(HOOKED)
+        self.probe: _Probe | None = None  # made in a worker only (the first hooked import)
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "splitserve.worker.base":
+        if name not in self.left:
             return None
-        sys.meta_path.remove(self)
+        self.left.discard(name)  # the find_spec below then passes this hook by
+        if not self.left:
+            sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         run_module = spec.loader.exec_module
 
         def exec_module(module: ModuleType) -> None:
             run_module(module)
-            _wrap(module, self.folder)
+            if self.probe is None:
+                self.probe = _Probe(self.folder)
+            self.probe.wrap(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
-def _wrap(base: ModuleType, folder: str) -> None:
-    path = os.path.join(folder, f"{os.getpid()}.probe")
-    with open(path, "wb") as f:
-        f.write(bytes(FORMAT.size))
-    with open(path, "r+b") as f:
-        buf = mmap.mmap(f.fileno(), FORMAT.size)
-    acc = [0.0] * len(FIELDS)
-    process_time, thread_time = time.process_time, time.thread_time
+class _Probe:
+    """The accumulators of one worker process, in its probe file."""
 
-    def timed_run(fn: Callable) -> Callable:
+    def __init__(self, folder: str) -> None:
+        path = os.path.join(folder, f"{os.getpid()}.probe")
+        with open(path, "wb") as f:
+            f.write(bytes(FORMAT.size))
+        with open(path, "r+b") as f:
+            self.buf = mmap.mmap(f.fileno(), FORMAT.size)
+        self.acc = [0.0] * len(FIELDS)
+
+    def timed_run(self, fn: Callable) -> Callable:
+        acc, buf = self.acc, self.buf
+        process_time, thread_time = time.process_time, time.thread_time
+
         def run(*args: Any, **kwargs: Any) -> Any:
             p0, t0 = process_time(), thread_time()
             try:
@@ -68,7 +82,9 @@ def _wrap(base: ModuleType, folder: str) -> None:
 
         return run
 
-    def timed(fn: Callable, slot: int) -> Callable:
+    def timed(self, fn: Callable, slot: int) -> Callable:
+        acc, buf, thread_time = self.acc, self.buf, time.thread_time
+
         def call(*args: Any, **kwargs: Any) -> Any:
             t0 = thread_time()
             try:
@@ -79,7 +95,12 @@ def _wrap(base: ModuleType, folder: str) -> None:
 
         return call
 
-    base.ModelRunner.run = timed_run(base.ModelRunner.run)
-    base.Scheduler.schedule = timed(base.Scheduler.schedule, 2)
-    base.Scheduler.update = timed(base.Scheduler.update, 2)
-    base.BaseWorker.emit_decoded = timed(base.BaseWorker.emit_decoded, 3)
+    def wrap(self, module: ModuleType) -> None:
+        """Wrap what ``module`` (one of :data:`HOOKED`) holds, before anything imports it."""
+        if module.__name__ == "splitserve.worker.outputs":
+            module.decoded_outputs = self.timed(module.decoded_outputs, 3)
+            return
+        module.ModelRunner.run = self.timed_run(module.ModelRunner.run)
+        module.Scheduler.schedule = self.timed(module.Scheduler.schedule, 2)
+        module.Scheduler.update = self.timed(module.Scheduler.update, 2)
+        module.OutboxPort.emit = self.timed(module.OutboxPort.emit, 3)

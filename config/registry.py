@@ -95,7 +95,7 @@ TOOL_CALL_PARSER = Registry("tool-call parser", {
     "mistral": "splitserve.server.tools.formats:MISTRAL",
 })
 WORKER_ROLE = Registry("worker role", {
-    "prefill": "splitserve.prefill.worker:PrefillWorker",
-    "decode": "splitserve.decode.worker:DecodeWorker",
-    "colocated": "splitserve.worker.colocated:ColocatedWorker",
+    "prefill": "splitserve.prefill.policy:PREFILL",
+    "decode": "splitserve.decode.policy:DECODE",
+    "colocated": "splitserve.worker.colocated:COLOCATED",
 })

@@ -7,7 +7,30 @@ No pickle anywhere: a frame that is not a valid message of this union is rejecte
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
+
+
+class FailureKind(enum.StrEnum):
+    """Why a worker failed a request, as it travels (``RequestError.kind``, ``KVFailed.kind``).
+
+    On the wire it is a plain string, so a reader older or newer than the sender still decodes
+    the message; :meth:`parse` maps a string back (an unknown one to ``default``).
+    """
+
+    INVALID = "invalid"  # the task cannot run on this worker (prompt too long, ...): a 400
+    GRAMMAR = "grammar"  # its constraint did not compile, or refused the first token
+    TRANSFER = "transfer"  # its KV handoff failed, timed out, or was refused at the handshake
+    ROUTER_GONE = "router_gone"  # the router that sent it went away: nobody to stream to
+
+    @classmethod
+    def parse(cls, value: str, default: FailureKind) -> FailureKind:
+        """The kind named ``value``, or ``default`` when it names none (an older sender)."""
+        try:
+            return cls(value)
+        except ValueError:
+            return default
 
 
 class Constraint(msgspec.Struct, frozen=True):
@@ -200,11 +223,13 @@ class TokenBatch(msgspec.Struct, tag="tokens"):
 
 
 class RequestError(msgspec.Struct, tag="error"):
-    """Request ``rid`` failed on a worker; ``message`` says why. ``code`` is an HTTP status."""
+    """Request ``rid`` failed on a worker; ``message`` says why. ``code`` is an HTTP status.
+    ``kind``: a :class:`FailureKind` value ("" from a worker that predates it)."""
 
     rid: str
     message: str
     code: int = 500
+    kind: str = ""
 
 
 class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
@@ -311,11 +336,16 @@ class KVFailed(msgspec.Struct, tag="kv_failed"):
     without the decode worker's involvement): stop writing ``rid``'s pages and, once no write of
     it is in flight, answer :class:`KVReleased` to ``ack_addr``. The decode worker keeps the pages
     out of use until then.
+
+    ``kind``: a :class:`FailureKind` value, what the receiver reports the request's failure as:
+    ``transfer`` (the default, and what a sender that predates the field means) unless the
+    sender failed the request for another cause (``grammar``: its constraint did not compile).
     """
 
     rid: str
     message: str
     ack_addr: str = ""
+    kind: str = FailureKind.TRANSFER.value
 
 
 class KVQueued(msgspec.Struct, tag="kv_queued"):

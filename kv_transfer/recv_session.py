@@ -1,12 +1,12 @@
 """The decode side of a KV handoff: one :class:`RecvSession` per request (states:
 :class:`~splitserve.kv_transfer.session.TransferState`), from the task to the scheduler.
 
-Admission control: a request is bootstrapped only when its prompt's pages can be reserved
-(``Scheduler.can_admit``, asked by the worker in arrival order); until then it is ``QUEUED`` and
-tells the prefill worker so (``KVQueued``) every third of ``transfer_timeout_s``: each one
-delivered restarts the request's deadline there and here, so only a prefill worker that is
-unreachable, or whose link dropped since the task came (it restarted or left, and the prompt's KV
-with it), times a queued request out. Once bootstrapped, every message of the request (pages or
+Admission control: a request is bootstrapped only when the scheduler reserved its prompt's
+pages (``Scheduler.admit_waiting_for_kv``: ``can_admit``, in arrival order); until then it is
+``QUEUED`` and tells the prefill worker so (``KVQueued``) every third of ``transfer_timeout_s``:
+each one delivered restarts the request's deadline there and here, so only a prefill worker
+that is unreachable, or whose link dropped since the task came (it restarted or left, and the
+prompt's KV with it), times a queued request out. Once bootstrapped, every message of the request (pages or
 ``KVKeepalive``) restarts the deadline: a stall is silence from the prefill worker, not a long
 queue there. On expiry the request fails (504) and its pages are freed.
 
@@ -44,7 +44,7 @@ from typing import Protocol
 
 from splitserve.engine.sched.request import Req
 from splitserve.ipc.frames import Frames
-from splitserve.ipc.messages import KVBootstrap, KVFailed, KVPages, KVQueued, Message
+from splitserve.ipc.messages import FailureKind, KVBootstrap, KVFailed, KVPages, KVQueued, Message
 from splitserve.ipc.sockets import PeerUnreachable
 from splitserve.kv_transfer.recv_transitions import (
     RECV_TRANSITIONS,
@@ -74,13 +74,15 @@ class RecvPort(Protocol):
         Raises: ValueError (the frames do not match the header or the pool)."""
 
     def release(self, req: Req) -> None:
-        """Free ``req``'s pages. Called at most once per request, never after a hand-over."""
+        """Take ``req`` out of the scheduler (``WAITING_FOR_KV``: queued, or its pages reserved)
+        and free its pages. Called at most once per request, never after a hand-over."""
 
     def link_drops(self, addr: str) -> int:
         """How often the link to ``addr`` dropped (``Outbox.link_drops``)."""
 
-    def fail(self, rid: str, reply_addr: str, message: str, code: int) -> None:
-        """Report ``rid``'s failure to the server at ``reply_addr``."""
+    def fail(self, rid: str, reply_addr: str, message: str, code: int,
+             kind: FailureKind) -> None:
+        """Report ``rid``'s failure (``kind``) to the server at ``reply_addr``."""
 
 
 class RecvSession(BaseSession):
@@ -170,15 +172,16 @@ class RecvSession(BaseSession):
         req, self.req = self.req, None
         return req
 
-    def on_kv_failed(self, message: str) -> None:
-        """``KVFailed`` from the prefill worker: the request fails here with its message (reported
-        from here too; the server keeps the first error it gets)."""
+    def on_kv_failed(self, message: str, kind: FailureKind = FailureKind.TRANSFER) -> None:
+        """``KVFailed`` from the prefill worker: the request fails here with its message and
+        ``kind`` (reported from here too; the server keeps the first error it gets)."""
         if self._next(E.KV_FAILED) is not self.state:
-            self.fail(message, notify=False, error=message)
+            self.fail(message, notify=False, error=message, kind=kind)
 
-    def fail(self, reason: str, *, notify: bool, error: str | None = None, code: int = 500) -> None:
-        """It failed: free or fence its pages, and report ``error`` (``code``) to the server
-        (None: it knows already).
+    def fail(self, reason: str, *, notify: bool, error: str | None = None, code: int = 500,
+             kind: FailureKind = FailureKind.TRANSFER) -> None:
+        """It failed: free or fence its pages, and report ``error`` (``code``, ``kind``) to the
+        server (None: it knows already).
 
         ``reason``: the ``KVFailed`` message for the prefill worker, told only while its KV
         is still on the way, so it stops computing and sending now rather than at its own
@@ -196,7 +199,7 @@ class RecvSession(BaseSession):
             self._release()
             self._enter(nxt)
         if error is not None:
-            self._ctx.port.fail(self.rid, self.reply_addr, error, code)
+            self._ctx.port.fail(self.rid, self.reply_addr, error, code, kind)
 
     def abort(self) -> None:
         """The server aborted it (and the prefill worker too: it is told only to end a fence)."""

@@ -33,7 +33,14 @@ from typing import Protocol
 
 from splitserve.engine.kv_pool import pages_for
 from splitserve.engine.sched.request import Req
-from splitserve.ipc.messages import KVBootstrap, KVFailed, KVKeepalive, KVReleased, Message
+from splitserve.ipc.messages import (
+    FailureKind,
+    KVBootstrap,
+    KVFailed,
+    KVKeepalive,
+    KVReleased,
+    Message,
+)
 from splitserve.ipc.sockets import PeerUnreachable
 from splitserve.kv_transfer.base import BaseKVSender
 from splitserve.kv_transfer.send_transitions import SEND_TRANSITIONS
@@ -57,11 +64,13 @@ class SendPort(Protocol):
         """Send a control message. Raises: PeerUnreachable."""
 
     def release(self, req: Req) -> None:
-        """Give back all ``req`` holds here: its grammar compile, its place in the scheduler and
-        its pages (queued or held for the send). Called at most once per request."""
+        """Give back all ``req`` holds here: its grammar compile, and its place in the scheduler
+        with its pages (queued, computing, or held for the send: ``SENDING_KV``); the scheduler
+        frees them. Called at most once per request."""
 
-    def fail(self, rid: str, reply_addr: str, message: str, code: int) -> None:
-        """Report ``rid``'s failure to the server at ``reply_addr``."""
+    def fail(self, rid: str, reply_addr: str, message: str, code: int,
+             kind: FailureKind) -> None:
+        """Report ``rid``'s failure (``kind``) to the server at ``reply_addr``."""
 
 
 class SendSession(BaseSession):
@@ -172,19 +181,20 @@ class SendSession(BaseSession):
             self._release()
             self._enter(nxt)
 
-    def fail(self, message: str, code: int = 500, notify: str | None = None) -> None:
-        """It failed here: free its pages, report ``message`` (``code``) to the server and, when
-        bootstrapped, tell the decode worker (``notify``: its ``KVFailed`` message) so it frees
-        its reservation now rather than at its deadline."""
+    def fail(self, message: str, code: int = 500, notify: str | None = None,
+             kind: FailureKind = FailureKind.TRANSFER) -> None:
+        """It failed here: free its pages, report ``message`` (``code``, ``kind``) to the server
+        and, when bootstrapped, tell the decode worker (``notify``: its ``KVFailed`` message, with
+        ``kind``) so it frees its reservation now rather than at its deadline."""
         if self._next(E.FAIL) is not T.FAILED:
             return  # after the last send a failure here changes nothing
         self._ctx.sender.cancel(self.rid)
         self._release()
         self._enter(T.FAILED)
         if self.reply_addr:
-            self._ctx.port.fail(self.rid, self.reply_addr, message, code)
+            self._ctx.port.fail(self.rid, self.reply_addr, message, code, kind)
         if notify is not None and self.bootstrap is not None:
-            self._tell(self.bootstrap.dst_addr, KVFailed(self.rid, notify))
+            self._tell(self.bootstrap.dst_addr, KVFailed(self.rid, notify, kind=kind.value))
 
     def time_out(self) -> None:
         nxt = self._next(E.TIMEOUT)

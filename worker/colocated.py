@@ -1,64 +1,100 @@
-"""The colocated worker: prefill and decode in one process, no KV transfer (role ``colocated``).
+"""The colocated role: prefill and decode in one worker, no KV transfer (role ``colocated``).
 
 It is the baseline disaggregation is measured against, and the simplest way to serve on one
 small machine: a task is compiled (when constrained), prefilled here, decoded here, and its
-tokens stream to the server as the scheduler samples them.
+tokens stream to the router as the scheduler samples them. Its policy is a composition of what
+the other roles share: the prompt stage of the prefill role (``worker.prompts``) and the token
+outputs of the decode role (``worker.outputs``).
 """
 
 from __future__ import annotations
 
+import logging
+
 from splitserve.engine.sched.batch import StepOutput
 from splitserve.engine.sched.request import Req
-from splitserve.ipc.messages import GenerateTask, WorkerStats
-from splitserve.worker.base import BaseWorker
+from splitserve.engine.sched.scheduler import Scheduler
+from splitserve.ipc.frames import Frames
+from splitserve.ipc.messages import FailureKind, GenerateTask, Message, WorkerStats
 from splitserve.worker.grammars import CompileDone
+from splitserve.worker.outputs import decoded_outputs
+from splitserve.worker.parts import WorkerParts
+from splitserve.worker.port import WorkerPort
+from splitserve.worker.prompts import PromptStage
+from splitserve.worker.role import WorkerRole
+
+logger = logging.getLogger(__name__)
 
 
-class ColocatedWorker(BaseWorker):
-    role = "colocated"
-    computes_prompts = True
-    decodes = True
-    receives_kv = False
+class ColocatedPolicy:
+    """What the colocated worker does with each event (``worker.role.RolePolicy``).
 
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        self.compiling: dict[str, Req] = {}  # constrained requests whose grammar compiles
+    Args:
+        scheduler: the worker's scheduler (prefills and decodes).
+        prompts: how tasks reach it.
+        port: where tokens and failures go.
+    """
 
-    def on_generate(self, task: GenerateTask) -> None:
-        error = self.check_fits(task)
-        if error:
-            self.fail(task.rid, task.reply_addr, error, 400)
-            return
-        req = self.new_req(task)
-        if task.sampling.constraint is not None:
-            self.compiling[req.rid] = req
-            self.grammars.submit(req)  # joins the scheduler in on_grammar_done
-        else:
-            self.scheduler.add(req)
+    def __init__(self, scheduler: Scheduler, prompts: PromptStage, port: WorkerPort) -> None:
+        self.scheduler = scheduler
+        self.prompts = prompts
+        self.port = port
 
-    def on_grammar_done(self, done: CompileDone) -> None:
-        req = self.compiling.pop(done.req.rid, None)
-        if req is not done.req:
-            return  # aborted while compiling
-        if done.error is not None:
-            self.fail(req.rid, req.reply_addr, done.error, done.code)
-        else:
-            self.scheduler.add(req)
+    @classmethod
+    def from_parts(cls, parts: WorkerParts) -> ColocatedPolicy:
+        """The policy over a built worker's parts."""
+        prompts = PromptStage(parts.scheduler, parts.grammars, parts.port,
+                              parts.model_config.context_len)
+        return cls(parts.scheduler, prompts, parts.port)
 
-    def on_step_outputs(self, outputs: list[StepOutput]) -> None:
-        self.emit_decoded(outputs)
-
-    def held_requests(self) -> dict[str, str]:
-        held = super().held_requests()
-        held.update((rid, req.reply_addr) for rid, req in self.compiling.items())
-        return held
+    def on_task(self, task: GenerateTask) -> None:
+        """Schedule the task's request (after its compile, when constrained)."""
+        req = self.prompts.accept(task)
+        if req is not None:
+            self.prompts.start(req)
 
     def on_abort(self, rid: str) -> None:
-        self.grammars.discard(rid)
-        self.compiling.pop(rid, None)
+        """Drop ``rid``, compiling or scheduled; its pages go back."""
+        self.prompts.drop(rid)
         self.scheduler.abort(rid)
 
-    def stats(self, query_id: int = 0) -> WorkerStats:
-        s = super().stats(query_id)
-        s.num_waiting += len(self.compiling)
-        return s
+    def on_peer(self, msg: Message, frames: Frames | list) -> None:
+        """Nothing: no other worker talks to a colocated one."""
+        logger.warning("colocated worker ignores %s", type(msg).__name__)
+
+    def on_compiled(self, done: CompileDone) -> None:
+        """Schedule a compiled request; fail one whose constraint did not compile."""
+        if not self.prompts.compiled(done):
+            req = done.req
+            self.port.fail(req.rid, req.reply_addr, done.error, done.code, FailureKind.GRAMMAR)
+
+    def on_admitted(self, reqs: list[Req]) -> None:
+        """Nothing: no request here waits for KV."""
+
+    def on_step(self, outputs: list[StepOutput]) -> None:
+        """Send every sampled (and jumped-over) token."""
+        self.port.emit(decoded_outputs(outputs))
+
+    def on_tick(self, now: float) -> None:
+        """Nothing: no deadline here."""
+
+    def held(self) -> dict[str, str]:
+        """The scheduler's requests and those compiling."""
+        s = self.scheduler
+        return {r.rid: r.reply_addr for r in (*s.waiting, *s.running, *self.prompts.compiling())}
+
+    def num_transferring(self) -> int:
+        """None: nothing is transferred."""
+        return 0
+
+    def fill_stats(self, stats: WorkerStats) -> WorkerStats:
+        """Requests compiling count as waiting."""
+        stats.num_waiting += len(self.prompts.compiling())
+        return stats
+
+    def close(self) -> None:
+        """Nothing: no KV transfer backend."""
+
+
+COLOCATED = WorkerRole("colocated", computes_prompts=True, decodes=True, receives_kv=False,
+                       sends_kv=False, create_policy=ColocatedPolicy.from_parts)

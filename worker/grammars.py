@@ -75,7 +75,12 @@ class WorkerGrammars:
         self._pending[req.rid] = (req, future)
 
     def is_pending(self, rid: str) -> bool:
+        """Whether ``rid``'s constraint is still compiling."""
         return rid in self._pending
+
+    def pending(self) -> list[Req]:
+        """The requests whose constraint is still compiling, in submission order."""
+        return [req for req, _ in self._pending.values()]
 
     def discard(self, rid: str) -> None:
         """Forget an aborted request (its compile keeps running and stays cached)."""
@@ -83,6 +88,10 @@ class WorkerGrammars:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    def close(self) -> None:
+        """Stop the compile service's threads (the worker is shutting down)."""
+        self.service.shutdown()
 
     def poll(self) -> list[CompileDone]:
         """Returns: the requests whose compile finished since the last poll, in arrival order."""

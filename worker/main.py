@@ -8,17 +8,21 @@ import logging
 
 from splitserve.config import WorkerConfig
 from splitserve.config.registry import WORKER_ROLE
-from splitserve.worker.base import BaseWorker
+from splitserve.worker.build import build_parts
+from splitserve.worker.loop import Worker
 
 
-def create_worker(config: WorkerConfig) -> BaseWorker:
-    """Build the worker for ``config.role`` (``splitserve.config.registry.WORKER_ROLE``).
+def create_worker(config: WorkerConfig) -> Worker:
+    """Build the worker for ``config.role``: its parts (``worker.build``, which loads the model)
+    and the loop over them, driven by the role's policy
+    (``splitserve.config.registry.WORKER_ROLE`` names each role's ``worker.role.WorkerRole``).
 
     Raises:
         ValueError: unknown role, or a config field out of range.
     """
     config.check()
-    return WORKER_ROLE.load(config.role)(config)
+    role = WORKER_ROLE.load(config.role)
+    return Worker(build_parts(config, role), role)
 
 
 def run_worker(config: WorkerConfig) -> None:

@@ -72,7 +72,8 @@ class ModelOutput:
 @dataclass(slots=True)
 class StepOutput:
     """A token sampled for ``req`` this step. ``prefilled`` marks a prefill-only request that just
-    left the scheduler with its pages (the caller now owns them)."""
+    stopped computing: it is ``SENDING_KV`` in the scheduler, its pages held until the caller's
+    KV send ends (``Scheduler.release``)."""
 
     req: Req
     token_id: int

@@ -10,13 +10,34 @@ that loop. Every page goes through the prefix cache (a no-op one when off), and 
 allocation is check-then-act: a request is admitted whole or not at all.
 
 Used by all three worker roles: the colocated worker prefills and decodes; the prefill worker
-prefills only (a request leaves as soon as its first token is sampled, holding its pages for the
-KV transfer); the decode worker decodes requests whose KV arrived, and re-prefills locally the
-requests it had to retract.
+prefills only (a request stops computing as soon as its first token is sampled, and its pages
+stay held while its KV is sent); the decode worker decodes requests whose KV arrived, and
+re-prefills locally the requests it had to retract.
+
+The scheduler owns every page a request holds. A request is in exactly one of its queues:
+
+================  =========================================================  ==================
+state             meaning                                                    pages
+================  =========================================================  ==================
+WAITING           needs prefill here (new, or retracted): ``waiting``        from admission on
+RUNNING           decoding: exactly one token missing its KV: ``running``    yes
+WAITING_FOR_KV    its prompt's KV comes from a prefill worker (decode        once admitted
+                  worker): queued for admission (``waiting_for_kv``), then
+                  admitted with its pages reserved while the KV arrives
+                  (``receiving_kv``)
+SENDING_KV        prefilled here (prefill worker): its pages are held        yes
+                  while its KV is sent: ``sending_kv``
+================  =========================================================  ==================
+
+Admission is one rule (:meth:`Scheduler.can_admit`) for the scheduler's own prompts and for the
+reservations of requests whose KV is coming (:meth:`Scheduler.admit_waiting_for_kv`, in arrival
+order). A request in a KV handoff leaves through :meth:`Scheduler.release` (its transfer session
+ended) or, its KV arrived, :meth:`Scheduler.add_received`.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import deque
 
@@ -30,6 +51,14 @@ from splitserve.engine.sched.request import Req
 logger = logging.getLogger(__name__)
 
 
+class Received(enum.Enum):
+    """What became of a request whose KV arrived (:meth:`Scheduler.add_received`)."""
+
+    RUNNING = "running"  # it decodes from the next step
+    FINISHED = "finished"  # its first token (or the tokens its grammar forced) ended it: freed
+    REFUSED = "refused"  # its grammar refused the first token the prefill worker sampled: freed
+
+
 class Scheduler:
     """Queues of one worker and the policy that turns them into forward passes.
 
@@ -40,8 +69,8 @@ class Scheduler:
             prefill chunks and decodes together), ``max_running`` (sequences per pass) and
             ``jump_forward`` (append the tokens a grammar forces without sampling them).
         eos_token_ids: tokens that end an output (unless the request ignores EOS).
-        prefill_only: the prefill worker's scheduler: a request leaves with its first token,
-            holding its pages for the KV send, and never jumps forward.
+        prefill_only: the prefill worker's scheduler: a request stops computing with its first
+            token (``SENDING_KV``: its pages held for the KV send) and never jumps forward.
     """
 
     def __init__(
@@ -69,6 +98,11 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Req] = deque()  # need more than one token of KV: new or retracted
         self.running: list[Req] = []  # decoding: exactly one token missing its KV
+        # WAITING_FOR_KV: not admitted yet (no pages), in arrival order; then admitted (pages
+        # reserved) while the KV arrives, or while a failed one's pages stay fenced.
+        self.waiting_for_kv: deque[Req] = deque()
+        self.receiving_kv: list[Req] = []
+        self.sending_kv: list[Req] = []  # SENDING_KV: prefilled, pages held while KV is sent
         self.num_retracted = 0
         self.last_num_scheduled = 0  # sequences in the last step; 0 means it could not run any
 
@@ -82,7 +116,8 @@ class Scheduler:
         """Whether a new sequence needing ``num_pages`` pages may be admitted now: they must be
         free (after evicting unpinned cache entries) with one page of headroom per running
         request, so that admitting never forces a running request to retract. The one rule of
-        admission, for the scheduler's own prompts and the decode worker's KV reservations."""
+        admission, for the scheduler's own prompts and the reservations of requests whose KV is
+        coming (:meth:`admit_waiting_for_kv`)."""
         return self.cache.ensure_free(num_pages + len(self.running))
 
     def add(self, req: Req) -> None:
@@ -90,13 +125,56 @@ class Scheduler:
         self.waiting.append(req)
 
     def add_running(self, req: Req) -> None:
-        """Queue a request whose KV is complete but for its last tokens (KV received): the
-        sampled token, plus any its grammar forced after it (jump-forward)."""
+        """Queue a request whose KV is complete but for its last tokens: the sampled token, plus
+        any its grammar forced after it (jump-forward)."""
         assert req.extend_len >= 1, "add_running needs at least one token without KV"
         self.running.append(req)
 
+    def add_waiting_for_kv(self, req: Req) -> None:
+        """Queue a request whose prompt's KV a prefill worker computes (``WAITING_FOR_KV``): it
+        holds no pages until :meth:`admit_waiting_for_kv` reserves them, in arrival order."""
+        self.waiting_for_kv.append(req)
+
+    def admit_waiting_for_kv(self) -> list[Req]:
+        """Reserve the prompt's pages of each queued ``WAITING_FOR_KV`` request, in arrival
+        order, while :meth:`can_admit` allows (the first that does not fit stops the rest).
+
+        Returns: the requests admitted now, each with ``page_ids`` = its reservation (the pages
+        its KV is to be written into), in arrival order."""
+        admitted: list[Req] = []
+        while self.waiting_for_kv:
+            req = self.waiting_for_kv[0]
+            num_pages = pages_for(req.prompt_len, self.page_size)
+            if not self.can_admit(num_pages):
+                break
+            self.waiting_for_kv.popleft()
+            req.page_ids = self.allocator.alloc(num_pages)
+            self.receiving_kv.append(req)
+            admitted.append(req)
+        return admitted
+
+    def add_received(self, req: Req) -> Received:
+        """An admitted ``WAITING_FOR_KV`` request's KV is in its pages, and its first token
+        (sampled by the prefill worker) is its one output token without KV. A constrained
+        request replays that token into its grammar first (a refused one is freed:
+        ``REFUSED``), then is checked for its end and may jump forward, as after any sampled
+        token (ended: freed, ``FINISHED``; the caller reports its tokens). Otherwise it runs
+        from the next step (``RUNNING``)."""
+        self.receiving_kv.remove(req)
+        if req.grammar is not None:
+            if not req.grammar.accept(req.output_ids[-1]):
+                self.free(req)
+                return Received.REFUSED
+            if self._ends(req):
+                self.free(req)
+                return Received.FINISHED
+        self.add_running(req)
+        return Received.RUNNING
+
     def abort(self, rid: str) -> Req | None:
-        """Remove ``rid`` from the queues and free its pages. Returns it, or None if absent."""
+        """Remove ``rid`` from the waiting and running queues and free its pages. Returns it, or
+        None if absent. A request in a KV handoff leaves through :meth:`release` (its transfer
+        session decides when: a fenced reservation outlives the abort)."""
         for queue in (self.waiting, self.running):
             for req in queue:
                 if req.rid == rid:
@@ -105,22 +183,36 @@ class Scheduler:
                     return req
         return None
 
+    def release(self, req: Req) -> None:
+        """Take ``req`` (this object) out of whichever queue holds it, if any, and free its
+        pages: its KV handoff ended (sent, failed, aborted, timed out) or it was dropped while
+        its grammar compiled (then it holds none)."""
+        for queue in (self.waiting_for_kv, self.receiving_kv, self.sending_kv, self.waiting,
+                      self.running):
+            if req in queue:
+                queue.remove(req)
+                break
+        self.free(req)
+
     def free(self, req: Req) -> None:
         """Give back ``req``'s pages: its computed KV goes to the prefix cache (when on), the
-        rest to the pool. Afterwards ``req`` holds no pages and ``kv_len == 0``."""
+        rest to the pool. Afterwards ``req`` holds no pages and ``kv_len == 0``. The queues are
+        the caller's: a queued request is taken out by :meth:`release` or :meth:`abort`."""
         self.cache.release(req)
 
-    def check_pages(self, held_by_callers: int = 0) -> None:
-        """Every used page is either the cache's or a request's (call when idle, or pass the
-        pages held outside the queues, e.g. prefilled requests awaiting their KV send).
+    def check_pages(self) -> None:
+        """Every used page is either the cache's or one request's, in whichever state (waiting,
+        running, waiting for or receiving its KV, sending it).
 
         Raises:
             AssertionError: pages leaked or were counted twice.
         """
+        queues = (self.waiting, self.running, self.waiting_for_kv, self.receiving_kv,
+                  self.sending_kv)
         held = sum(len(r.page_ids) - r.matched_len // self.page_size
-                   for r in (*self.waiting, *self.running))
+                   for queue in queues for r in queue)
         used, cached = self.allocator.num_used, self.cache.stats().cached_pages
-        assert used == cached + held + held_by_callers, (used, cached, held, held_by_callers)
+        assert used == cached + held, (used, cached, held)
 
     @property
     def has_work(self) -> bool:
@@ -150,7 +242,7 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, output: ModelOutput) -> list[StepOutput]:
         """Apply what the runner computed for ``batch`` (from :meth:`schedule`, run once):
         advance every request's KV, record prompt logprobs, append the sampled tokens, retire
-        finished requests (freeing their pages) and hand prefill-only ones to the caller.
+        finished requests (freeing their pages) and move prefill-only ones to ``SENDING_KV``.
         Returns: one :class:`StepOutput` per sampled token."""
         reqs, chunks = batch.reqs, batch.chunk_lens
         for j, (i, logprobs) in enumerate(zip(batch.scored_rows, output.prompt_logprobs)):
@@ -213,20 +305,25 @@ class Scheduler:
             # rather than emit text that breaks the constraint.
             logger.error("request %s: grammar refused sampled token %d", req.rid, token_id)
             req.finish_reason = "stop"
-        finished = req.check_finished(self.eos_token_ids) is not None
-        if not finished and not self.prefill_only:
-            finished = self.jump_forward(req)
+        finished = self._ends(req)
         if was_waiting:
             self.waiting.remove(req)
         elif finished:
             self.running.remove(req)
         if self.prefill_only and was_waiting:
+            self.sending_kv.append(req)
             return StepOutput(req, token_id, logprob, finished, prefilled=True)
         if finished:
             self.free(req)
         elif was_waiting:
             self.running.append(req)
         return StepOutput(req, token_id, logprob, finished)
+
+    def _ends(self, req: Req) -> bool:
+        """After a token was appended to ``req`` (sampled, or the prefill worker's first one
+        replayed): whether it ends the output (EOS, a stop token, ``max_new_tokens``, the
+        grammar complete), else jump forward over what its grammar forces, which may end it."""
+        return req.check_finished(self.eos_token_ids) is not None or self.jump_forward(req)
 
     def jump_forward(self, req: Req) -> bool:
         """Append the tokens ``req``'s grammar forces next, unsampled; the next step extends

@@ -75,13 +75,13 @@ def test_kernel_tests_fail_on_a_failed_build_and_skip_without_compiler(monkeypat
 def test_worker_reports_a_failed_build(model_path, monkeypatch, caplog) -> None:
     """A worker whose C kernels failed to build still serves (torch ops) and says so: at error
     level on start-up, and in ``WorkerStats.kernel_plan`` (``GET /workers``)."""
-    import splitserve.worker.base as worker_base
+    import splitserve.worker.build as worker_build
     from splitserve.worker.main import create_worker
     from tests.cluster_config import worker_config
 
     failed = KernelBuild(None, FAILED, "fake-cc: compiling gemv.c timed out after 900 s")
     monkeypatch.setattr(build, "cpu_kernel_build", lambda: failed)  # the engine's layers
-    monkeypatch.setattr(worker_base, "cpu_kernel_build", lambda: failed)
+    monkeypatch.setattr(worker_build, "cpu_kernel_build", lambda: failed)
     with caplog.at_level(logging.ERROR):
         worker = create_worker(
             worker_config(

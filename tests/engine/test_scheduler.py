@@ -178,9 +178,9 @@ def test_prefill_only_hands_the_request_over_with_its_pages() -> None:
     sched.add(r)
     (out,) = step(sched, runner)
     assert out.prefilled and not out.finished and not sched.has_work
-    assert len(r.page_ids) == pages_for(9 + 1, PAGE)  # the caller owns them now
-    sched.check_pages(held_by_callers=len(r.page_ids))
-    sched.free(r)
+    assert len(r.page_ids) == pages_for(9 + 1, PAGE)  # held while its KV is sent (SENDING_KV)
+    sched.check_pages()
+    sched.release(r)
     assert sched.allocator.num_used == 0
 
 

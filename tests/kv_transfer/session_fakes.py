@@ -6,7 +6,14 @@ from __future__ import annotations
 from collections import Counter
 
 from splitserve.engine.sched.request import Req
-from splitserve.ipc.messages import KVBootstrap, KVLayoutMsg, KVPages, Message, SamplingParams
+from splitserve.ipc.messages import (
+    FailureKind,
+    KVBootstrap,
+    KVLayoutMsg,
+    KVPages,
+    Message,
+    SamplingParams,
+)
 from splitserve.ipc.sockets import PeerUnreachable
 from splitserve.kv_transfer.recv_session import RecvSessions
 from splitserve.kv_transfer.send_session import SendSessions
@@ -61,6 +68,7 @@ class FakePort:
         self.alloc = alloc
         self.sent: list[tuple[str, Message]] = []
         self.failures: list[tuple[str, str, int]] = []  # (rid, message, code)
+        self.kinds: list[FailureKind] = []  # the kind of each of ``failures``
         self.released: Counter[int] = Counter()  # Req.uid -> releases
         self.drops: Counter[str] = Counter()
         self.unreachable = False
@@ -78,8 +86,10 @@ class FakePort:
         self.alloc.free(req.page_ids)
         req.page_ids = []
 
-    def fail(self, rid: str, reply_addr: str, message: str, code: int) -> None:
+    def fail(self, rid: str, reply_addr: str, message: str, code: int,
+             kind: FailureKind = FailureKind.TRANSFER) -> None:
         self.failures.append((rid, message, code))
+        self.kinds.append(kind)
 
     def install(self, header: KVPages, frames: list) -> None:
         if self.install_error:

@@ -187,7 +187,7 @@ class RecvMachine(RuleBasedStateMachine):
 
     @rule(seconds=STEPS)
     def loop(self, seconds: float) -> None:
-        """Time passes; the worker's check_timeouts runs."""
+        """Time passes; the worker's tick (its policy's on_tick) runs."""
         self.clock.advance(seconds)
         now = self.clock()
         for s in self.sessions.by_state(T.FENCED):
@@ -422,8 +422,8 @@ class SendMachine(RuleBasedStateMachine):
 
     @rule(seconds=STEPS)
     def loop(self, seconds: float) -> None:
-        """Time passes; the worker's check_timeouts runs (the reference first: the real one's
-        ``cancel_peer`` changes what the backend reads)."""
+        """Time passes; the worker's tick (its policy's ``on_tick``) runs (the reference
+        first: the real one's ``cancel_peer`` changes what the backend reads)."""
         self.clock.advance(seconds)
         now = self.clock()
         busy = set(self.sender.busy)

@@ -41,7 +41,7 @@ def run(core: EngineCore, prompts: list[list[int]], together: bool = False) -> l
                 break
             for out in core.step():
                 if out.prefilled:
-                    sched.free(out.req)
+                    sched.release(out.req)
             sched.check_pages()  # every used page is the cache's or a queued request's
         assert not sched.has_work
     return reqs
@@ -144,7 +144,7 @@ def test_running_request_shares_its_prefix(model, reference, prefill_only) -> No
     assert second.output_ids[:1] == reference[name][1][:1]
     for out in outs:
         if out.prefilled:
-            sched.free(out.req)
+            sched.release(out.req)
     if not prefill_only:
         assert [first.output_ids, second.output_ids] == reference[name]
     assert sched.allocator.num_used == sched.cache.stats().evictable_pages

@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from splitserve.ipc.messages import (
+    AbortTask,
     GenerateTask,
     RequestError,
     RouterBeat,
@@ -123,7 +124,7 @@ def test_beating_router_keeps_its_requests(ctx, model_path: Path) -> None:
         pump(worker, server, lambda g: any(isinstance(m, RequestError) for m in g), 1.5, beat)
     assert time.monotonic() >= deadline - 0.1
     assert held_pages(worker) > 0 and "r-kept" in worker.sessions
-    worker.on_abort("r-kept")
+    worker.dispatch(AbortTask("r-kept"), [])
     assert held_pages(worker) == 0
 
 

@@ -279,8 +279,7 @@ def test_a_request_queued_for_decode_pages_is_kept_alive(ctx, model_path) -> Non
     assert [m.rid for m in got if isinstance(m, KVQueued)].count("r1") >= 3
     assert [s.rid for s in worker.sessions.by_state(TransferState.QUEUED)] == ["r1"]
     assert not worker.sessions.by_state(TransferState.WAITING_FOR_PAGES)
-    worker.pool.allocator.free(held)  # the running requests finish ...
-    worker._admit()  # ... and their last step admits from the queue (on_step_outputs)
+    worker.pool.allocator.free(held)  # the running requests finish: the loop admits
     boot = pump(worker, prefill, lambda g: any(isinstance(m, KVBootstrap) for m in g))
     assert any(isinstance(m, KVBootstrap) and m.rid == "r1" for m in boot)
 

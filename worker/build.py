@@ -1,0 +1,150 @@
+"""The composition root of a worker process: every part built once from its
+:class:`~splitserve.config.WorkerConfig` and its role's traits. The only place that loads the
+model.
+
+Built in order: the model (``engine.model.loader``) and its weights' identity for the KV
+handshake; the KV pool (where the KV transfer backend needs it: shm puts the decode pool in
+``/dev/shm``); the prefix cache (roles that compute prompts), the scheduler, the model runner
+and the engine core over them; the grammar compile service; the sockets and the port policies
+act through; the KV transfer endpoint (sender or receiver) and its sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from splitserve.config import EngineConfig, WorkerConfig
+from splitserve.engine.core import EngineCore
+from splitserve.engine.kernels.cpu.build import cpu_kernel_build
+from splitserve.engine.kernels.cpu.features import resolve_dtype
+from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.model.loader import load_model
+from splitserve.engine.runner.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphRunner
+from splitserve.engine.runner.model_runner import ModelRunner
+from splitserve.engine.sched.scheduler import Scheduler
+from splitserve.ipc.messages import WeightsMsg
+from splitserve.kv_transfer.base import BaseKVReceiver, BaseKVSender
+from splitserve.kv_transfer.recv_session import RecvSessions
+from splitserve.kv_transfer.registry import create_kv_pool, create_kv_receiver, create_kv_sender
+from splitserve.kv_transfer.send_session import SendSessions
+from splitserve.radix_cache.prefix_cache import create_prefix_cache
+from splitserve.worker.grammars import WorkerGrammars, create_worker_grammars
+from splitserve.worker.links import open_links
+from splitserve.worker.parts import WorkerParts
+from splitserve.worker.port import OutboxPort, SessionPort, WorkerPort
+from splitserve.worker.role import WorkerRole
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPH_BATCH = 160  # largest decode batch captured as a CUDA graph (engine.cuda_graph)
+
+
+def build_parts(config: WorkerConfig, role: WorkerRole) -> WorkerParts:
+    """Load the model and build every part of a ``role`` worker from ``config``.
+
+    Raises:
+        ValueError: an unknown backend or a config the model cannot run with.
+        ImportError: an optional package the config asks for is missing.
+    """
+    e = config.engine
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
+    dtype = resolve_dtype(e.dtype, e.device)[0]
+    model, model_config = load_model(e.model, dtype=getattr(torch, dtype), device=e.device,
+                                     engine=e)
+    # What the KV handshake checks besides the pool layout (the prefill policy refuses a peer
+    # with other weights).
+    weights = WeightsMsg(model_config.architecture, model_config.fingerprint(), e.quantization,
+                         model.weights_digest)
+    layout = model_config.kv_layout(e.page_size, dtype, e.kv_cache_dtype)
+    num_pages = max(2, e.kv_cache_mb * 2**20 // layout.page_bytes)
+    # The backend decides where the pool lives (shm: a segment the prefill side maps).
+    pool = create_kv_pool(e.kv_transfer, layout, num_pages, e.device, role.receives_kv)
+    cache = create_prefix_cache(e.prefix_cache if role.computes_prompts else "none",
+                                pool.allocator, pool.page_size)
+    scheduler = Scheduler(cache, e, model_config.eos_token_ids, prefill_only=not role.decodes)
+    runner = ModelRunner(
+        model, pool, e.device, vocab_size=model_config.vocab_size,
+        overlap_grammar_mask=e.overlap_grammar_mask,
+        decode_graphs=capture_decode_graphs(model, pool, e) if role.decodes else None,
+        use_cpu_kernels=e.cpu_kernels,
+        eos_token_ids=model_config.eos_token_ids,
+    )
+    grammars = create_worker_grammars(
+        e.model, model_config.vocab_size, model_config.eos_token_ids,
+        jump_forward=e.jump_forward and role.decodes, default_backend=e.grammar_backend,
+    )
+    links = open_links(config, watch_links=role.receives_kv)
+    port = OutboxPort(links.outbox)
+    sender = create_kv_sender(e.kv_transfer, pool, links.outbox) if role.sends_kv else None
+    receiver = create_kv_receiver(e.kv_transfer, pool) if role.receives_kv else None
+    kernels = kernel_report(model, e)
+    if e.device == "cpu" and e.cpu_kernels and cpu_kernel_build().failed:
+        logger.error("%s worker %s: %s", role.name, config.worker_id, kernels)
+    logger.info(
+        "%s worker %s: %s, %s on %s (%s attention), %d KV pages of %d tokens "
+        "(KV %s, %.0f bytes/token), %s, inbox %s",
+        role.name, config.worker_id, e.model, dtype, e.device,
+        type(model.attn_backend).__name__, num_pages - 1, e.page_size,
+        e.kv_cache_dtype, layout.bytes_per_token, kernels, config.addr,
+    )
+    return WorkerParts(
+        config, dtype, model_config, weights, pool, scheduler, EngineCore(scheduler, runner),
+        grammars, links, port, sender, receiver,
+        create_sessions(config, scheduler, grammars, port, sender, receiver),
+    )
+
+
+def create_sessions(
+    config: WorkerConfig,
+    scheduler: Scheduler,
+    grammars: WorkerGrammars,
+    port: WorkerPort,
+    sender: BaseKVSender | None = None,
+    receiver: BaseKVReceiver | None = None,
+) -> SendSessions | RecvSessions | None:
+    """The KV transfer sessions of a worker with a ``sender`` (send sessions) or a ``receiver``
+    (receive sessions; None for neither). They act through a
+    :class:`~splitserve.worker.port.SessionPort` (pages released through ``scheduler``) and
+    read ``port``'s clock."""
+    session_port = SessionPort(port, scheduler, grammars, receiver)
+    timeout_s = config.engine.transfer_timeout_s
+    if sender is not None:
+        return SendSessions(sender, session_port, scheduler.page_size, timeout_s,
+                            clock=port.now)
+    if receiver is not None:
+        return RecvSessions(session_port, receiver.one_sided, config.addr, timeout_s,
+                            clock=port.now)
+    return None
+
+
+def capture_decode_graphs(
+    model: torch.nn.Module, pool: KVPool, engine: EngineConfig
+) -> DecodeGraphRunner | None:
+    """CUDA graphs for decode steps of up to ``max_running`` rows (at most
+    ``MAX_GRAPH_BATCH``: larger steps run eagerly, where launches are a small share), on CUDA
+    unless ``--disable-cuda-graph``; else None. For roles that decode."""
+    if (
+        not engine.cuda_graph
+        or torch.device(engine.device).type != "cuda"
+        or not model.attn_backend.supports_cuda_graphs
+    ):
+        return None
+    largest = min(engine.max_running, MAX_GRAPH_BATCH)
+    sizes = tuple(n for n in DEFAULT_BATCH_SIZES if n < largest)
+    return DecodeGraphRunner(model, pool, sizes + (largest,))
+
+
+def kernel_report(model: torch.nn.Module, engine: EngineConfig) -> str:
+    """What serves the decode-step products, in words (the start-up line, ``WorkerStats``):
+    the kernel plan where there is one, else whether the CPU C kernels are off, built, or
+    missing (no compiler; or BUILD FAILED, with the cause)."""
+    plan = model.kernel_plan.summary() if model.kernel_plan else ""
+    if torch.device(engine.device).type != "cpu":
+        return plan
+    if not engine.cpu_kernels:
+        return "C kernels off (--disable-cpu-kernels)"
+    build = cpu_kernel_build()  # already built (or tried) by the model's layers
+    return plan if plan and build.kernels is not None else build.describe()

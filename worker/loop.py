@@ -1,0 +1,251 @@
+"""The worker process: one loop, the same for every role, over the parts the composition root
+built (``worker.build``); what each event means is the role's policy's (``worker.role``).
+
+One iteration (:meth:`Worker.run_once`): drain the inbox (at most ``MAX_MESSAGES_PER_STEP``
+messages), hand finished grammar compiles to the policy, tick it (deadlines, keepalives), end
+the requests of routers that went away (``worker.routers``), and run one engine step if there
+is work, handing its outputs to the policy. After every event the scheduler admits the
+requests whose KV is coming, in arrival order, and the policy bootstraps those it admitted:
+admission runs from this one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from splitserve.ipc.frames import Frames
+from splitserve.ipc.messages import (
+    AbortTask,
+    FlushCache,
+    GenerateTask,
+    Message,
+    RouterBeat,
+    Shutdown,
+    StatsQuery,
+    WorkerReady,
+    WorkerStats,
+)
+from splitserve.ipc.sockets import PeerUnreachable
+from splitserve.kv_transfer.session import IllegalTransition
+from splitserve.worker.build import kernel_report
+from splitserve.worker.heartbeat import Heartbeat, rejoin_router
+from splitserve.worker.parts import WorkerParts
+from splitserve.worker.role import WorkerRole
+from splitserve.worker.routers import CHECK_S, RouterWatch
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGES_PER_STEP = 256  # bound the time spent draining the inbox between forward passes
+COMPILE_POLL_MS = 5  # inbox wait while only grammar compiles are pending (no busy loop)
+
+
+class Worker:
+    """One worker process: call :meth:`serve_forever` (or, in tests, :meth:`dispatch` and
+    :meth:`run_once`).
+
+    Args:
+        parts: everything it composes (``worker.build.build_parts``).
+        role: its role; ``role.create_policy(parts)`` decides what each event means.
+    """
+
+    def __init__(self, parts: WorkerParts, role: WorkerRole) -> None:
+        self.parts = parts
+        self.role = role
+        self.config = parts.config
+        # The parts by name.
+        self.model_config, self.weights, self.pool = parts.model_config, parts.weights, parts.pool
+        self.scheduler, self.core, self.runner = parts.scheduler, parts.core, parts.core.runner
+        self.grammars, self.port = parts.grammars, parts.port
+        self.ctx, self.inbox, self.outbox = parts.links.ctx, parts.links.inbox, parts.links.outbox
+        self.sender, self.receiver, self.sessions = parts.sender, parts.receiver, parts.sessions
+        self.policy = role.create_policy(parts)
+        # Which routers are still there: a gone one's requests are ended (worker.routers).
+        self.routers = RouterWatch(self.outbox.link_drops, self.outbox.watch, clock=self.port.now)
+        self.next_router_check = 0.0
+        self.stopped = False
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """Every deadline is read from this clock (``time.monotonic``; tests swap in a fake)."""
+        return self.port.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self.port.clock = clock
+
+    def now(self) -> float:
+        """Seconds on :attr:`clock`."""
+        return self.port.now()
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def serve_forever(self, server_addrs: list[str] | None = None) -> None:
+        """Serve until SIGTERM or ``Shutdown``, reporting to the routers whose inboxes are
+        ``server_addrs`` (those of ``config.router_urls``, in order, as registration gave them;
+        default: ``config.server_addr``)."""
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopped", True))
+        c = self.config
+        server_addrs = list(server_addrs or [c.server_addr])
+        for addr in server_addrs:
+            self.port.send(addr, WorkerReady(c.worker_id, self.role.name, c.addr))
+        beat = Heartbeat(
+            self.ctx, server_addrs, self.stats, configure=self.parts.links.configure_client,
+            rejoin=self._rejoin if c.router_urls else None,
+        )
+        beat.start()
+        try:
+            while not self.stopped:
+                self.run_once(idle_wait_ms=20)
+        finally:
+            beat.stop()
+            beat.join()
+            self.grammars.close()
+            self.core.close()
+            # Backend threads (mooncake/nixl writers, nixl's progress thread) stop before the
+            # interpreter exits: a nixl thread still inside UCX at exit crashed the process.
+            self.policy.close()
+            self.parts.links.close()
+
+    def run_once(self, idle_wait_ms: int = 0) -> None:
+        """One iteration: messages, compiles, ticks, routers, then one step if there is work."""
+        # Work that cannot be scheduled (waiting for pages) must not spin the core the model
+        # uses; the poll still returns at once when a message arrives.
+        busy = self.scheduler.has_work and self.scheduler.last_num_scheduled > 0
+        wait_ms = 0 if busy else COMPILE_POLL_MS if len(self.grammars) else idle_wait_ms
+        if self.inbox.poll(wait_ms):
+            for _ in range(MAX_MESSAGES_PER_STEP):
+                item = self.inbox.recv()
+                if item is None:
+                    break
+                self.dispatch(*item)
+        for done in self.grammars.poll():
+            self._handle(self.policy.on_compiled, done)
+        now = self.now()
+        self._handle(self.policy.on_tick, now)
+        if now >= self.next_router_check:
+            self.next_router_check = now + CHECK_S
+            self._handle(self.check_routers, now)
+        if self.scheduler.has_work:
+            self._handle(self.policy.on_step, self.core.step())
+
+    def dispatch(self, msg: Message, frames: Frames | list) -> None:
+        """Handle one inbox message: the worker's own (stats, flush, router beats, shutdown)
+        here, the others by the policy; then admission."""
+        try:
+            if isinstance(msg, GenerateTask):
+                if self.routers.dropped(msg.reply_addr):
+                    # A router restarted at the same inbox: its predecessor's requests go first.
+                    self.end_requests_of(msg.reply_addr, "closed its link")
+                self.routers.heard(msg.reply_addr)
+                self.policy.on_task(msg)
+            elif isinstance(msg, AbortTask):
+                self.policy.on_abort(msg.rid)
+            elif isinstance(msg, RouterBeat):
+                self.routers.heard(msg.reply_addr, msg.dead_after_s)
+            elif isinstance(msg, StatsQuery):
+                self.routers.heard(msg.reply_addr)
+                self.port.send(msg.reply_addr, self.stats(msg.query_id))
+            elif isinstance(msg, FlushCache):
+                freed = self.scheduler.cache.flush()
+                logger.info("%s worker %s: flushed %d cached pages", self.role.name,
+                            self.config.worker_id, freed)
+                self.port.send(msg.reply_addr, self.stats(msg.query_id))
+            elif isinstance(msg, Shutdown):
+                self.stopped = True
+            else:
+                self.policy.on_peer(msg, frames)
+        except PeerUnreachable as exc:
+            logger.warning("%s: %s", type(msg).__name__, exc)
+        except IllegalTransition:
+            # A message its KV transfer session cannot take (a duplicate task or bootstrap):
+            # a bug in a peer or here. Loud, but the worker serves the other requests on.
+            logger.exception("%s for %s dropped", type(msg).__name__, getattr(msg, "rid", "?"))
+        self._admit()
+
+    def _handle(self, on_event: Callable[[Any], None], event: Any) -> None:
+        """Hand ``event`` to ``on_event``, then admit."""
+        on_event(event)
+        self._admit()
+
+    def _admit(self) -> None:
+        """Admission: the scheduler reserves pages for the requests whose KV is coming, in
+        arrival order while they fit (``Scheduler.admit_waiting_for_kv``); the policy
+        bootstraps each."""
+        admitted = self.scheduler.admit_waiting_for_kv()
+        if admitted:
+            self.policy.on_admitted(admitted)
+
+    # ---- routers that went away (worker.routers) ----------------------------------------------
+
+    def check_routers(self, now: float) -> None:
+        """End the requests of every router that is gone (link closed, or silent past its
+        ``dead_after_s``), freeing their pages."""
+        held = self.policy.held()
+        for addr, why in self.routers.gone(now, set(held.values())):
+            self.end_requests_of(addr, why, held)
+
+    def end_requests_of(self, addr: str, why: str, held: dict[str, str] | None = None) -> None:
+        """Abort every request of the router at ``addr`` (its pages freed on this worker; the
+        router, if it is only cut off, gets a 503 for each should the link come back)."""
+        held = self.policy.held() if held is None else held
+        rids = [rid for rid, reply in held.items() if reply == addr]
+        if not rids:
+            return
+        logger.warning("%s worker %s: router at %s %s: ending its %d requests", self.role.name,
+                       self.config.worker_id, addr, why, len(rids))
+        for rid in rids:
+            self.policy.on_abort(rid)
+            self.port.orphan(rid, addr, f"the router at {addr} {why}: the {self.role.name} "
+                                        "worker ended the request")
+
+    def _rejoin(self, i: int) -> tuple[str, WorkerReady] | None:
+        """On the heartbeat thread: register with router ``i`` of ``router_urls`` again; when
+        it had forgotten us (restarted), return its inbox and the ready announcement for the
+        heartbeat to send there (worker.heartbeat). Replies need no change: each request
+        names its router's inbox."""
+        c = self.config
+        url = c.router_urls[i]
+        inbox = rejoin_router(url, self.role.name, c.worker_id, c.addr, c.security.api_key)
+        if inbox is None:
+            return None
+        logger.warning("router %s did not know this worker (restarted?): rejoined", url)
+        return inbox, WorkerReady(c.worker_id, self.role.name, c.addr)
+
+    # ---- stats --------------------------------------------------------------------------------
+
+    def stats(self, query_id: int = 0) -> WorkerStats:
+        """This worker's ``WorkerStats`` (the heartbeat's, ``GET /workers``'s)."""
+        alloc = self.pool.allocator
+        model = self.runner.model
+        cache = self.scheduler.cache.stats()
+        stats = WorkerStats(
+            query_id=query_id,
+            worker_id=self.config.worker_id,
+            role=self.role.name,
+            pages_total=alloc.num_pages - 1,
+            pages_used=alloc.num_used,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_transferring=self.policy.num_transferring(),
+            cache_pages=cache.cached_pages,
+            cache_evictable_pages=cache.evictable_pages,
+            cache_hit_tokens=cache.hit_tokens,
+            cache_prompt_tokens=cache.prompt_tokens,
+            cache_evicted_pages=cache.evicted_pages,
+            transfer_failures=self.port.num_transfer_failures,
+            requests_failed=self.port.num_failed,
+            requests_orphaned=self.port.num_orphaned,
+            kv_pool_bytes=self.pool.buffer.numel() * self.pool.buffer.element_size(),
+            kv_cache_dtype=self.pool.layout.kv_cache_dtype,
+            decode_cache_bytes=model.attn_backend.cache_bytes(),
+            weight_bytes=model.weight_bytes(),
+            kernel_plan=kernel_report(model, self.config.engine),
+            spec_draft_tokens=self.scheduler.num_draft_tokens,
+            spec_accepted_tokens=self.scheduler.num_accepted_tokens,
+            node=self.config.node or socket.gethostname(),
+        )
+        return self.policy.fill_stats(stats)

@@ -1,0 +1,42 @@
+"""A request's tokens as the router receives them (``TokenOutput``). Shared by every role's
+policy: the prefill worker sends the first token, the decode and colocated workers the rest."""
+
+from __future__ import annotations
+
+from splitserve.engine.sched.batch import StepOutput
+from splitserve.engine.sched.request import Req
+from splitserve.ipc.messages import TokenOutput
+
+
+def token_output(req: Req, index: int) -> TokenOutput:
+    """``req``'s output tokens from output position ``index`` to the end, with their logprobs
+    and alternatives; the first output (``index`` 0) also carries the prompt's logprobs."""
+    wants_prompt_top = req.sampling.wants_prompt_logprobs and req.sampling.top_logprobs > 0
+    return TokenOutput(
+        rid=req.rid,
+        index=index,
+        token_ids=req.output_ids[index:],
+        logprobs=req.output_logprobs[index:],
+        finish_reason=req.finish_reason,
+        prompt_len=req.prompt_len,
+        cached_len=req.cached_len,
+        # The first output carries them: from the prefill worker when disaggregated.
+        prompt_logprobs=(
+            req.prompt_logprobs if index == 0 and req.sampling.wants_prompt_logprobs else None
+        ),
+        top_ids=req.output_top_ids[index:],
+        top_logprobs=req.output_top_logprobs[index:],
+        prompt_top_ids=req.prompt_top_ids if index == 0 and wants_prompt_top else None,
+        prompt_top_logprobs=req.prompt_top_logprobs if index == 0 and wants_prompt_top else None,
+    )
+
+
+def decoded_outputs(outputs: list[StepOutput]) -> list[tuple[str, TokenOutput]]:
+    """``(reply_addr, output)`` of each step output's tokens not yet sent (jump-forward ones
+    included); marks them sent (``Req.emitted_len``)."""
+    emitted = []
+    for out in outputs:
+        req = out.req
+        emitted.append((req.reply_addr, token_output(req, req.emitted_len)))
+        req.emitted_len = len(req.output_ids)
+    return emitted
