@@ -435,22 +435,3 @@ def _decode_mask(
         mask &= kpos > seq - 1 - window
     return mask[:, None, None, :]
 
-
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layer: int,
-    batch: ForwardBatch,
-    pool: KVPool,
-    scale: float,
-    sliding_window: SlidingWindows = None,
-) -> torch.Tensor:
-    """One-shot torch paged attention (prepare + forward); see :class:`BaseAttentionBackend`.
-
-    Shapes: ``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``. Models should call
-    ``prepare`` once per batch instead, to share the metadata across layers.
-    """
-    backend = TorchAttentionBackend()
-    meta = backend.prepare(batch, pool, sliding_window)
-    return backend.forward(q, k, v, layer, meta, pool, scale)
