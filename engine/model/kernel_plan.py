@@ -7,8 +7,10 @@ at 32 rows). Nothing but a measurement tells which machine one is on, so at star
 times both on the model's own packed weights, at the row counts a decode step can have, and
 keeps the C products for steps of at most :attr:`ProductPlan.layer_rows` rows (the decoder
 layers' products, and the fused one-call decode path, which uses them) and
-:attr:`ProductPlan.head_rows` rows (the vocab projection). The C attention, norms and RoPE
-kernels are used wherever they apply either way: they beat torch on every CPU measured.
+:attr:`ProductPlan.head_rows` rows (the vocab projection): the row limits
+(:meth:`ProductPlan.limits`) by which the step planner, ``engine.step_plan``, picks each step's
+products. The C attention, norms and RoPE kernels are used wherever they apply either way: they
+beat torch on every CPU measured.
 
 The choice is cached per CPU model, CPU flags, torch version, thread count, C library build and
 product shapes under ``$SPLITSERVE_CACHE/kernel_plans/``, so the timing (about a second for the

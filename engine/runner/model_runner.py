@@ -40,8 +40,8 @@ class ModelRunner:
             forward pass runs (see ``grammar.mask_thread`` for why that is safe); False fills
             them on the calling thread before the forward pass. Same tokens either way; may be
             switched between steps.
-        decode_graphs: replays decode-only steps it can run (``engine.cuda_graph``); None runs
-            every step eagerly.
+        decode_graphs: replays the decode-only steps the step plan gives it
+            (``engine.runner.cuda_graph``); None runs every step eagerly.
         eos_token_ids: the model's EOS ids, which ``min_tokens`` masks (``runner.penalties``).
 
     The logits of the sampled rows go through, in this order: raw logprobs (of the model's
