@@ -122,8 +122,14 @@ class DecoderLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack(use_cpu_kernels)
         self.kernels = self.head.pack(use_cpu_kernels)
-        limit = self.kernels.decode_max_rows if self.kernels is not None else 0
-        self.product_limits = ProductLimits(limit, limit)  # until a kernel plan lowers them
+        # Until a kernel plan lowers them: the C products up to the kernels' limit, for the
+        # layers wherever their projections packed (the head's may not have: a vocab that is
+        # not a multiple of 16).
+        layer_kernels = next((m.kernels for m in self.layers.modules()
+                              if isinstance(m, Linear) and m.kernels is not None), None)
+        self.product_limits = ProductLimits(
+            layer_kernels.decode_max_rows if layer_kernels is not None else 0,
+            self.kernels.decode_max_rows if self.kernels is not None else 0)
         for module in self.modules():
             if isinstance(module, RMSNorm | GatedMLP):
                 module.kernels = self.kernels
