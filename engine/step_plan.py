@@ -80,9 +80,10 @@ class GraphLimits:
     context_len: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepShape:
-    """The facts about one step that choose its path (no tensors, no model).
+    """The facts about one step that choose its path (no tensors, no model). Plain data, made
+    once per step on the hot path (a frozen dataclass costs a microsecond more to build).
 
     Attributes:
         num_rows: sequences in the batch.
@@ -117,17 +118,12 @@ class StepShape:
         ``scored_rows`` score prompt positions (the scheduled step's; None: not a scheduled
         step, as a batch run straight through the model); ``verifies``: see the attribute."""
         num_rows = len(batch.extend_lens)
-        return cls(
-            num_rows=num_rows,
-            num_tokens=len(batch.input_ids),
-            num_logits=len(batch.logit_indices),
-            decode_only=batch.is_decode_only,
-            keyed=batch.seq_ids is not None,
-            verifies=verifies,
-            samples_in_order=sample_rows is not None and not scored_rows
-            and list(sample_rows) == list(range(num_rows)),
-            max_pages=batch.page_table.shape[1],
-            max_seq_len=max(batch.seq_lens, default=0),
+        in_order = (sample_rows is not None and not scored_rows
+                    and list(sample_rows) == list(range(num_rows)))
+        return cls(  # positional: the fields' order above
+            num_rows, batch.input_ids.shape[0], batch.logit_indices.shape[0],
+            batch.is_decode_only, batch.seq_ids is not None, verifies, in_order,
+            batch.page_table.shape[1], max(batch.seq_lens, default=0),
         )
 
 
