@@ -1,6 +1,6 @@
 """Which path runs one step, decided once: the step plan and the one function that decides it.
 
-A step can run, each choice independent of the others' code:
+A step's path has four parts:
 
 - a speculative verify step as one decode row per drafted position
   (``ForwardBatch.as_decode_rows``) or as extends;
