@@ -109,14 +109,19 @@ def instrument(core: EngineCore) -> CpuClock:
         "batch building", runner_module.build_forward_batch
     )
     sampler.sample = clock.wrap("sampling", sampler.sample)
-    import splitserve.engine.model.base as base_module
+    # Decode-only steps the step plan gives the fused layers (up to the kernel plan's C rows)
+    # run every layer in one C call (projections, attention, norms, RoPE together): timed as
+    # one kind.
+    fused = getattr(model, "fused_layers", None)
+    if fused is not None:
+        fused.run = clock.wrap("fused layers (C)", fused.run)
+    else:  # engines before the step plan called it through ``engine.model.base``'s name
+        import splitserve.engine.model.base as base_module
 
-    # Decode-only steps up to the kernel plan's ``c_max_rows`` rows run every layer in one C
-    # call (projections, attention, norms, RoPE together): timed as one kind. The model's
-    # step calls it through ``engine.model.base``'s name.
-    base_module.run_fused_decode_layers = clock.wrap(
-        "fused layers (C)", base_module.run_fused_decode_layers
-    )
+        if hasattr(base_module, "run_fused_decode_layers"):
+            base_module.run_fused_decode_layers = clock.wrap(
+                "fused layers (C)", base_module.run_fused_decode_layers
+            )
     return clock
 
 

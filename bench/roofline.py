@@ -35,6 +35,7 @@ from common import add_data_argument, load_prompts, resolve_model
 
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.layers import Linear, can_pack, pack_weight, packed_linear
+from splitserve.engine.step_plan import product_for
 
 
 @dataclass
@@ -73,7 +74,9 @@ def time_linear(rows: int, out_f: int, in_f: int, budget_s: float = 0.3) -> floa
     engine = Linear(in_f, out_f, False, torch.bfloat16)
     engine.weight.data.copy_(w)
     engine.pack()
-    contenders.append(lambda: engine(x))
+    # The step planner's choice for the layers before a kernel plan: C up to the tiles' limit.
+    product = product_for(rows, engine.kernels.decode_max_rows if engine.kernels else 0)
+    contenders.append(lambda: engine(x, product))
     best = float("inf")
     for run in contenders:
         for _ in range(3):

@@ -12,7 +12,10 @@ Backends are chosen by name (``splitserve.config.registry.ATTENTION``): ``torch`
 (:mod:`~splitserve.engine.attention.torch_backend`) and ``triton``
 (:mod:`~splitserve.engine.attention.triton.backend`, imported only when chosen, so CPU-only runs
 never import Triton). A backend that can be captured in a CUDA graph says so with
-:attr:`BaseAttentionBackend.supports_cuda_graphs` and implements :meth:`decode_metadata`.
+:attr:`BaseAttentionBackend.supports_cuda_graphs` and implements :meth:`decode_metadata`; one
+that the fused C decode layers (``engine.model.fused_decode``) attend through says so with
+:meth:`BaseAttentionBackend.serves_fused_decode` and implements
+:meth:`BaseAttentionBackend.fused_decode_targets`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 from splitserve.config.registry import ATTENTION
+from splitserve.engine.attention.decode_kv_cache import StepTargets
 from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kv_pool import KVPool
 
@@ -124,6 +128,22 @@ class BaseAttentionBackend(ABC):
             NotImplementedError: the backend cannot be captured (``supports_cuda_graphs`` False).
         """
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    # ---- the fused C decode layers (engine.model.fused_decode) ---------------------------------
+
+    def serves_fused_decode(self, pool: KVPool, num_heads: int) -> bool:
+        """Whether the fused C decode layers can attend through this backend over ``pool``
+        with ``num_heads`` query heads: a contiguous K/V copy of the decoding rows that they
+        append to and read, and C kernels for the pool's dtype and heads. Known before a step
+        (the step planner asks: ``engine.step_plan``). Default: no."""
+        return False
+
+    def fused_decode_targets(self, meta: Any) -> StepTargets | None:
+        """For a decode-only step's metadata (from :meth:`prepare`), where the fused layers
+        append and read its rows, that step's appends counting as done; None when this step's
+        rows have no such place (the copy did not fit its memory bound): the layers then run
+        one by one. Only called where :meth:`serves_fused_decode` holds. Default: None."""
+        return None
 
 
 def create_attention_backend(name: str = "torch", **options: Any) -> BaseAttentionBackend:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -62,6 +63,23 @@ def reserve_len(seq_len: int, max_seq_len: int | None) -> int:
     if max_seq_len is None:
         return seq_len
     return max(seq_len, min(max_seq_len, seq_len + max(seq_len, RESERVE_AHEAD)))
+
+
+class StepTargets(NamedTuple):
+    """Where a decode-only step's rows live in the cache, for a caller that appends every
+    layer's K/V and reads them itself (the fused decode layers, ``engine.model.fused_decode``).
+
+    Attributes:
+        kt: ``[L, slots, Hkv, D, cap]`` keys, transposed; v: ``[L, slots, Hkv, cap, D]``.
+        slots: ``[M]`` int64 slot of each row; positions: ``[M]`` int64 its new token's
+            position; lens: ``[M]`` int64 its KV length after the step.
+    """
+
+    kt: torch.Tensor
+    v: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    lens: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -288,15 +306,12 @@ class DecodeKVCache:
         self._layers_left -= 1
         return self.kt[layer], self.v[layer], plan.slots, plan.positions
 
-    def append_all_targets(
-        self, plan: DecodePlan
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def append_all_targets(self, plan: DecodePlan) -> StepTargets:
         """:meth:`append_targets` for every layer at once (the fused decode layers write
-        them all): ``(kt [L, slots, Hkv, D, cap], v [L, slots, Hkv, cap, D], slots,
-        positions)``. Counts as every layer's append."""
+        them all), with the rows' lengths. Counts as every layer's append."""
         assert self.kt is not None and self.v is not None
         self._layers_left = 0
-        return self.kt, self.v, plan.slots, plan.positions
+        return StepTargets(self.kt, self.v, plan.slots, plan.positions, plan.lens)
 
     def slot_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``kt [slots, Hkv, D, cap]`` and ``v [slots, Hkv, cap, D]`` of ``layer``, every slot

@@ -18,7 +18,7 @@ from splitserve.engine.attention.decode_attention import (
     decode_bias,
     gather_head_major,
 )
-from splitserve.engine.attention.decode_kv_cache import DecodeKVCache, DecodePlan
+from splitserve.engine.attention.decode_kv_cache import DecodeKVCache, DecodePlan, StepTargets
 from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kernels.cpu.bindings import CpuKernels
 from splitserve.engine.kernels.cpu.build import load_cpu_kernels
@@ -161,7 +161,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
             meta.decode_plan = cache.plan(
                 ids, lens, meta.decode_pages, distinct, max_lens, _joining(batch)
             )
-        if self._kernels_for(pool) is not None:
+        if self.kernels_for(pool) is not None:
             meta.decode_lens = torch.tensor(lens, dtype=torch.long, device=device)
         if meta.decode_plan is None:
             meta.decode_biases = {
@@ -176,7 +176,23 @@ class TorchAttentionBackend(BaseAttentionBackend):
         cache = self.decode_cache
         return 0 if cache is None else cache.nbytes
 
-    def _kernels_for(self, pool: KVPool, num_heads: int | None = None) -> CpuKernels | None:
+    def serves_fused_decode(self, pool: KVPool, num_heads: int) -> bool:
+        """The fused C decode layers read and append this backend's decode cache (so it must be
+        on) and write the pool as its KV append does (bfloat16 or 8-bit, contiguous)."""
+        return (self.use_decode_cache and self.kernels_for(pool, num_heads) is not None
+                and pool.buffer.is_contiguous())
+
+    def fused_decode_targets(self, meta: TorchAttentionMetadata) -> StepTargets | None:
+        """The decode cache's slots for ``meta``'s rows (``DecodeKVCache.append_all_targets``),
+        or None where the cache did not plan the step (off, no sequence ids, over its memory
+        bound) or the step is not decode-only."""
+        plan, cache = meta.decode_plan, self.decode_cache
+        if (not meta.is_decode_only or plan is None or cache is None or cache.kt is None
+                or cache.v is None):
+            return None
+        return cache.append_all_targets(plan)
+
+    def kernels_for(self, pool: KVPool, num_heads: int | None = None) -> CpuKernels | None:
         """The C decode kernel when it serves ``pool`` (CPU, read back in bfloat16, supported
         heads; ``num_heads`` query heads, unchecked when None), else None. Built on the first
         call (about half a second), then cached. Its decode attention reads the decode cache or
@@ -244,7 +260,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
         :meth:`KVPool.write` (8-bit pools: about 6x faster than its torch ops) and
         ``DecodeKVCache.append`` would; False (nothing written) where the C kernels do not
         apply."""
-        kern = self._kernels_for(pool)
+        kern = self.kernels_for(pool)
         if kern is None or k.dtype != pool.dtype or not pool.buffer.is_contiguous():
             return False
         d = k.shape[2]
@@ -304,7 +320,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
         qc = q.to(dtype)
         window = meta.windows[layer]
         plan, cache = meta.decode_plan, self.decode_cache
-        kern = self._kernels_for(pool, q.shape[1])
+        kern = self.kernels_for(pool, q.shape[1])
         if kern is not None and (qc.stride(2) != 1 or qc.stride(1) != qc.shape[2]):
             qc = qc.contiguous()
         if plan is None or cache is None:
@@ -352,7 +368,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
         kernel on CPU bfloat16 (it reads the pool, where ``k``/``v`` already are; an 8-bit
         pool's pages de-quantized as read), else SDPA; ``windows[layer]`` is the layer's
         sliding window."""
-        kern = self._kernels_for(pool, q.shape[1])
+        kern = self.kernels_for(pool, q.shape[1])
         window = windows[layer]
         if (
             kern is not None and kern.has_gemm  # the kernel needs AVX512-BF16, as the tiles do
@@ -435,22 +451,3 @@ def _decode_mask(
         mask &= kpos > seq - 1 - window
     return mask[:, None, None, :]
 
-
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layer: int,
-    batch: ForwardBatch,
-    pool: KVPool,
-    scale: float,
-    sliding_window: SlidingWindows = None,
-) -> torch.Tensor:
-    """One-shot torch paged attention (prepare + forward); see :class:`BaseAttentionBackend`.
-
-    Shapes: ``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``. Models should call
-    ``prepare`` once per batch instead, to share the metadata across layers.
-    """
-    backend = TorchAttentionBackend()
-    meta = backend.prepare(batch, pool, sliding_window)
-    return backend.forward(q, k, v, layer, meta, pool, scale)

@@ -3,8 +3,13 @@ projection of the scored rows), weight packing for the CPU kernels, and the weig
 
 A family file (``llama.py``, ``qwen3.py``, ``gemma3.py``, ``phi3.py``, ``qwen3_moe.py``) builds its
 layers in ``__init__`` and says what differs by overriding the small hooks: :meth:`embed`,
-:meth:`step_ropes`, :meth:`compute_logits`, and :meth:`weight_map` (checkpoint tensor names ->
-where they go). Families are found by ``engine.model.registry``.
+:meth:`step_ropes`, :meth:`compute_logits`, :meth:`fused_decode_layers` (the one-call C decode
+layers, where its layer is theirs) and :meth:`weight_map` (checkpoint tensor names -> where
+they go). Families are found by ``engine.model.registry``.
+
+The path of each step (fused layers or layer by layer, C products or torch's) is the step
+plan's (``engine.step_plan``): the runner passes one to :meth:`DecoderLM.forward`, which plans
+the step itself when called without one.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kernels.cpu.bindings import CpuKernels
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.model.config import ModelConfig
-from splitserve.engine.model.fused_decode import run_fused_decode_layers
+from splitserve.engine.model.fused_decode import FusedDecodeLayers
 from splitserve.engine.model.kernel_plan import ProductPlan
 from splitserve.engine.model.layers import Embedding, GatedMLP, Linear, LMHead, RMSNorm, can_pack
 from splitserve.engine.model.quant_gpu import release
 from splitserve.engine.model.rope import RotaryEmbedding, StepRope
+from splitserve.engine.step_plan import Product, ProductLimits, StepPlan, StepShape, plan_step
 
 # Where one checkpoint tensor goes: (our parameter's name, the index into that parameter's data
 # it fills: a tuple of ints and slices, e.g. ``(slice(q, q + kv),)`` for k's rows of the fused
@@ -41,22 +47,20 @@ class DecoderLM(nn.Module):
     """A decoder-only causal LM over a paged KV pool.
 
     Subclasses set ``embed_tokens``, ``layers`` (each called as ``layer(x, rope, backend, meta,
-    pool)``), ``norm`` and ``lm_head`` (None when tied) in their ``__init__``, then call
+    pool, product)``), ``norm`` and ``lm_head`` (None when tied) in their ``__init__``, then call
     :meth:`_finish_init`.
 
     Args:
         config: parsed model config.
         dtype: parameter and activation dtype (float32 or bfloat16); logits are always float32.
         attn_backend: paged attention implementation; default the torch backend.
-        fused_decode: run small decode-only steps' layers in one C call when the C kernels are
-            packed and the family's layers are the ones that call implements
-            (``supports_fused_decode``); False keeps the per-op path.
+        fused_decode: run small decode-only steps' layers in one C call where the family offers
+            them (:attr:`fused_layers`); False keeps the per-op path. May be switched between
+            steps.
 
     Parameters are uninitialized until :func:`splitserve.engine.model.loader.load_model` fills
     them, which then calls :meth:`pack_weights`.
     """
-
-    supports_fused_decode = False  # the C layer loop (fused_decode.py) is Llama's layer
 
     def __init__(
         self,
@@ -79,17 +83,17 @@ class DecoderLM(nn.Module):
             config.head_dim, config.rope_theta, config.rope_scaling, config.context_len
         )
         # The C kernels once packed (CPU bfloat16): RoPE here, norms and MLPs in their modules,
-        # and (where the family allows) all layers of a small decode-only step in one call
-        # (engine/model/fused_decode.py, which reads the packed weights through an address
-        # table made on first use).
+        # and (where the family offers them) all layers of a small decode-only step in one call
+        # (fused_layers: engine/model/fused_decode.py, built when the weights are packed).
         self.kernels: CpuKernels | None = None
-        self.c_max_rows = 0  # decode steps up to this many rows take the C products
         self.kernel_plan: ProductPlan | None = None
+        # Rows up to which the step planner keeps each group of C products (none until packed).
+        self.product_limits = ProductLimits()
         self.fused_decode = fused_decode
+        self.fused_layers: FusedDecodeLayers | None = None
         # The loaded checkpoint's identity for the KV handshake (engine.model.weight_digest),
         # set by the loader; "" until then.
         self.weights_digest = ""
-        self._fused_layer_ptrs: torch.Tensor | None = None
         self.layers: nn.ModuleList
         self.norm: nn.Module
 
@@ -118,11 +122,18 @@ class DecoderLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack(use_cpu_kernels)
         self.kernels = self.head.pack(use_cpu_kernels)
-        self.c_max_rows = self.kernels.decode_max_rows if self.kernels is not None else 0
-        self._fused_layer_ptrs = None  # the old packed weights are gone
+        # Until a kernel plan lowers them: the C products up to the kernels' limit, for the
+        # layers wherever their projections packed (the head's may not have: a vocab that is
+        # not a multiple of 16).
+        layer_kernels = next((m.kernels for m in self.layers.modules()
+                              if isinstance(m, Linear) and m.kernels is not None), None)
+        self.product_limits = ProductLimits(
+            layer_kernels.decode_max_rows if layer_kernels is not None else 0,
+            self.kernels.decode_max_rows if self.kernels is not None else 0)
         for module in self.modules():
             if isinstance(module, RMSNorm | GatedMLP):
                 module.kernels = self.kernels
+        self.fused_layers = self.fused_decode_layers()  # over the new packed weights
         return True
 
     def quantize_weights(self, scheme: str,
@@ -162,18 +173,26 @@ class DecoderLM(nn.Module):
             release(self.lm_head.weight)  # CUDA: only the Triton kernel's int8 copy serves
 
     def set_product_plan(self, plan: ProductPlan) -> None:
-        """Use the C products for decode steps of at most ``plan.layer_rows`` rows in every
+        """Plan the C products for decode steps of at most ``plan.layer_rows`` rows in every
         layer (and the fused decode path) and ``plan.head_rows`` in the LM head, oneDNN above
-        (``engine.model.kernel_plan``). Needs :meth:`pack_weights` first."""
-        limit = self.kernels.decode_max_rows if self.kernels is not None else 0
+        (``engine.model.kernel_plan``; the step planner, ``engine.step_plan``, applies the
+        limits). Needs :meth:`pack_weights` first."""
         self.kernel_plan = plan
-        self.c_max_rows = min(plan.layer_rows, limit)
-        self.w4_c_rows = plan.w4_layer_rows  # int4: ours up to here, torch's kernel above
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.c_max_rows = self.c_max_rows
-                module.w4_c_rows = plan.w4_layer_rows
-        self.head.c_max_rows = min(plan.head_rows, limit)
+        self.product_limits = plan.limits(
+            self.kernels.decode_max_rows if self.kernels is not None else 0)
+
+    def fuses_decode(self, pool: KVPool) -> bool:
+        """Whether the fused decode layers can take this model's decode steps over ``pool``
+        (a fact for the step planner): switched on (``fused_decode``), offered by the family
+        and packed (:attr:`fused_layers`), and served by the attention backend for ``pool``."""
+        fused = self.fused_layers
+        return self.fused_decode and fused is not None and fused.serves(self.attn_backend, pool)
+
+    def plan_step(self, batch: ForwardBatch, pool: KVPool) -> StepPlan:
+        """The plan of ``batch`` run straight through :meth:`forward` over ``pool`` (no runner:
+        no speculative rows, no CUDA graphs): ``engine.step_plan.plan_step`` on this model's
+        limits and fused layers."""
+        return plan_step(StepShape.of(batch), self.product_limits, self.fuses_decode(pool))
 
     def weight_bytes(self) -> int:
         """Bytes of the parameters plus the packed copies :meth:`pack_weights` made (oneDNN's
@@ -191,6 +210,12 @@ class DecoderLM(nn.Module):
 
     # ---- the hooks a family overrides ----------------------------------------------------------
 
+    def fused_decode_layers(self) -> FusedDecodeLayers | None:
+        """The family's layers as one C call for decode steps, built once the weights are
+        packed (:meth:`pack_weights`), or None: this family's layer is not the one the C loop
+        implements (the Llama family overrides this)."""
+        return None
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids [T]`` int64 -> ``[T, hidden]`` in the model dtype."""
         return self.embed_tokens(input_ids)
@@ -207,9 +232,10 @@ class DecoderLM(nn.Module):
         rope = self.rope.for_step(positions, self.dtype, max_position, self.kernels)
         return [rope] * len(self.layers)
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """``h [N, hidden]`` (final-normed) -> float32 logits ``[N, vocab]``."""
-        return self.head(h)
+    def compute_logits(self, h: torch.Tensor, product: Product) -> torch.Tensor:
+        """``h [N, hidden]`` (final-normed) -> float32 logits ``[N, vocab]``; ``product``: the
+        step plan's for the head."""
+        return self.head(h, product)
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -220,6 +246,7 @@ class DecoderLM(nn.Module):
         pool: KVPool,
         return_hidden: bool = False,
         meta: object | None = None,
+        plan: StepPlan | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one step: extend every sequence's KV in ``pool`` and score ``batch.logit_indices``.
 
@@ -229,22 +256,28 @@ class DecoderLM(nn.Module):
             return_hidden: also return the final-normed hidden states of the scored tokens.
             meta: attention metadata built ahead for ``batch`` (CUDA-graph capture builds it
                 from static buffers: ``engine.runner.cuda_graph``); None builds it here.
+            plan: the step's path (the runner's, ``engine.step_plan``); None plans it here
+                (:meth:`plan_step`).
 
         Returns:
             ``logits [N, vocab]`` float32 for the ``N`` tokens in ``batch.logit_indices``, or
             ``(logits, hidden [N, hidden_size] in model dtype)`` when ``return_hidden``.
         """
+        if plan is None:
+            plan = self.plan_step(batch, pool)
         x = self.embed(batch.input_ids)
         # Positions end at seq_len - 1: the bound check needs no read of the positions tensor.
         max_position = max(batch.seq_lens) - 1 if batch.seq_lens else None
         ropes = self.step_ropes(batch.positions, max_position)
+        backend = self.attn_backend
         if meta is None:
-            meta = self.attn_backend.prepare(batch, pool, self.config.layer_windows)
-        if not (self.fused_decode and run_fused_decode_layers(self, x, meta, pool)):
+            meta = backend.prepare(batch, pool, self.config.layer_windows)
+        fused = self.fused_layers if plan.fused_layers else None
+        if fused is None or not fused.run(x, batch, backend, meta, pool):
             for layer, rope in zip(self.layers, ropes, strict=True):
-                x = layer(x, rope, self.attn_backend, meta, pool)
+                x = layer(x, rope, backend, meta, pool, plan.layers)
         # The norm is per row, so only the scored rows need it (and the vocab projection); a
         # step that scores every row in order needs no gather (a copy of x).
         h = self.norm(x if batch.logits_every_token else x[batch.logit_indices])
-        logits = self.compute_logits(h)
+        logits = self.compute_logits(h, plan.head)
         return (logits, h) if return_hidden else logits

@@ -4,21 +4,30 @@ At 1-3 rows a CPU bfloat16 step is memory-bound matrix work plus ~10 Python-leve
 (modules, ctypes calls, tensor allocations), which were about a quarter of the step at batch 1;
 at batch 32 with the AVX512_BF16 tiles (2 threads) they were ~9% of it.
 This path runs the same kernels in the same order as the per-op path (``llama.py`` with
-``cpu_kernels``), so its results are bit-identical to it; it applies only when every piece it
-replaces would have taken its kernel: see :func:`run_fused_decode_layers`.
+``cpu_kernels``), so its results are bit-identical to it.
+
+A model family whose layer is the one the C loop implements (the Llama family's; Qwen3's q/k
+norms, Gemma 3's norms and GELU, and per-layer windows are not) offers a
+:class:`FusedDecodeLayers` from ``DecoderLM.fused_decode_layers``, built once its weights are
+packed; the others return None. Which steps it takes is the step plan's decision
+(``engine.step_plan``), not this module's.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from splitserve.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from splitserve.engine.attention.base import BaseAttentionBackend
+from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kernels.cpu.bindings import CpuKernels
 from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.layers import Linear
+from splitserve.engine.model.rope import RotaryEmbedding
 
 
-def layer_pointers(model: torch.nn.Module) -> torch.Tensor | None:
+def layer_pointers(layers: nn.ModuleList) -> torch.Tensor | None:
     """``[L * 15]`` int64 addresses of every layer's norm weights and, per projection, its
     packed weight, bias and int8 or int4 scales (0 when absent: a bfloat16 weight), then the
     layer's weight bits (16, 8 or 4: a number), in ``decode_layers.c``'s order; None if a
@@ -26,7 +35,7 @@ def layer_pointers(model: torch.nn.Module) -> torch.Tensor | None:
     by the model (they never move after packing).
     """
     ptrs: list[int] = []
-    for layer in model.layers:  # type: ignore[attr-defined]
+    for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         bits: set[int] = set()
         for item in (
@@ -55,85 +64,80 @@ def layer_pointers(model: torch.nn.Module) -> torch.Tensor | None:
     return torch.tensor(ptrs, dtype=torch.int64)
 
 
-def fuses_decode_rows(model: torch.nn.Module, pool: KVPool, num_rows: int) -> bool:
-    """Whether :func:`run_fused_decode_layers` takes a decode-only step of ``num_rows`` rows
-    over ``pool``, as far as that is known before the step's attention metadata exists (the
-    same checks, kept in step with it): the
-    model's layers are the ones the C loop implements (the Llama family's, which says so with
-    ``supports_fused_decode``; Qwen3's q/k norms, Gemma 3's norms and GELU, and per-layer
-    windows are not), its fused path and C kernels are on, ``num_rows <= model.c_max_rows``
-    (the rows up to which its kernel plan keeps the C products: ``engine.model.kernel_plan``),
-    the torch backend keeps a decode cache for the CPU pool, and the C attention kernel takes
-    the heads and the pool, and the model computes in bfloat16. What remains is the decode
-    cache's plan (it may not fit its memory bound)."""
-    cfg = getattr(model, "config", None)
-    backend = getattr(model, "attn_backend", None)
-    if cfg is None or getattr(model, "kernels", None) is None:
-        return False
-    if getattr(model, "dtype", None) != torch.bfloat16:  # the hidden state's dtype
-        return False
-    if not getattr(model, "fused_decode", False):
-        return False
-    if not getattr(model, "supports_fused_decode", False):
-        return False
-    if not isinstance(backend, TorchAttentionBackend) or not backend.use_decode_cache:
-        return False
-    if len(set(cfg.layer_windows)) > 1:
-        return False  # the C layer loop is Llama's layer, with one window for every layer
-    if num_rows > model.c_max_rows or num_rows > getattr(model, "w4_c_rows", num_rows):
-        return False  # int4 steps where the plan picked torch's int4 kernel: the per-op path
-    if not CpuKernels.supports(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
-        return False
-    # Its KV append writes bfloat16 or 8-bit pages (``kv_quant.c``), as the per-op path's does.
-    return backend._kernels_for(pool, cfg.num_heads) is not None and pool.buffer.is_contiguous()
+class FusedDecodeLayers:
+    """A model's decoder layers as one C call for decode-only steps, over the attention
+    backend's decode cache (:meth:`BaseAttentionBackend.fused_decode_targets`).
 
-
-def run_fused_decode_layers(
-    model: torch.nn.Module, x: torch.Tensor, meta: object, pool: KVPool
-) -> bool:
-    """Run every decoder layer on ``x [T, hidden]`` (bfloat16, updated in place) if the step
-    qualifies: the model's layers are the ones the C loop implements (the Llama family's, which
-    says so with ``supports_fused_decode``; Qwen3's q/k norms, Gemma 3's norms and GELU, and
-    per-layer windows are not), the model's C kernels are on, ``T <= model.c_max_rows`` (the rows
-    up to which its kernel plan keeps the C products: ``engine.model.kernel_plan``), every row
-    decodes, the torch backend's decode cache serves the step and its C attention kernel takes
-    the heads (the model-level checks are :func:`fuses_decode_rows`'s, which the runner also asks
-    before a step's metadata exists).
     Rows of one sequence may share its cache slot (a verify step's drafted positions,
     ``ForwardBatch.as_decode_rows``): each layer appends every row's K/V (``kv_append_*``)
     before any row attends, and each row attends to its slot's keys below its own length only
     (``decode_attention_bf16``), so a row sees its sequence up to its own position, the drafts
     before it included.
-    Returns whether it ran (else nothing was touched and the caller runs the layers).
 
-    Raises:
-        MemoryError / RuntimeError: the C call failed after it may have written (not expected).
+    Args:
+        kernels: the C kernels the weights were packed for.
+        config: the model's config (sizes, ``rms_norm_eps``).
+        rope: the model's RoPE table (float32 cos/sin).
+        ptrs: :func:`layer_pointers` of the model's layers (this object owns the table; the
+            weights it points to stay the model's).
+        window: the sliding window every layer shares (None: none).
     """
-    if not fuses_decode_rows(model, pool, x.shape[0]):
-        return False
-    if not isinstance(meta, TorchAttentionMetadata) or not meta.is_decode_only:
-        return False
-    if len(set(meta.windows)) != 1:
-        return False  # the C layer loop has one window for every layer
-    kernels: CpuKernels = model.kernels  # type: ignore[assignment]
-    plan, cache = meta.decode_plan, model.attn_backend.decode_cache  # type: ignore[union-attr]
-    if plan is None or cache is None or cache.kt is None or cache.v is None:
-        return False
-    if x.dtype != torch.bfloat16 or not x.is_contiguous():
-        return False
-    cfg = model.config  # type: ignore[attr-defined]
-    ptrs = model._fused_layer_ptrs  # type: ignore[attr-defined]
-    if ptrs is None:
-        ptrs = layer_pointers(model)
+
+    def __init__(self, kernels: CpuKernels, config: ModelConfig, rope: RotaryEmbedding,
+                 ptrs: torch.Tensor, window: int | None) -> None:
+        self.kernels = kernels
+        self.config = config
+        self.rope = rope
+        self.ptrs = ptrs
+        self.window = window
+
+    @classmethod
+    def build(cls, layers: nn.ModuleList, config: ModelConfig, kernels: CpuKernels | None,
+              rope: RotaryEmbedding, dtype: torch.dtype) -> FusedDecodeLayers | None:
+        """The fused layers of Llama-family ``layers`` once packed, or None where the C loop
+        cannot run them: no C kernels packed (CUDA, float32, C kernels off), a hidden state
+        other than bfloat16, per-layer windows, heads the C attention does not take, or a
+        projection without a C weight (or a layer mixing int8 and int4)."""
+        if kernels is None or dtype != torch.bfloat16:
+            return None
+        if len(set(config.layer_windows)) != 1:
+            return None  # the C layer loop has one window for every layer
+        if not CpuKernels.supports(config.num_heads, config.num_kv_heads, config.head_dim):
+            return None
+        ptrs = layer_pointers(layers)
         if ptrs is None:
+            return None
+        return cls(kernels, config, rope, ptrs, config.layer_windows[0])
+
+    def serves(self, backend: BaseAttentionBackend, pool: KVPool) -> bool:
+        """Whether ``backend`` gives these layers a decode cache and C attention over ``pool``
+        (a fact for the step planner, ``engine.step_plan``)."""
+        return backend.serves_fused_decode(pool, self.config.num_heads)
+
+    def run(self, x: torch.Tensor, batch: ForwardBatch, backend: BaseAttentionBackend,
+            meta: object, pool: KVPool) -> bool:
+        """Run every decoder layer on ``x [T, hidden]`` (bfloat16, updated in place) for the
+        decode-only ``batch`` the step plan gave them, writing the new K/V to ``pool`` and the
+        decode cache. ``meta``: the backend's metadata for ``batch``.
+
+        Returns:
+            Whether it ran: False (nothing touched; the caller runs the layers) where the
+            decode cache did not take the step (its memory bound) or ``x`` is not a contiguous
+            bfloat16 tensor.
+
+        Raises:
+            RuntimeError: the C call failed after it may have written (not expected).
+        """
+        if x.dtype != torch.bfloat16 or not x.is_contiguous():
             return False
-        model._fused_layer_ptrs = ptrs  # type: ignore[attr-defined]
-    kt, v, slots, positions = cache.append_all_targets(plan)
-    batch = meta.batch
-    rc = kernels.decode_layers(
-        ptrs, x, cfg, model.rope, batch.positions, pool, batch.out_page_ids,  # type: ignore[attr-defined]
-        batch.out_offsets, kt, v, slots, positions, plan.lens, meta.windows[0],
-    )
-    if rc != 0:
-        raise RuntimeError(f"fused decode layers failed (code {rc})")
-    return True
+        targets = backend.fused_decode_targets(meta)
+        if targets is None:
+            return False
+        rc = self.kernels.decode_layers(
+            self.ptrs, x, self.config, self.rope, batch.positions, pool, batch.out_page_ids,
+            batch.out_offsets, targets.kt, targets.v, targets.slots, targets.positions,
+            targets.lens, self.window,
+        )
+        if rc != 0:
+            raise RuntimeError(f"fused decode layers failed (code {rc})")
+        return True

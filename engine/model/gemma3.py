@@ -28,6 +28,7 @@ from splitserve.engine.model.layers import GatedMLP, empty_parameter
 from splitserve.engine.model.llama import LlamaAttention, hf_weight_map
 from splitserve.engine.model.qwen3 import qk_norm_weight_map
 from splitserve.engine.model.rope import RotaryEmbedding, StepRope
+from splitserve.engine.step_plan import Product
 
 
 class GemmaRMSNorm(nn.Module):
@@ -80,10 +81,13 @@ class Gemma3DecoderLayer(nn.Module):
         backend: BaseAttentionBackend,
         meta: object,
         pool: KVPool,
+        product: Product,
     ) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), rope, backend, meta, pool)
+        """``x [T, hidden]`` -> ``[T, hidden]``; ``product``: the step plan's for the layers."""
+        h = self.self_attn(self.input_layernorm(x), rope, backend, meta, pool, product)
         x = x + self.post_attention_layernorm(h)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        mlp = self.mlp(self.pre_feedforward_layernorm(x), product)
+        return x + self.post_feedforward_layernorm(mlp)
 
 
 class Gemma3ForCausalLM(DecoderLM):
@@ -124,8 +128,8 @@ class Gemma3ForCausalLM(DecoderLM):
         local = self.local_rope.for_step(positions, self.dtype, max_position, self.kernels)
         return [glob if w is None else local for w in self.config.layer_windows]
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.head(h)
+    def compute_logits(self, h: torch.Tensor, product: Product) -> torch.Tensor:
+        logits = self.head(h, product)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -7,8 +7,10 @@ at 32 rows). Nothing but a measurement tells which machine one is on, so at star
 times both on the model's own packed weights, at the row counts a decode step can have, and
 keeps the C products for steps of at most :attr:`ProductPlan.layer_rows` rows (the decoder
 layers' products, and the fused one-call decode path, which uses them) and
-:attr:`ProductPlan.head_rows` rows (the vocab projection). The C attention, norms and RoPE
-kernels are used wherever they apply either way: they beat torch on every CPU measured.
+:attr:`ProductPlan.head_rows` rows (the vocab projection): the row limits
+(:meth:`ProductPlan.limits`) by which the step planner, ``engine.step_plan``, picks each step's
+products. The C attention, norms and RoPE kernels are used wherever they apply either way: they
+beat torch on every CPU measured.
 
 The choice is cached per CPU model, CPU flags, torch version, thread count, C library build and
 product shapes under ``$SPLITSERVE_CACHE/kernel_plans/``, so the timing (about a second for the
@@ -48,6 +50,7 @@ import torch
 from splitserve.config import env
 from splitserve.engine.model.layers import Linear, packed_linear
 from splitserve.engine.model.quant_int4 import torch_int4_mm
+from splitserve.engine.step_plan import NO_LIMIT, ProductLimits
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +58,6 @@ logger = logging.getLogger(__name__)
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 REPEATS = 7  # timed calls per (bucket, kernel); the fastest is kept
 KERNEL_CHOICES = ("auto", "c", "torch")  # or a plan file's path
-NO_LIMIT = 1 << 30  # rows: no crossover
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,12 @@ class ProductPlan:
             out.append(f"  {rows:4d} rows int4: layers ours {lc / 1e3:7.2f} ms, torch "
                        f"{lt / 1e3:7.2f} ms")
         return out
+
+    def limits(self, max_rows: int) -> ProductLimits:
+        """The step planner's row limits (``engine.step_plan``) under this plan, where the C
+        products take at most ``max_rows`` rows (the kernels' limit on this CPU)."""
+        return ProductLimits(min(self.layer_rows, max_rows), min(self.head_rows, max_rows),
+                             self.w4_layer_rows)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -188,7 +196,7 @@ def measure(model: torch.nn.Module, max_rows: int) -> ProductPlan:
         lc, lo = (t * num_layers for t in _best_pair_us(layer_c, layer_onednn))
         hc, ho = _best_pair_us(lambda h=h: head.c_product(h),
                                lambda h=h: packed_linear(h, head.packed, None))
-        if int4:  # c_product ran ours (w4_c_rows unset); now ours against torch's int4 kernel
+        if int4:  # c_product ran ours (Product.C); now ours against torch's int4 kernel
 
             def layer_t4(xs=xs) -> None:
                 for m, x in zip(layer, xs):

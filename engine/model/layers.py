@@ -17,6 +17,7 @@ from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.model.quant import Int8Weight, quantize_weight_int8
 from splitserve.engine.model.quant_gpu import gpu_int4, gpu_int8, on_cuda, release
 from splitserve.engine.model.quant_int4 import Int4Weight, quantize_weight_int4, torch_int4_mm
+from splitserve.engine.step_plan import Product
 
 if TYPE_CHECKING:
     from splitserve.engine.kernels.triton.quant_matmul import TritonInt4Weight, TritonInt8Weight
@@ -71,12 +72,13 @@ def _quant_kernels(layer: Linear, use_cpu_kernels: bool) -> CpuKernels | None:
     return int8_kernels(layer.weight, use_cpu_kernels)
 
 
-def _int4_product(layer: Linear, x: torch.Tensor) -> torch.Tensor:
-    """The int4 decode product: ours (``gemm_w4.c``) up to ``w4_c_rows`` rows, torch's CPU
-    int4 kernel above (the kernel plan measures which is faster: ``engine.model.kernel_plan``)."""
+def _int4_product(layer: Linear, x: torch.Tensor, product: Product) -> torch.Tensor:
+    """The int4 decode product: torch's CPU int4 kernel under ``Product.C_TORCH_INT4`` where
+    it packed the weight, else ours (``gemm_w4.c``); the kernel plan measures which is faster
+    at each step size (``engine.model.kernel_plan``) and the step plan applies it."""
     w = layer.int4
     assert w is not None and layer.kernels is not None
-    if x.shape[0] > layer.w4_c_rows and w.torch_packed is not None:
+    if product is Product.C_TORCH_INT4 and w.torch_packed is not None:
         return torch_int4_mm(x, w.torch_packed, w.torch_sz, layer.bias)
     return layer.kernels.linear_w4(x, w.packed, w.scales, layer.bias)
 
@@ -105,13 +107,11 @@ class Linear(nn.Module):
         self.bias = empty_parameter(out_features, dtype=dtype) if bias else None
         self.packed: torch.Tensor | None = None  # set by pack(); not a parameter
         # Set by pack() too: the C kernels for decode steps and the weight in their layout,
-        # used for steps of at most c_max_rows rows (the model's kernel plan sets it).
+        # used for the steps whose plan says Product.C (engine.step_plan).
         self.kernels: CpuKernels | None = None
         self.decode_packed: torch.Tensor | None = None
-        self.c_max_rows = 0
         self.int8: Int8Weight | None = None  # set by quantize_int8(): the C products' weight
         self.int4: Int4Weight | None = None  # set by quantize_int4()
-        self.w4_c_rows = 1 << 30  # int4: our kernel up to here, torch's above (kernel plan)
         # CUDA: the Triton kernels' weight, set by quantize_int8/int4 (engine.model.quant_gpu);
         # every product takes it and the float parameter is released.
         self.gpu_weight: TritonInt8Weight | TritonInt4Weight | None = None
@@ -147,7 +147,6 @@ class Linear(nn.Module):
             self.kernels = _quant_kernels(self, use_cpu_kernels)
         else:
             self.kernels, self.decode_packed = pack_decode(self.weight, use_cpu_kernels)
-        self.c_max_rows = self.kernels.decode_max_rows if self.kernels is not None else 0
 
     def packed_bytes(self) -> int:
         """Bytes of the packed copies (a oneDNN copy counted as the weight's size: its storage
@@ -158,26 +157,27 @@ class Linear(nn.Module):
         return (_bytes(self.weight) if self.packed is not None else 0) + _bytes(
             self.decode_packed) + int8
 
-    def c_product(self, x: torch.Tensor) -> torch.Tensor:
+    def c_product(self, x: torch.Tensor, product: Product = Product.C) -> torch.Tensor:
         """The C decode product on ``x [T, in]`` bfloat16 (``kernels`` set by :meth:`pack`):
-        int8 or int4 weights after :meth:`quantize_int8` / :meth:`quantize_int4`, else the
-        bfloat16 pair layout."""
+        int8 or int4 weights after :meth:`quantize_int8` / :meth:`quantize_int4` (int4: torch's
+        int4 kernel under ``Product.C_TORCH_INT4``), else the bfloat16 pair layout."""
         assert self.kernels is not None
         if self.int4 is not None:
-            return _int4_product(self, x)
+            return _int4_product(self, x, product)
         if self.int8 is not None:
             return self.kernels.linear_w8(x, self.int8.packed, self.int8.scales, self.bias)
         return self.kernels.linear_decode(x, self.decode_packed, self.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, in]`` -> ``[T, out]``."""
+    def forward(self, x: torch.Tensor, product: Product) -> torch.Tensor:
+        """``x [T, in]`` -> ``[T, out]`` by ``product``, the step plan's choice for the
+        decoder layers (``engine.step_plan``): the C products where this module packed their
+        weight, else oneDNN's packed product, else ``F.linear`` (CUDA: the Triton kernel of a
+        quantized weight, whatever ``product`` says)."""
         if self.gpu_weight is not None:
             return self.gpu_weight(x, self.bias)
-        has_c_weight = (self.int8 is not None or self.int4 is not None
-                        or self.decode_packed is not None)
-        if (self.kernels is not None and has_c_weight and x.dim() == 2
-                and x.shape[0] <= self.c_max_rows):
-            return self.c_product(x.contiguous())
+        if product is not Product.TORCH and self.kernels is not None and x.dim() == 2 and (
+                self.int8 is not None or self.int4 is not None or self.decode_packed is not None):
+            return self.c_product(x.contiguous(), product)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -194,7 +194,6 @@ class LMHead:
         self.packed: torch.Tensor | None = None
         self.kernels: CpuKernels | None = None
         self.decode_packed: torch.Tensor | None = None
-        self.c_max_rows = 0
         # Set by quantize_int8, under --quantization int8 and int4 alike (the head stays at 8
         # bits under int4: DecoderLM.quantize_weights).
         self.int8: Int8Weight | None = None
@@ -219,7 +218,6 @@ class LMHead:
             self.kernels = int8_kernels(self.weight, use_cpu_kernels)
         else:
             self.kernels, self.decode_packed = pack_decode(self.weight, use_cpu_kernels)
-        self.c_max_rows = self.kernels.decode_max_rows if self.kernels is not None else 0
         return self.kernels
 
     def packed_bytes(self) -> int:
@@ -237,12 +235,14 @@ class LMHead:
             return self.kernels.linear_w8(h, self.int8.packed, self.int8.scales, None)
         return self.kernels.linear_decode(h, self.decode_packed, None)
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, product: Product) -> torch.Tensor:
+        """``h [N, hidden]`` -> float32 logits ``[N, vocab]`` by ``product``, the step plan's
+        choice for the head (``engine.step_plan``), as :meth:`Linear.forward` takes it."""
         if self.gpu_weight is not None:
             return self.gpu_weight(h).float()
         if h.shape[0] == 0:  # a step of prompt chunks that finish no prompt samples nothing
             return h.new_empty(0, self.weight.shape[0], dtype=torch.float32)
-        if self.kernels is not None and h.shape[0] <= self.c_max_rows:
+        if product is not Product.TORCH and self.kernels is not None:
             return self.c_product(h.contiguous()).float()
         if self.packed is not None:
             return packed_linear(h, self.packed, None).float()
@@ -317,16 +317,16 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias, dtype)
         self.kernels: CpuKernels | None = None  # the C silu-multiply for bfloat16 on CPU
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, hidden]`` -> ``[T, hidden]``."""
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, product: Product) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``; ``product``: the step plan's for the layers."""
+        gate_up = self.gate_up_proj(x, product)
         if (
             self.kernels is not None and self.activation == "silu"
             and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2
         ):
-            return self.down_proj(self.kernels.silu_mul(gate_up.contiguous()))
+            return self.down_proj(self.kernels.silu_mul(gate_up.contiguous()), product)
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(gate) * up, product)
 
 
 class Embedding(nn.Module):

@@ -14,8 +14,10 @@ from splitserve.engine.attention.base import BaseAttentionBackend
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.model.base import DecoderLM, WeightMap, rows
 from splitserve.engine.model.config import ModelConfig
+from splitserve.engine.model.fused_decode import FusedDecodeLayers
 from splitserve.engine.model.layers import GatedMLP, Linear, RMSNorm
 from splitserve.engine.model.rope import StepRope
+from splitserve.engine.step_plan import Product
 
 
 class LlamaAttention(nn.Module):
@@ -49,21 +51,24 @@ class LlamaAttention(nn.Module):
         backend: BaseAttentionBackend,
         meta: object,
         pool: KVPool,
+        product: Product,
     ) -> torch.Tensor:
-        """``x [T, hidden]`` -> ``[T, hidden]``; writes this layer's new K/V into ``pool``."""
+        """``x [T, hidden]`` -> ``[T, hidden]``; writes this layer's new K/V into ``pool``;
+        ``product``: the step plan's for the projections (``engine.step_plan``)."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, product)
         qk = self.rotate(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, self.layer, meta, pool, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.o_proj(o.reshape(t, self.q_size), product)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``.
 
-    ``mlp`` is any module ``[T, hidden] -> [T, hidden]`` (a gated MLP, or Qwen3-MoE's experts).
+    ``mlp`` is any module ``(x [T, hidden], product) -> [T, hidden]`` (a gated MLP, or
+    Qwen3-MoE's experts).
     """
 
     def __init__(
@@ -82,10 +87,12 @@ class LlamaDecoderLayer(nn.Module):
         backend: BaseAttentionBackend,
         meta: object,
         pool: KVPool,
+        product: Product,
     ) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), rope, backend, meta, pool)
+        """``x [T, hidden]`` -> ``[T, hidden]``; ``product``: the step plan's for the layers."""
+        h = self.self_attn(self.input_layernorm(x), rope, backend, meta, pool, product)
         normed, x = self.post_attention_layernorm.add_forward(h, x)  # x + h, then its norm
-        return x + self.mlp(normed)
+        return x + self.mlp(normed, product)
 
 
 def gated_mlp(cfg: ModelConfig, dtype: torch.dtype) -> GatedMLP:
@@ -93,9 +100,8 @@ def gated_mlp(cfg: ModelConfig, dtype: torch.dtype) -> GatedMLP:
 
 
 class LlamaForCausalLM(DecoderLM):
-    """Llama-family causal LM over a paged KV pool (see :class:`DecoderLM` for the arguments)."""
-
-    supports_fused_decode = True
+    """Llama-family causal LM over a paged KV pool (see :class:`DecoderLM` for the arguments).
+    Its layer is the one the fused C decode loop implements (:meth:`fused_decode_layers`)."""
 
     def __init__(
         self,
@@ -112,6 +118,10 @@ class LlamaForCausalLM(DecoderLM):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self._finish_init()
+
+    def fused_decode_layers(self) -> FusedDecodeLayers | None:
+        return FusedDecodeLayers.build(self.layers, self.config, self.kernels, self.rope,
+                                       self.dtype)
 
     @staticmethod
     def weight_map(config: ModelConfig) -> WeightMap:

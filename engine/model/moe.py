@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.model.layers import Linear, empty_parameter
+from splitserve.engine.step_plan import Product
 
 
 class SparseMoE(nn.Module):
@@ -37,16 +38,19 @@ class SparseMoE(nn.Module):
         self.experts_gate_up = empty_parameter(num_experts, 2 * inter, hidden, dtype=dtype)
         self.experts_down = empty_parameter(num_experts, hidden, inter, dtype=dtype)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights [T, k] in x's dtype, experts [T, k] int64)`` of each token."""
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+    def route(self, x: torch.Tensor, product: Product) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k] in x's dtype, experts [T, k] int64)`` of each token; ``product``:
+        the step plan's for the router's projection."""
+        probs = torch.softmax(self.gate(x, product), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.route(x)
+    def forward(self, x: torch.Tensor, product: Product) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``; ``product``: the step plan's for the layers
+        (the router's; the stacked experts are not :class:`Linear` and take ``F.linear``)."""
+        weights, experts = self.route(x, product)
         flat = experts.flatten()  # pair p = token p // k, its (p % k)-th expert
         order = torch.argsort(flat, stable=True)
         token = order // self.top_k

@@ -15,8 +15,8 @@ What a captured step needs (and what this module provides):
   with a split count fixed per captured size, so ``forward`` builds nothing from host lists;
 - the position bound check done on the host before replay (inside the graph it would be skipped).
 
-Only decode-only batches that sample every row and score no prompt run here; anything else runs
-eagerly. ``capture=False`` keeps the static-buffer path but runs it eagerly each step: that is how
+Only decode-only batches that sample every row and score no prompt, within :attr:`limits`, run
+here; anything else runs eagerly (the step planner decides: ``engine.step_plan``). ``capture=False`` keeps the static-buffer path but runs it eagerly each step: that is how
 the padding logic is tested on a CPU (under ``TRITON_INTERPRET=1``).
 """
 
@@ -32,6 +32,7 @@ import torch
 
 from splitserve.engine.forward_batch import ForwardBatch
 from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.step_plan import GraphLimits
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ class DecodeGraphRunner:
         self.sizes = sorted(set(batch_sizes))
         self.context_len = model.config.context_len
         self.width = max_pages_per_seq or -(-self.context_len // pool.page_size)
+        # What the graphs hold, for the step planner (engine.step_plan.plan_step): a batch past
+        # the context length runs eagerly, where the bound check raises.
+        self.limits = GraphLimits(self.sizes[-1], self.width, self.context_len)
         self.device = pool.buffer.device
         self.graphs: dict[int, _Captured] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
@@ -101,23 +105,10 @@ class DecodeGraphRunner:
     def max_batch_size(self) -> int:
         return self.sizes[-1]
 
-    def can_run(self, batch: ForwardBatch, sample_rows: list[int], scored: list[int]) -> bool:
-        """Whether ``batch`` can replay a graph: decode-only, every row sampled in order, no
-        prompt scoring, at most the largest captured size, within the page-table width and the
-        context length (a batch past it runs eagerly, where the bound check raises)."""
-        b = batch.batch_size
-        return (
-            0 < b <= self.sizes[-1]
-            and not scored
-            and batch.is_decode_only
-            and sample_rows == list(range(b))
-            and batch.page_table.shape[1] <= self.width
-            and max(batch.seq_lens) <= self.context_len
-        )
-
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Copy ``batch`` into the smallest captured size that holds it and replay.
+        """Copy ``batch`` (one the step plan replays: ``StepPlan.replay_graph``) into the
+        smallest captured size that holds it and replay.
 
         Returns:
             ``logits [B, vocab]`` float32, a view into the graph's output buffer that the next

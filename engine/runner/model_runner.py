@@ -3,18 +3,20 @@
 The runner reads the requests of a :class:`~splitserve.engine.sched.batch.ScheduledBatch` and
 returns a :class:`~splitserve.engine.sched.batch.ModelOutput`; it changes no request (the
 scheduler's ``update`` does), and it owns the model, the pool's tensors, the sampler, the
-grammar mask and the CUDA graphs.
+grammar mask and the CUDA graphs. Each step's path (verify rows as decode rows, a CUDA graph,
+the fused layers, which products) is planned once (:meth:`ModelRunner.plan_step`,
+``engine.step_plan``) and then executed.
 """
 
 from __future__ import annotations
 
 import torch
 
-from splitserve.engine.forward_batch import build_forward_batch
+from splitserve.engine.forward_batch import ForwardBatch, build_forward_batch
 from splitserve.engine.grammar.batch_mask import BatchMask
 from splitserve.engine.grammar.mask_thread import MaskFillThread
 from splitserve.engine.kv_pool import KVPool
-from splitserve.engine.model.fused_decode import fuses_decode_rows
+from splitserve.engine.model.base import DecoderLM
 from splitserve.engine.runner.cuda_graph import DecodeGraphRunner
 from splitserve.engine.runner.logprobs import raw_logprobs, top_alternatives
 from splitserve.engine.runner.penalties import needs_processing, process_logits
@@ -22,14 +24,15 @@ from splitserve.engine.runner.sampling import Sampler, make_generator
 from splitserve.engine.runner.verify import verify_drafts
 from splitserve.engine.sched.batch import ModelOutput, ScheduledBatch
 from splitserve.engine.sched.request import Req
+from splitserve.engine.step_plan import StepPlan, StepShape, plan_step
 
 
 class ModelRunner:
     """Owns the model, the KV pool and the sampler of one worker.
 
     Args:
-        model: a model whose ``forward(batch, pool)`` returns float32 logits ``[N, vocab]`` at
-            ``batch.logit_indices`` (``engine.model.llama``).
+        model: the model (``engine.model.base.DecoderLM``): ``forward(batch, pool, plan=...)``
+            returns float32 logits ``[N, vocab]`` at ``batch.logit_indices``.
         pool: the worker's KV pool.
         device: device of the model and pool.
         vocab_size: the model's logits width; needed only when requests carry grammars.
@@ -37,12 +40,9 @@ class ModelRunner:
             forward pass runs (see ``grammar.mask_thread`` for why that is safe); False fills
             them on the calling thread before the forward pass. Same tokens either way; may be
             switched between steps.
-        decode_graphs: replays decode-only steps it can run (``engine.cuda_graph``); None runs
-            every step eagerly.
+        decode_graphs: replays the decode-only steps the step plan gives it
+            (``engine.runner.cuda_graph``); None runs every step eagerly.
         eos_token_ids: the model's EOS ids, which ``min_tokens`` masks (``runner.penalties``).
-        verify_as_decode_rows: run a speculative verify step as one decode row per drafted
-            position where the fused decode layers take it (:meth:`_verify_as_decode_rows`);
-            False keeps every verify step on the extend path.
 
     The logits of the sampled rows go through, in this order: raw logprobs (of the model's
     distribution, ``runner.logprobs``) -> penalties, ``logit_bias``, ``min_tokens``
@@ -52,7 +52,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: DecoderLM,
         pool: KVPool,
         device: str = "cpu",
         vocab_size: int = 0,
@@ -60,7 +60,6 @@ class ModelRunner:
         decode_graphs: DecodeGraphRunner | None = None,
         use_cpu_kernels: bool = True,
         eos_token_ids: list[int] | tuple[int, ...] = (),
-        verify_as_decode_rows: bool = True,
     ) -> None:
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -72,7 +71,6 @@ class ModelRunner:
         self.grammar_mask: BatchMask | None = None  # made at the first constrained step
         self.mask_thread = MaskFillThread()
         self.decode_graphs = decode_graphs
-        self.verify_as_decode_rows = verify_as_decode_rows
 
     def close(self) -> None:
         """Stop the grammar mask thread (if it was ever started)."""
@@ -121,13 +119,14 @@ class ModelRunner:
                 logit_counts=counts if drafts else None,
                 max_seq_lens=step.max_seq_lens or None,
             )
-            if drafts and self._verify_as_decode_rows(step):
+            plan = self.plan_step(step, batch)
+            if plan.as_decode_rows:
                 batch = batch.as_decode_rows()
-            graphs = self.decode_graphs
-            if graphs is not None and graphs.can_run(batch, sample_rows, scored):
-                logits = graphs.run(batch)
+            if plan.replay_graph:
+                assert self.decode_graphs is not None
+                logits = self.decode_graphs.run(batch)
             else:
-                logits = self.model(batch, self.pool)
+                logits = self.model(batch, self.pool, plan=plan)
             num_sampled = sum(counts)
             if scored:
                 # Rows after the sampled ones score every position of the scored chunks, in order.
@@ -151,27 +150,24 @@ class ModelRunner:
             self._sample(logits, picked, mask, mask_rows, out)
         return out
 
-    def _verify_as_decode_rows(self, step: ScheduledBatch) -> bool:
-        """Whether this step, which verifies drafts, runs as one decode row per drafted
-        position (``ForwardBatch.as_decode_rows``) instead of as extends: the one place that
-        decides it.
+    def plan_step(self, step: ScheduledBatch, batch: ForwardBatch) -> StepPlan:
+        """The path of ``step`` (built as ``batch``): ``engine.step_plan.plan_step`` over its
+        shape, the model's kernel-plan limits and fused layers on this pool, and the captured
+        CUDA graphs.
 
-        A verify step is then one call of the fused C decode layers (``fused_decode``), which
-        appends every row's K/V before any row attends, so each row sees its sequence up to its
-        own position; as an extend it takes the general path (extend attention over the pool,
-        per-op layers), about twice a fused decode step of as many rows. Only where the fused
-        layers take the step: every row decodes (a prompt chunk, a jump-forward run or prompt
-        logprobs keep the step an extend anyway) and :func:`fuses_decode_rows` holds for its
-        rows. Elsewhere the per-op decode path would serve it (C kernels off, CUDA and its
-        graphs, per-layer windows, shapes the C path refuses), whose torch products cannot
-        scatter rows that share a cache slot (a slow per-row copy serves them): the extend
-        path stays there."""
-        if not self.verify_as_decode_rows or step.scored_rows:
-            return False
-        drafts = step.drafts
-        if any(n != 1 + len(drafts.get(i, ())) for i, n in enumerate(step.chunk_lens)):
-            return False
-        return fuses_decode_rows(self.model, self.pool, step.num_tokens)
+        A verify step (every row a decoding sequence's missing token plus its draft, no prompt
+        logprobs; a prompt chunk or a jump-forward run keeps it an extend) may run as one decode
+        row per drafted position: one call of the fused C decode layers, which append every
+        row's K/V before any row attends, so each row sees its sequence up to its own position;
+        as an extend it takes the general path (extend attention over the pool, per-op
+        layers), about twice a fused decode step of as many rows."""
+        drafts, scored = step.drafts, step.scored_rows
+        verifies = bool(drafts) and not scored and all(
+            n == 1 + len(drafts.get(i, ())) for i, n in enumerate(step.chunk_lens))
+        shape = StepShape.of(batch, step.sample_rows, scored, verifies)
+        graphs, model = self.decode_graphs, self.model
+        return plan_step(shape, model.product_limits, model.fuses_decode(self.pool),
+                         None if graphs is None else graphs.limits)
 
     def _sample(
         self,

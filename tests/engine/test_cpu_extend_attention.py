@@ -137,7 +137,7 @@ def test_backend_takes_the_kernel_for_bfloat16_extends() -> None:
     calls = []
     backend = TorchAttentionBackend()
     meta = backend.prepare(batch, pool, None)
-    kern = backend._kernels_for(pool, hkv * group)
+    kern = backend.kernels_for(pool, hkv * group)
     assert kern is not None
     original = kern.extend_attention
 

@@ -11,6 +11,7 @@ import torch
 
 from splitserve.engine.kernels.cpu.bindings import SKINNY_MAX_ROWS, CpuKernels
 from splitserve.engine.model.layers import Linear, can_pack
+from splitserve.engine.step_plan import product_for
 from tests.cpu_kernels import load_or_fail
 
 kernels = load_or_fail()
@@ -179,12 +180,12 @@ def test_linear_uses_the_decode_kernels_only_for_decode_steps() -> None:
     lin.bias.data.copy_(torch.randn(96))
     lin.pack()
     assert lin.decode_packed is not None and lin.packed is not None and kernels is not None
-    top = lin.c_max_rows  # the tiles' limit until a kernel plan lowers it
+    top = lin.kernels.decode_max_rows  # the tiles' limit until a kernel plan lowers it
     assert top == kernels.decode_max_rows
     for rows in sorted({1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 32, top, top + 1}):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         onednn = torch.nn.functional.linear(x, lin.weight, lin.bias)
-        out = lin(x)
+        out = lin(x, product_for(rows, top))  # the step planner's choice for the layers
         if rows > top:
             assert torch.equal(out, onednn)
         else:

@@ -19,6 +19,7 @@ from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.kv_pool import KVPool, pages_for
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.runner.cuda_graph import DecodeGraphRunner
+from splitserve.engine.step_plan import ProductLimits, StepShape, plan_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,6 +62,13 @@ def _decode_batch(lens: list[int], pages: list[list[int]], seed: int):
     )
 
 
+def _replays(runner: DecodeGraphRunner, batch, sample_rows: list[int], scored: list[int]) -> bool:
+    """Whether the step plan replays ``batch`` in ``runner``'s graphs (the model runner's
+    question, on a device with no C products)."""
+    shape = StepShape.of(batch, sample_rows, scored)
+    return plan_step(shape, ProductLimits(), False, runner.limits).replay_graph
+
+
 # (rows, then fewer rows in the same captured size: 1, 4, 8, 8)
 @pytest.mark.parametrize("num_seqs, fewer", [(1, 1), (4, 3), (7, 5), (8, 5)])
 def test_graph_decode_equals_eager(model, num_seqs: int, fewer: int) -> None:
@@ -86,7 +94,7 @@ def test_graph_decode_equals_eager(model, num_seqs: int, fewer: int) -> None:
             for p in (q for row in pages[rows:] for q in row):
                 pool.buffer[p].normal_()
             batch = _decode_batch([n + step for n in lens[:rows]], pages[:rows], seed=step)
-            assert runner.can_run(batch, list(range(rows)), [])
+            assert _replays(runner, batch, list(range(rows)), [])
             eager = model(batch, pool).cpu()
             after_eager = pool.buffer[1:].clone()  # page 0 is scratch: padding rows write there
             graph = runner.run(batch).cpu()
@@ -101,12 +109,12 @@ def test_graph_runner_refuses_what_it_cannot_replay(model) -> None:
     pool = KVPool(config.kv_layout(PAGE_SIZE, "float32"), 64, DEVICE)
     runner = DecodeGraphRunner(model, pool, (1, 2), capture=DEVICE == "cuda")
     two = _decode_batch([5, 7], [[1, 2], [3, 4]], seed=0)
-    assert runner.can_run(two, [0, 1], [])
-    assert not runner.can_run(two, [1], [])  # not every row sampled
-    assert not runner.can_run(two, [0, 1], [0])  # prompt logprobs wanted
+    assert _replays(runner, two, [0, 1], [])
+    assert not _replays(runner, two, [1], [])  # not every row sampled
+    assert not _replays(runner, two, [0, 1], [0])  # prompt logprobs wanted
     three = _decode_batch([5, 7, 2], [[1, 2], [3, 4], [5]], seed=0)
-    assert not runner.can_run(three, [0, 1, 2], [])  # larger than any captured size
+    assert not _replays(runner, three, [0, 1, 2], [])  # larger than any captured size
     extend = build_forward_batch([[1, 2]], [3], [[1, 2]], PAGE_SIZE, [0], DEVICE)
-    assert not runner.can_run(extend, [0], [])  # not decode-only
+    assert not _replays(runner, extend, [0], [])  # not decode-only
     past = _decode_batch([config.context_len + 1], [list(range(1, 18))], seed=0)
-    assert not runner.can_run(past, [0], [])  # the eager path raises the context error
+    assert not _replays(runner, past, [0], [])  # the eager path raises the context error

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(load_or_fail() is None, reason="no C compiler")
 def test_fused_decode_layers_equal_the_per_op_path(
     model_path, monkeypatch, num_reqs, quantization
 ) -> None:
-    from splitserve.engine.model import fused_decode as decode_layers
+    from splitserve.engine.model.fused_decode import FusedDecodeLayers
     from splitserve.engine.model.loader import load_model
     from splitserve.engine.sched.request import Req
     from splitserve.ipc.messages import SamplingParams
@@ -32,14 +32,14 @@ def test_fused_decode_layers_equal_the_per_op_path(
     engine = EngineConfig(kernels="c", quantization=quantization)
     model, cfg = load_model(model_path, dtype=torch.bfloat16, engine=engine)
     calls = {"ran": 0}
-    real = decode_layers.run_fused_decode_layers
+    real = FusedDecodeLayers.run
 
-    def counting(*args, **kwargs):
-        ran = real(*args, **kwargs)
+    def counting(self, *args, **kwargs):
+        ran = real(self, *args, **kwargs)
         calls["ran"] += ran
         return ran
 
-    monkeypatch.setattr("splitserve.engine.model.base.run_fused_decode_layers", counting)
+    monkeypatch.setattr(FusedDecodeLayers, "run", counting)
 
     def run(fused: bool) -> list[tuple[list[int], list[float]]]:
         model.fused_decode = fused

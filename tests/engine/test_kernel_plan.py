@@ -13,6 +13,7 @@ from splitserve.engine.model import kernel_plan
 from splitserve.engine.model.kernel_plan import ProductPlan, choose_product_plan, crossover
 from splitserve.engine.model.layers import Linear, can_pack, packed_linear
 from splitserve.engine.sched.request import Req
+from splitserve.engine.step_plan import StepShape, plan_step
 from splitserve.ipc.messages import SamplingParams
 from tests.cpu_kernels import load_or_fail
 from tests.engine_core import make_core
@@ -53,12 +54,13 @@ def test_plan_decides_which_kernel_serves_each_step_size() -> None:
     lin.weight.data.copy_(torch.randn(96, 64))
     lin.bias.data.copy_(torch.randn(96))
     lin.pack()
-    lin.c_max_rows = 4
+    limits = ProductPlan(4, 4, "C up to 4 rows").limits(kernels.decode_max_rows)
     for rows in (1, 4, 5, 32):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         want = (kernels.linear_decode(x, lin.decode_packed, lin.bias) if rows <= 4
                 else packed_linear(x, lin.packed, lin.bias))
-        assert torch.equal(lin(x), want), rows
+        product = plan_step(StepShape(rows, rows, rows, decode_only=True), limits, False).layers
+        assert torch.equal(lin(x, product), want), rows
 
 
 @pytest.fixture(scope="module")

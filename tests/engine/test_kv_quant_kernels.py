@@ -83,18 +83,18 @@ def test_decode_steps_over_8bit_pool_equal_across_paths(model_path, monkeypatch,
     from splitserve.engine.attention.torch_backend import TorchAttentionBackend
     from splitserve.engine.forward_batch import build_forward_batch
     from splitserve.engine.kv_pool import KVPool, pages_for
-    from splitserve.engine.model import fused_decode
+    from splitserve.engine.model.fused_decode import FusedDecodeLayers
     from splitserve.engine.model.loader import load_model
 
     model, cfg = load_model(model_path, torch.bfloat16, engine=EngineConfig(kernels="c"))
     counts = {"fused": 0, "c_append": 0}
     real_fused, real_append = (
-        fused_decode.run_fused_decode_layers,
+        FusedDecodeLayers.run,
         TorchAttentionBackend._append_with_kernel,
     )
 
-    def fused(*args, **kwargs):
-        ran = real_fused(*args, **kwargs)
+    def fused(self, *args, **kwargs):
+        ran = real_fused(self, *args, **kwargs)
         counts["fused"] += ran
         return ran
 
@@ -105,7 +105,7 @@ def test_decode_steps_over_8bit_pool_equal_across_paths(model_path, monkeypatch,
         counts["c_append"] += ran
         return ran
 
-    monkeypatch.setattr("splitserve.engine.model.base.run_fused_decode_layers", fused)
+    monkeypatch.setattr(FusedDecodeLayers, "run", fused)
     monkeypatch.setattr(TorchAttentionBackend, "_append_with_kernel", append)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (9, 30, 17)]

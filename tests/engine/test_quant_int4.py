@@ -24,6 +24,7 @@ from splitserve.engine.model.quant_int4 import (
     torch_int4_weight,
     unpack_int4,
 )
+from splitserve.engine.step_plan import product_for
 from tests.cpu_kernels import load_or_fail
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -152,7 +153,8 @@ def test_torch_int4_within_bound_of_its_dequantized_reference(m, n, k, bias) -> 
 @pytest.mark.parametrize(("m", "n", "k", "bias"), SHAPES[::2])
 def test_linear_dispatch_within_bound_for_each_kernel_forced(m, n, k, bias) -> None:
     """A quantized ``Linear``, each of its three paths forced: ours and torch's int4 kernel
-    (``w4_c_rows``), oneDNN on the de-quantized bfloat16 weight (``c_max_rows = 0``)."""
+    (``Product.C`` and ``C_TORCH_INT4``), oneDNN on the de-quantized bfloat16 weight
+    (``Product.TORCH``)."""
     x, _, b, w = _case(m, n, k, bias, 7 * m + n)
     lin = Linear(k, n, bias, torch.bfloat16)
     with torch.no_grad():
@@ -172,8 +174,7 @@ def test_linear_dispatch_within_bound_for_each_kernel_forced(m, n, k, bias) -> N
         if lin.int4.torch_packed is not None:
             paths["torch int4"] = (128, 0)
     for name, (c_rows, w4_rows) in paths.items():
-        lin.c_max_rows, lin.w4_c_rows = c_rows, w4_rows
-        got = lin(x)
+        got = lin(x, product_for(x.shape[0], c_rows, w4_rows))  # the step planner's choice
         if name == "torch int4":  # its own weight (bfloat16 scales) is the reference
             w_t = torch_int4_weight(*usm)
             ref_t = _ref(x, w_t, b)

@@ -270,18 +270,28 @@ def bf16_model(model_path):
 
 
 def _spy_fused(monkeypatch) -> list[tuple[bool, list[int]]]:
-    """Record each call of the fused decode layers: (ran, the step's sequence ids)."""
-    from splitserve.engine.model import fused_decode
+    """Record each forward pass of the model: (whether the fused decode layers ran, the step's
+    sequence ids)."""
+    from splitserve.engine.model.base import DecoderLM
+    from splitserve.engine.model.fused_decode import FusedDecodeLayers
 
     calls: list[tuple[bool, list[int]]] = []
-    real = fused_decode.run_fused_decode_layers
+    runs = [0]
+    real_run, real_forward = FusedDecodeLayers.run, DecoderLM.forward
 
-    def spy(model, x, meta, pool):
-        ran = real(model, x, meta, pool)
-        calls.append((ran, list(meta.batch.seq_ids or [])))
+    def run(self, *args, **kwargs):
+        ran = real_run(self, *args, **kwargs)
+        runs[0] += ran
         return ran
 
-    monkeypatch.setattr("splitserve.engine.model.base.run_fused_decode_layers", spy)
+    def forward(self, batch, *args, **kwargs):
+        before = runs[0]
+        out = real_forward(self, batch, *args, **kwargs)
+        calls.append((runs[0] > before, list(batch.seq_ids or [])))
+        return out
+
+    monkeypatch.setattr(FusedDecodeLayers, "run", run)
+    monkeypatch.setattr(DecoderLM, "forward", forward)
     return calls
 
 
@@ -361,8 +371,7 @@ def test_bf16_verify_steps_take_the_fused_path_without_recopies(bf16_model, toke
     def run(**engine):
         net.attn_backend.decode_cache = None
         pool = KVPool(cfg.kv_layout(16, "bfloat16"), 64)
-        core = make_core(net, pool, cfg.eos_token_ids, runner={"verify_as_decode_rows": True},
-                         **engine)
+        core = make_core(net, pool, cfg.eos_token_ids, **engine)
         req = Req(rid="b", input_ids=prompt, sampling=params)
         return _run_alone(core, req, pool), core.scheduler
 

@@ -12,6 +12,7 @@ from splitserve.engine.attention.torch_backend import TorchAttentionBackend
 from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.kv_pool import KVLayout, KVPool, pages_for
 from splitserve.engine.model.layers import Linear, can_pack
+from splitserve.engine.step_plan import Product
 
 PAGE = 4
 
@@ -66,10 +67,10 @@ def test_packed_linear_is_bit_identical(bias) -> None:
         lin.bias.data.copy_(torch.randn(80))
     for rows in (1, 7, 32, 300):
         x = torch.randn(rows, 48).to(torch.bfloat16)
-        plain = lin(x)
+        plain = lin(x, Product.C)  # no C weight (unpacked, then dropped): never the C product
         lin.pack()
         assert lin.packed is not None
         lin.decode_packed = None  # the C decode kernels sum in another order: test_cpu_kernels.py
-        assert torch.equal(lin(x), plain)
+        assert torch.equal(lin(x, Product.C), plain)
         assert torch.equal(plain, F.linear(x, lin.weight, lin.bias))
         lin.packed = None

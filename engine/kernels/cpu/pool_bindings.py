@@ -170,10 +170,11 @@ class PoolKernels:
         window: int | None,
     ) -> int:
         """Every decoder layer of a decode-only step in one call (``decode_layers.c``); the
-        caller (:mod:`splitserve.engine.model.fused_decode`) checks that it applies.
+        caller (:mod:`splitserve.engine.model.fused_decode`) runs it where the step plan says it
+        applies (``engine.step_plan``).
 
         Args:
-            ptrs: ``[L * 15]`` int64 per-layer weight addresses (``decode_layers.layer_pointers``).
+            ptrs: ``[L * 15]`` int64 per-layer weight addresses (``fused_decode.layer_pointers``).
             x: ``[M, hidden]`` bfloat16 contiguous hidden states, updated in place.
             cfg: the ``ModelConfig`` (sizes, ``rms_norm_eps``).
             rope: the model's ``RotaryEmbedding`` (float32 tables).
