@@ -17,10 +17,19 @@ looks at the environment: it gets its switches from :class:`splitserve.config.En
                                 models, compiled C kernels
 ``CC``                           the C compiler that builds the CPU kernels (default: ``cc``,
                                 else ``gcc``, on ``PATH``)
+``TRITON_INTERPRET``            Triton's own (``1``: its kernels run in its CPU interpreter,
+                                decided when a kernel is decorated); read here so the Triton
+                                attention backend does float32 arithmetic, which the interpreter
+                                needs
 =============================== ================================================================
 
 Process plumbing between the launcher and its children (not configuration) also lives here:
-``SPLITSERVE_CPU_AFFINITY`` and ``SPLITSERVE_DIE_WITH_PARENT``.
+``SPLITSERVE_CPU_AFFINITY`` and ``SPLITSERVE_DIE_WITH_PARENT``; and the default given to a
+library's own variable before it loads (``UCX_MODULES`` for NIXL's UCX, :func:`set_default`).
+
+Elsewhere the package never reads the environment (``tests/test_environment_reads.py``): it may
+only hand the whole of it to a child process as the base of the child's environment, and set a
+variable (``os.environ[NAME] = value``) for a library or a child to read.
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ CACHE = "SPLITSERVE_CACHE"
 CPU_AFFINITY = "SPLITSERVE_CPU_AFFINITY"  # "0,1": CPUs a child pins itself to at start-up
 DIE_WITH_PARENT = "SPLITSERVE_DIE_WITH_PARENT"  # "1": a child exits when its launcher dies
 CC = "CC"  # the C compiler (engine.kernels.cpu.build)
+TRITON_INTERPRET = "TRITON_INTERPRET"  # Triton's CPU interpreter (engine.attention.triton)
+UCX_MODULES = "UCX_MODULES"  # UCX's modules to load (NIXL's transport, kv_transfer.nixl_backend)
 
 
 def text(name: str, default: str) -> str:
@@ -72,3 +83,15 @@ def cpu_affinity() -> list[int] | None:
 
 def die_with_parent() -> bool:
     return os.environ.get(DIE_WITH_PARENT) == "1"
+
+
+def triton_interpret() -> bool:
+    """True when ``$TRITON_INTERPRET`` is ``1``: Triton runs its kernels in its CPU interpreter
+    (Triton reads the variable itself; this says what it decided)."""
+    return os.environ.get(TRITON_INTERPRET) == "1"
+
+
+def set_default(name: str, value: str) -> None:
+    """Set ``$name`` to ``value`` unless it is set already: the default of a variable that a
+    library reads itself, given before the library loads (a value the user set wins)."""
+    os.environ.setdefault(name, value)

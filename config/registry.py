@@ -76,7 +76,7 @@ ROUTING = Registry("routing policy", {
     "cache_aware": "splitserve.server.routing:CacheAwarePolicy",
     "round_robin": "splitserve.server.routing:RoundRobinPolicy",
 })
-# The order is the chain's default order (engine/grammar/chain.py): soundness first, then compile
+# The order is the chain's default order (constraints/chain.py): soundness first, then compile
 # and mask time, as measured by tests/grammar/test_grammar_conformance.py and bench/grammar.py.
 GRAMMAR_BACKEND = Registry("grammar backend", {
     "llguidance": "splitserve.engine.grammar.llguidance_backend:LLGuidanceBackend",

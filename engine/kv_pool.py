@@ -2,7 +2,7 @@
 
 Layout is page-major, ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``, so one
 page (all layers' K and V for ``page_size`` tokens) is one contiguous block of memory: the unit
-that KV transfer moves (DESIGN.md, "KV transfer") can be sent as a raw frame without gathering.
+that KV transfer moves (docs/design.md, "KV transfer") can be sent as a raw frame without gathering.
 Page 0 is reserved as a scratch page: padded page-table entries point at it, so gathers over a
 padded page table never index out of range. It is never handed out.
 

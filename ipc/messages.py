@@ -34,7 +34,7 @@ class FailureKind(enum.StrEnum):
 
 
 class Constraint(msgspec.Struct, frozen=True):
-    """A grammar the output must match (DESIGN.md, "Structured generation").
+    """A grammar the output must match (docs/design.md, "Structured generation").
 
     ``kind`` is one of ``engine.grammar.GRAMMAR_KINDS``: ``json_schema`` (``text`` is the schema
     as JSON), ``json_object`` (``text`` ignored), ``regex``, ``ebnf`` (a GBNF grammar with a

@@ -1,6 +1,6 @@
 """The KV transfer interface: how a prefill worker ships a request's pages to a decode worker.
 
-The control flow (DESIGN.md, "KV transfer") is the same for every backend: the decode worker
+The control flow (docs/design.md, "KV transfer") is the same for every backend: the decode worker
 reserves pages and sends a ``KVBootstrap`` naming them (and, in ``endpoint``, whatever the backend
 needs to reach its pool: a shared-memory segment, a registered memory address); the prefill
 worker calls :meth:`BaseKVSender.send` once per computed chunk of the prompt (``last=False``) and

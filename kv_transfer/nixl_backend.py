@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from splitserve.config import env
 from splitserve.engine.kv_pool import KVPool
 from splitserve.ipc.frames import Frames, as_frames
 from splitserve.ipc.messages import KVBootstrap, KVPages
@@ -73,7 +74,7 @@ def _start_agent(role: str, pool: KVPool):
         # No RDMA device: keep UCX from loading its ib modules. NIXL 1.5.1's wheel bundles a
         # libnl-route that they link, and its destructor segfaulted every process that had
         # started a UCX agent, at exit (measured here; exit status 139).
-        os.environ.setdefault("UCX_MODULES", "^ib")
+        env.set_default(env.UCX_MODULES, "^ib")
     name = f"splitserve-{role}-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))

@@ -1,6 +1,6 @@
 """The prefill<->decode KV handoff as one explicit state machine per request and side.
 
-DESIGN.md ("KV transfer") names a transfer's states (bootstrapping -> waiting_for_pages ->
+docs/design.md ("KV transfer") names a transfer's states (bootstrapping -> waiting_for_pages ->
 transferring -> done | failed), gives every state a timeout and lets ``failed`` always win.
 Each worker keeps one session per request it hands over or receives: a
 :class:`~splitserve.kv_transfer.send_session.SendSession` on the prefill side, a

@@ -18,8 +18,10 @@ import heapq
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from splitserve.engine.kv_pool import PageAllocator
+if TYPE_CHECKING:  # a type only: the API server's router builds trees with no allocator, no torch
+    from splitserve.engine.kv_pool import PageAllocator
 
 Namespace = str | None
 

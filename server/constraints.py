@@ -2,7 +2,7 @@
 
 The grammar itself is checked where it is compiled (the workers, off their loops); a constraint
 that does not compile comes back from there as a 400 naming the problem. The one check made here
-is ``strict: true`` against the measured keyword limits of every backend (``engine.grammar.
+is ``strict: true`` against the measured keyword limits of every backend (``constraints.
 schema_limits``): when no backend enforces the whole schema, a 400 naming each keyword and its
 JSON pointer, before any work.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from splitserve.config.registry import GRAMMAR_BACKEND
-from splitserve.engine.grammar.chain import ChainPlan, plan_chain
+from splitserve.constraints.chain import ChainPlan, plan_chain
 from splitserve.ipc.messages import Constraint
 from splitserve.server.errors import APIError
 from splitserve.server.protocol import BaseGenerateRequest

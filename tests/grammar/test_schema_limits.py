@@ -17,13 +17,13 @@ import pytest
 from grammar_cases import compact_json, matcher_accepts
 from keyword_probes import PROBES
 
-from splitserve.engine.grammar import BaseGrammarBackend, GrammarError
-from splitserve.engine.grammar.chain import plan_chain
-from splitserve.engine.grammar.schema_limits import (
+from splitserve.constraints.chain import plan_chain
+from splitserve.constraints.schema_limits import (
     BACKEND_LIMITS,
     features,
     ignored_keywords,
 )
+from splitserve.engine.grammar import BaseGrammarBackend, GrammarError
 from splitserve.server.constraints import constraint_from_request
 from splitserve.server.errors import APIError
 from splitserve.server.protocol import ChatCompletionRequest

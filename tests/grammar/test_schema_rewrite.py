@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 from grammar_cases import load_maskbench_cases, load_suite_cases
 
-from splitserve.engine.grammar.chain import plan_chain
-from splitserve.engine.grammar.schema_rewrite import exact_rewrite, exact_rewrite_text
+from splitserve.constraints.chain import plan_chain
+from splitserve.constraints.schema_rewrite import exact_rewrite, exact_rewrite_text
 
 BACKENDS = ["llguidance", "xgrammar", "outlines"]
 DRAFT7 = "http://json-schema.org/draft-07/schema#"

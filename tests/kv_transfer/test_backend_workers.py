@@ -34,13 +34,6 @@ from tests.kv_transfer.workers import (
 )
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
 @pytest.fixture(scope="module")
 def colocated_tokens(model_path: Path) -> list[int]:
     c = zmq.Context()

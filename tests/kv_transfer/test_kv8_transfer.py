@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-import zmq
 
 from splitserve.engine.kv_pool import KVLayout, KVPool
 from splitserve.ipc.messages import KVBootstrap, KVPages
@@ -18,13 +17,6 @@ from splitserve.kv_transfer.shm_backend import ShmKVReceiver, ShmKVSender, creat
 from splitserve.kv_transfer.zmq_backend import ZmqKVReceiver, ZmqKVSender
 
 KINDS = ["int8", "fp8_e4m3"]
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 def _recv_one(inbox: Inbox, timeout_s: float = 5.0):

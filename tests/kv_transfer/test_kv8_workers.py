@@ -12,7 +12,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-import zmq
 
 from splitserve.engine import kv_pool
 from splitserve.ipc.messages import GenerateTask, RequestError, SamplingParams, TokenBatch
@@ -25,13 +24,6 @@ from tests.kv_transfer.workers import BACKENDS, PROMPT, finished, run_until, tok
 pytestmark = pytest.mark.slow
 GSM8K = Path(__file__).parents[1] / "data" / "prompts" / "gsm8k" / "test.jsonl"
 AGREE_TOKENS = 24
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 def _worker(model_path: Path, role: str, server: Inbox, kv_transfer: str = "zmq", **kw):

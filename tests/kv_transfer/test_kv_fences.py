@@ -12,7 +12,6 @@ import time
 
 import msgspec
 import pytest
-import zmq
 
 from splitserve.engine.kv_pool import KVLayout, KVPool
 from splitserve.ipc.messages import (
@@ -34,13 +33,6 @@ ONE_SIDED = ["shm", *OPTIONAL_BACKENDS]
 LONG_PROMPT = list(range(100, 400))  # 10 chunks of 32 tokens; 19 pages
 OLD_QUARANTINE_S = 3.0  # the fixed hold this handshake replaced: the tests wait longer than it
 NUM_LOOPS = 30  # worker loop iterations that "nothing happens" is checked over
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 def start_request(server: Inbox, prefill, decode) -> None:

@@ -31,13 +31,6 @@ def recv_one(inbox: Inbox, timeout_s: float = 5.0):
     raise TimeoutError("nothing received")
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_pages_roundtrip(ctx, dtype: str) -> None:
     layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, dtype=dtype)

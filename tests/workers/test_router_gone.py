@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-import zmq
 
 from splitserve.ipc.messages import (
     AbortTask,
@@ -55,13 +54,6 @@ def test_watch_rules() -> None:
     watch.heard("a", dead_after_s=2.0)
     clock.t += 10.0
     assert watch.gone(clock.t, ["a"]) == []
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 def pump(worker, inbox: Inbox, until, timeout_s: float, beat: RouterBeat | None = None) -> list:

@@ -9,7 +9,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-import zmq
 
 from splitserve.engine.model.loader import load_model
 from splitserve.ipc.messages import (
@@ -32,13 +31,6 @@ from splitserve.worker.main import create_worker
 from tests.cluster_config import worker_config
 
 TIMEOUT_S = 0.5
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 def make_worker(model_path: Path, role: str, server_addr: str):

@@ -17,11 +17,11 @@ nothing but the split partials, so they are capture-safe.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from splitserve.config import env
 from splitserve.engine.attention.base import BaseAttentionBackend, SlidingWindows, layer_windows
 from splitserve.engine.attention.triton.decode import choose_num_splits, decode_attention
 from splitserve.engine.attention.triton.extend import extend_attention
@@ -67,6 +67,15 @@ class TritonAttentionBackend(BaseAttentionBackend):
 
     supports_cuda_graphs = True
 
+    def __init__(self, interpret: bool | None = None) -> None:
+        """Args:
+            interpret: the kernels run in Triton's CPU interpreter, so every step computes in
+                float32 (the interpreter has no bfloat16 arithmetic). None: as
+                ``TRITON_INTERPRET`` says (``config.env.triton_interpret``), the variable Triton
+                itself reads when it decorates the kernels.
+        """
+        self.interpret = env.triton_interpret() if interpret is None else interpret
+
     def prepare(
         self, batch: ForwardBatch, pool: KVPool, sliding_window: SlidingWindows
     ) -> TritonAttentionMetadata:
@@ -88,7 +97,7 @@ class TritonAttentionBackend(BaseAttentionBackend):
 
         meta = TritonAttentionMetadata(
             batch, None, None, layer_windows(sliding_window, pool.layout.num_layers),
-            os.environ.get("TRITON_INTERPRET") == "1",
+            self.interpret,
         )
         if dec_rows:
             lens = [batch.seq_lens[i] for i in dec_rows]
@@ -126,7 +135,7 @@ class TritonAttentionBackend(BaseAttentionBackend):
             _DecodeRows(rows, rows, seq_lens, splits),
             None,
             layer_windows(sliding_window, pool.layout.num_layers),
-            os.environ.get("TRITON_INTERPRET") == "1",
+            self.interpret,
         )
 
     def forward(

@@ -28,11 +28,6 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def cpu_supports_bf16() -> bool:
-    """True if the CPU advertises AMX or AVX512-BF16 (native bfloat16 matrix products)."""
-    return bool(cpu_flags() & BF16_FLAGS)
-
-
 def resolve_dtype(name: str, device: str = "cpu") -> tuple[str, str]:
     """``(dtype, why)`` for a ``--dtype`` value: ``auto`` picks by device and CPU flags.
 

@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "kernels.h"
 
 #if defined(__AVX512BF16__)
@@ -31,17 +32,6 @@ static inline __m512i load_pair(const uint16_t *p) {
     uint32_t v;
     memcpy(&v, p, sizeof v);
     return _mm512_set1_epi32((int)v);
-}
-
-/* float32 -> bfloat16 for 16 lanes, nearest even, NaN kept quiet (bf16.h's f32_to_bf16). */
-static inline __m256i round_bf16x16(__m512 f) {
-    __m512i u = _mm512_castps_si512(f);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_srli_epi32(r, 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
 }
 
 /* One MR x (NV * 16) tile over all of K (MR, NV constants once inlined).

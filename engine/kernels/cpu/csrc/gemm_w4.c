@@ -34,22 +34,6 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-static inline __m256i round_bf16x16_w4(__m512 f) {
-    __m512i u = _mm512_castps_si512(f);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_srli_epi32(r, 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
-}
-
-static inline __m512i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return _mm512_set1_epi32(v);
-}
-
 /* One mr x (nv * 16) tile over all groups. xq: mr rows of k int8 (xs apart); xscale / xsumf:
  * per row (groups apart) the group's x scale and its sum; wb: the first of nv N blocks (ps
  * bytes apart); sb: their scales and offsets (ss halves apart). Each 64-byte load of 8 K per
@@ -108,7 +92,7 @@ static inline __attribute__((always_inline)) void tile_w4(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(bias + j * 16))), 16));
         for (int r = 0; r < mr; r++)
             _mm256_storeu_si256((void *)(y + r * ys + j * 16),
-                                round_bf16x16_w4(_mm512_add_ps(accf[r][j], b)));
+                                round_bf16x16(_mm512_add_ps(accf[r][j], b)));
     }
 }
 

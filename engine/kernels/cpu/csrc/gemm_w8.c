@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "x_quant.h"
 
 /* Tile shape measured on Zen 5 (one core, SmolLM2's gate_up at 32 rows; bench/quant_matmul.py):
@@ -41,22 +42,6 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
-
-static inline __m256i round_bf16x16_w8(__m512 f) {
-    __m512i u = _mm512_castps_si512(f);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_srli_epi32(r, 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
-}
-
-static inline __m512i bcast4_w8(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return _mm512_set1_epi32(v);
-}
 
 /* One mr x (nv * 16) tile over all groups. xq: mr rows of groups * 32 int8 (xs apart); xscale,
  * xoff: per row (groups apart) the group's x scale and -128 * its quantized sum; wb: the first
@@ -84,7 +69,7 @@ static inline __attribute__((always_inline)) void tile_w8(
             for (int j = 0; j < nv; j++)
                 w[j] = _mm512_loadu_si512((const void *)(wg + j * ps + o * 64));
             for (int r = 0; r < mr; r++) {
-                __m512i a = bcast4_w8(xq + r * xs + g * XQ_GROUP + 4 * o);
+                __m512i a = bcast4(xq + r * xs + g * XQ_GROUP + 4 * o);
                 for (int j = 0; j < nv; j++) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], w[j], a);
             }
         }
@@ -104,7 +89,7 @@ static inline __attribute__((always_inline)) void tile_w8(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(bias + j * 16))), 16));
         for (int r = 0; r < mr; r++)
             _mm256_storeu_si256((void *)(y + r * ys + j * 16),
-                                round_bf16x16_w8(_mm512_add_ps(accf[r][j], b)));
+                                round_bf16x16(_mm512_add_ps(accf[r][j], b)));
     }
 }
 

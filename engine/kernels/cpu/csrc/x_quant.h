@@ -12,11 +12,20 @@
 #define SPLITSERVE_X_QUANT_H
 
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
 #define XQ_GROUP 32
+
+/* 4 consecutive int8 of a quantized row as one int32, in all 16 lanes: vpdpbusd's signed
+ * operand, 4 K values against each column's 4 packed weights. */
+static inline __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
 
 static inline __m512 xq_load16(const uint16_t *p, int64_t left) {
     __mmask16 mk = left >= 16 ? (__mmask16)0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);

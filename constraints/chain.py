@@ -23,12 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.engine.grammar.schema_limits import (
+from splitserve.constraints.schema_limits import (
     ignored_keywords,
     known_refusals,
     refused_keywords,
 )
-from splitserve.engine.grammar.schema_rewrite import exact_rewrite
+from splitserve.constraints.schema_rewrite import exact_rewrite
 
 
 @dataclass(frozen=True, slots=True)
