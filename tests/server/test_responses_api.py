@@ -113,7 +113,8 @@ def test_tool_call_is_a_function_call_item_streamed_without_markup(tokenizer) ->
                    if e["type"] == "response.function_call_arguments.delta")
     done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
     assert args == done["arguments"] and done["name"] == "get_weather"
-    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1]
+    added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == [0, 1]
     assert events[-1]["type"] == "response.completed"
 
 
@@ -237,7 +238,8 @@ def test_text_format_json_schema_is_the_chat_constraint(tokenizer) -> None:
     ({"previous_response_id": "resp_nope"}, "previous_response_id"),
     ({"background": True, "store": False}, "background"),
     ({"background": True, "stream": True}, "stream"),
-    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+     "input[0].content[0].text"),
     ({"model": "other"}, "model"),
 ])
 def test_bad_requests_are_400s_naming_the_responses_field(app, body, param) -> None:

@@ -56,7 +56,8 @@ def test_thinking_comes_as_a_reasoning_item_before_the_answer() -> None:
                            ("!", "")])
     reasoning, message = builder.items
     assert reasoning["type"] == "reasoning" and reasoning["status"] == "completed"
-    assert reasoning["content"] == [{"type": "reasoning_text", "text": "The user wants a greeting."}]
+    thought = "The user wants a greeting."
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": thought}]
     assert message["content"][0]["text"] == "Hello!"
     kinds = [e["type"] for e in events]
     assert kinds[:3] == ["response.output_item.added", "response.content_part.added",

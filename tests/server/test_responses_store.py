@@ -44,7 +44,8 @@ def test_a_stored_response_survives_a_new_store_on_the_same_file(tmp_path) -> No
     store.close()
     again = ResponseStore(path, 2**20, DAY)
     stored = again.get("", "resp_1")
-    assert stored is not None and stored.body == body("resp_1", created_at=stored.body["created_at"])
+    assert stored is not None
+    assert stored.body == body("resp_1", created_at=stored.body["created_at"])
     assert stored.input_items == USER
     assert stored.conversation == USER + stored.body["output"]
 
