@@ -176,6 +176,14 @@ SERVER_FLAGS = (
     Flag("--tool-call-parser", "server.tool_call_parser", "how tool calls are parsed out of "
          "the model's text (auto: the format the chat template names, else the model family's "
          "(engine.model.registry), else the built-in tool prompt's)", choices=("auto", *TOOL_CALL_PARSER.names)),
+    Flag("--responses-store", "server.responses_store", "the SQLite file that keeps "
+         "/v1/responses for previous_response_id, GET and background responses (default: "
+         "responses.sqlite3 under $SPLITSERVE_CACHE; :memory: keeps them in memory only)",
+         parse=str),
+    Flag("--responses-store-max-mb", "server.responses_store_max_mb", "stored responses kept "
+         "at most (MiB of JSON; the oldest go first)"),
+    Flag("--responses-store-max-age", "server.responses_store_max_age_s", "seconds a stored "
+         "response is kept"),
 )
 CLUSTER_FLAGS = (
     Flag("--threads-per-worker", "cluster.threads_per_worker", "0: split the cores"),

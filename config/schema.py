@@ -134,6 +134,11 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rate_limit_tps: float = 0.0
     chat_template: str | None = None  # a Jinja chat template file replacing the model's
     tool_call_parser: str = "auto"  # or a TOOL_CALL_PARSER name; auto: the template, else the family
+    # Stored /v1/responses (server.responses_api.store): a SQLite file ("": responses.sqlite3
+    # under $SPLITSERVE_CACHE; ":memory:": kept in memory only), its size and age bounds.
+    responses_store: str = ""
+    responses_store_max_mb: int = 1024
+    responses_store_max_age_s: float = 30 * 86400.0
 
     @property
     def url(self) -> str:
@@ -149,6 +154,15 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for field in ("rate_limit_rps", "rate_limit_tps"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must be >= 0, not {getattr(self, field)}")
+        for field in ("responses_store_max_mb", "responses_store_max_age_s"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive, not {getattr(self, field)}")
+
+    @property
+    def responses_store_path(self) -> str:
+        """The stored responses' database file (``responses_store``, or its default under
+        ``$SPLITSERVE_CACHE``)."""
+        return self.responses_store or str(env.cache_dir() / "responses.sqlite3")
 
 
 class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

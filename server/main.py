@@ -17,6 +17,7 @@ from splitserve.server.guard import install_guard
 from splitserve.server.membership import install_membership
 from splitserve.server.metrics import ServerMetrics, install_metrics
 from splitserve.server.rate_limit import RateLimiter
+from splitserve.server.responses_api.store import AsyncResponseStore, ResponseStore
 from splitserve.server.routes import create_app
 from splitserve.server.tenancy import KeyRing, Tenancy
 from splitserve.server.worker_client import ZmqEngineClient
@@ -69,8 +70,11 @@ def run_api_server(
     tenancy = Tenancy(RateLimiter(s.rate_limit_rps, s.rate_limit_tps))
     template = Path(s.chat_template).read_text() if s.chat_template else None
     chat = ChatRenderer(tokenizer, template, s.tool_call_parser, family_format)
+    store = ResponseStore(s.responses_store_path, s.responses_store_max_mb * 2**20,
+                          s.responses_store_max_age_s)
     app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids,
-                     tenancy=tenancy, chat=chat, metrics=metrics)
+                     tenancy=tenancy, chat=chat, metrics=metrics,
+                     responses_store=AsyncResponseStore(store))
     install_membership(app, client.pool)
     install_metrics(app, metrics)
     install_guard(app, keys, s.max_body_bytes)
@@ -85,6 +89,7 @@ def run_api_server(
         gc.freeze()
         yield
         await client.close()
+        store.close()
 
     app.router.lifespan_context = lifespan
     serve_app(app, s.host, s.port, config.log_level)

@@ -34,6 +34,8 @@ from splitserve.server.job_builder import JobBuilder
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
 from splitserve.server.request_id import RequestIdMiddleware
 from splitserve.server.responses import full_response, merge_choices, streaming_response
+from splitserve.server.responses_api.routes import install_responses_routes
+from splitserve.server.responses_api.store import AsyncResponseStore, memory_store
 from splitserve.server.tenancy import Tenancy, require_operator
 from splitserve.server.token_text import TokenSpeller
 from splitserve.server.tokenize import install_tokenize_routes, server_version
@@ -50,6 +52,7 @@ def create_app(
     chat: ChatRenderer | None = None,
     tenancy: Tenancy | None = None,
     metrics: Any | None = None,
+    responses_store: AsyncResponseStore | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API for one model served through ``client``.
 
@@ -65,6 +68,8 @@ def create_app(
             template, ``--tool-call-parser auto``).
         metrics: the ``server.metrics.ServerMetrics`` whose violation counter the json_schema
             safety net increments (None: not counted).
+        responses_store: where ``/v1/responses`` keeps responses (default: in memory, for
+            this app's life; ``server.responses_api.store``).
     """
     chat = chat or ChatRenderer(tokenizer)
     jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids, chat)
@@ -118,6 +123,9 @@ def create_app(
         except BaseExceptionGroup as group_error:
             raise _first_api_error(group_error) from None
         return merge_choices(batch, bodies)
+
+    install_responses_routes(app, jobs, tenancy, responses_store or memory_store(), speller,
+                             pieces)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

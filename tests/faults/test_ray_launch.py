@@ -1,5 +1,5 @@
-"""The cluster spec YAML, and a 1 prefill + 1 decode launch on a local Ray instance (skipped
-without Ray: ``pip install 'splitserve[ray]'``)."""
+"""The cluster spec YAML, and a 1 prefill + 1 decode launch on a local Ray instance serving a
+completion and a Responses request (skipped without Ray: ``pip install 'splitserve[ray]'``)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,15 @@ def test_launch_on_local_ray(model_path: Path) -> None:
                 "temperature": 0}
         out = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert out.status_code == 200 and "Paris" in out.json()["choices"][0]["text"]
+        # The Responses API through the same router and workers (store: false, so nothing is
+        # written to the cache folder's store).
+        made = httpx.post(url + "/v1/responses", timeout=120, json={
+            "model": "default", "input": "What is the capital of France?", "temperature": 0,
+            "max_output_tokens": 16, "store": False})
+        assert made.status_code == 200, made.text
+        text = "".join(part["text"] for item in made.json()["output"]
+                       for part in item.get("content", ()))
+        assert "Paris" in text
     finally:
         if handles:
             ray.get([h.stop.remote() for h in reversed(handles)])
