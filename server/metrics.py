@@ -15,6 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 
+from splitserve.config.registry import GRAMMAR_BACKEND, WORKER_ROLE
+from splitserve.observe.timing import STAGES
 from splitserve.server.engine_client import TokenEvent
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -98,6 +100,16 @@ class ServerMetrics:
         self.cached_prompt_tokens = Counter("splitserve_prompt_cached_tokens", "Prompt tokens of "
                                             "finished requests served from a prefix cache",
                                             registry=r)
+        # Every label value a dashboard names is exposed from the start (at 0), so a query of
+        # a failure that has not happened yet reads 0 rather than nothing.
+        for outcome in ("finished", "error", "rejected"):
+            self.requests.labels(outcome)
+        for role in WORKER_ROLE.names:
+            self.worker_failures.labels(role)
+        for backend in GRAMMAR_BACKEND.names:
+            self.constraint_violations.labels(backend)
+        for stage in STAGES:
+            self.stage.labels(stage)
         self.pool: Any = None
 
     def request_timer(self, timing: Any = None) -> RequestTimer:

@@ -232,6 +232,13 @@ function plot(canvas, points, series) {
       if (drawing) ctx.lineTo(x, y); else { ctx.moveTo(x, y); drawing = true; }
     });
     ctx.stroke();
+    ctx.fillStyle = s.color;
+    points.forEach((p, i) => {  // a dot per interval, so a lone value shows too
+      const v = p[s.key];
+      if (v === null || v === undefined) return;
+      const x = n <= 1 ? w - 2 : (i / (n - 1)) * (w - 4) + 2, y = h - pad - (v / max) * (h - 2 * pad);
+      ctx.fillRect(x - 1.5, y - 1.5, 3, 3);
+    });
   }
 }
 
