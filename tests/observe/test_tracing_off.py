@@ -43,6 +43,6 @@ def test_a_server_and_a_worker_with_tracing_off_import_no_opentelemetry(model_pa
                      if m.startswith(("opentelemetry.sdk", "opentelemetry.exporter"))))
     """)
     out = subprocess.run([sys.executable, "-c", code, str(model_path)], capture_output=True,
-                         text=True, timeout=300, check=False)
+                         text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
