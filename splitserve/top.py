@@ -76,9 +76,12 @@ def run_top(url: str, api_key: str | None, interval_s: float = 2.0,
         return render(r.json())
 
     if once:
+        import sys
+
         from rich.console import Console
 
-        Console().print(fetch())
+        # Piped (no terminal to measure): wide enough for every column.
+        Console(width=None if sys.stdout.isatty() else 132).print(fetch())
         return
     with Live(Text("connecting..."), refresh_per_second=4, screen=False) as live:
         while True:
