@@ -185,6 +185,17 @@ SERVER_FLAGS = (
     Flag("--responses-store-max-age", "server.responses_store_max_age_s", "seconds a stored "
          "response is kept"),
 )
+TRACING_FLAGS = (
+    Flag("--otlp-traces-endpoint", "tracing.otlp_traces_endpoint", "export OpenTelemetry "
+         "traces of every request over OTLP/HTTP to this URL, e.g. "
+         "http://127.0.0.1:4318/v1/traces (default: tracing off)", parse=str),
+    Flag("--trace-sample-ratio", "tracing.sample_ratio", "share of requests traced (0..1) "
+         "when the caller sent no traceparent header"),
+)
+UI_FLAGS = (
+    Flag("--no-ui", "server.ui", "serve no web page at / (the chat playground and cluster "
+         "view)", const=False),
+)
 CLUSTER_FLAGS = (
     Flag("--threads-per-worker", "cluster.threads_per_worker", "0: split the cores"),
     Flag("--cpu-affinity", "cluster.cpu_affinity", "pin processes to CPUs, e.g. prefill=0 "

@@ -115,6 +115,29 @@ class SecurityConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     api_key_file: str | None = None
 
 
+class TracingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenTelemetry traces (``observe.tracing``, docs/observability.md): every process of the
+    cluster exports its spans over OTLP/HTTP to ``otlp_traces_endpoint`` (vLLM's
+    ``--otlp-traces-endpoint``; e.g. ``http://127.0.0.1:4318/v1/traces``). None: tracing off,
+    and no OpenTelemetry module is imported. ``sample_ratio``: the share of requests traced
+    (by trace id, 0..1) when the caller sent no ``traceparent``; one that did is traced as its
+    sampled flag says."""
+
+    otlp_traces_endpoint: str | None = None
+    sample_ratio: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.otlp_traces_endpoint)
+
+    def check(self) -> None:
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ValueError(f"sample_ratio must be within [0, 1], not {self.sample_ratio}")
+        endpoint = self.otlp_traces_endpoint
+        if endpoint and not endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"otlp_traces_endpoint: {endpoint!r} is not an http(s) URL")
+
+
 class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The API server (router): where it listens and how it picks and guards workers."""
 
@@ -139,6 +162,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     responses_store: str = ""
     responses_store_max_mb: int = 1024
     responses_store_max_age_s: float = 30 * 86400.0
+    ui: bool = True  # the built-in web page at / (server.ui); False: no page, / is a 404
 
     @property
     def url(self) -> str:
@@ -192,6 +216,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     log_level: str = "warning"
 
     @property
@@ -201,6 +226,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def check(self) -> None:
         self.engine.check()
         self.server.check()
+        self.tracing.check()
 
     @classmethod
     def from_fields(cls, log_level: str = "warning", **fields: Any) -> ServeConfig:
@@ -222,7 +248,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "engine": EngineConfig, "server": ServerConfig, "cluster": ClusterConfig,
-    "security": SecurityConfig,
+    "security": SecurityConfig, "tracing": TracingConfig,
 }
 
 
@@ -243,12 +269,14 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_threads: int = 0  # 0: torch's default
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     log_level: str = "warning"
     node: str = ""  # the node it runs on, for GET /workers (Ray: the node id; "": the hostname)
 
     def check(self) -> None:
         _choice("role", self.role, WORKER_ROLE.names)
         self.engine.check()
+        self.tracing.check()
 
 
 def _choice(field: str, value: str, choices: tuple[str, ...]) -> None:

@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from splitserve.ipc.messages import Constraint, SamplingParams
+from splitserve.observe.timing import RequestTiming
 from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.constraints import constraint_from_request
 from splitserve.server.errors import APIError
@@ -49,7 +50,8 @@ class JobBuilder:
         """Whether ``model`` names the served model."""
         return model in (self.model_name, MODEL_ALIAS)
 
-    def completion_jobs(self, req: CompletionRequest, request_id: str | None = None) -> list[Job]:
+    def completion_jobs(self, req: CompletionRequest, request_id: str | None = None,
+                        timing: RequestTiming | None = None) -> list[Job]:
         """The jobs of a ``/v1/completions`` request: one per prompt (``server.choices`` forks
         each into its ``n`` choices), all under one response id (``request_id``: the client's
         ``X-Request-Id``, which the rid carries: :func:`new_rid`).
@@ -69,7 +71,7 @@ class JobBuilder:
         rid = new_rid(False, request_id)
         jobs = []
         for i, prompt in enumerate(prompts):
-            job = self._make_job(req, self._completion_ids(req, prompt), is_chat=False,
+            job = self._make_job(req, self._completion_ids(req, prompt, timing), is_chat=False,
                                  rid=rid if len(prompts) == 1 else f"{rid}-{i}", response_id=rid)
             if req.echo:
                 job.echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
@@ -78,9 +80,11 @@ class JobBuilder:
             jobs.append(job)
         return jobs
 
-    def chat_job(self, req: ChatCompletionRequest, request_id: str | None = None) -> Job:
+    def chat_job(self, req: ChatCompletionRequest, request_id: str | None = None,
+                 timing: RequestTiming | None = None) -> Job:
         """The job of a ``/v1/chat/completions`` request (``request_id`` as in
-        :meth:`completion_jobs`).
+        :meth:`completion_jobs`; ``timing``: where the template's and the tokenizer's times
+        are recorded, ``RequestTiming.prepare``).
 
         Raises:
             APIError: another model, ``best_of`` > 1, ``top_logprobs`` without ``logprobs``, a
@@ -93,7 +97,7 @@ class JobBuilder:
             raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         tools = tool_request(req, self.chat.tool_format, self.chat.begin_token)
         rid = new_rid(True, request_id)
-        job = self._make_job(req, self._chat_ids(req, tools.tools), is_chat=True, rid=rid,
+        job = self._make_job(req, self._chat_ids(req, tools.tools, timing), is_chat=True, rid=rid,
                              response_id=rid, constraint=tools.constraint)
         job.tool_format = tools.format
         if tools.format is not None and self.chat.begin_token is not None:
@@ -125,10 +129,15 @@ class JobBuilder:
         if req.best_of not in (None, 1):
             raise APIError("best_of: only best_of=1 is supported", param="best_of")
 
-    def _completion_ids(self, req: CompletionRequest, prompt: str | list[int]) -> list[int]:
+    def _completion_ids(self, req: CompletionRequest, prompt: str | list[int],
+                        timing: RequestTiming | None = None) -> list[int]:
         if isinstance(prompt, str):
+            start = time.time()
             # By default a raw prompt gets BOS where the model expects one.
-            return self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+            if timing is not None:
+                timing.prepare.append(("tokenize", start, time.time()))
+            return ids
         bad = self._first_outside_vocab(prompt)
         if bad is not None:
             raise APIError(f"prompt: token id {bad} is outside the vocabulary", param="prompt")
@@ -153,7 +162,9 @@ class JobBuilder:
             raise APIError(f"min_tokens: {req.min_tokens} exceeds max_tokens ({max_tokens})",
                            param="min_tokens")
 
-    def _chat_ids(self, req: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
+    def _chat_ids(self, req: ChatCompletionRequest, tools: list[dict] | None,
+                  timing: RequestTiming | None = None) -> list[int]:
+        start = time.time()
         try:
             messages = hf_messages(req.messages)
         except ValueError as exc:
@@ -170,8 +181,12 @@ class JobBuilder:
             text = self.chat.render(messages, tools)
         except Exception as exc:  # jinja raises on conversations the template refuses
             raise APIError(f"messages: chat template failed: {exc}", param="messages") from exc
+        rendered = time.time()
         # The template already wrote BOS and the role markers; don't add them twice.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if timing is not None:
+            timing.prepare += [("template", start, rendered), ("tokenize", rendered, time.time())]
+        return ids
 
     def _make_job(
         self, req: BaseGenerateRequest, input_ids: list[int], is_chat: bool, rid: str,

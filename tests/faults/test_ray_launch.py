@@ -37,6 +37,16 @@ def test_spec_parses_and_rejects_unknown_keys() -> None:
         RayClusterSpec.from_yaml("prefill: {count: 2}\n")
 
 
+def test_spec_takes_the_tracing_settings_of_every_process() -> None:
+    spec = RayClusterSpec.from_yaml(
+        "model: /m\ntracing: {otlp_traces_endpoint: http://h:4318/v1/traces, sample_ratio: 0.5}\n")
+    assert (spec.tracing.otlp_traces_endpoint, spec.tracing.sample_ratio) == (
+        "http://h:4318/v1/traces", 0.5)
+    assert not RayClusterSpec.from_yaml("model: /m\n").tracing.enabled
+    with pytest.raises(ValueError, match="tracing: sample_ratio"):
+        RayClusterSpec.from_yaml("model: /m\ntracing: {sample_ratio: 2}\n")
+
+
 @pytest.mark.slow
 def test_launch_on_local_ray(model_path: Path) -> None:
     ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'ray>=2.9'")
