@@ -41,7 +41,9 @@ def test_a_response_is_the_chat_answer_streamed_or_not(client) -> None:
         model="default", temperature=0, max_tokens=16,
         messages=[{"role": "system", "content": "Answer briefly."},
                   {"role": "user", "content": QUESTION}])
-    assert r.output_text == chat.choices[0].message.content and "Paris" in r.output_text
+    # bf16 greedy text depends on the kernels the plan timed at start-up: compare, do not
+    # expect a particular answer from a 135M model
+    assert r.output_text == chat.choices[0].message.content and r.output_text
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert r.usage.output_tokens == chat.usage.completion_tokens
     assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
@@ -109,7 +111,10 @@ def test_a_background_response_is_polled_to_its_end(client) -> None:
         assert time.monotonic() < deadline, body
         time.sleep(0.1)  # polling, as a background client does
         body = client.responses.retrieve(queued.id)
-    assert body.status in ("completed", "incomplete") and "Paris" in body.output_text
+    direct = client.responses.create(model="default", input=QUESTION, temperature=0,
+                                     max_output_tokens=16)
+    assert body.status in ("completed", "incomplete") and body.output_text
+    assert body.output_text == direct.output_text  # the same greedy answer as in the foreground
 
 
 def test_responses_are_counted_in_metrics_and_hold_no_pages(cluster, client) -> None:

@@ -110,6 +110,11 @@ def test_one_request_is_one_trace_across_the_three_processes(cluster, receiver) 
     order = [one["receive"], one["template"], one["tokenize"], one["route"], one["queue"],
              by["prefill_chunk"][0]]
     for a, b in itertools.pairwise(order):
+        if (a.name, b.name) == ("route", "queue"):
+            # The task reaches prefill while "route" still sends it to decode: the prefill
+            # queue starts inside the route span (causality), not necessarily after its end.
+            assert a.start_ns <= b.start_ns + 2_000_000, (a.name, b.name)
+            continue
         assert a.end_ns <= b.start_ns + 2_000_000, (a.name, b.name)
     assert one["wait_for_kv"].end_ns <= one["first_decode_step"].start_ns + 1_000_000
     assert one["decode_steps"].attributes["splitserve.steps"] >= 1
