@@ -78,9 +78,12 @@ class JobBuilder:
             jobs.append(job)
         return jobs
 
-    def chat_job(self, req: ChatCompletionRequest, request_id: str | None = None) -> Job:
+    def chat_job(self, req: ChatCompletionRequest, request_id: str | None = None,
+                 continuation: str = "") -> Job:
         """The job of a ``/v1/chat/completions`` request (``request_id`` as in
-        :meth:`completion_jobs`).
+        :meth:`completion_jobs`). ``continuation``: text the assistant's answer starts with
+        (Anthropic's prefill): the prompt ends with it, after the generation prompt, and the
+        answer continues it.
 
         Raises:
             APIError: another model, ``best_of`` > 1, ``top_logprobs`` without ``logprobs``, a
@@ -93,25 +96,25 @@ class JobBuilder:
             raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         tools = tool_request(req, self.chat.tool_format, self.chat.begin_token)
         rid = new_rid(True, request_id)
-        job = self._make_job(req, self._chat_ids(req, tools.tools), is_chat=True, rid=rid,
-                             response_id=rid, constraint=tools.constraint)
+        job = self._make_job(req, self._chat_ids(req, tools.tools, continuation), is_chat=True,
+                             rid=rid, response_id=rid, constraint=tools.constraint)
         job.tool_format = tools.format
         if tools.format is not None and self.chat.begin_token is not None:
             job.keep_tokens = {self.chat.begin_token: tools.format.begin}
         job.logprobs = "chat" if req.logprobs else None
         return job
 
-    def prompt_ids(self, req: BaseGenerateRequest) -> list[int]:
+    def prompt_ids(self, req: BaseGenerateRequest, continuation: str = "") -> list[int]:
         """The prompt's token ids exactly as a generation request would send them
-        (``POST /tokenize``; a chat request's tools rendered as for generation, a completion
-        request's first prompt).
+        (``POST /tokenize``; a chat request's tools rendered as for generation, and its
+        ``continuation`` as :meth:`chat_job` takes it; a completion request's first prompt).
 
         Raises:
             APIError: as :meth:`chat_job` / :meth:`completion_jobs` for the prompt.
         """
         if isinstance(req, ChatCompletionRequest):
             tools = tool_request(req, self.chat.tool_format, self.chat.begin_token)
-            return self._chat_ids(req, tools.tools)
+            return self._chat_ids(req, tools.tools, continuation)
         assert isinstance(req, CompletionRequest)
         return self._completion_ids(req, req.prompts[0])
 
@@ -153,7 +156,8 @@ class JobBuilder:
             raise APIError(f"min_tokens: {req.min_tokens} exceeds max_tokens ({max_tokens})",
                            param="min_tokens")
 
-    def _chat_ids(self, req: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
+    def _chat_ids(self, req: ChatCompletionRequest, tools: list[dict] | None,
+                  continuation: str = "") -> list[int]:
         try:
             messages = hf_messages(req.messages)
         except ValueError as exc:
@@ -171,7 +175,7 @@ class JobBuilder:
         except Exception as exc:  # jinja raises on conversations the template refuses
             raise APIError(f"messages: chat template failed: {exc}", param="messages") from exc
         # The template already wrote BOS and the role markers; don't add them twice.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text + continuation, add_special_tokens=False)
 
     def _make_job(
         self, req: BaseGenerateRequest, input_ids: list[int], is_chat: bool, rid: str,
