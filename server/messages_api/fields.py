@@ -97,13 +97,15 @@ _CONTENT_BLOCK: dict[str, FieldRule] = {
                       noop=({"type": "direct"},)),
     "toolset_name": refused("no server toolsets"),
     "source": refused("no image or document input"),
+    "transformations": refused("no image input"),
     "title": refused("no document input"),
     "context": refused("no document input"),
 }
 
 _RESULT_BLOCK: dict[str, FieldRule] = {
     **_TEXT_BLOCK,
-    "source": refused("no image or document input"),
+    "source": refused("no image input"),
+    "transformations": refused("no image input"),
 }
 
 _TOOL: dict[str, FieldRule] = {
@@ -205,8 +207,9 @@ def _check_object(where: str, obj: dict[str, Any], table: dict[str, FieldRule]) 
     for key in obj:
         if key not in table:
             name = f"{where}.{key}" if where else key
-            raise APIError(f"{name}: unknown field (not a field of Anthropic's Messages API "
-                           "that this server knows)", param=name, code="unsupported_parameter")
+            raise APIError(f"{name}: unknown field (not a field of this Anthropic Messages "
+                           "request that this server knows)", param=name,
+                           code="unsupported_parameter")
 
 
 def _check_tool_type(where: str, kind: Any) -> None:

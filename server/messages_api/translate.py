@@ -230,6 +230,15 @@ _PARAM_NAMES = [
 ]
 
 
+# The strict json_schema refusal's words that name chat fields (server.constraints).
+_STRICT_SCHEMA = [
+    ("response_format.json_schema.strict is true, but no grammar backend",
+     "output_config.format: no grammar backend"),
+    ((" or set strict to false (then the response carries an x-splitserve-constraint: partial "
+      "header naming them)"), " (the answer is held to the whole schema, as Anthropic holds it)"),
+]
+
+
 def as_messages_error(err: APIError) -> APIError:
     """``err`` (from the chat path) with its ``param``, and the message's leading field name,
     renamed to the Messages field it came from."""
@@ -240,6 +249,8 @@ def as_messages_error(err: APIError) -> APIError:
         if pattern.match(param):
             renamed = pattern.sub(name, param)
             message = err.message
+            for old, new in _STRICT_SCHEMA:
+                message = message.replace(old, new)
             if message.startswith(param):
                 message = renamed + message[len(param):]
             return APIError(message, param=renamed, status_code=err.status_code, type=err.type,
