@@ -49,8 +49,12 @@ MESSAGES_FIELDS: dict[str, FieldRule] = {
                          "400"),
     "tool_choice": implemented("`auto`, `any` and `tool` (the call is grammar-enforced against "
                                "`input_schema`), `none`"),
-    "thinking": implemented("`disabled`; `enabled`, `adaptive` and `between_tools` are a 400 "
-                            "until a reasoning parser serves them"),
+    "thinking": implemented("`disabled`; `adaptive` (the model decides whether to think: a "
+                            "model served without a reasoning parser answers without thinking "
+                            "blocks); `enabled` and `between_tools` are a 400 until a reasoning "
+                            "parser serves them"),
+    "context_management": implemented("`edits` (beta; Claude Code sends it): see the "
+                                      "sub-fields"),
     "output_config": implemented("`format` (a JSON Schema the answer is held to); see the "
                                  "sub-fields"),
     "metadata": ignored("`user_id`, for Anthropic's abuse detection; changes no output"),
@@ -131,9 +135,22 @@ _TOOL_CHOICE: dict[str, FieldRule] = {
 }
 
 _THINKING: dict[str, FieldRule] = {
-    "type": implemented("`disabled` (the rest: see `thinking`)"),
+    "type": implemented("`disabled`, `adaptive` (the rest: see `thinking`)"),
     "budget_tokens": implemented("with `enabled` (a 400 for now)"),
-    "display": implemented("with `enabled`/`adaptive` (a 400 for now)"),
+    "display": implemented("with `adaptive`: no thinking block to show yet; with `enabled` a "
+                           "400 for now"),
+}
+
+_CONTEXT_MANAGEMENT: dict[str, FieldRule] = {
+    "edits": implemented("context edits, each applied before the prompt is rendered"),
+}
+
+_CONTEXT_EDIT: dict[str, FieldRule] = {
+    "type": implemented("`clear_thinking_20251015`; `clear_tool_uses_20250919` and "
+                        "`compact_20260112` are a 400 (tool results and turns are always "
+                        "kept)", enum=("clear_thinking_20251015",)),
+    "keep": ignored("earlier turns' thinking is never shown to the model here (see "
+                    "`messages[].content[].thinking`), so there is none to keep or clear"),
 }
 
 _OUTPUT_CONFIG: dict[str, FieldRule] = {
@@ -166,6 +183,8 @@ MESSAGES_NESTED: dict[str, dict[str, FieldRule]] = {
     "output_config.format": _OUTPUT_FORMAT,
     "metadata": _METADATA,
     "cache_control": _CACHE_CONTROL,
+    "context_management": _CONTEXT_MANAGEMENT,
+    "context_management.edits[]": _CONTEXT_EDIT,
 }
 
 # count_tokens takes the prompt's fields of a Messages request (Anthropic's

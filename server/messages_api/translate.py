@@ -77,14 +77,18 @@ def translate(req: CountTokensRequest) -> Translated:
     """The chat request of ``req`` (a Messages or a count_tokens request).
 
     Raises:
-        APIError: 400 naming the field: ``thinking`` other than ``disabled``, a block in a turn
+        APIError: 400 naming the field: ``thinking`` other than ``disabled`` or
+            ``adaptive``, a block in a turn
             it does not belong to, a ``tool_result`` answering no ``tool_use`` of the turn
             before, a prefill holding tool calls or combined with ``output_config.format``.
     """
-    if req.thinking is not None and req.thinking.type != "disabled":
+    # ``adaptive`` lets the model decide whether to think; served without a reasoning parser,
+    # it answers as with ``disabled`` (Claude Code sends ``adaptive`` on every request).
+    if req.thinking is not None and req.thinking.type not in ("disabled", "adaptive"):
         raise APIError(f"thinking: type {req.thinking.type!r} needs a reasoning parser, which "
-                       "this server does not run yet; send {\"type\": \"disabled\"} or leave "
-                       "thinking out", param="thinking", code="unsupported_parameter")
+                       "this server does not run yet; send {\"type\": \"disabled\"} or "
+                       "{\"type\": \"adaptive\"}, or leave thinking out", param="thinking",
+                       code="unsupported_parameter")
     messages, prefill = chat_messages(req)
     body: dict[str, Any] = {"model": req.model, "messages": messages}
     if req.tools is not None:

@@ -222,6 +222,9 @@ BAD_BODIES = [
     ({"max_tokens": 8, "messages": USER, "temperature": 1.5}, "temperature: 1.5 is above"),
     ({"max_tokens": 8, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 2048}},
      "thinking: type 'enabled' needs a reasoning parser"),
+    ({"max_tokens": 8, "messages": USER, "context_management": {"edits": [
+        {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 9}}]}},
+     "context_management.edits[0].type: "),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "x"}}]}]},
      "messages[0].content[0].source: not supported"),
@@ -309,3 +312,17 @@ def test_rate_limit_is_429_in_anthropics_shape(tokenizer) -> None:
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     check_anthropic_error(429, r.text)
     assert len(fake.requests) == 1
+
+
+def test_claude_codes_thinking_and_context_management_are_served(tokenizer) -> None:
+    """Claude Code sends these on every request: adaptive thinking (a model without a reasoning
+    parser answers without thinking) and a clear_thinking edit (no earlier thinking is shown)."""
+    client, fake = _app(tokenizer)
+    fields = {"thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+              "context_management": {"edits": [{"type": "clear_thinking_20251015",
+                                                "keep": "all"}]}}
+    body = _post(client, **fields)
+    assert [b["type"] for b in body["content"]] == ["text"] and len(fake.requests) == 1
+    r = client.post(M + "/count_tokens", json={"model": MODEL, "messages": USER, **{
+        k: v for k, v in fields.items() if k != "output_config"}})
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0, r.text
