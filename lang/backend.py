@@ -1,5 +1,6 @@
 """The seam between the interpreter and a model server. Implementations: ``lang.endpoint``
-(a splitserve server) and ``lang.openai_compatible`` (any OpenAI-compatible server)."""
+(a splitserve server), ``lang.openai_compatible`` (any OpenAI-compatible server) and
+``lang.anthropic_compatible`` (any server with Anthropic's Messages API)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ class TextPrompt:
 @dataclass(slots=True)
 class ChatPrompt:
     """A prompt as chat messages, for backends without a client-side template and for programs
-    that use tools (the server renders the tools and the tool turns). Generation always starts
-    a fresh assistant message. Messages are OpenAI's: an assistant message may carry
-    ``tool_calls`` (its ``content`` then may be None), a ``tool`` message its ``tool_call_id``."""
+    that use tools (the server renders the tools and the tool turns). Generation starts a fresh
+    assistant message, or, for a backend that ``continues_assistant``, continues a last
+    assistant message. Messages are OpenAI's: an assistant message may carry ``tool_calls``
+    (its ``content`` then may be None), a ``tool`` message its ``tool_call_id``."""
 
     messages: list[dict[str, Any]]
 
@@ -82,7 +84,14 @@ class SelectOutput:
 
 
 class BaseBackend(abc.ABC):
-    """A model server the interpreter calls. Methods are called from many threads at once."""
+    """A model server the interpreter calls. Methods are called from many threads at once.
+
+    ``continues_assistant``: a :class:`ChatPrompt` may end with an open assistant message
+    (its text so far), which the server continues (Anthropic's prefill); where False, a gen on
+    chat messages must open its assistant message.
+    """
+
+    continues_assistant: bool = False
 
     @abc.abstractmethod
     def chat_template(self) -> ChatTemplate | None:

@@ -297,6 +297,11 @@ class ProgramState:
             return TextPrompt(self._text)
         if self.template() is not None and not self._uses_tools:
             return TextPrompt(self.render(), templated=True)
+        if (self._open is not None and self._open[0] == "assistant" and self._open[1]
+                and self._ctx.backend.continues_assistant):
+            # The text so far goes as the last, open assistant message (prefill).
+            return ChatPrompt([*(_chat_message(m) for m in self._closed),
+                               {"role": "assistant", "content": self._open[1]}])
         why = ("this program's history holds tool calls" if self._uses_tools else
                "this backend takes chat messages (no chat template)")
         return self.chat_prompt(why)

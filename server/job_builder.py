@@ -81,10 +81,12 @@ class JobBuilder:
         return jobs
 
     def chat_job(self, req: ChatCompletionRequest, request_id: str | None = None,
-                 timing: RequestTiming | None = None) -> Job:
+                 timing: RequestTiming | None = None, continuation: str = "") -> Job:
         """The job of a ``/v1/chat/completions`` request (``request_id`` as in
         :meth:`completion_jobs`; ``timing``: where the template's and the tokenizer's times
-        are recorded, ``RequestTiming.prepare``).
+        are recorded, ``RequestTiming.prepare``). ``continuation``: text the assistant's answer
+        starts with (Anthropic's prefill): the prompt ends with it, after the generation
+        prompt, and the answer continues it.
 
         Raises:
             APIError: another model, ``best_of`` > 1, ``top_logprobs`` without ``logprobs``, a
@@ -97,25 +99,25 @@ class JobBuilder:
             raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         tools = tool_request(req, self.chat.tool_format, self.chat.begin_token)
         rid = new_rid(True, request_id)
-        job = self._make_job(req, self._chat_ids(req, tools.tools, timing), is_chat=True, rid=rid,
-                             response_id=rid, constraint=tools.constraint)
+        job = self._make_job(req, self._chat_ids(req, tools.tools, timing, continuation),
+                             is_chat=True, rid=rid, response_id=rid, constraint=tools.constraint)
         job.tool_format = tools.format
         if tools.format is not None and self.chat.begin_token is not None:
             job.keep_tokens = {self.chat.begin_token: tools.format.begin}
         job.logprobs = "chat" if req.logprobs else None
         return job
 
-    def prompt_ids(self, req: BaseGenerateRequest) -> list[int]:
+    def prompt_ids(self, req: BaseGenerateRequest, continuation: str = "") -> list[int]:
         """The prompt's token ids exactly as a generation request would send them
-        (``POST /tokenize``; a chat request's tools rendered as for generation, a completion
-        request's first prompt).
+        (``POST /tokenize``; a chat request's tools rendered as for generation, and its
+        ``continuation`` as :meth:`chat_job` takes it; a completion request's first prompt).
 
         Raises:
             APIError: as :meth:`chat_job` / :meth:`completion_jobs` for the prompt.
         """
         if isinstance(req, ChatCompletionRequest):
             tools = tool_request(req, self.chat.tool_format, self.chat.begin_token)
-            return self._chat_ids(req, tools.tools)
+            return self._chat_ids(req, tools.tools, continuation=continuation)
         assert isinstance(req, CompletionRequest)
         return self._completion_ids(req, req.prompts[0])
 
@@ -163,7 +165,7 @@ class JobBuilder:
                            param="min_tokens")
 
     def _chat_ids(self, req: ChatCompletionRequest, tools: list[dict] | None,
-                  timing: RequestTiming | None = None) -> list[int]:
+                  timing: RequestTiming | None = None, continuation: str = "") -> list[int]:
         start = time.time()
         try:
             messages = hf_messages(req.messages)
@@ -183,7 +185,7 @@ class JobBuilder:
             raise APIError(f"messages: chat template failed: {exc}", param="messages") from exc
         rendered = time.time()
         # The template already wrote BOS and the role markers; don't add them twice.
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text + continuation, add_special_tokens=False)
         if timing is not None:
             timing.prepare += [("template", start, rendered), ("tokenize", rendered, time.time())]
         return ids

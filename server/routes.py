@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API: its routes, over a :class:`BaseEngineClient`.
+"""The OpenAI-compatible HTTP API (and Anthropic's Messages API, ``server.messages_api``): its
+routes, over a :class:`BaseEngineClient`.
 
 One request's path through the server's files: parse the body (``server.protocol``; bad input ->
 400 via ``server.errors``), build its :class:`Job` (``server.job_builder``: prompt ids, chat
@@ -26,12 +27,19 @@ from splitserve.server.choices import fork_choices
 from splitserve.server.constraint_check import checked_pieces, partial_header
 from splitserve.server.disconnect import client_gone, unless_disconnected
 from splitserve.server.engine_client import BaseEngineClient
-from splitserve.server.errors import APIError, from_validation_errors, install_error_handlers
+from splitserve.server.errors import (
+    APIError,
+    from_validation_errors,
+    install_error_handlers,
+    use_error_body,
+)
 from splitserve.server.field_check import check_fields
 from splitserve.server.fields import Endpoint
 from splitserve.server.generation import stream_text
 from splitserve.server.job import Job
 from splitserve.server.job_builder import JobBuilder
+from splitserve.server.messages_api.errors import api_error_body, is_messages_path
+from splitserve.server.messages_api.routes import install_messages_routes
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
 from splitserve.server.request_id import RequestIdMiddleware
 from splitserve.server.request_trace import ObserveMiddleware
@@ -91,6 +99,10 @@ def create_app(
 
     def pieces(job: Job) -> Any:
         return checked_pieces(job, stream_text(client, tokenizer, job), violations)
+
+    # Anthropic's Messages API: the same jobs and pieces, its own shapes (errors included).
+    install_messages_routes(app, jobs, tenancy, pieces)
+    use_error_body(app, is_messages_path, api_error_body)
 
     async def respond(request: Request, batch: list[Job], stream: bool | None) -> Response:
         """Answer with the jobs of one request: one, several prompts' (not streamed), or the
