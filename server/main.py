@@ -68,7 +68,8 @@ def run_api_server(
     keys = KeyRing.from_config(config.security.api_key, config.security.api_key_file)
     tenancy = Tenancy(RateLimiter(s.rate_limit_rps, s.rate_limit_tps))
     template = Path(s.chat_template).read_text() if s.chat_template else None
-    chat = ChatRenderer(tokenizer, template, s.tool_call_parser, family_format)
+    chat = ChatRenderer(tokenizer, template, s.tool_call_parser, family_format,
+                        s.reasoning_parser, s.reasoning_budget)
     app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids,
                      tenancy=tenancy, chat=chat, metrics=metrics)
     install_membership(app, client.pool)
