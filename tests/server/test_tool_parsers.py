@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from splitserve.server.tools.extract import ToolCallExtractor, parse_tool_calls
+from splitserve.server.tools.extract import ToolCallExtractor
 from splitserve.server.tools.formats import HERMES, LLAMA3_JSON, MISTRAL, detect_format
+from splitserve.server.tools.parsers import parse_tool_calls
 from splitserve.server.tools.stream import ToolCallStream
 
 WEATHER = '{"city": "Paris", "unit": "c"}'
