@@ -94,6 +94,9 @@ TOOL_CALL_PARSER = Registry("tool-call parser", {
     "hermes": "splitserve.server.tools.formats:HERMES",
     "llama3_json": "splitserve.server.tools.formats:LLAMA3_JSON",
     "mistral": "splitserve.server.tools.formats:MISTRAL",
+    "qwen3_coder": "splitserve.server.tools.formats:QWEN3_CODER",
+    "pythonic": "splitserve.server.tools.formats:PYTHONIC",
+    "deepseek_v3": "splitserve.server.tools.formats:DEEPSEEK_V3",
 })
 REASONING_PARSER = Registry("reasoning parser", {
     "qwen3": "splitserve.server.reasoning.formats:QWEN3",
