@@ -182,6 +182,25 @@ SERVER_FLAGS = (
          "template names; none: no reasoning)", choices=("auto", "none", *REASONING_PARSER.names)),
     Flag("--reasoning-budget", "server.reasoning_budget", "thinking tokens at most for requests "
          "that ask no budget; then the end marker is forced (-1: no limit)"),
+    Flag("--responses-store", "server.responses_store", "the SQLite file that keeps "
+         "/v1/responses for previous_response_id, GET and background responses (default: "
+         "responses.sqlite3 under $SPLITSERVE_CACHE; :memory: keeps them in memory only)",
+         parse=str),
+    Flag("--responses-store-max-mb", "server.responses_store_max_mb", "stored responses kept "
+         "at most (MiB of JSON; the oldest go first)"),
+    Flag("--responses-store-max-age", "server.responses_store_max_age_s", "seconds a stored "
+         "response is kept"),
+)
+TRACING_FLAGS = (
+    Flag("--otlp-traces-endpoint", "tracing.otlp_traces_endpoint", "export OpenTelemetry "
+         "traces of every request over OTLP/HTTP to this URL, e.g. "
+         "http://127.0.0.1:4318/v1/traces (default: tracing off)", parse=str),
+    Flag("--trace-sample-ratio", "tracing.sample_ratio", "share of requests traced (0..1) "
+         "when the caller sent no traceparent header"),
+)
+UI_FLAGS = (
+    Flag("--no-ui", "server.ui", "serve no web page at / (the chat playground and cluster "
+         "view)", const=False),
 )
 CLUSTER_FLAGS = (
     Flag("--threads-per-worker", "cluster.threads_per_worker", "0: split the cores"),

@@ -116,6 +116,29 @@ class SecurityConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     api_key_file: str | None = None
 
 
+class TracingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenTelemetry traces (``observe.tracing``, docs/observability.md): every process of the
+    cluster exports its spans over OTLP/HTTP to ``otlp_traces_endpoint`` (vLLM's
+    ``--otlp-traces-endpoint``; e.g. ``http://127.0.0.1:4318/v1/traces``). None: tracing off,
+    and no OpenTelemetry module is imported. ``sample_ratio``: the share of requests traced
+    (by trace id, 0..1) when the caller sent no ``traceparent``; one that did is traced as its
+    sampled flag says."""
+
+    otlp_traces_endpoint: str | None = None
+    sample_ratio: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.otlp_traces_endpoint)
+
+    def check(self) -> None:
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ValueError(f"sample_ratio must be within [0, 1], not {self.sample_ratio}")
+        endpoint = self.otlp_traces_endpoint
+        if endpoint and not endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"otlp_traces_endpoint: {endpoint!r} is not an http(s) URL")
+
+
 class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The API server (router): where it listens and how it picks and guards workers."""
 
@@ -139,6 +162,12 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # names (none without one). And the thinking budget of requests that ask none (-1: none).
     reasoning_parser: str = "auto"
     reasoning_budget: int = -1
+    # Stored /v1/responses (server.responses_api.store): a SQLite file ("": responses.sqlite3
+    # under $SPLITSERVE_CACHE; ":memory:": kept in memory only), its size and age bounds.
+    responses_store: str = ""
+    responses_store_max_mb: int = 1024
+    responses_store_max_age_s: float = 30 * 86400.0
+    ui: bool = True  # the built-in web page at / (server.ui); False: no page, / is a 404
 
     @property
     def url(self) -> str:
@@ -159,6 +188,15 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for field in ("rate_limit_rps", "rate_limit_tps"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must be >= 0, not {getattr(self, field)}")
+        for field in ("responses_store_max_mb", "responses_store_max_age_s"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive, not {getattr(self, field)}")
+
+    @property
+    def responses_store_path(self) -> str:
+        """The stored responses' database file (``responses_store``, or its default under
+        ``$SPLITSERVE_CACHE``)."""
+        return self.responses_store or str(env.cache_dir() / "responses.sqlite3")
 
 
 class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -188,6 +226,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     log_level: str = "warning"
 
     @property
@@ -197,6 +236,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def check(self) -> None:
         self.engine.check()
         self.server.check()
+        self.tracing.check()
 
     @classmethod
     def from_fields(cls, log_level: str = "warning", **fields: Any) -> ServeConfig:
@@ -218,7 +258,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "engine": EngineConfig, "server": ServerConfig, "cluster": ClusterConfig,
-    "security": SecurityConfig,
+    "security": SecurityConfig, "tracing": TracingConfig,
 }
 
 
@@ -239,12 +279,14 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_threads: int = 0  # 0: torch's default
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     log_level: str = "warning"
     node: str = ""  # the node it runs on, for GET /workers (Ray: the node id; "": the hostname)
 
     def check(self) -> None:
         _choice("role", self.role, WORKER_ROLE.names)
         self.engine.check()
+        self.tracing.check()
 
 
 def _choice(field: str, value: str, choices: tuple[str, ...]) -> None:

@@ -180,6 +180,10 @@ class GenerateTask(msgspec.Struct, tag="generate", kw_only=True):
     reply_addr: str
     prefill_addr: str | None = None
     cache_namespace: str | None = None
+    # W3C trace context (``00-<trace id>-<parent span id>-<flags>``) of the router's span for
+    # this attempt, when the request is traced: the worker's spans join that trace as its
+    # children (``worker.tracing``). None: not traced (tracing off, or not sampled).
+    traceparent: str | None = None
 
 
 class AbortTask(msgspec.Struct, tag="abort"):
@@ -224,6 +228,30 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     addr: str
 
 
+class StageStamps(msgspec.Struct, kw_only=True):
+    """When one request passed each stage boundary on a worker, in wall-clock seconds
+    (``time.time()``; 0 where not reached or not this worker's). Wall clock, not monotonic, so
+    the router can lay the stamps of several processes on one time line (on one host exactly;
+    across hosts as well as their clocks agree, as ``KVPages.sent_at``). The router turns them
+    into the request's timing breakdown (``observe.timing``).
+
+    Prefill and colocated workers: ``received`` (task in), ``scheduled`` (its first prompt
+    chunk started), ``first_token`` (the step that sampled it ended). Decode workers:
+    ``decode_received``, ``kv_ready`` (its last KV pages installed). Decode and colocated:
+    ``first_step`` (its first decode step ended), ``last`` (its last token was emitted) and
+    ``steps`` (decode steps it took part in).
+    """
+
+    received: float = 0.0
+    scheduled: float = 0.0
+    first_token: float = 0.0
+    decode_received: float = 0.0
+    kv_ready: float = 0.0
+    first_step: float = 0.0
+    last: float = 0.0
+    steps: int = 0
+
+
 class TokenOutput(msgspec.Struct, kw_only=True):
     """New tokens of one request. ``index`` is the output position of ``token_ids[0]`` (0 = first
     generated token), so the server can order tokens that come from two workers."""
@@ -245,6 +273,9 @@ class TokenOutput(msgspec.Struct, kw_only=True):
     top_logprobs: list[list[float]] = []
     prompt_top_ids: list[list[int]] | None = None
     prompt_top_logprobs: list[list[float]] | None = None
+    # The worker's stage stamps: on the first output (index 0) and on the last (finish_reason
+    # set), None on the others.
+    stamps: StageStamps | None = None
 
 
 class TokenBatch(msgspec.Struct, tag="tokens"):
@@ -310,6 +341,7 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     node: str = ""  # the node the worker runs on (WorkerConfig.node: a Ray node id, or the host)
+    tokens_generated: int = 0  # output tokens this worker sent to routers since start
 
 
 # ---- decode <-> prefill (KV transfer control) ----------------------------------------------

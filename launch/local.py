@@ -108,7 +108,8 @@ class Cluster:
             n = per_worker or (len(cpus) if cpus else threads)
             worker = WorkerConfig(
                 role=role, worker_id=f"{role}-{i}", addr=addr, server_addr=server_inbox,
-                num_threads=n, engine=c.engine, security=c.security, log_level=c.log_level,
+                num_threads=n, engine=c.engine, security=c.security, tracing=c.tracing,
+                log_level=c.log_level,
             )
             self._spawn(f"{role}-{i}", ["worker", "--config-json", to_json(worker)], n)
         server = msgspec.structs.replace(c, server=msgspec.structs.replace(

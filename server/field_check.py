@@ -56,6 +56,17 @@ def objects_at(value: Any, steps: list[tuple[str, bool]], where: str = ""
             yield from objects_at(item, rest, f"{at}[{i}]")
 
 
+def check_table(where: str, obj: dict[str, Any], table: dict[str, FieldRule]) -> None:
+    """Check the fields of ``obj`` (a body, or the nested object at ``where``, its dotted path)
+    by ``table``, as :func:`check_fields` does: for the endpoints whose tables live elsewhere
+    (``server.responses_api.fields``).
+
+    Raises:
+        APIError: as :func:`check_fields`.
+    """
+    _check_object(where, obj, table)
+
+
 def _check_object(where: str, obj: dict[str, Any], table: dict[str, FieldRule]) -> None:
     """Check the fields of ``obj`` (the body, or the nested object at ``where``) by ``table``."""
     for key, value in obj.items():

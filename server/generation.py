@@ -52,6 +52,10 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
         if not job.leads_prompt:
             await share.ready.wait()
         extra["affinity"] = share.affinity
+    if job.timing is not None:
+        extra["timing"] = job.timing
+    if job.trace is not None:
+        extra["trace"] = job.trace
     events = client.generate(job.rid, job.input_ids, job.sampling,
                              cache_namespace=job.cache_namespace, **extra)
     engine_done = False

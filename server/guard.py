@@ -1,7 +1,7 @@
 """HTTP-level protection, as plain ASGI middleware (streaming responses pass through untouched):
 
 - optional API keys (a :class:`~splitserve.server.tenancy.KeyRing`): every path but ``/health``
-  needs ``Authorization: Bearer <key>`` with one of them, or gets 401 with an OpenAI-style error
+  and the web page's static files (``/``, ``/ui/...``, no data in them) needs ``Authorization: Bearer <key>`` with one of them, or gets 401 with an OpenAI-style error
   body (compared in constant time); the key's tenant is recorded in the scope
   (``server.tenancy.TENANT_SCOPE_KEY``) for the prefix-cache namespace and rate limits;
 - a request body limit: a larger body gets 413 before the app reads it (``Content-Length`` is
@@ -16,7 +16,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve.server.tenancy import TENANT_SCOPE_KEY, KeyRing
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/"})
+# The web page's static files (server.ui): the page asks for the key and sends it itself.
+OPEN_PREFIXES = ("/ui/",)
 
 
 async def _error(send: Send, status: int, message: str, code: str, headers=()) -> None:
@@ -41,7 +43,8 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.keys is not None and scope["path"] not in OPEN_PATHS:
+        path = scope["path"]
+        if self.keys is not None and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
             given = headers.get(b"authorization", b"")
             key = self.keys.match(given)
             if key is None:

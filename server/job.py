@@ -18,7 +18,9 @@ from splitserve.server.reasoning.request import ReasoningRequest
 from splitserve.server.tools.formats import ToolCallFormat
 
 if TYPE_CHECKING:
+    from splitserve.observe.timing import RequestTiming
     from splitserve.server.choices import PromptShare
+    from splitserve.server.request_trace import RequestTrace
 
 
 @dataclass(slots=True)
@@ -73,6 +75,11 @@ class Job:
     # > 1, the prompt it shares with its siblings (None: it is its prompt's only choice).
     index: int = 0
     share: PromptShare | None = None
+    # Observability (server.request_trace, observe.timing): this choice's stage boundaries
+    # (None: not timed, e.g. a test's app without the middleware), and the HTTP request's
+    # trace (None: not traced).
+    timing: RequestTiming | None = None
+    trace: RequestTrace | None = None
 
     @property
     def leads_prompt(self) -> bool:

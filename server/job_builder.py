@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from splitserve.ipc.messages import Constraint, ReasoningParams, SamplingParams
+from splitserve.observe.timing import RequestTiming
 from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.constraints import constraint_from_request
 from splitserve.server.errors import APIError
@@ -51,7 +52,8 @@ class JobBuilder:
         """Whether ``model`` names the served model."""
         return model in (self.model_name, MODEL_ALIAS)
 
-    def completion_jobs(self, req: CompletionRequest, request_id: str | None = None) -> list[Job]:
+    def completion_jobs(self, req: CompletionRequest, request_id: str | None = None,
+                        timing: RequestTiming | None = None) -> list[Job]:
         """The jobs of a ``/v1/completions`` request: one per prompt (``server.choices`` forks
         each into its ``n`` choices), all under one response id (``request_id``: the client's
         ``X-Request-Id``, which the rid carries: :func:`new_rid`).
@@ -72,7 +74,7 @@ class JobBuilder:
         constraint = constraint_from_request(req)
         jobs = []
         for i, prompt in enumerate(prompts):
-            ids = self._completion_ids(req, prompt)
+            ids = self._completion_ids(req, prompt, timing)
             reasoning = self._reasoning(
                 req, prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt),
                 constraint is not None)
@@ -86,9 +88,11 @@ class JobBuilder:
             jobs.append(job)
         return jobs
 
-    def chat_job(self, req: ChatCompletionRequest, request_id: str | None = None) -> Job:
+    def chat_job(self, req: ChatCompletionRequest, request_id: str | None = None,
+                 timing: RequestTiming | None = None) -> Job:
         """The job of a ``/v1/chat/completions`` request (``request_id`` as in
-        :meth:`completion_jobs`).
+        :meth:`completion_jobs`; ``timing``: where the template's and the tokenizer's times
+        are recorded, ``RequestTiming.prepare``).
 
         Raises:
             APIError: another model, ``best_of`` > 1, ``top_logprobs`` without ``logprobs``, a
@@ -101,11 +105,15 @@ class JobBuilder:
             raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         tools = self._tools(req)
         rid = new_rid(True, request_id)
+        start = time.time()
         text = self._chat_text(req, tools.tools)
-        constraint = tools.constraint or constraint_from_request(req)
-        reasoning = self._reasoning(req, text, constraint is not None)
+        rendered = time.time()
         # The template already wrote BOS and the role markers; don't add them twice.
         ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if timing is not None:
+            timing.prepare += [("template", start, rendered), ("tokenize", rendered, time.time())]
+        constraint = tools.constraint or constraint_from_request(req)
+        reasoning = self._reasoning(req, text, constraint is not None)
         job = self._make_job(req, ids, is_chat=True, rid=rid, response_id=rid,
                              constraint=constraint, reasoning=reasoning)
         job.tool_format, job.tool_functions = tools.format, tools.functions
@@ -169,10 +177,15 @@ class JobBuilder:
         if req.best_of not in (None, 1):
             raise APIError("best_of: only best_of=1 is supported", param="best_of")
 
-    def _completion_ids(self, req: CompletionRequest, prompt: str | list[int]) -> list[int]:
+    def _completion_ids(self, req: CompletionRequest, prompt: str | list[int],
+                        timing: RequestTiming | None = None) -> list[int]:
         if isinstance(prompt, str):
+            start = time.time()
             # By default a raw prompt gets BOS where the model expects one.
-            return self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+            if timing is not None:
+                timing.prepare.append(("tokenize", start, time.time()))
+            return ids
         bad = self._first_outside_vocab(prompt)
         if bad is not None:
             raise APIError(f"prompt: token id {bad} is outside the vocabulary", param="prompt")

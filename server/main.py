@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -12,13 +13,17 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from splitserve.config import ServeConfig
+from splitserve.observe.otel import create_trace_export
 from splitserve.server.chat_template import ChatRenderer
+from splitserve.server.cluster_view import ClusterView, install_cluster_view
 from splitserve.server.guard import install_guard
 from splitserve.server.membership import install_membership
 from splitserve.server.metrics import ServerMetrics, install_metrics
 from splitserve.server.rate_limit import RateLimiter
+from splitserve.server.responses_api.store import AsyncResponseStore, ResponseStore
 from splitserve.server.routes import create_app
 from splitserve.server.tenancy import KeyRing, Tenancy
+from splitserve.server.ui import install_ui
 from splitserve.server.worker_client import ZmqEngineClient
 
 
@@ -70,22 +75,36 @@ def run_api_server(
     template = Path(s.chat_template).read_text() if s.chat_template else None
     chat = ChatRenderer(tokenizer, template, s.tool_call_parser, family_format,
                         s.reasoning_parser, s.reasoning_budget)
-    app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids,
-                     tenancy=tenancy, chat=chat, metrics=metrics)
+    store = ResponseStore(s.responses_store_path, s.responses_store_max_mb * 2**20,
+                          s.responses_store_max_age_s)
+    export = create_trace_export(config.tracing, "splitserve-api", s.url)
+    model_name = Path(model_path).name
+    app = create_app(client, tokenizer, model_name, context_len, eos_ids,
+                     tenancy=tenancy, chat=chat, metrics=metrics,
+                     responses_store=AsyncResponseStore(store), trace_export=export)
     install_membership(app, client.pool)
     install_metrics(app, metrics)
+    view = ClusterView(client.pool, metrics, model_name)
+    install_cluster_view(app, view)
+    if s.ui:
+        install_ui(app)
     install_guard(app, keys, s.max_body_bytes)
     install_cors(app, s.allowed_origins)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await client.start()
+        sampler = asyncio.ensure_future(view.run())
         # Start-up state (tokenizer, app, templates) outlives every request: frozen, a full
         # collection no longer walks it while tokens stream.
         gc.collect()
         gc.freeze()
         yield
+        sampler.cancel()
         await client.close()
+        store.close()
+        if export is not None:
+            export.shutdown()
 
     app.router.lifespan_context = lifespan
     serve_app(app, s.host, s.port, config.log_level)
@@ -99,7 +118,8 @@ def install_cors(app: FastAPI, allowed_origins: list[str]) -> None:
     follows still needs it)."""
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["X-Request-Id"])
+                           allow_headers=["*"], expose_headers=[
+                               "X-Request-Id", "X-Trace-Id", "X-Splitserve-Timing"])
 
 
 def create_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> uvicorn.Server:

@@ -15,22 +15,28 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 
+from splitserve.config.registry import GRAMMAR_BACKEND, WORKER_ROLE
+from splitserve.observe.timing import STAGES
 from splitserve.server.engine_client import TokenEvent
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class RequestTimer:
-    """Times one request: call :meth:`on_event` for every event it yields."""
+    """Times one request: call :meth:`on_event` for every event it yields. ``timing``: its
+    ``observe.timing.RequestTiming`` (filled by the caller), whose stages are observed when it
+    finishes."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, timing: Any = None) -> None:
         self.m = metrics
+        self.timing = timing
         self.start = self.last = time.monotonic()
         self.num_tokens = 0
 
     def on_event(self, ev: TokenEvent) -> None:
         now = time.monotonic()
         if ev.token_ids:
+            self.m.generation_tokens.inc(len(ev.token_ids))
             if self.num_tokens == 0:
                 self.m.ttft.observe(now - self.start)
             else:
@@ -45,6 +51,12 @@ class RequestTimer:
         elif ev.finish_reason is not None:
             self.m.e2e.observe(now - self.start)
             self.m.requests.labels("finished").inc()
+            self.m.prompt_tokens.inc(ev.prompt_len)
+            self.m.cached_prompt_tokens.inc(ev.cached_len)
+            if self.timing is not None:
+                stage = self.m.stage
+                for name, seconds in self.timing.stages().items():
+                    stage.labels(name).observe(seconds)
 
     def rejected(self) -> None:
         self.m.requests.labels("rejected").inc()
@@ -77,10 +89,31 @@ class ServerMetrics:
         self.constraint_violations = Counter(
             "splitserve_constraint_violations", "Finished json_schema outputs that broke their "
             "schema, by the grammar backend the chain chose", ["backend"], registry=r)
+        # The timing breakdown's stages (observe.timing), per finished request.
+        self.stage = Histogram("splitserve_request_stage_seconds", "Time of each request stage "
+                               "(server, queue, prefill, transfer, decode, deliver), finished "
+                               "requests", ["stage"], buckets=LATENCY_BUCKETS, registry=r)
+        self.generation_tokens = Counter("splitserve_generation_tokens", "Output tokens "
+                                         "delivered to clients", registry=r)
+        self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens of finished "
+                                     "requests", registry=r)
+        self.cached_prompt_tokens = Counter("splitserve_prompt_cached_tokens", "Prompt tokens of "
+                                            "finished requests served from a prefix cache",
+                                            registry=r)
+        # Every label value a dashboard names is exposed from the start (at 0), so a query of
+        # a failure that has not happened yet reads 0 rather than nothing.
+        for outcome in ("finished", "error", "rejected"):
+            self.requests.labels(outcome)
+        for role in WORKER_ROLE.names:
+            self.worker_failures.labels(role)
+        for backend in GRAMMAR_BACKEND.names:
+            self.constraint_violations.labels(backend)
+        for stage in STAGES:
+            self.stage.labels(stage)
         self.pool: Any = None
 
-    def request_timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    def request_timer(self, timing: Any = None) -> RequestTimer:
+        return RequestTimer(self, timing)
 
     def attach(self, pool: Any) -> None:
         """Report the workers of ``pool`` (a ``server.worker_pool.WorkerPool``) at scrape time."""
@@ -114,6 +147,7 @@ _COUNTERS = {
     "kv_pages_received": "KV pages received from prefill workers",
     "spec_draft_tokens": "Speculative draft tokens proposed (--speculative)",
     "spec_accepted_tokens": "Speculative draft tokens kept by verification",
+    "tokens_generated": "Output tokens the worker sent to routers",
 }
 
 

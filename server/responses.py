@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -57,9 +58,13 @@ async def full_response(
     prompt_ids = job.input_ids if job.return_token_ids else None
     tool_calls, reasoning = None, None
     if _splits(job):
+        start = time.time()
         parts = answer_parts(job, text, finish)
         text, finish, tool_calls, reasoning = (parts.content, parts.finish_reason,
                                                parts.tool_calls, parts.reasoning)
+        if job.trace is not None and tool_calls is not None:
+            job.trace.stage("tool_parse", start, time.time(),
+                            **{"splitserve.calls": len(tool_calls)})
     body = job.formatter.full(text, finish, job.usage, ids, logprobs, prompt_ids, tool_calls,
                               reasoning)
     body["choices"][0]["index"] = job.index
@@ -138,8 +143,15 @@ async def _sse_events(jobs: list[Job], sources: list[AsyncIterator[str]]) -> Asy
         yield encode_event(err.body())
         yield DONE_EVENT
         return
-    if fmt.include_usage:
-        yield encode_event(fmt.usage_chunk(summed_usage(jobs)))
+    timing = jobs[0].timing
+    if fmt.include_usage or (timing is not None and timing.wanted):
+        chunk = fmt.usage_chunk(summed_usage(jobs))
+        if not fmt.include_usage:
+            del chunk["usage"]
+        if timing is not None and timing.wanted:
+            # The timing breakdown (observe.timing), asked for with x-splitserve-timing.
+            chunk["splitserve_timing"] = timing.summary(time.time())
+        yield encode_event(chunk)
     yield DONE_EVENT
 
 

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from pydantic_core import from_json
 
+from splitserve.observe.timing import RequestTiming, server_timing_header
 from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.choices import fork_choices
 from splitserve.server.constraint_check import checked_pieces, partial_header
@@ -33,7 +34,10 @@ from splitserve.server.job import Job
 from splitserve.server.job_builder import JobBuilder
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
 from splitserve.server.request_id import RequestIdMiddleware
+from splitserve.server.request_trace import ObserveMiddleware
 from splitserve.server.responses import full_response, merge_choices, streaming_response
+from splitserve.server.responses_api.routes import install_responses_routes
+from splitserve.server.responses_api.store import AsyncResponseStore, memory_store
 from splitserve.server.tenancy import Tenancy, require_operator
 from splitserve.server.token_text import TokenSpeller
 from splitserve.server.tokenize import install_tokenize_routes, server_version
@@ -50,6 +54,8 @@ def create_app(
     chat: ChatRenderer | None = None,
     tenancy: Tenancy | None = None,
     metrics: Any | None = None,
+    responses_store: AsyncResponseStore | None = None,
+    trace_export: Any | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API for one model served through ``client``.
 
@@ -65,6 +71,10 @@ def create_app(
             template, ``--tool-call-parser auto``).
         metrics: the ``server.metrics.ServerMetrics`` whose violation counter the json_schema
             safety net increments (None: not counted).
+        responses_store: where ``/v1/responses`` keeps responses (default: in memory, for
+            this app's life; ``server.responses_api.store``).
+        trace_export: the ``observe.otel.TraceExport`` request spans go to (None: tracing
+            off); every request is timed either way (``server.request_trace``).
     """
     chat = chat or ChatRenderer(tokenizer)
     jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids, chat)
@@ -74,6 +84,7 @@ def create_app(
     app = FastAPI(title="splitserve", version=server_version())
     install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(ObserveMiddleware, export=trace_export)
     install_tokenize_routes(app, jobs, tokenizer, context_len)
 
     violations = None if metrics is None else metrics.constraint_violations
@@ -99,7 +110,14 @@ def create_app(
                 sse.headers.update(headers)
             return client_gone() if sse is None else sse
         body = await unless_disconnected(request, lambda: _run_all(batch))
-        return client_gone() if body is None else JSONResponse(body, headers=headers)
+        if body is None:
+            return client_gone()
+        timing = batch[0].timing
+        if timing is not None and timing.wanted:  # the lead choice's breakdown
+            end = time.time()
+            headers = {**headers, "x-splitserve-timing": server_timing_header(timing.stages(end))}
+            body["splitserve_timing"] = timing.summary(end)
+        return JSONResponse(body, headers=headers)
 
     async def _run_all(batch: list[Job]) -> dict[str, Any]:
         if len(batch) == 1:
@@ -119,20 +137,26 @@ def create_app(
             raise _first_api_error(group_error) from None
         return merge_choices(batch, bodies)
 
+    install_responses_routes(app, jobs, tenancy, responses_store or memory_store(), speller,
+                             pieces)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req: CompletionRequest = await _parse(request, CompletionRequest, "completions")
+        timing = request_timing(request)
         prompts = [tenancy.apply(request.scope, job, req.cache_salt)
-                   for job in jobs.completion_jobs(req, request.state.request_id)]
+                   for job in jobs.completion_jobs(req, request.state.request_id, timing)]
         batch = [c for p, job in enumerate(prompts) for c in fork_choices(job, req.n or 1, p)]
-        return await respond(request, batch, req.stream)
+        return await respond(request, observed(request, batch, timing), req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, "chat")
-        job = tenancy.apply(request.scope, jobs.chat_job(req, request.state.request_id),
+        timing = request_timing(request)
+        job = tenancy.apply(request.scope, jobs.chat_job(req, request.state.request_id, timing),
                             req.cache_salt)
-        return await respond(request, fork_choices(job, req.n or 1, 0), req.stream)
+        return await respond(request, observed(request, fork_choices(job, req.n or 1, 0), timing),
+                             req.stream)
 
     def model_card() -> dict[str, Any]:
         return {
@@ -184,6 +208,32 @@ def create_app(
         return await client.flush_cache()
 
     return app
+
+
+def request_timing(request: Request) -> RequestTiming:
+    """A fresh timing breakdown for ``request``, from its arrival (``server.request_trace``);
+    its body has been read and checked: the trace's ``receive`` span ends now."""
+    state = request.scope.get("state") or {}
+    now = time.time()
+    timing = RequestTiming(state.get("arrival") or now, bool(state.get("wants_timing")))
+    trace = state.get("trace")
+    if trace is not None:
+        trace.stage("receive", timing.arrival, now)
+    return timing
+
+
+def observed(request: Request, batch: list[Job], timing: RequestTiming) -> list[Job]:
+    """Give each job of ``batch`` (the choices of one request) its timing (the lead
+    ``timing``, the others a fork of it) and the request's trace, whose ``template`` and
+    ``tokenize`` spans are made now from ``timing.prepare``. Returns ``batch``."""
+    trace = (request.scope.get("state") or {}).get("trace")
+    if trace is not None:
+        for name, start, end in timing.prepare:
+            trace.stage(name, start, end)
+    for i, job in enumerate(batch):
+        job.timing = timing if i == 0 else timing.fork()
+        job.trace = trace
+    return batch
 
 
 def _first_api_error(group: BaseExceptionGroup) -> BaseException:

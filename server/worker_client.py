@@ -120,12 +120,13 @@ class ZmqEngineClient(BaseEngineClient):
     def generate(
         self, rid: str, input_ids: list[int], sampling: SamplingParams,
         cache_namespace: str | None = None, affinity: PromptAffinity | None = None,
+        timing: Any = None, trace: Any = None,
     ) -> AsyncIterator[TokenEvent]:
         """``rid``'s events (``BaseEngineClient.generate``), run by its own
         :class:`DisaggRequest`."""
         req = DisaggRequest(rid, input_ids, sampling, self, self.requests,
                             cache_namespace=cache_namespace, affinity=affinity,
-                            metrics=self.metrics)
+                            metrics=self.metrics, timing=timing, trace=trace)
         return req.events()
 
     async def abort(self, rid: str) -> None:

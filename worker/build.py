@@ -12,6 +12,7 @@ act through; the KV transfer endpoint (sender or receiver) and its sessions.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from splitserve.worker.links import open_links
 from splitserve.worker.parts import WorkerParts
 from splitserve.worker.port import OutboxPort, SessionPort, WorkerPort
 from splitserve.worker.role import WorkerRole
+
+if TYPE_CHECKING:
+    from splitserve.worker.tracing import WorkerTracer
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +98,22 @@ def build_parts(config: WorkerConfig, role: WorkerRole) -> WorkerParts:
         config, dtype, model_config, weights, pool, scheduler, EngineCore(scheduler, runner),
         grammars, links, port, sender, receiver,
         create_sessions(config, scheduler, grammars, port, sender, receiver),
+        create_worker_tracer(config, role),
     )
+
+
+def create_worker_tracer(config: WorkerConfig, role: WorkerRole) -> WorkerTracer | None:
+    """The worker's spans of traced requests (``worker.tracing``), exported to
+    ``config.tracing.otlp_traces_endpoint``; None when tracing is off (nothing of
+    OpenTelemetry imported)."""
+    if not config.tracing.enabled:
+        return None
+    from splitserve.observe.otel import create_trace_export
+    from splitserve.worker.tracing import WorkerTracer
+
+    export = create_trace_export(config.tracing, f"splitserve-{role.name}", config.worker_id,
+                                 follow_parent_only=True)
+    return WorkerTracer(export, role.name, config.worker_id)
 
 
 def create_sessions(

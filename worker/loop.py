@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from splitserve.ipc.messages import (
     AbortTask,
     FlushCache,
     GenerateTask,
+    KVBootstrap,
     Message,
     RouterBeat,
     Shutdown,
@@ -36,6 +38,7 @@ from splitserve.worker.heartbeat import Heartbeat, rejoin_router
 from splitserve.worker.parts import WorkerParts
 from splitserve.worker.role import WorkerRole
 from splitserve.worker.routers import CHECK_S, RouterWatch
+from splitserve.worker.tracing import stamp_step
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,9 @@ class Worker:
         self.ctx, self.inbox, self.outbox = parts.links.ctx, parts.links.inbox, parts.links.outbox
         self.sender, self.receiver, self.sessions = parts.sender, parts.receiver, parts.sessions
         self.policy = role.create_policy(parts)
+        # The traced requests' spans (worker.tracing; None: tracing off).
+        self.tracer = parts.tracer
+        self.port.tracer = parts.tracer
         # Which routers are still there: a gone one's requests are ended (worker.routers).
         self.routers = RouterWatch(self.outbox.link_drops, self.outbox.watch, clock=self.port.now)
         self.next_router_check = 0.0
@@ -105,6 +111,8 @@ class Worker:
             beat.join()
             self.grammars.close()
             self.core.close()
+            if self.tracer is not None:
+                self.tracer.close()
             # Backend threads (mooncake/nixl writers, nixl's progress thread) stop before the
             # interpreter exits: a nixl thread still inside UCX at exit crashed the process.
             self.policy.close()
@@ -122,21 +130,45 @@ class Worker:
                 if item is None:
                     break
                 self.dispatch(*item)
+        tracer = self.tracer
         for done in self.grammars.poll():
+            if tracer is not None:
+                tracer.mark(done.req.rid, "compiled")
             self._handle(self.policy.on_compiled, done)
         now = self.now()
         self._handle(self.policy.on_tick, now)
         if now >= self.next_router_check:
             self.next_router_check = now + CHECK_S
             self._handle(self.check_routers, now)
+            if tracer is not None:
+                tracer.sweep(time.time())
         if self.scheduler.has_work:
-            self._handle(self.policy.on_step, self.core.step())
+            self._step()
+
+    def _step(self) -> None:
+        """One engine step; its stage stamps (``worker.tracing.stamp_step``); its outputs to
+        the policy; the traces of the requests it finished here ended."""
+        start = time.time()
+        outputs = self.core.step()
+        batch = self.core.last_batch
+        if batch is not None:
+            tracer = self.tracer
+            stamp_step(batch, start, time.time(),
+                       tracer.live if tracer is not None and tracer.live else None)
+        self._handle(self.policy.on_step, outputs)
+        tracer = self.tracer
+        if tracer is not None and tracer.live and self.role.decodes:
+            for out in outputs:
+                if out.req.finish_reason is not None:
+                    tracer.end(out.req.rid, "finished", out.req)
 
     def dispatch(self, msg: Message, frames: Frames | list) -> None:
         """Handle one inbox message: the worker's own (stats, flush, router beats, shutdown)
         here, the others by the policy; then admission."""
         try:
             if isinstance(msg, GenerateTask):
+                if self.tracer is not None:
+                    self.tracer.begin(msg.rid, msg.traceparent)
                 if self.routers.dropped(msg.reply_addr):
                     # A router restarted at the same inbox: its predecessor's requests go first.
                     self.end_requests_of(msg.reply_addr, "closed its link")
@@ -144,6 +176,8 @@ class Worker:
                 self.policy.on_task(msg)
             elif isinstance(msg, AbortTask):
                 self.policy.on_abort(msg.rid)
+                if self.tracer is not None:
+                    self.tracer.end(msg.rid, "aborted")
             elif isinstance(msg, RouterBeat):
                 self.routers.heard(msg.reply_addr, msg.dead_after_s)
             elif isinstance(msg, StatsQuery):
@@ -157,6 +191,8 @@ class Worker:
             elif isinstance(msg, Shutdown):
                 self.stopped = True
             else:
+                if self.tracer is not None and isinstance(msg, KVBootstrap):
+                    self.tracer.mark(msg.rid, "bootstrap")
                 self.policy.on_peer(msg, frames)
         except PeerUnreachable as exc:
             logger.warning("%s: %s", type(msg).__name__, exc)
@@ -177,6 +213,10 @@ class Worker:
         bootstraps each."""
         admitted = self.scheduler.admit_waiting_for_kv()
         if admitted:
+            if self.tracer is not None:
+                for req in admitted:
+                    self.tracer.mark(req.rid, "admitted")
+                    self.tracer.seen(req)
             self.policy.on_admitted(admitted)
 
     # ---- routers that went away (worker.routers) ----------------------------------------------
@@ -246,6 +286,7 @@ class Worker:
             kernel_plan=kernel_report(model, self.config.engine),
             spec_draft_tokens=self.scheduler.num_draft_tokens,
             spec_accepted_tokens=self.scheduler.num_accepted_tokens,
+            tokens_generated=self.port.num_tokens_out,
             node=self.config.node or socket.gethostname(),
         )
         return self.policy.fill_stats(stats)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from splitserve.worker.grammars import WorkerGrammars
     from splitserve.worker.links import Links
     from splitserve.worker.port import OutboxPort
+    from splitserve.worker.tracing import WorkerTracer
 
 
 @dataclass(slots=True, eq=False)
@@ -46,3 +47,4 @@ class WorkerParts:
     sender: BaseKVSender | None = None
     receiver: BaseKVReceiver | None = None
     sessions: SendSessions | RecvSessions | None = None
+    tracer: WorkerTracer | None = None  # spans of traced requests (None: tracing off)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from splitserve.ipc.messages import SamplingParams
+from splitserve.ipc.messages import SamplingParams, StageStamps
 
 if TYPE_CHECKING:
     from splitserve.engine.grammar.request_grammar import RequestGrammar
@@ -55,6 +55,11 @@ class Req:
     grammar: RequestGrammar | None = None  # set once its constraint compiled (None: free text)
     uid: int = field(default_factory=lambda: next(_uids))  # keys per-sequence engine caches
     ngrams: NgramIndex | None = None  # speculative drafts' index, made at its first decode step
+    # When it passed each stage boundary here (wall clock; the worker stamps them, the router
+    # gets them with its first and last outputs), and its trace record when it is traced
+    # (``worker.tracing.ReqTrace``; None: not traced). The engine never reads either.
+    stamps: StageStamps = field(default_factory=StageStamps)
+    trace: Any = None
 
     @property
     def prompt_len(self) -> int:

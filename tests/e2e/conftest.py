@@ -16,7 +16,8 @@ __all__ = ["free_port"]
 
 def _launch(model_path: Path, **kw) -> Iterator[Cluster]:
     # One thread per worker: CI machines have 2 cores shared with pytest and the API server.
-    options = {"kv_cache_mb": 128, "threads_per_worker": 1, **kw}
+    # Stored responses in memory: tests leave nothing in the cache folder.
+    options = {"kv_cache_mb": 128, "threads_per_worker": 1, "responses_store": ":memory:", **kw}
     with Cluster(serve_config(model_path, **options)) as cluster:
         yield cluster
 

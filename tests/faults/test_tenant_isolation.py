@@ -3,7 +3,8 @@ three keys and per-key rate limits: the same prompt from another key, or with an
 ``cache_salt``, reports ``cached_tokens == 0`` (the radix cache on the prefill worker keeps
 namespaces apart) while the greedy output stays the same; a key past its rate limit gets 429
 with ``Retry-After`` and an OpenAI error body, other keys do not, and after waiting it is served;
-no page is held afterwards."""
+a key's stored responses (``/v1/responses``) are its own: another key's id is a 404 and cannot
+be continued; no page is held afterwards."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def cluster(model_path: Path, tmp_path_factory):
     keyfile.write_text("".join(f"{key} {name}\n" for name, key in KEYS.items()))
     spec = serve_config(model_path, kv_cache_mb=32, threads_per_worker=1,
                         api_key="sk-operator-0", api_key_file=str(keyfile), rate_limit_rps=RATE,
-                        rate_limit_tps=100_000)
+                        rate_limit_tps=100_000,
+                        responses_store=str(keyfile.parent / "responses.sqlite3"))
     with Cluster(spec) as c:
         wait_all_healthy(c, 2, headers=auth("alice"))
         yield c
@@ -83,6 +85,30 @@ def test_keys_and_salts_never_share_cached_prompts(cluster, chat) -> None:
         assert text == ref  # and the same greedy output
     cached, _ = ask(url, "alice", "salt-1", chat=chat)
     assert cached > 0  # a salt is a namespace of its own, reusable with the same salt
+    assert_no_pages(cluster, headers=auth("alice"))
+
+
+def test_a_keys_stored_responses_are_its_own(cluster) -> None:
+    url = cluster.config.url
+    body = {"model": "default", "input": PROMPT, "max_output_tokens": 16, "temperature": 0}
+    made = post(url, "/v1/responses", body, auth("alice"))
+    assert made.status_code == 200, made.text
+    rid = made.json()["id"]
+    at = f"/v1/responses/{rid}"
+    for method, path in (("GET", at), ("GET", f"{at}/input_items"), ("POST", f"{at}/cancel"),
+                         ("DELETE", at)):
+        r = httpx.request(method, url + path, headers=auth("bob"), timeout=30)
+        assert r.status_code == 404, (method, path, r.text)
+        assert r.json()["error"]["code"] == "response_not_found"
+    r = post(url, "/v1/responses", {**body, "previous_response_id": rid}, auth("bob"))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found"
+    kept = httpx.get(f"{url}/v1/responses/{rid}", headers=auth("alice"), timeout=30)
+    assert kept.status_code == 200 and kept.json() == made.json()
+    # Nor does one key's Responses prompt serve another's from the cache.
+    other = post(url, "/v1/responses", body, auth("bob")).json()
+    assert other["usage"]["input_tokens_details"]["cached_tokens"] == 0
+    assert other["output"][0]["content"][0]["text"] == made.json()["output"][0]["content"][0][
+        "text"]
     assert_no_pages(cluster, headers=auth("alice"))
 
 

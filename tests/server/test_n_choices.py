@@ -208,7 +208,8 @@ class _LeadFails(FakeEngineClient):
     """Every choice sends its first event; then the lead (rid ``...-0``) fails while its
     siblings wait for more (like decode steps in flight)."""
 
-    async def generate(self, rid, input_ids, sampling, cache_namespace=None, affinity=None):
+    async def generate(self, rid, input_ids, sampling, cache_namespace=None, affinity=None,
+                       **observed):
         inner = super().generate(rid, input_ids, sampling, cache_namespace, affinity)
         try:
             yield await anext(inner)
