@@ -215,3 +215,23 @@ def test_dsl_gen_reasoning_over_the_openai_compatible_backend(cluster) -> None:
                    max_tokens=30, reasoning_effort="none").choices[0].message
     assert s["answer"] == (direct.content or "")
     assert s.reasoning("answer") == _extra(direct, "reasoning_content")
+
+
+def test_responses_get_the_thinking_as_a_reasoning_item(client, cluster) -> None:
+    # /v1/responses builds on the chat job, so its thinking is a reasoning item and its
+    # text the answer after the marker: the same split as chat's, streamed too. (SmolLM2
+    # does not close the block within 40 tokens: the answer is all thinking.)
+    chat = _chat(client).choices[0].message
+    thinking = _extra(chat, "reasoning_content")
+    assert thinking
+    body = {"model": "default", "input": ASK[0]["content"], "max_output_tokens": 40,
+            "temperature": 0, "store": False}
+    r = client.responses.create(**body)
+    assert r.output[0].type == "reasoning"
+    assert r.output[0].content[0].text == thinking
+    assert r.output_text == (chat.content or "")
+    assert "<think>" not in thinking and "</think>" not in r.output_text
+    streamed = client.responses.create(**body, stream=True)
+    deltas = [e.delta for e in streamed if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == thinking
+    wait_for_no_pages(cluster)
