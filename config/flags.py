@@ -17,6 +17,7 @@ from splitserve.config.registry import (
     GRAMMAR_BACKEND,
     KV_TRANSFER,
     PREFIX_CACHE,
+    REASONING_PARSER,
     ROUTING,
     TOOL_CALL_PARSER,
 )
@@ -176,6 +177,11 @@ SERVER_FLAGS = (
     Flag("--tool-call-parser", "server.tool_call_parser", "how tool calls are parsed out of "
          "the model's text (auto: the format the chat template names, else the model family's "
          "(engine.model.registry), else the built-in tool prompt's)", choices=("auto", *TOOL_CALL_PARSER.names)),
+    Flag("--reasoning-parser", "server.reasoning_parser", "how a reasoning model's thinking is "
+         "split from its answer into reasoning_content (auto: the think block the chat "
+         "template names; none: no reasoning)", choices=("auto", "none", *REASONING_PARSER.names)),
+    Flag("--reasoning-budget", "server.reasoning_budget", "thinking tokens at most for requests "
+         "that ask no budget; then the end marker is forced (-1: no limit)"),
     Flag("--responses-store", "server.responses_store", "the SQLite file that keeps "
          "/v1/responses for previous_response_id, GET and background responses (default: "
          "responses.sqlite3 under $SPLITSERVE_CACHE; :memory: keeps them in memory only)",

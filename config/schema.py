@@ -21,6 +21,7 @@ from splitserve.config.registry import (
     GRAMMAR_BACKEND,
     KV_TRANSFER,
     PREFIX_CACHE,
+    REASONING_PARSER,
     ROUTING,
     TOOL_CALL_PARSER,
     WORKER_ROLE,
@@ -157,6 +158,10 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rate_limit_tps: float = 0.0
     chat_template: str | None = None  # a Jinja chat template file replacing the model's
     tool_call_parser: str = "auto"  # or a TOOL_CALL_PARSER name; auto: the template, else the family
+    # A REASONING_PARSER name, "none", or "auto": the family the chat template's think block
+    # names (none without one). And the thinking budget of requests that ask none (-1: none).
+    reasoning_parser: str = "auto"
+    reasoning_budget: int = -1
     # Stored /v1/responses (server.responses_api.store): a SQLite file ("": responses.sqlite3
     # under $SPLITSERVE_CACHE; ":memory:": kept in memory only), its size and age bounds.
     responses_store: str = ""
@@ -171,6 +176,11 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def check(self) -> None:
         _choice("routing", self.routing, ROUTING.names)
         _choice("tool_call_parser", self.tool_call_parser, ("auto", *TOOL_CALL_PARSER.names))
+        _choice("reasoning_parser", self.reasoning_parser,
+                ("auto", "none", *REASONING_PARSER.names))
+        if self.reasoning_budget < -1:
+            raise ValueError(f"reasoning_budget must be >= -1 (-1: none), not "
+                             f"{self.reasoning_budget}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ValueError(f"chat_template: no such file {self.chat_template!r}")
         if not 0 <= self.port < 65536:

@@ -101,7 +101,7 @@ class DecodePolicy:
             self.port.fail(task.rid, task.reply_addr, error, 400, FailureKind.INVALID)
             return
         req = new_req(task, self.scheduler, stamp="decode_received")
-        if task.sampling.constraint is not None:
+        if task.sampling.needs_grammar:
             self.grammars.submit(req)  # compiles while the pages are reserved and the KV travels
         self.sessions.open(req, task.prefill_addr)
         self.scheduler.add_waiting_for_kv(req)

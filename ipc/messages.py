@@ -50,6 +50,26 @@ class Constraint(msgspec.Struct, frozen=True):
     whitespace_flexible: bool = False
 
 
+class ReasoningParams(msgspec.Struct, frozen=True):
+    """The think block of a reasoning model's answer, as the engine enforces it (docs/api.md,
+    "Reasoning"): the request's constraint starts only after the block, and the block ends by
+    force after ``budget`` tokens. Sent only where the engine has something to do: a
+    constraint, or a budget (free thinking without a budget is the server's parsing alone).
+
+    ``start_ids`` / ``end_ids``: the markers as the model's tokenizer writes them on their own
+    (a model opens the block with exactly ``start_ids``; the budget forces exactly ``end_ids``);
+    ``end_text``: the end marker's text, found in the output at the byte level whatever tokens
+    spell it; ``opened``: the prompt opened the block, so the answer starts inside it (else the
+    model may open it as its first tokens); ``budget``: thinking tokens at most, -1 for none.
+    """
+
+    start_ids: list[int]
+    end_ids: list[int]
+    end_text: str
+    opened: bool
+    budget: int = -1
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick each next token. Units: tokens.
 
@@ -86,6 +106,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # Alternatives per token (0-20) returned with each sampled token, and with each scored prompt
     # token: the most likely ids of the raw distribution (log-softmax before any processing).
     top_logprobs: int = 0
+    # A reasoning model's think block (None: none, or nothing for the engine to enforce):
+    # ``constraint`` applies after it, and it ends by force at its budget (engine.grammar.think).
+    reasoning: ReasoningParams | None = None
+
+    @property
+    def needs_grammar(self) -> bool:
+        """Whether the request's tokens go through a grammar (a constraint, or a think block the
+        engine enforces): its worker prepares one before scheduling it."""
+        return self.constraint is not None or self.reasoning is not None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

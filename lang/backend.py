@@ -65,11 +65,13 @@ class ToolsArgs:
 class GenOutput:
     """One generation: its text and what the server reported (``finish_reason``,
     ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``); with tools, the calls
-    (``text`` is then the content outside them)."""
+    (``text`` is then the content outside them); with reasoning, the thinking (``text`` is
+    then the answer after it; None: the server split none off)."""
 
     text: str
     meta: dict[str, Any] = field(default_factory=dict)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str | None = None
 
 
 @dataclass(slots=True)
@@ -133,6 +135,20 @@ class BaseBackend(abc.ABC):
         """
         raise BackendError(f"{type(self).__name__} has no tool calling (it needs a chat "
                            "endpoint that returns tool_calls)", unsupported=True)
+
+    def generate_message(self, prompt: ChatPrompt, sampling: SamplingArgs,
+                         constraint: tuple[str, Any] | None, tools: ToolsArgs | None,
+                         reasoning_effort: str | None = None) -> GenOutput:
+        """Generate an assistant message whose thinking is kept apart (``GenOutput.reasoning``),
+        under ``constraint`` and with ``tools`` (None: none).
+
+        Raises:
+            BackendError: the backend has no chat endpoint (``unsupported``; the default), it
+                cannot enforce ``constraint``, or the server failed.
+        """
+        raise BackendError(f"{type(self).__name__} does not return a reasoning model's "
+                           "thinking apart (it needs a chat endpoint with reasoning_content)",
+                           unsupported=True)
 
     @abc.abstractmethod
     def prefill(self, prompt: Prompt) -> dict[str, Any]:

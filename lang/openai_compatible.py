@@ -3,7 +3,8 @@
 Role programs become chat messages (``/v1/chat/completions``); plain-text programs use
 ``/v1/completions``. ``gen(tools=...)`` sends ``tools``/``tool_choice``/``parallel_tool_calls``
 on the chat endpoint and reads ``message.tool_calls`` back; a required or named call that does
-not come back is an error. Only constraints the OpenAI API defines (``json_schema`` through
+not come back is an error. ``gen(reasoning=True)`` goes to the chat endpoint too and reads the
+thinking from ``message.reasoning_content``. Only constraints the OpenAI API defines (``json_schema`` through
 ``response_format``) are sent; regex, choices, typed ``dtype`` and ``select`` (which needs prompt
 logprobs) are a :class:`BackendError` with ``unsupported`` set, never a silent fallback.
 """
@@ -79,17 +80,36 @@ class OpenAIBackendBase(BaseBackend):
 
     def generate_tools(self, prompt: ChatPrompt, sampling: SamplingArgs,
                        tools: ToolsArgs) -> GenOutput:
+        return self._chat(prompt, sampling, None, tools)
+
+    def generate_message(self, prompt: ChatPrompt, sampling: SamplingArgs,
+                         constraint: tuple[str, Any] | None, tools: ToolsArgs | None,
+                         reasoning_effort: str | None = None) -> GenOutput:
+        extra = {} if reasoning_effort is None else {"reasoning_effort": reasoning_effort}
+        out = self._chat(prompt, sampling, constraint, tools, extra)
+        return out
+
+    def _chat(self, prompt: ChatPrompt, sampling: SamplingArgs,
+              constraint: tuple[str, Any] | None, tools: ToolsArgs | None,
+              extra: dict[str, Any] | None = None) -> GenOutput:
+        """One ``/chat/completions`` request: its answer, calls and thinking
+        (``message.reasoning_content``, vLLM's and DeepSeek's field; ``reasoning`` as some
+        servers name it)."""
         body: dict[str, Any] = {"model": self.model, **sampling_fields(sampling),
-                                "messages": prompt.messages, "tools": tools.tools}
-        if tools.tool_choice is not None:
-            body["tool_choice"] = tools.tool_choice
-        if tools.parallel_tool_calls is not None:
-            body["parallel_tool_calls"] = tools.parallel_tool_calls
+                                **self.constraint_fields(constraint),
+                                "messages": prompt.messages, **(extra or {})}
+        if tools is not None:
+            body["tools"] = tools.tools
+            if tools.tool_choice is not None:
+                body["tool_choice"] = tools.tool_choice
+            if tools.parallel_tool_calls is not None:
+                body["parallel_tool_calls"] = tools.parallel_tool_calls
         answer = self.http.post("/chat/completions", body)
         message = answer["choices"][0]["message"]
         out = completion_output(answer, is_chat=True)
         out.tool_calls = parse_tool_calls(message.get("tool_calls"))
-        if tools.must_call() and not out.tool_calls:
+        out.reasoning = message.get("reasoning_content", message.get("reasoning"))
+        if tools is not None and tools.must_call() and not out.tool_calls:
             raise BackendError(
                 f"tool_choice {tools.tool_choice!r} requires a call, but the server at "
                 f"{self.http.base_url} answered without tool_calls (does it implement tools?)",

@@ -23,6 +23,8 @@ def gen(
     tools: list[dict[str, Any] | Callable[..., Any]] | None = None,
     tool_choice: str | dict[str, Any] | None = None,
     parallel_tool_calls: bool | None = None,
+    reasoning: bool = False,
+    reasoning_effort: str | None = None,
 ) -> Gen:
     """A generation step; its text is appended and stored in ``s[name]``.
 
@@ -44,6 +46,12 @@ def gen(
         tool_choice: ``"auto"`` (default), ``"none"``, ``"required"``, or a tool's name (that
             function must be called).
         parallel_tool_calls: False: at most one call.
+        reasoning: a reasoning model's thinking is kept apart from its answer: the gen must
+            open an assistant message and goes to the chat endpoint; ``s[name]`` is the answer
+            and ``s.reasoning(name)`` the thinking (the server's ``reasoning_content``; None
+            where the server splits none off).
+        reasoning_effort: OpenAI's effort level (``low``, ``medium``, ``high``...), sent with
+            a ``reasoning`` gen: a thinking budget on a splitserve server.
 
     Raises:
         ValueError: more than one constraint (tools count as one), an unsupported ``dtype``,
@@ -57,6 +65,8 @@ def gen(
         raise ValueError("tool_choice and parallel_tool_calls need tools=[...]")
     if specs is not None:
         tool_choice = tool_choice_field(tool_choice, [s["function"]["name"] for s in specs])
+    if reasoning_effort is not None and not reasoning:
+        raise ValueError("reasoning_effort needs reasoning=True")
 
     node = Gen(
         name=name,
@@ -72,6 +82,8 @@ def gen(
         tools=specs,
         tool_choice=tool_choice,
         parallel_tool_calls=parallel_tool_calls,
+        reasoning=reasoning,
+        reasoning_effort=reasoning_effort,
     )
     check_one_constraint(node)
     return node

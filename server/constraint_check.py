@@ -6,6 +6,8 @@ A violation means a backend let through what it should have refused: it is logge
 schema's hash, counted in ``splitserve_constraint_violations_total{backend}``, and under
 ``strict`` the request fails (500, ``constraint_violation``) instead of answering a
 valid-looking 200. Outputs cut by ``max_tokens`` are not finished, so they are not checked.
+A reasoning model's output is checked after its thinking, where its grammar starts
+(``engine.grammar.think``).
 """
 
 from __future__ import annotations
@@ -98,7 +100,10 @@ async def _validated(
         async for piece in pieces:
             parts.append(piece.text)
             if piece.finish_reason == "stop":
-                _check(job, constraint, "".join(parts), violations)
+                output = "".join(parts)
+                if job.reasoning is not None:  # the schema holds after the thinking
+                    output = job.reasoning.split(output)[1]
+                _check(job, constraint, output, violations)
             yield piece
     finally:
         await pieces.aclose()  # type: ignore[attr-defined]

@@ -108,6 +108,9 @@ _SHARED: dict[str, FieldRule] = {
     "choice": extension("the output is one of these strings"),
     "cache_salt": extension("prefix-cache namespace: requests share cache only with the same "
                             "salt (vLLM)"),
+    "thinking_token_budget": extension("a reasoning model thinks at most this many tokens, "
+                                       "then its end marker is forced (vLLM); a 400 where the "
+                                       "server has no reasoning parser", minimum=0),
 }
 
 CHAT_FIELDS: dict[str, FieldRule] = {
@@ -130,7 +133,10 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "prediction": refused("no predicted outputs"),
     "web_search_options": refused("no web search"),
     "verbosity": refused("a reasoning-model control the served model lacks"),
-    "reasoning_effort": refused("a reasoning-model control the served model lacks"),
+    "reasoning_effort": implemented(
+        "a thinking budget (none 0, minimal 256, low 1024, medium 4096, high 16384, xhigh "
+        "32768 tokens, max none); a 400 where the server has no reasoning parser",
+        enum=("none", "minimal", "low", "medium", "high", "xhigh", "max")),
     "moderation": refused("no moderation model here"),
     "functions": refused("deprecated by OpenAI; use `tools`"),
     "function_call": refused("deprecated by OpenAI; use `tool_choice`"),
@@ -138,6 +144,10 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "prompt_cache_key": ignored(_CACHE_HINT),
     "prompt_cache_retention": ignored(_CACHE_HINT),
     "prompt_cache_options": ignored(_CACHE_HINT),
+    # Extensions.
+    "chat_template_kwargs": extension("more variables for the chat template, e.g. "
+                                      "`enable_thinking` (vLLM); a name the template does not "
+                                      "read is a 400"),
 }
 
 COMPLETION_FIELDS: dict[str, FieldRule] = {

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from splitserve.ipc.messages import SamplingParams
 from splitserve.server.formatter import ResponseFormatter, Usage
+from splitserve.server.reasoning.request import ReasoningRequest
 from splitserve.server.tools.formats import ToolCallFormat
 
 if TYPE_CHECKING:
@@ -46,6 +47,13 @@ class Job:
     logprobs: str | None = None
     discard_output: bool = False
     tool_format: ToolCallFormat | None = None  # parse tool calls out of the answer (chat)
+    # name -> ``parameters`` of the request's functions (the XML and pythonic parsers read them)
+    tool_functions: dict[str, dict] | None = None
+    # A reasoning model's think block (None: the server has no reasoning parser): where the
+    # prompt leaves it and what the engine enforces; ``splits_reasoning``: the answer's
+    # thinking goes to ``reasoning_content`` (chat), else it stays in the text (completions).
+    reasoning: ReasoningRequest | None = None
+    splits_reasoning: bool = False
     # Special token ids the answer's text keeps as this text (the tool-call marker where it is
     # a special token, e.g. Mistral's ``[TOOL_CALLS]``: the parser must see it).
     keep_tokens: dict[int, str] = field(default_factory=dict)

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any
 
-from splitserve.ipc.messages import Constraint, SamplingParams
+from splitserve.ipc.messages import Constraint, ReasoningParams, SamplingParams
 from splitserve.observe.timing import RequestTiming
 from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.constraints import constraint_from_request
@@ -20,8 +20,10 @@ from splitserve.server.format_prompt import with_format_description
 from splitserve.server.formatter import ResponseFormatter, Usage
 from splitserve.server.job import Job
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
+from splitserve.server.reasoning.budget import thinking_budget
+from splitserve.server.reasoning.request import ReasoningRequest
 from splitserve.server.tools.prompt import hf_messages
-from splitserve.server.tools.request import tool_request
+from splitserve.server.tools.request import ToolRequest, tool_request
 
 MODEL_ALIAS = "default"  # accepted as ``model`` whatever the served model is called
 
@@ -69,10 +71,16 @@ class JobBuilder:
             raise APIError("prompt: a list of several prompts is not supported with stream",
                            param="prompt")
         rid = new_rid(False, request_id)
+        constraint = constraint_from_request(req)
         jobs = []
         for i, prompt in enumerate(prompts):
-            job = self._make_job(req, self._completion_ids(req, prompt, timing), is_chat=False,
-                                 rid=rid if len(prompts) == 1 else f"{rid}-{i}", response_id=rid)
+            ids = self._completion_ids(req, prompt, timing)
+            reasoning = self._reasoning(
+                req, prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt),
+                constraint is not None)
+            job = self._make_job(req, ids, is_chat=False,
+                                 rid=rid if len(prompts) == 1 else f"{rid}-{i}", response_id=rid,
+                                 constraint=constraint, reasoning=reasoning)
             if req.echo:
                 job.echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
             job.logprobs = "completion" if req.logprobs is not None else None
@@ -97,15 +105,55 @@ class JobBuilder:
         self._check_model(req)
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
-        tools = tool_request(req, self.chat.tool_format, self.chat.begin_token)
+        tools = self._tools(req)
         rid = new_rid(True, request_id)
-        job = self._make_job(req, self._chat_ids(req, tools.tools, timing, continuation),
-                             is_chat=True, rid=rid, response_id=rid, constraint=tools.constraint)
-        job.tool_format = tools.format
-        if tools.format is not None and self.chat.begin_token is not None:
-            job.keep_tokens = {self.chat.begin_token: tools.format.begin}
+        start = time.time()
+        text = self._chat_text(req, tools.tools) + continuation
+        rendered = time.time()
+        # The template already wrote BOS and the role markers; don't add them twice.
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if timing is not None:
+            timing.prepare += [("template", start, rendered), ("tokenize", rendered, time.time())]
+        constraint = tools.constraint or constraint_from_request(req)
+        reasoning = self._reasoning(req, text, constraint is not None)
+        job = self._make_job(req, ids, is_chat=True, rid=rid, response_id=rid,
+                             constraint=constraint, reasoning=reasoning)
+        job.tool_format, job.tool_functions = tools.format, tools.functions
+        job.splits_reasoning = True
+        if tools.format is not None:
+            job.keep_tokens = {token: marker
+                               for marker, token in self.chat.special_markers.items()}
         job.logprobs = "chat" if req.logprobs else None
         return job
+
+    def _tools(self, req: ChatCompletionRequest) -> ToolRequest:
+        return tool_request(req, self.chat.tool_format, self.chat.begin_token,
+                            self.chat.special_markers)
+
+    def _reasoning(self, req: BaseGenerateRequest, prompt: str,
+                   constrained: bool) -> ReasoningRequest | None:
+        """The request's reasoning (None where the server has no reasoning parser).
+
+        Raises:
+            APIError: a thinking budget asked of a server without a reasoning parser, or both
+                ``reasoning_effort`` and ``thinking_token_budget`` (400 naming the field).
+        """
+        setup = self.chat.reasoning
+        effort = req.reasoning_effort if isinstance(req, ChatCompletionRequest) else None
+        tokens = req.thinking_token_budget
+        if setup is None:
+            for param, value in (("reasoning_effort", effort), ("thinking_token_budget", tokens)):
+                if value is not None:
+                    raise APIError(
+                        f"{param}: the served model has no reasoning parser (its chat template "
+                        "has no think block, or the server runs with --reasoning-parser none)",
+                        param=param)
+            return None
+        try:
+            budget = thinking_budget(effort, tokens, setup.default_budget)
+        except ValueError as exc:
+            raise APIError(str(exc), param="thinking_token_budget") from None
+        return setup.for_prompt(prompt, budget, constrained)
 
     def prompt_ids(self, req: BaseGenerateRequest, continuation: str = "") -> list[int]:
         """The prompt's token ids exactly as a generation request would send them
@@ -116,8 +164,8 @@ class JobBuilder:
             APIError: as :meth:`chat_job` / :meth:`completion_jobs` for the prompt.
         """
         if isinstance(req, ChatCompletionRequest):
-            tools = tool_request(req, self.chat.tool_format, self.chat.begin_token)
-            return self._chat_ids(req, tools.tools, continuation=continuation)
+            text = self._chat_text(req, self._tools(req).tools) + continuation
+            return self.tokenizer.encode(text, add_special_tokens=False)
         assert isinstance(req, CompletionRequest)
         return self._completion_ids(req, req.prompts[0])
 
@@ -164,9 +212,13 @@ class JobBuilder:
             raise APIError(f"min_tokens: {req.min_tokens} exceeds max_tokens ({max_tokens})",
                            param="min_tokens")
 
-    def _chat_ids(self, req: ChatCompletionRequest, tools: list[dict] | None,
-                  timing: RequestTiming | None = None, continuation: str = "") -> list[int]:
-        start = time.time()
+    def _chat_text(self, req: ChatCompletionRequest, tools: list[dict] | None) -> str:
+        """The rendered prompt of a chat request (its template's text)."""
+        kwargs = req.chat_template_kwargs or {}
+        try:
+            self.chat.check_template_kwargs(kwargs)
+        except ValueError as exc:
+            raise APIError(str(exc), param=str(exc).split(":")[0]) from None
         try:
             messages = hf_messages(req.messages)
         except ValueError as exc:
@@ -180,19 +232,14 @@ class JobBuilder:
                 messages, fmt.json_schema.name, fmt.json_schema.description,
                 self.chat.default_system)
         try:
-            text = self.chat.render(messages, tools)
+            return self.chat.render(messages, tools, kwargs)
         except Exception as exc:  # jinja raises on conversations the template refuses
             raise APIError(f"messages: chat template failed: {exc}", param="messages") from exc
-        rendered = time.time()
-        # The template already wrote BOS and the role markers; don't add them twice.
-        ids = self.tokenizer.encode(text + continuation, add_special_tokens=False)
-        if timing is not None:
-            timing.prepare += [("template", start, rendered), ("tokenize", rendered, time.time())]
-        return ids
 
     def _make_job(
         self, req: BaseGenerateRequest, input_ids: list[int], is_chat: bool, rid: str,
         response_id: str, constraint: Constraint | None = None,
+        reasoning: ReasoningRequest | None = None,
     ) -> Job:
         """One prompt's job: ``rid`` names it on the workers, ``response_id`` is the answer's
         ``id`` (the same unless the request has several prompts)."""
@@ -218,13 +265,16 @@ class JobBuilder:
         self._check_sampling(req, max_tokens)
         fmt = ResponseFormatter(response_id, int(time.time()), req.model, is_chat,
                                 req.include_usage, req.continuous_usage)
-        sampling = self._sampling(req, room, max_tokens, constraint)
-        return Job(rid, input_ids, sampling, req.stop or [], fmt, Usage(len(input_ids)),
-                   req.return_token_ids)
+        sampling = self._sampling(req, room, max_tokens, constraint,
+                                  None if reasoning is None else reasoning.params)
+        job = Job(rid, input_ids, sampling, req.stop or [], fmt, Usage(len(input_ids)),
+                  req.return_token_ids)
+        job.reasoning = reasoning
+        return job
 
     def _sampling(
         self, req: BaseGenerateRequest, room: int, max_tokens: int | None,
-        constraint: Constraint | None = None,
+        constraint: Constraint | None = None, reasoning: ReasoningParams | None = None,
     ) -> SamplingParams:
         scores_prompt = isinstance(req, CompletionRequest) and req.wants_prompt_logprobs
         if isinstance(req, CompletionRequest):
@@ -245,15 +295,16 @@ class JobBuilder:
             stop_token_ids=eos + [t for t in req.stop_token_ids or () if t not in eos],
             ignore_eos=req.ignore_eos,
             logprob_start_len=(req.logprob_start_len or 0) if scores_prompt else -1,
-            # The tool-call grammar (server.tools) replaces the request's own constraint fields,
-            # which tool_request refused alongside it.
-            constraint=constraint or constraint_from_request(req),
+            # The caller's: the tool-call grammar (server.tools), or the request's own
+            # constraint fields (constraint_from_request), which tool_request refuses together.
+            constraint=constraint,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=dict(req.logit_bias or {}),
             min_tokens=req.min_tokens or 0,
             top_logprobs=top_logprobs,
+            reasoning=reasoning,
         )
 
 

@@ -73,7 +73,8 @@ def run_api_server(
     keys = KeyRing.from_config(config.security.api_key, config.security.api_key_file)
     tenancy = Tenancy(RateLimiter(s.rate_limit_rps, s.rate_limit_tps))
     template = Path(s.chat_template).read_text() if s.chat_template else None
-    chat = ChatRenderer(tokenizer, template, s.tool_call_parser, family_format)
+    chat = ChatRenderer(tokenizer, template, s.tool_call_parser, family_format,
+                        s.reasoning_parser, s.reasoning_budget)
     store = ResponseStore(s.responses_store_path, s.responses_store_max_mb * 2**20,
                           s.responses_store_max_age_s)
     export = create_trace_export(config.tracing, "splitserve-api", s.url)

@@ -113,6 +113,9 @@ class BaseGenerateRequest(BaseModel):
     logit_bias: dict[int, float] | None = None  # JSON keys are token ids as strings
     min_tokens: int | None = Field(None, ge=0)  # extension (vLLM): EOS/stop ids masked till then
     stop_token_ids: list[int] | None = None  # extension (vLLM): ids that end the output too
+    # Extension (vLLM's name): a reasoning model thinks at most this many tokens, then its end
+    # marker is forced (server.reasoning.budget).
+    thinking_token_budget: int | None = Field(None, ge=0)
 
     @field_validator("stream_options")
     @classmethod
@@ -353,3 +356,8 @@ class ChatCompletionRequest(BaseGenerateRequest):
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = False  # each output token's logprob in choices[].logprobs.content
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs: true
+    # Reasoning models (server.reasoning): OpenAI's effort level, mapped to a thinking budget;
+    # and (vLLM's extension) more variables for the chat template, e.g. enable_thinking.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh",
+                              "max"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None

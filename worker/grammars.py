@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.engine.grammar.base import CompiledGrammar
+from splitserve.engine.grammar.marker_scan import MarkerScan, vocab_text
 from splitserve.engine.grammar.options import CompileOptions
 from splitserve.engine.grammar.registry import DEFAULT_BACKEND, create_grammar_service
 from splitserve.engine.grammar.request_grammar import RequestGrammar
 from splitserve.engine.grammar.service import GrammarService
+from splitserve.engine.grammar.think import ThinkFirstMatcher
 from splitserve.engine.sched.request import Req
 
 logger = logging.getLogger(__name__)
@@ -61,17 +63,25 @@ class WorkerGrammars:
         self._encode = None
         if jump_forward:
             self._encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
-        self._pending: dict[str, tuple[Req, Future[CompiledGrammar]]] = {}
+        self._pending: dict[str, tuple[Req, Future[CompiledGrammar | None]]] = {}
+        self._vocab: list[bytes | None] | None = None  # token bytes, made at the first think block
+        self._scans: dict[str, MarkerScan] = {}  # end marker -> its automaton
 
     def submit(self, req: Req) -> None:
-        """Start compiling ``req``'s constraint; it is returned by a later :meth:`poll`."""
+        """Start compiling ``req``'s constraint (a think block alone compiles nothing); it is
+        returned by a later :meth:`poll`."""
         constraint = req.sampling.constraint
-        if constraint is None:
+        if not req.sampling.needs_grammar:
             raise ValueError(f"request {req.rid} has no constraint")
-        options = CompileOptions(
-            whitespace_flexible=constraint.whitespace_flexible, strict=constraint.strict
-        )
-        future = self.service.submit(constraint.kind, constraint.text, options)  # type: ignore[arg-type]
+        future: Future[CompiledGrammar | None]
+        if constraint is None:
+            future = Future()
+            future.set_result(None)
+        else:
+            options = CompileOptions(
+                whitespace_flexible=constraint.whitespace_flexible, strict=constraint.strict
+            )
+            future = self.service.submit(constraint.kind, constraint.text, options)  # type: ignore[arg-type,assignment]
         self._pending[req.rid] = (req, future)
 
     def is_pending(self, rid: str) -> bool:
@@ -109,12 +119,31 @@ class WorkerGrammars:
                 logger.exception("grammar compile of %s crashed", rid)
                 done.append(CompileDone(req, f"grammar compile failed: {exc}", 500))
                 continue
-            matcher = compiled.create_matcher(max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+            reasoning = req.sampling.reasoning
+            # Inside a think block's matcher (engine.grammar.think), the constraint's may also
+            # have to undo the start marker's tokens, which it read as text too.
+            room = MAX_ROLLBACK_TOKENS + (len(reasoning.start_ids) if reasoning else 0)
+            matcher = None if compiled is None else compiled.create_matcher(
+                max_rollback_tokens=room)
+            if reasoning is not None:
+                matcher = ThinkFirstMatcher(matcher, reasoning, self.marker_scan(reasoning.end_text),
+                                            self.stop_token_ids, MAX_ROLLBACK_TOKENS)
+            assert matcher is not None
             req.grammar = RequestGrammar(
                 matcher, self.vocab_size, self.stop_token_ids, self._encode
             )
             done.append(CompileDone(req))
         return done
+
+    def marker_scan(self, marker: str) -> MarkerScan:
+        """The automaton of a think block's end marker over this model's vocabulary (built at
+        its first use, then kept)."""
+        scan = self._scans.get(marker)
+        if scan is None:
+            if self._vocab is None:
+                self._vocab = vocab_text(self.tokenizer, self.vocab_size)
+            scan = self._scans[marker] = MarkerScan(marker, self._vocab)
+        return scan
 
 
 def create_worker_grammars(

@@ -93,6 +93,15 @@ class BaseMatcher(ABC):
         """
         return ""
 
+    def forced_token_ids(self) -> list[int]:
+        """Token ids the grammar forces next as exactly these tokens (a marker the matcher
+        knows by its ids, ``engine.grammar.think``), to be accepted before any forced string.
+
+        Returns:
+            The ids, or ``[]`` (the backends' grammars force text, not ids).
+        """
+        return []
+
 
 class CompiledGrammar(ABC):
     """An immutable compiled constraint, shared by every request that uses the same (kind, text,

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.server.responses_api import items
-from splitserve.server.tools.extract import ToolCallExtractor, ToolEvent
+from splitserve.server.tools.events import ToolEvent
 from splitserve.server.tools.formats import ToolCallFormat
+from splitserve.server.tools.parsers import create_parser
 
 Event = dict[str, Any]
 
@@ -54,14 +55,18 @@ class OutputBuilder:
             message; no tools, or ``tool_choice`` none).
         logprobs: whether text deltas carry their tokens' logprobs.
         split_name: the called name as ``(namespace, name)`` (default: no namespace).
+        functions: name -> ``parameters`` of the request's functions (the XML and pythonic
+            formats read calls by them: ``server.tools.parsers.create_parser``).
     """
 
     def __init__(self, tool_format: ToolCallFormat | None, logprobs: bool = False,
-                 split_name: Callable[[str], tuple[str | None, str]] | None = None) -> None:
+                 split_name: Callable[[str], tuple[str | None, str]] | None = None,
+                 functions: dict[str, dict[str, Any]] | None = None) -> None:
         self.items: list[dict[str, Any]] = []
         self.logprobs = logprobs
         self._split_name = split_name or (lambda name: (None, name))
-        self._calls = ToolCallExtractor(tool_format) if tool_format is not None else None
+        self._calls = (create_parser(tool_format, functions) if tool_format is not None
+                       else None)
         self._open: _OpenItem | None = None
 
     @property

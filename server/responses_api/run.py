@@ -35,6 +35,8 @@ class ReasoningSplit(Protocol):
 
     def feed(self, text: str) -> tuple[str, str]: ...
 
+    def finish(self) -> tuple[str, str]: ...
+
 
 class ResponseRun:
     """Runs one response's job and keeps its state.
@@ -44,8 +46,9 @@ class ResponseRun:
         job: the chat path's job for it (``tool_format`` set when calls are parsed).
         speller: spells tokens for logprobs.
         logprobs: output text carries its tokens' logprobs.
-        reasoning: the reasoning parser of this answer, or None (all text is visible). Not
-            wired yet: the server's ``--reasoning-parser`` hands one in once it lands.
+        reasoning: the reasoning parser of this answer (default: the job's,
+            ``server.reasoning``, where the server has a reasoning parser; else all text is
+            visible).
         on_done: awaited with the final response object before the last event goes out (the
             store's write); raising fails the response.
     """
@@ -55,7 +58,9 @@ class ResponseRun:
                  on_done: Callable[[dict[str, Any]], Awaitable[None]] | None = None) -> None:
         self.envelope, self.job, self.speller = envelope, job, speller
         self.builder = OutputBuilder(job.tool_format, logprobs,
-                                     FunctionNames.of(envelope.req).split)
+                                     FunctionNames.of(envelope.req).split, job.tool_functions)
+        if reasoning is None and job.reasoning is not None and job.splits_reasoning:
+            reasoning = job.reasoning.parser()
         self.reasoning = reasoning
         self.on_done = on_done
         self.status = "in_progress"
@@ -107,6 +112,10 @@ class ResponseRun:
                 finish = piece.finish_reason or finish
                 piece = await anext(pieces, None)
         truncated = finish == "length"
+        if self.reasoning is not None:  # what the parser held back (a partial marker)
+            thought, text = self.reasoning.finish()
+            for event in self.builder.feed(text, thought):
+                yield self.numbered(event)
         for event in self.builder.finish(truncated):
             yield self.numbered(event)
         self.status = "incomplete" if truncated else "completed"
