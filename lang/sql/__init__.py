@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from splitserve.lang.sql.grammar import schema_grammar
+from splitserve.lang.sql.names import table_aliases
 from splitserve.lang.sql.query import QueryResult, run_query
 from splitserve.lang.sql.schema import Column, ForeignKey, Schema, Table, read_schema
 
@@ -48,10 +49,19 @@ def sql_grammar(database: str | Path | Schema, *, tables: list[str] | None = Non
     return schema_grammar(schema, max_joins=max_joins, aliases=aliases)
 
 
-def describe_schema(database: str | Path | Schema, *, tables: list[str] | None = None) -> str:
-    """The schema as ``CREATE TABLE`` statements with foreign keys, for a prompt."""
+def describe_schema(database: str | Path | Schema, *, tables: list[str] | None = None,
+                    aliases: bool = True) -> str:
+    """The schema as ``CREATE TABLE`` statements with foreign keys, for a prompt; with
+    ``aliases``, a last comment line names the alias :func:`sql_grammar` allows for each table
+    (``-- table aliases: customers c, orders o``), so the model can use them."""
     schema = database if isinstance(database, Schema) else read_schema(database)
-    return (schema.restricted(tables) if tables is not None else schema).describe()
+    if tables is not None:
+        schema = schema.restricted(tables)
+    text = schema.describe()
+    if aliases:
+        names = table_aliases(t.name for t in schema.tables)
+        text += "\n-- table aliases: " + ", ".join(f"{t} {a}" for t, a in names.items())
+    return text
 
 
 __all__ = ["Column", "ForeignKey", "QueryResult", "Schema", "Table", "describe_schema",

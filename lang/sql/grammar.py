@@ -70,7 +70,7 @@ def schema_grammar(schema: Schema, max_joins: int = 3, aliases: bool = True) -> 
 
 def _common_rules(rules: Rules) -> None:
     rules.add("br", '" " | "\\n"')
-    rules.add("comma", '"," " "?')
+    rules.add("comma", '"," br?')
     rules.add("cmp", alternatives([literal(op) for op in ("=", "!=", "<>", "<=", ">=", "<", ">")]))
     rules.add("aop", alternatives([literal(op) for op in "+-*/"]))
     rules.add("int", '"-"? [0-9]{1,18}')
