@@ -19,7 +19,9 @@ columns, numbers for real ones, quoted strings for text, ``'YYYY-MM-DD'`` for da
 ``GROUP BY``, ``HAVING``, ``ORDER BY ... ASC|DESC``, ``LIMIT``/``OFFSET``; one statement, an
 optional ``;``. SQLite's ``strftime('%Y', date_column)`` where the dialect is SQLite. No DML,
 no DDL, no subqueries, no ``UNION``. Column aliases cannot be referred to later (a grammar
-cannot remember an arbitrary name): ``ORDER BY`` repeats the expression or its position.
+cannot remember an arbitrary name): ``ORDER BY`` repeats the expression, and never takes a
+result column's position (a grammar cannot count the select list to keep it in range).
+Lists are bounded (``MAX_ITEMS``...), so a model that starts repeating itself must finish.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ from splitserve.lang.sql.scopes import Scope, join_scopes
 
 KINDS = ("integer", "real", "text", "date", "blob")
 DATE_FORMATS = ("%Y", "%m", "%d", "%Y-%m", "%Y-%m-%d")
+# Lengths a query may reach: a small model that starts repeating (``c.city, c.city, ...``) must
+# move on to FROM while its max_tokens still leave room to finish the statement.
+MAX_ITEMS = 10  # select list
+MAX_TERMS = 8  # operands of one arithmetic expression; AND-ed / OR-ed conditions
+MAX_KEYS = 4  # GROUP BY and ORDER BY keys, HAVING conditions
+MAX_LIST = 20  # values of IN (...)
 
 
 def schema_grammar(schema: Schema, max_joins: int = 3, aliases: bool = True) -> str:
@@ -150,7 +158,7 @@ class _ScopeRules:
         kw, add, n = self.rules.keyword, self.rules.add, self.name
         terms = ([self.cnum] if self.cnum else []) + ["num", f'"(" " "? {n("nexpr")} " "? ")"']
         add(n("nterm"), alternatives(terms))
-        add(n("nexpr"), f'{n("nterm")} (" "? aop " "? {n("nterm")})*')
+        add(n("nexpr"), f'{n("nterm")} (" "? aop " "? {n("nterm")}){{0,{MAX_TERMS - 1}}}')
         add(n("arith"), f'{n("nterm")} (" "? aop " "? {n("nterm")})+')
         minmax = alternatives([n("nexpr")] + ([self.cother] if self.cother else []))
         add(n("agg"), alternatives([
@@ -160,7 +168,7 @@ class _ScopeRules:
             f'({kw("MIN")} | {kw("MAX")}) "(" ({minmax}) ")"',
             f'{kw("ROUND")} "(" {n("gexpr")} ("," " "? uint)? ")"']))
         add(n("gterm"), alternatives([n("agg"), n("nterm")]))
-        add(n("gexpr"), f'{n("gterm")} (" "? aop " "? {n("gterm")})*')
+        add(n("gexpr"), f'{n("gterm")} (" "? aop " "? {n("gterm")}){{0,{MAX_TERMS - 1}}}')
         add(n("value"), alternatives([n("gexpr")] + ([self.cother] if self.cother else [])))
         if self.kinds["text"]:
             text = self.kinds["text"]
@@ -171,15 +179,16 @@ class _ScopeRules:
         stars = ['"*"'] + [literal(f"{self.qualifier[t]}.*") for t in self.scope.tables]
         item = f'{alternatives(stars)} | {n("value")} (" " {kw("AS")} " " alias)?'
         add(n("item"), item)
-        return add(n("sel"), f'{n("item")} (comma {n("item")})*')
+        return add(n("sel"), f'{n("item")} (comma {n("item")}){{0,{MAX_ITEMS - 1}}}')
 
     def _conditions(self) -> str:
         kw, add, n = self.rules.keyword, self.rules.add, self.name
         neg = f'({kw("NOT")} " ")? '
         add(n("pred"), alternatives(self._predicates()))
         add(n("atom"), f'{neg}({n("pred")} | "(" " "? {n("cond")} " "? ")")')
-        add(n("conj"), f'{n("atom")} (br {kw("AND")} br {n("atom")})*')
-        return add(n("cond"), f'{n("conj")} (br {kw("OR")} br {n("conj")})*')
+        add(n("conj"), f'{n("atom")} (br {kw("AND")} br {n("atom")}){{0,{MAX_TERMS - 1}}}')
+        more = f'(br {kw("OR")} br {n("conj")}){{0,{MAX_TERMS - 1}}}'
+        return add(n("cond"), f'{n("conj")} {more}')
 
     def _predicates(self) -> list[str]:
         kw, n, k = self.rules.keyword, self.name, self.kinds
@@ -192,12 +201,12 @@ class _ScopeRules:
         if k["integer"]:
             cnum = self.cnum
             preds += [f'{k["integer"]} " "? cmp " "? (int | {cnum})',
-                      f'{k["integer"]} " " {isin} int (comma int)* ")"']
+                      f'{k["integer"]} " " {isin} int (comma int){{0,{MAX_LIST - 1}}} ")"']
         if k["real"]:
             preds.append(f'{k["real"]} " "? cmp " "? (num | {self.cnum})')
         if k["text"]:
             preds += [f'{n("texpr")} " "? cmp " "? (str | {k["text"]})',
-                      f'{n("texpr")} " " {isin} str (comma str)* ")"',
+                      f'{n("texpr")} " " {isin} str (comma str){{0,{MAX_LIST - 1}}} ")"',
                       f'{n("texpr")} " " {neg}{kw("LIKE")} " " str']
         if k["date"]:
             preds += [f'{k["date"]} " "? cmp " "? (date | {k["date"]})',
@@ -211,17 +220,24 @@ class _ScopeRules:
         items = [self.col] + ([self.name("dfun")] if self.dates_fn else [])
         self.rules.add(self.name("gitem"), alternatives(items))
         return self.rules.add(self.name("grp"), f'{self.name("gitem")} (comma '
-                                                f'{self.name("gitem")})*')
+                                                f'{self.name("gitem")}){{0,{MAX_KEYS - 1}}}')
 
     def _having(self) -> str:
         kw, add, n = self.rules.keyword, self.rules.add, self.name
         add(n("hpred"), f'{n("gexpr")} " "? cmp " "? {n("gexpr")}')
-        return add(n("hcond"), f'{n("hpred")} (br ({kw("AND")} | {kw("OR")}) br {n("hpred")})*')
+        more = f'(br ({kw("AND")} | {kw("OR")}) br {n("hpred")}){{0,{MAX_KEYS - 1}}}'
+        return add(n("hcond"), f'{n("hpred")} {more}')
 
     def _order_by(self) -> str:
+        """``ORDER BY`` keys: expressions, never a bare integer (SQLite reads it as a result
+        column's position, an error past the last: a grammar cannot count the select list)."""
         kw, add, n = self.rules.keyword, self.rules.add, self.name
-        add(n("oitem"), f'{n("value")} (" " ({kw("ASC")} | {kw("DESC")}))?')
-        return add(n("ord"), f'{n("oitem")} (comma {n("oitem")})*')
+        op = f'" "? aop " "? {n("gterm")}'
+        first = [n("agg"), f'"(" " "? {n("nexpr")} " "? ")"'] + ([self.cnum] if self.cnum else [])
+        keys = [f'({alternatives(first)}) ({op}){{0,{MAX_TERMS - 1}}}',
+                f'num ({op}){{1,{MAX_TERMS - 1}}}'] + ([self.cother] if self.cother else [])
+        add(n("oitem"), f'({alternatives(keys)}) (" " ({kw("ASC")} | {kw("DESC")}))?')
+        return add(n("ord"), f'{n("oitem")} (comma {n("oitem")}){{0,{MAX_KEYS - 1}}}')
 
     def _from(self) -> str:
         """The ``FROM`` clause's text, to inline in the query rule: in a rule of its own,
