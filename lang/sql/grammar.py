@@ -212,6 +212,8 @@ class _ScopeRules:
             preds += [f'{k["date"]} " "? cmp " "? (date | {k["date"]})',
                       f'{k["date"]} " " {between} date " " {kw("AND")} " " date',
                       f'{k["date"]} " " {neg}{kw("LIKE")} " " str']
+        if k["blob"]:  # no declared type: SQLite compares whatever the value is
+            preds.append(f'{k["blob"]} " "? cmp " "? (num | str | {k["blob"]})')
         if self.dates_fn:
             preds.append(f'{n("dfun")} " "? cmp " "? str')
         return preds

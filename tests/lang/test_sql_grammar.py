@@ -5,6 +5,7 @@ read, DML, DDL and a second statement."""
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from splitserve.engine.grammar import GrammarError, GrammarService
 from splitserve.engine.grammar.llguidance_backend import LLGuidanceBackend
 from splitserve.engine.grammar.outlines_backend import OutlinesBackend
 from splitserve.engine.grammar.xgrammar_backend import XGrammarBackend
-from splitserve.lang.sql import sql_grammar
+from splitserve.lang.sql import run_query, sql_grammar
 from tests.lang.sql_data import build_shop, questions
 
 REFUSED = {
@@ -114,3 +115,22 @@ def test_the_chain_compiles_it_with_llguidance_and_outlines_refuses(shop: Path,
         assert service.compile("ebnf", grammar).backend_name == "llguidance"
     finally:
         service.shutdown()
+
+
+def test_keyword_names_are_quoted_and_untyped_columns_compare(tmp_path: Path,
+                                                              tokenizer: Any) -> None:
+    db = tmp_path / "quirks.db"
+    conn = sqlite3.connect(db)
+    conn.executescript('CREATE TABLE "order" (id INTEGER PRIMARY KEY, "group" TEXT, note);'
+                       'CREATE TABLE line (id INTEGER, order_id INTEGER REFERENCES "order"(id),'
+                       ' qty);')
+    conn.close()
+    grammar = sql_grammar(db)
+    for name in ("llguidance", "xgrammar"):
+        backend = LLGuidanceBackend if name == "llguidance" else XGrammarBackend
+        compiled = backend(tokenizer).compile("ebnf", grammar)
+        for sql in ['SELECT "group" FROM "order" WHERE note = \'x\' OR note > 3',
+                    'SELECT o."group", l.qty FROM "order" o JOIN line l ON l.order_id = o.id']:
+            assert accepts(compiled, tokenizer, sql), (name, sql)
+            assert run_query(db, sql, explain_only=True).ok, sql
+        assert not accepts(compiled, tokenizer, "SELECT group FROM order")
