@@ -17,8 +17,9 @@ aliased; ``WHERE`` comparisons, ``AND``/``OR``/``NOT``, parentheses, ``IN (...)`
 ``BETWEEN``, ``IS [NOT] NULL``, with literals typed by the column (integers for integer
 columns, numbers for real ones, quoted strings for text, ``'YYYY-MM-DD'`` for dates);
 ``GROUP BY``, ``HAVING``, ``ORDER BY ... ASC|DESC``, ``LIMIT``/``OFFSET``; one statement, an
-optional ``;``. SQLite's ``strftime('%Y', date_column)`` where the dialect is SQLite. No DML,
-no DDL, no subqueries, no ``UNION``. Column aliases cannot be referred to later (a grammar
+optional ``;``. Subqueries of one column, not correlated (each names the tables of its own
+``FROM``): ``x [NOT] IN (SELECT ...)``, ``x > (SELECT ...)``. SQLite's
+``strftime('%Y', date_column)`` where the dialect is SQLite. No DML, no DDL, no ``UNION``. Column aliases cannot be referred to later (a grammar
 cannot remember an arbitrary name): ``ORDER BY`` repeats the expression, and never takes a
 result column's position (a grammar cannot count the select list to keep it in range).
 Lists are bounded (``MAX_ITEMS``...), so a model that starts repeating itself must finish.
@@ -64,15 +65,18 @@ def schema_grammar(schema: Schema, max_joins: int = 3, aliases: bool = True) -> 
     rules.add("root", "query \";\"?")
     _common_rules(rules)
     alias_of = table_aliases(t.name for t in schema.tables)
-    queries = []
+    queries, subqueries = [], []
     for i, scope in enumerate(join_scopes(schema, max_joins)):
         quote = {t: quote_identifier(t, schema.dialect) for t in scope.tables}
         modes = [("", quote)] + ([("a", {t: alias_of[t] for t in scope.tables})]
                                  if aliases else [])
         for tag, qualifier in modes:
             builder = _ScopeRules(rules, f"s{i}{tag}", schema, scope, qualifier, bool(tag))
-            queries.append(builder.build())
+            query, subquery = builder.build()
+            queries.append(query)
+            subqueries.append(subquery)
     rules.add("query", alternatives(queries))
+    rules.add("subquery", alternatives(subqueries))
     return rules.text()
 
 
@@ -132,8 +136,9 @@ class _ScopeRules:
         items = [self.kinds[k] for k in kinds if self.kinds[k]] + list(extra)
         return self.rules.add(self.name(part), alternatives(items)) if items else None
 
-    def build(self) -> str:
-        """Add every rule of the scope. Returns: the name of its query rule."""
+    def build(self) -> tuple[str, str]:
+        """Add every rule of the scope. Returns: the names of its query rule and of its
+        one-column subquery rule (``IN (SELECT ...)``, ``> (SELECT ...)``)."""
         kw, add, n = self.rules.keyword, self.rules.add, self.name
         self.col = self._union("col", KINDS)
         self.cnum = self._union("cnum", ("integer", "real"))
@@ -146,8 +151,10 @@ class _ScopeRules:
                 f'(br {kw("HAVING")} " " {self._having()})?)? '
                 f'(br {kw("ORDER")} " " {kw("BY")} " " {self._order_by()})? '
                 f'(br {kw("LIMIT")} " " uint (" " {kw("OFFSET")} " " uint)?)?')
-        return add(n("q"), f'{kw("SELECT")} " " ({kw("DISTINCT")} " ")? {self._select()} '
-                           f'br {kw("FROM")} " " {self._from()} {tail}')
+        rest = add(n("rest"), f'br {kw("FROM")} " " {self._from()} {tail}')
+        head = f'{kw("SELECT")} " " ({kw("DISTINCT")} " ")?'
+        one = f'{head} {n("value")} (" " {kw("AS")} " " alias)? {rest}'
+        return add(n("q"), f"{head} {self._select()} {rest}"), add(n("sub"), one)
 
     def _date_function(self) -> str:
         fmts = alternatives([literal(f) for f in DATE_FORMATS])
@@ -196,6 +203,8 @@ class _ScopeRules:
         isin = f'{neg}{kw("IN")} " ("'
         between = f'{neg}{kw("BETWEEN")} " "'
         preds = [f'{n("arith")} " "? cmp " "? {n("nexpr")}',
+                 f'{self.col} " " {isin} subquery ")"',
+                 f'{n("nexpr")} " "? cmp " "? "(" subquery ")"',
                  f'{n("nexpr")} " " {between} {n("nexpr")} " " {kw("AND")} " " {n("nexpr")}',
                  f'{self.col} " " {kw("IS")} " " {neg}{kw("NULL")}']
         if k["integer"]:

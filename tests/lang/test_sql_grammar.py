@@ -40,7 +40,10 @@ REFUSED = {
     "a pragma": "PRAGMA table_info(orders)",
     "a second statement": "SELECT name FROM customers; SELECT name FROM products",
     "a statement after a query": "SELECT name FROM customers; DROP TABLE customers",
-    "a subquery": "SELECT name FROM products WHERE price > (SELECT AVG(price) FROM products)",
+    "a subquery of two columns": "SELECT name FROM customers WHERE id IN (SELECT id, "
+                                 "customer_id FROM orders)",
+    "a correlated subquery": "SELECT c.name FROM customers c WHERE c.id IN (SELECT "
+                             "o.customer_id FROM orders o WHERE o.customer_id = c.id)",
     "an ORDER BY position (maybe out of range)": "SELECT name FROM products ORDER BY 2",
 }
 
@@ -89,7 +92,10 @@ def test_keyword_case_newlines_and_aliases(compiled: dict, tokenizer: Any) -> No
                 "JOIN products AS p ON ca.id = p.category_id\nGROUP BY ca.name\nORDER BY COUNT(*) DESC"),
                 "SELECT ROUND(AVG(price), 2) FROM products WHERE name NOT LIKE '%Book%'",
                 "SELECT name FROM products WHERE (price > 10 OR stock = 0) AND NOT price >= 100",
-                "SELECT id FROM orders LIMIT 5 OFFSET 10"]:
+                "SELECT id FROM orders LIMIT 5 OFFSET 10",
+                "SELECT name FROM products WHERE price > (SELECT AVG(price) FROM products)",
+                ("SELECT c.name FROM customers c WHERE c.id NOT IN (SELECT o.customer_id FROM "
+                "orders o WHERE o.status = 'cancelled')")]:
         assert accepts(compiled["llguidance"], tokenizer, sql), sql
 
 
