@@ -87,7 +87,8 @@ def _common_rules(rules: Rules) -> None:
     rules.add("aop", alternatives([literal(op) for op in "+-*/"]))
     rules.add("int", '"-"? [0-9]{1,18}')
     rules.add("uint", "[0-9]{1,9}")
-    rules.add("num", '"-"? [0-9]{1,18} ("." [0-9]{1,12})?')
+    rules.add("unum", '[0-9]{1,18} ("." [0-9]{1,12})?')
+    rules.add("num", '"-"? unum')
     rules.add("str", "\"'\" ([^'\\n] | \"''\")* \"'\"")
     rules.add("date", "\"'\" [0-9]{4} \"-\" [0-9]{2} \"-\" [0-9]{2} "
                       "(\" \" [0-9]{2} \":\" [0-9]{2} (\":\" [0-9]{2})?)? \"'\"")
@@ -162,10 +163,12 @@ class _ScopeRules:
                                                  f'"(\'" ({fmts}) "\', " {self.kinds["date"]} ")"')
 
     def _expressions(self) -> None:
+        """Numeric expressions. Only the first term may carry a sign: after ``-`` a signed
+        literal would make ``--``, which SQL reads as the start of a comment."""
         kw, add, n = self.rules.keyword, self.rules.add, self.name
-        terms = ([self.cnum] if self.cnum else []) + ["num", f'"(" " "? {n("nexpr")} " "? ")"']
+        terms = ([self.cnum] if self.cnum else []) + ["unum", f'"(" " "? {n("nexpr")} " "? ")"']
         add(n("nterm"), alternatives(terms))
-        add(n("nexpr"), f'{n("nterm")} (" "? aop " "? {n("nterm")}){{0,{MAX_TERMS - 1}}}')
+        add(n("nexpr"), f'"-"? {n("nterm")} (" "? aop " "? {n("nterm")}){{0,{MAX_TERMS - 1}}}')
         add(n("arith"), f'{n("nterm")} (" "? aop " "? {n("nterm")})+')
         minmax = alternatives([n("nexpr")] + ([self.cother] if self.cother else []))
         add(n("agg"), alternatives([
@@ -175,7 +178,7 @@ class _ScopeRules:
             f'({kw("MIN")} | {kw("MAX")}) "(" ({minmax}) ")"',
             f'{kw("ROUND")} "(" {n("gexpr")} ("," " "? uint)? ")"']))
         add(n("gterm"), alternatives([n("agg"), n("nterm")]))
-        add(n("gexpr"), f'{n("gterm")} (" "? aop " "? {n("gterm")}){{0,{MAX_TERMS - 1}}}')
+        add(n("gexpr"), f'"-"? {n("gterm")} (" "? aop " "? {n("gterm")}){{0,{MAX_TERMS - 1}}}')
         add(n("value"), alternatives([n("gexpr")] + ([self.cother] if self.cother else [])))
         if self.kinds["text"]:
             text = self.kinds["text"]

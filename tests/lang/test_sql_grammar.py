@@ -45,6 +45,8 @@ REFUSED = {
     "a correlated subquery": "SELECT c.name FROM customers c WHERE c.id IN (SELECT "
                              "o.customer_id FROM orders o WHERE o.customer_id = c.id)",
     "an ORDER BY position (maybe out of range)": "SELECT name FROM products ORDER BY 2",
+    "a comment (SQL reads -- as one)": "SELECT name FROM products ORDER BY 10 --10",
+    "a comment in a condition": "SELECT name FROM products WHERE price --1 > 2",
 }
 
 
