@@ -70,7 +70,8 @@ class RoleEnd(Node):
 class Gen(Node):
     """Generate text into variable ``name``. ``dtype`` and ``choices`` become constraints
     (``lang.constraints``); at most one of ``regex``, ``json_schema``, ``choices``,
-    ``grammar`` (GBNF text) and a non-str ``dtype`` may be set. ``None`` sampling fields take the run's defaults.
+    ``grammar`` (GBNF text) and a non-str ``dtype`` may be set. ``None`` sampling fields take
+    the run's defaults.
     ``tools`` (OpenAI function specs) make it a chat request that may return tool calls;
     ``tool_choice`` and ``parallel_tool_calls`` are sent as given (None: the server's default)."""
 

@@ -19,9 +19,10 @@ columns, numbers for real ones, quoted strings for text, ``'YYYY-MM-DD'`` for da
 ``GROUP BY``, ``HAVING``, ``ORDER BY ... ASC|DESC``, ``LIMIT``/``OFFSET``; one statement, an
 optional ``;``. Subqueries of one column, not correlated (each names the tables of its own
 ``FROM``): ``x [NOT] IN (SELECT ...)``, ``x > (SELECT ...)``. SQLite's
-``strftime('%Y', date_column)`` where the dialect is SQLite. No DML, no DDL, no ``UNION``. Column aliases cannot be referred to later (a grammar
-cannot remember an arbitrary name): ``ORDER BY`` repeats the expression, and never takes a
-result column's position (a grammar cannot count the select list to keep it in range).
+``strftime('%Y', date_column)`` where the dialect is SQLite. No DML, no DDL, no ``UNION``.
+Column aliases cannot be referred to later (a grammar cannot remember an arbitrary name):
+``ORDER BY`` repeats the expression, and never takes a result column's position (a grammar
+cannot count the select list to keep it in range).
 Lists are bounded (``MAX_ITEMS``...), so a model that starts repeating itself must finish.
 """
 

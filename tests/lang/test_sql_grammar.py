@@ -91,7 +91,8 @@ def test_refuses_what_does_not_exist_writes_or_chains(backend: str, compiled: di
 def test_keyword_case_newlines_and_aliases(compiled: dict, tokenizer: Any) -> None:
     for sql in ["select count(*) as n from orders o where o.status = 'shipped'",
                 ("SELECT ca.name AS category,\nCOUNT(*) AS num_products\nFROM categories AS ca\n"
-                "JOIN products AS p ON ca.id = p.category_id\nGROUP BY ca.name\nORDER BY COUNT(*) DESC"),
+                 "JOIN products AS p ON ca.id = p.category_id\nGROUP BY ca.name\n"
+                 "ORDER BY COUNT(*) DESC"),
                 "SELECT ROUND(AVG(price), 2) FROM products WHERE name NOT LIKE '%Book%'",
                 "SELECT name FROM products WHERE (price > 10 OR stock = 0) AND NOT price >= 100",
                 "SELECT id FROM orders LIMIT 5 OFFSET 10",
