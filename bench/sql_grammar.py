@@ -111,38 +111,66 @@ def _submit(engine: Engine, core, prompts: list[list[int]], constraint: Constrai
 def step_times(engine: Engine, prompts: list[list[int]], grammar: str, batch_sizes: list[int],
                steps: int, reps: int) -> None:
     variants = {"unconstrained": None, "SQL grammar": Constraint("ebnf", grammar)}
-    print(f"\n{steps} decode steps, {reps} rep(s)\n| batch | steps timed | unconstrained ms/step "
-          "| SQL grammar ms/step | ratio |\n|---|---|---|---|---|")
-    for batch in batch_sizes:
-        rows = [prompts[i % len(prompts)] for i in range(batch)]
-        num_pages = sum(len(p) + steps for p in rows) // 16 + 2 * batch + 1
-        cores = {name: engine.new_core(False, num_pages) for name in variants}
-        for core in cores.values():
-            core.runner.grammar_mask = BatchMask(engine.config.vocab_size)
-        samples: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(reps):
-            for name, constraint in variants.items():
-                _submit(engine, cores[name], rows, constraint, steps)
-            timed: dict[str, list[float]] = {name: [] for name in variants}
-            order = list(cores)
-            while any(c.scheduler.has_work for c in cores.values()):
-                order = order[1:] + order[:1]
-                for name in order:
-                    scheduler = cores[name].scheduler
-                    if not scheduler.has_work:
-                        continue
-                    full = not scheduler.waiting and len(scheduler.running) == batch
-                    start = time.perf_counter()
-                    cores[name].step()
-                    if full:
-                        timed[name].append(time.perf_counter() - start)
-            common = min(len(v) for v in timed.values())
-            for name, values in timed.items():
-                samples[name] += values[1:common]  # the first holds the prefill's last chunk
-        base = statistics.median(samples["unconstrained"])
-        sql = statistics.median(samples["SQL grammar"])
-        print(f"| {batch} | {len(samples['SQL grammar'])} | {1e3 * base:.1f} | "
-              f"{1e3 * sql:.1f} | {sql / base:.3f} |", flush=True)
+    fills: list[float] = []  # CPU seconds of each mask fill (on the mask thread)
+    fill = BatchMask.fill
+
+    def timed_fill(self, *args, **kwargs):
+        start = time.thread_time()
+        try:
+            return fill(self, *args, **kwargs)
+        finally:
+            fills.append(time.thread_time() - start)
+
+    BatchMask.fill = timed_fill
+    print(f"\n{steps} decode steps, {reps} rep(s); wall and main-thread CPU per step (the mask "
+          "is filled on its own thread during the forward pass)\n| batch | steps timed | "
+          "unconstrained ms wall / CPU | SQL grammar ms wall / CPU | ratio wall / CPU | "
+          "mask fill CPU ms/step |\n|---|---|---|---|---|---|")
+    try:
+        for batch in batch_sizes:
+            fills.clear()
+            samples = _step_samples(engine, prompts, variants, batch, steps, reps)
+            base, sql = (tuple(statistics.median(x) for x in zip(*samples[name]))
+                         for name in variants)
+            num = len(samples["SQL grammar"])
+            print(f"| {batch} | {num} | {1e3 * base[0]:.1f} / {1e3 * base[1]:.1f} | "
+                  f"{1e3 * sql[0]:.1f} / {1e3 * sql[1]:.1f} | {sql[0] / base[0]:.3f} / "
+                  f"{sql[1] / base[1]:.3f} | {1e3 * statistics.mean(fills or [0]):.2f} |",
+                  flush=True)
+    finally:
+        BatchMask.fill = fill
+
+
+def _step_samples(engine: Engine, prompts: list[list[int]], variants: dict, batch: int,
+                  steps: int, reps: int) -> dict[str, list[tuple[float, float]]]:
+    """(wall, main-thread CPU) of every step each variant took with its batch full, the
+    variants stepping in turn."""
+    rows = [prompts[i % len(prompts)] for i in range(batch)]
+    num_pages = sum(len(p) + steps for p in rows) // 16 + 2 * batch + 1
+    cores = {name: engine.new_core(False, num_pages) for name in variants}
+    for core in cores.values():
+        core.runner.grammar_mask = BatchMask(engine.config.vocab_size)
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, constraint in variants.items():
+            _submit(engine, cores[name], rows, constraint, steps)
+        timed: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+        order = list(cores)
+        while any(c.scheduler.has_work for c in cores.values()):
+            order = order[1:] + order[:1]
+            for name in order:
+                scheduler = cores[name].scheduler
+                if not scheduler.has_work:
+                    continue
+                full = not scheduler.waiting and len(scheduler.running) == batch
+                start, cpu = time.perf_counter(), time.thread_time()
+                cores[name].step()
+                if full:
+                    timed[name].append((time.perf_counter() - start, time.thread_time() - cpu))
+        common = min(len(v) for v in timed.values())
+        for name, values in timed.items():
+            samples[name] += values[1:common]  # the first holds the prefill's last chunk
+    return samples
 
 
 def main() -> None:
