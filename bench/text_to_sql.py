@@ -132,9 +132,9 @@ def main() -> None:
                              f"{share(rows, 'executes')} | {share(rows, 'matches')} | "
                              f"{wall / len(rows):.2f} |")
                 print(table[-1], flush=True)
+                if args.out:  # after every mode: a later model's failure keeps these
+                    args.out.write_text(json.dumps(report, indent=1))
     print("\n" + "\n".join(table))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
