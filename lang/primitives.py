@@ -19,6 +19,7 @@ def gen(
     regex: str | None = None,
     json_schema: dict[str, Any] | str | None = None,
     choices: list[str] | None = None,
+    grammar: str | None = None,
     dtype: type | None = None,
     tools: list[dict[str, Any] | Callable[..., Any]] | None = None,
     tool_choice: str | dict[str, Any] | None = None,
@@ -36,6 +37,9 @@ def gen(
         regex: the output matches this regular expression.
         json_schema: the output is JSON valid under this schema (dict or JSON text).
         choices: the output is exactly one of these strings.
+        grammar: the output is a sentence of this EBNF grammar, in llama.cpp's GBNF syntax with
+            a ``root`` rule (what the server's ``ebnf`` field takes); e.g.
+            :func:`splitserve.lang.sql.sql_grammar` for SQL over a database's schema.
         dtype: ``int``, ``float`` or ``bool`` constrain the output to a literal of that type
             and store the parsed value; ``str`` (default) stores the text.
         tools: functions the model may call: OpenAI function spec dicts
@@ -55,9 +59,13 @@ def gen(
 
     Raises:
         ValueError: more than one constraint (tools count as one), an unsupported ``dtype``,
-            a bad tool, or a ``tool_choice`` without tools or naming no tool.
+            an empty ``grammar``, a bad tool, or a ``tool_choice`` without tools or naming no tool.
     """
     from splitserve.lang.constraints import check_one_constraint
+
+    if grammar is not None and (not isinstance(grammar, str) or not grammar.strip()):
+        raise ValueError("gen grammar must be GBNF text with a root rule, e.g. "
+                         "'root ::= \"yes\" | \"no\"'")
     from splitserve.lang.tool_spec import tool_choice_field, tool_spec
 
     specs = [tool_spec(t) for t in tools] if tools is not None else None
@@ -78,6 +86,7 @@ def gen(
         regex=regex,
         json_schema=json_schema,
         choices=list(choices) if choices is not None else None,
+        grammar=grammar,
         dtype=dtype,
         tools=specs,
         tool_choice=tool_choice,
