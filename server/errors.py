@@ -7,6 +7,7 @@ shape above, so the handlers here replace FastAPI's.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -15,10 +16,22 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+
+
+async def error_response(send: Send, status: int, message: str, code: str, headers=(),
+                         type_: str = "invalid_request_error") -> None:
+    """Answer with an OpenAI-style error body (``{"error": {...}}``) from ASGI middleware."""
+    body = json.dumps({"error": {"message": message, "type": type_,
+                                 "param": None, "code": code}}).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        *headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class APIError(Exception):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import ipaddress
 import logging
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from splitserve.server.rate_limit import RateLimiter
 from splitserve.server.routes import create_app
 from splitserve.server.tenancy import KeyRing, Tenancy
 from splitserve.server.worker_client import ZmqEngineClient
+
+logger = logging.getLogger(__name__)
 
 
 def read_model_facts(model_path: str) -> tuple[int, list[int], str | None]:
@@ -66,11 +69,15 @@ def run_api_server(
     )
     metrics.attach(client.pool)
     keys = KeyRing.from_config(config.security.api_key, config.security.api_key_file)
+    warning = exposure_warning(s.host, keys)
+    if warning:
+        logger.warning(warning)
     tenancy = Tenancy(RateLimiter(s.rate_limit_rps, s.rate_limit_tps))
     template = Path(s.chat_template).read_text() if s.chat_template else None
     chat = ChatRenderer(tokenizer, template, s.tool_call_parser, family_format)
     app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids,
-                     tenancy=tenancy, chat=chat, metrics=metrics)
+                     tenancy=tenancy, chat=chat, metrics=metrics,
+                     allowed_origins=s.allowed_origins)
     install_membership(app, client.pool)
     install_metrics(app, metrics)
     install_guard(app, keys, s.max_body_bytes)
@@ -88,6 +95,27 @@ def run_api_server(
 
     app.router.lifespan_context = lifespan
     serve_app(app, s.host, s.port, config.log_level)
+
+
+def exposure_warning(host: str, keys: KeyRing | None) -> str | None:
+    """The start-up warning for an API that listens beyond loopback with no key (None when
+    it does not): anyone who can reach the port may use the model, and the operator routes
+    refuse them only because they are not on loopback."""
+    if keys is not None or _is_loopback_host(host):
+        return None
+    return (f"the API listens on {host or 'every address'} with no API key: anyone who can "
+            "reach this port can generate, and read /metrics and /workers (the operator "
+            "routes answer loopback clients only). Set SPLITSERVE_API_KEY (or --api-key) "
+            "for a server others can reach; see docs/operations.md#security-and-tenancy")
+
+
+def _is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "0.0.0.0" parses; a host name other than localhost may resolve anywhere
 
 
 def install_cors(app: FastAPI, allowed_origins: list[str]) -> None:

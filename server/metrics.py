@@ -77,7 +77,16 @@ class ServerMetrics:
         self.constraint_violations = Counter(
             "splitserve_constraint_violations", "Finished json_schema outputs that broke their "
             "schema, by the grammar backend the chain chose", ["backend"], registry=r)
+        # Refused before any route ran (server.browser_guard): a page of another origin, or a
+        # POST body that is not JSON.
+        self.refused = Counter("splitserve_requests_refused", "Requests refused before any "
+                               "route ran, by reason (origin, content_type)", ["reason"],
+                               registry=r)
         self.pool: Any = None
+
+    def count_refused(self, reason: str) -> None:
+        """One request refused by ``server.browser_guard`` for ``reason``."""
+        self.refused.labels(reason).inc()
 
     def request_timer(self) -> RequestTimer:
         return RequestTimer(self)

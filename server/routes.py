@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from pydantic_core import from_json
 
+from splitserve.server.browser_guard import BrowserGuardMiddleware
 from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.choices import fork_choices
 from splitserve.server.constraint_check import checked_pieces, partial_header
@@ -50,6 +52,7 @@ def create_app(
     chat: ChatRenderer | None = None,
     tenancy: Tenancy | None = None,
     metrics: Any | None = None,
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
     """The OpenAI-compatible API for one model served through ``client``.
 
@@ -65,6 +68,10 @@ def create_app(
             template, ``--tool-call-parser auto``).
         metrics: the ``server.metrics.ServerMetrics`` whose violation counter the json_schema
             safety net increments (None: not counted).
+        allowed_origins: browser origins whose pages may call the API besides the server's
+            own (``server.browser_guard``, installed on the whole app: every route, including
+            those added to the app later, refuses other origins and ``POST`` bodies that are
+            not JSON).
     """
     chat = chat or ChatRenderer(tokenizer)
     jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids, chat)
@@ -74,6 +81,8 @@ def create_app(
     app = FastAPI(title="splitserve", version=server_version())
     install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(BrowserGuardMiddleware, allowed_origins=allowed_origins,
+                       on_refused=None if metrics is None else metrics.count_refused)
     install_tokenize_routes(app, jobs, tokenizer, context_len)
 
     violations = None if metrics is None else metrics.constraint_violations
