@@ -163,6 +163,9 @@ SERVER_FLAGS = (
          "limit)"),
     Flag("--max-inflight-per-worker", "server.max_inflight_per_worker", "past this many "
          "requests on a worker, new ones get 503 + Retry-After"),
+    Flag("--prepare-threads", "server.prepare_threads", "threads that parse, render the chat "
+         "template, tokenize and validate requests off the event loop (16 requests per thread "
+         "may wait; more get 503 + Retry-After)"),
     Flag("--dead-after", "server.dead_after_s", "seconds without a worker heartbeat before its "
          "requests fail"),
     Flag("--allowed-origins", "server.allowed_origins", "browser origins allowed to call the "

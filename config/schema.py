@@ -124,6 +124,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     routing: str = ROUTING.default  # how a prefill (or colocated) worker is picked
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413 (0: no limit)
     max_inflight_per_worker: int = 256  # past this, new requests get 503 + Retry-After
+    # Threads that parse, render, tokenize and validate requests off the event loop
+    # (server.offload); 16 per thread may wait, more get 503 + Retry-After.
+    prepare_threads: int = 2
     dead_after_s: float = 5.0  # without a heartbeat for this long, a worker's requests fail
     # Browser origins allowed to call the API (CORS), e.g. ["http://localhost:3000"]; "*" for
     # any. Empty: no CORS headers, so browsers refuse cross-origin calls.
@@ -146,6 +149,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"chat_template: no such file {self.chat_template!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} is not a TCP port")
+        if self.prepare_threads < 1:
+            raise ValueError(f"prepare_threads must be at least 1, not {self.prepare_threads}")
         for field in ("rate_limit_rps", "rate_limit_tps"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must be >= 0, not {getattr(self, field)}")

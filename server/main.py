@@ -17,6 +17,7 @@ from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.guard import install_guard
 from splitserve.server.membership import install_membership
 from splitserve.server.metrics import ServerMetrics, install_metrics
+from splitserve.server.offload import Offload
 from splitserve.server.rate_limit import RateLimiter
 from splitserve.server.routes import create_app
 from splitserve.server.tenancy import KeyRing, Tenancy
@@ -77,7 +78,8 @@ def run_api_server(
     chat = ChatRenderer(tokenizer, template, s.tool_call_parser, family_format)
     app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids,
                      tenancy=tenancy, chat=chat, metrics=metrics,
-                     allowed_origins=s.allowed_origins)
+                     allowed_origins=s.allowed_origins,
+                     offload=Offload(s.prepare_threads, 16 * s.prepare_threads))
     install_membership(app, client.pool)
     install_metrics(app, metrics)
     install_guard(app, keys, s.max_body_bytes)

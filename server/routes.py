@@ -33,6 +33,7 @@ from splitserve.server.fields import Endpoint
 from splitserve.server.generation import stream_text
 from splitserve.server.job import Job
 from splitserve.server.job_builder import JobBuilder
+from splitserve.server.offload import Offload
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
 from splitserve.server.request_id import RequestIdMiddleware
 from splitserve.server.responses import full_response, merge_choices, streaming_response
@@ -53,6 +54,7 @@ def create_app(
     tenancy: Tenancy | None = None,
     metrics: Any | None = None,
     allowed_origins: Sequence[str] = (),
+    offload: Offload | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API for one model served through ``client``.
 
@@ -72,8 +74,12 @@ def create_app(
             own (``server.browser_guard``, installed on the whole app: every route, including
             those added to the app later, refuses other origins and ``POST`` bodies that are
             not JSON).
+        offload: where a request's CPU work runs, off the event loop: parsing, the chat
+            template, tokenizing, constraint planning, validating outputs (default: 2
+            threads, ``server.offload``).
     """
     chat = chat or ChatRenderer(tokenizer)
+    offload = offload or Offload()
     jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids, chat)
     tenancy = tenancy or Tenancy()
     speller = TokenSpeller(tokenizer)
@@ -83,12 +89,12 @@ def create_app(
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(BrowserGuardMiddleware, allowed_origins=allowed_origins,
                        on_refused=None if metrics is None else metrics.count_refused)
-    install_tokenize_routes(app, jobs, tokenizer, context_len)
+    install_tokenize_routes(app, jobs, tokenizer, context_len, offload)
 
     violations = None if metrics is None else metrics.constraint_violations
 
     def pieces(job: Job) -> Any:
-        return checked_pieces(job, stream_text(client, tokenizer, job), violations)
+        return checked_pieces(job, stream_text(client, tokenizer, job), violations, offload)
 
     async def respond(request: Request, batch: list[Job], stream: bool | None) -> Response:
         """Answer with the jobs of one request: one, several prompts' (not streamed), or the
@@ -130,17 +136,19 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req: CompletionRequest = await _parse(request, CompletionRequest, "completions")
-        prompts = [tenancy.apply(request.scope, job, req.cache_salt)
-                   for job in jobs.completion_jobs(req, request.state.request_id)]
+        req: CompletionRequest = await offload.run(
+            parse_body, await request.body(), CompletionRequest, "completions")
+        built = await offload.run(jobs.completion_jobs, req, request.state.request_id)
+        prompts = [tenancy.apply(request.scope, job, req.cache_salt) for job in built]
         batch = [c for p, job in enumerate(prompts) for c in fork_choices(job, req.n or 1, p)]
         return await respond(request, batch, req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, "chat")
-        job = tenancy.apply(request.scope, jobs.chat_job(req, request.state.request_id),
-                            req.cache_salt)
+        req: ChatCompletionRequest = await offload.run(
+            parse_body, await request.body(), ChatCompletionRequest, "chat")
+        built = await offload.run(jobs.chat_job, req, request.state.request_id)
+        job = tenancy.apply(request.scope, built, req.cache_salt)
         return await respond(request, fork_choices(job, req.n or 1, 0), req.stream)
 
     def model_card() -> dict[str, Any]:
@@ -205,12 +213,10 @@ def _first_api_error(group: BaseExceptionGroup) -> BaseException:
     return group.exceptions[0]
 
 
-async def _parse(
-    request: Request, model_cls: type[BaseGenerateRequest], endpoint: Endpoint
-) -> Any:
+def parse_body(body: bytes, model_cls: type[BaseGenerateRequest], endpoint: Endpoint) -> Any:
     """Validate the raw body ourselves: malformed JSON, fields we do not serve (the table of
-    ``server.fields``) and bad values all become 400."""
-    body = await request.body()
+    ``server.fields``) and bad values all become 400 (blocking: run it through
+    ``server.offload``)."""
     try:
         decoded = from_json(body)
     except ValueError:
