@@ -116,6 +116,12 @@ ENGINE_FLAGS = (
          "cache-off baseline)", const="none"),
     Flag("--grammar-backend", "engine.grammar_backend", "grammar backend tried first (the "
          "others are the fallback)", choices=GRAMMAR_BACKEND.names),
+    Flag("--grammar-compile-procs", "engine.grammar_compile_procs", "grammar compile processes "
+         "per worker, killed at their deadline (0: threads, which cannot be stopped)"),
+    Flag("--grammar-compile-timeout", "engine.grammar_compile_timeout_s", "seconds one grammar "
+         "compile may run (from its start) before it is killed"),
+    Flag("--grammar-compile-queue", "engine.grammar_compile_queue", "grammar compiles that may "
+         "wait; more get 503 + Retry-After"),
     Flag("--attention", "engine.attention", "attention backend (auto: torch on CPU, triton on "
          "CUDA; $SPLITSERVE_ATTENTION sets the default)", choices=ATTENTION_CHOICES),
     Flag("--disable-jump-forward", "engine.jump_forward", "sample every token of constrained "

@@ -55,6 +55,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prefix_cache: str = PREFIX_CACHE.default  # "none": the cache-off baseline
     grammar_backend: str = GRAMMAR_BACKEND.default  # tried first; the others as fallback
     jump_forward: bool = True  # append grammar-forced tokens without sampling them
+    # Grammar compiles run in this many child processes per worker, killed at their deadline
+    # (engine.grammar.compile_pool; 0: threads in the worker, which cannot be stopped); past
+    # grammar_compile_queue waiting compiles a request gets 503 + Retry-After.
+    grammar_compile_procs: int = 2
+    grammar_compile_timeout_s: float = 30.0
+    grammar_compile_queue: int = 16
+    grammar_test_slow: str = ""  # tests only: "MARKER=SECONDS" delays compiles of such texts
     overlap_grammar_mask: bool = True  # fill grammar masks on a thread during the forward pass
     cuda_graph: bool = True  # on CUDA, replay captured graphs for decode steps
     attention: str = msgspec.field(default_factory=lambda: env.text(env.ATTENTION, "auto"))
