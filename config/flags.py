@@ -117,6 +117,12 @@ ENGINE_FLAGS = (
          "cache-off baseline)", const="none"),
     Flag("--grammar-backend", "engine.grammar_backend", "grammar backend tried first (the "
          "others are the fallback)", choices=GRAMMAR_BACKEND.names),
+    Flag("--grammar-compile-procs", "engine.grammar_compile_procs", "grammar compile processes "
+         "per worker, killed at their deadline (0: threads, which cannot be stopped)"),
+    Flag("--grammar-compile-timeout", "engine.grammar_compile_timeout_s", "seconds one grammar "
+         "compile may run (from its start) before it is killed"),
+    Flag("--grammar-compile-queue", "engine.grammar_compile_queue", "grammar compiles that may "
+         "wait; more get 503 + Retry-After"),
     Flag("--attention", "engine.attention", "attention backend (auto: torch on CPU, triton on "
          "CUDA; $SPLITSERVE_ATTENTION sets the default)", choices=ATTENTION_CHOICES),
     Flag("--disable-jump-forward", "engine.jump_forward", "sample every token of constrained "
@@ -164,6 +170,9 @@ SERVER_FLAGS = (
          "limit)"),
     Flag("--max-inflight-per-worker", "server.max_inflight_per_worker", "past this many "
          "requests on a worker, new ones get 503 + Retry-After"),
+    Flag("--prepare-threads", "server.prepare_threads", "threads that parse, render the chat "
+         "template, tokenize and validate requests off the event loop (16 requests per thread "
+         "may wait; more get 503 + Retry-After)"),
     Flag("--dead-after", "server.dead_after_s", "seconds without a worker heartbeat before its "
          "requests fail"),
     Flag("--allowed-origins", "server.allowed_origins", "browser origins allowed to call the "

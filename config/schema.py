@@ -56,6 +56,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prefix_cache: str = PREFIX_CACHE.default  # "none": the cache-off baseline
     grammar_backend: str = GRAMMAR_BACKEND.default  # tried first; the others as fallback
     jump_forward: bool = True  # append grammar-forced tokens without sampling them
+    # Grammar compiles run in this many child processes per worker, killed at their deadline
+    # (engine.grammar.compile_pool; 0: threads in the worker, which cannot be stopped); past
+    # grammar_compile_queue waiting compiles a request gets 503 + Retry-After.
+    grammar_compile_procs: int = 2
+    grammar_compile_timeout_s: float = 30.0
+    grammar_compile_queue: int = 16
+    grammar_test_slow: str = ""  # tests only: "MARKER=SECONDS" delays compiles of such texts
     overlap_grammar_mask: bool = True  # fill grammar masks on a thread during the forward pass
     cuda_graph: bool = True  # on CUDA, replay captured graphs for decode steps
     attention: str = msgspec.field(default_factory=lambda: env.text(env.ATTENTION, "auto"))
@@ -148,6 +155,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     routing: str = ROUTING.default  # how a prefill (or colocated) worker is picked
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413 (0: no limit)
     max_inflight_per_worker: int = 256  # past this, new requests get 503 + Retry-After
+    # Threads that parse, render, tokenize and validate requests off the event loop
+    # (server.offload); 16 per thread may wait, more get 503 + Retry-After.
+    prepare_threads: int = 2
     dead_after_s: float = 5.0  # without a heartbeat for this long, a worker's requests fail
     # Browser origins allowed to call the API (CORS), e.g. ["http://localhost:3000"]; "*" for
     # any. Empty: no CORS headers, so browsers refuse cross-origin calls.
@@ -185,6 +195,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"chat_template: no such file {self.chat_template!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} is not a TCP port")
+        if self.prepare_threads < 1:
+            raise ValueError(f"prepare_threads must be at least 1, not {self.prepare_threads}")
         for field in ("rate_limit_rps", "rate_limit_tps"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must be >= 0, not {getattr(self, field)}")

@@ -3,9 +3,10 @@
 - optional API keys (a :class:`~splitserve.server.tenancy.KeyRing`): every path but ``/health``
   and the web page's static files (``/``, ``/ui/...``, no data in them) needs
   ``Authorization: Bearer <key>`` with one of them, or the same key in ``x-api-key``
-  (Anthropic's header: its clients and Claude Code send that), or gets 401 (compared in
-  constant time); the key's tenant is recorded in the scope
-  (``server.tenancy.TENANT_SCOPE_KEY``) for the prefix-cache namespace and rate limits;
+  (Anthropic's header: its clients and Claude Code send that), or gets 401 in the path's
+  error shape (compared in constant time); the key's tenant is recorded in the scope
+  (``server.tenancy.TENANT_SCOPE_KEY``) for the prefix-cache namespace and rate limits, and that
+  a key was checked (``KEYED_SCOPE_KEY``), which the operator routes need;
 - a request body limit: a larger body gets 413 before the app reads it (``Content-Length`` is
   checked first; a chunked body is counted as it arrives).
 
@@ -15,28 +16,14 @@ Both errors have OpenAI's body, or Anthropic's on the Messages paths
 
 from __future__ import annotations
 
-import json
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from splitserve.server.messages_api.errors import error_body, is_messages_path
-from splitserve.server.tenancy import TENANT_SCOPE_KEY, KeyRing
+from splitserve.server.asgi_errors import error_response
+from splitserve.server.tenancy import KEYED_SCOPE_KEY, TENANT_SCOPE_KEY, KeyRing
 
 OPEN_PATHS = frozenset({"/health", "/"})
 # The web page's static files (server.ui): the page asks for the key and sends it itself.
 OPEN_PREFIXES = ("/ui/",)
-
-
-async def _error(send: Send, path: str, status: int, message: str, code: str,
-                 headers=()) -> None:
-    shape = (error_body(status, message) if is_messages_path(path) else
-             {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                        "code": code}})
-    body = json.dumps(shape).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        *headers]})
-    await send({"type": "http.response.body", "body": body})
 
 
 class GuardMiddleware:
@@ -59,15 +46,16 @@ class GuardMiddleware:
             if key is None:
                 msg = ("missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: "
                        "<key>'" if not given else "incorrect API key")
-                return await _error(send, path, 401, msg, "invalid_api_key",
-                                    [(b"www-authenticate", b"Bearer")])
+                return await error_response(send, path, 401, msg, "invalid_api_key",
+                                            [(b"www-authenticate", b"Bearer")])
             scope[TENANT_SCOPE_KEY] = key.tenant
+            scope[KEYED_SCOPE_KEY] = True
         if not self.max_body_bytes:
             return await self.app(scope, receive, send)
         limit_msg = f"request body exceeds the limit of {self.max_body_bytes} bytes"
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return await _error(send, path, 413, limit_msg, "request_too_large")
+            return await error_response(send, path, 413, limit_msg, "request_too_large")
         # Read the body here (bounded), then replay it to the app.
         chunks, size = [], 0
         while True:
@@ -77,7 +65,7 @@ class GuardMiddleware:
                 break
             size += len(message.get("body", b""))
             if size > self.max_body_bytes:
-                return await _error(send, path, 413, limit_msg, "request_too_large")
+                return await error_response(send, path, 413, limit_msg, "request_too_large")
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break

@@ -19,6 +19,7 @@ from splitserve.server.errors import APIError
 from splitserve.server.format_prompt import with_format_description
 from splitserve.server.formatter import ResponseFormatter, Usage
 from splitserve.server.job import Job
+from splitserve.server.prompt_bound import prompt_bound
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
 from splitserve.server.reasoning.budget import thinking_budget
 from splitserve.server.reasoning.request import ReasoningRequest
@@ -47,6 +48,7 @@ class JobBuilder:
         self.model_name = model_name
         self.context_len = context_len
         self.eos_token_ids = eos_token_ids
+        self.bound = prompt_bound(tokenizer)
 
     def serves(self, model: str) -> bool:
         """Whether ``model`` names the served model."""
@@ -109,6 +111,7 @@ class JobBuilder:
         rid = new_rid(True, request_id)
         start = time.time()
         text = self._chat_text(req, tools.tools) + continuation
+        self._refuse_far_over_context(text, "messages")
         rendered = time.time()
         # The template already wrote BOS and the role markers; don't add them twice.
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -165,6 +168,7 @@ class JobBuilder:
         """
         if isinstance(req, ChatCompletionRequest):
             text = self._chat_text(req, self._tools(req).tools) + continuation
+            self._refuse_far_over_context(text, "messages")
             return self.tokenizer.encode(text, add_special_tokens=False)
         assert isinstance(req, CompletionRequest)
         return self._completion_ids(req, req.prompts[0])
@@ -183,6 +187,7 @@ class JobBuilder:
                         timing: RequestTiming | None = None) -> list[int]:
         if isinstance(prompt, str):
             start = time.time()
+            self._refuse_far_over_context(prompt, "prompt")
             # By default a raw prompt gets BOS where the model expects one.
             ids = self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
             if timing is not None:
@@ -235,6 +240,22 @@ class JobBuilder:
             return self.chat.render(messages, tools, kwargs)
         except Exception as exc:  # jinja raises on conversations the template refuses
             raise APIError(f"messages: chat template failed: {exc}", param="messages") from exc
+
+    def _refuse_far_over_context(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing it, a text that has at least the context's tokens by its
+        length in bytes alone (``server.prompt_bound``: no valid prompt is refused here).
+
+        Raises:
+            APIError: 400 naming ``param``.
+        """
+        num_bytes = len(text.encode("utf-8", errors="surrogatepass"))
+        at_least = self.bound.min_tokens(num_bytes)
+        if at_least >= self.context_len:
+            raise APIError(
+                f"{param}: the prompt has at least {at_least} tokens ({num_bytes} bytes; no "
+                f"token of this model covers more than {self.bound.max_bytes_per_token:g}); the "
+                f"context length is {self.context_len}, leaving no room to generate",
+                param=param)
 
     def _make_job(
         self, req: BaseGenerateRequest, input_ids: list[int], is_chat: bool, rid: str,

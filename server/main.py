@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import ipaddress
 import logging
 from pathlib import Path
 
@@ -19,12 +20,15 @@ from splitserve.server.cluster_view import ClusterView, install_cluster_view
 from splitserve.server.guard import install_guard
 from splitserve.server.membership import install_membership
 from splitserve.server.metrics import ServerMetrics, install_metrics
+from splitserve.server.offload import Offload
 from splitserve.server.rate_limit import RateLimiter
 from splitserve.server.responses_api.store import AsyncResponseStore, ResponseStore
 from splitserve.server.routes import create_app
 from splitserve.server.tenancy import KeyRing, Tenancy
 from splitserve.server.ui import install_ui
 from splitserve.server.worker_client import ZmqEngineClient
+
+logger = logging.getLogger(__name__)
 
 
 def read_model_facts(model_path: str) -> tuple[int, list[int], str | None]:
@@ -71,6 +75,9 @@ def run_api_server(
     )
     metrics.attach(client.pool)
     keys = KeyRing.from_config(config.security.api_key, config.security.api_key_file)
+    warning = exposure_warning(s.host, keys)
+    if warning:
+        logger.warning(warning)
     tenancy = Tenancy(RateLimiter(s.rate_limit_rps, s.rate_limit_tps))
     template = Path(s.chat_template).read_text() if s.chat_template else None
     chat = ChatRenderer(tokenizer, template, s.tool_call_parser, family_format,
@@ -81,7 +88,9 @@ def run_api_server(
     model_name = Path(model_path).name
     app = create_app(client, tokenizer, model_name, context_len, eos_ids,
                      tenancy=tenancy, chat=chat, metrics=metrics,
-                     responses_store=AsyncResponseStore(store), trace_export=export)
+                     responses_store=AsyncResponseStore(store), trace_export=export,
+                     allowed_origins=s.allowed_origins,
+                     offload=Offload(s.prepare_threads, 16 * s.prepare_threads))
     install_membership(app, client.pool)
     install_metrics(app, metrics)
     view = ClusterView(client.pool, metrics, model_name)
@@ -108,6 +117,27 @@ def run_api_server(
 
     app.router.lifespan_context = lifespan
     serve_app(app, s.host, s.port, config.log_level)
+
+
+def exposure_warning(host: str, keys: KeyRing | None) -> str | None:
+    """The start-up warning for an API that listens beyond loopback with no key (None when
+    it does not): anyone who can reach the port may use the model, and the operator routes
+    refuse them only because they are not on loopback."""
+    if keys is not None or _is_loopback_host(host):
+        return None
+    return (f"the API listens on {host or 'every address'} with no API key: anyone who can "
+            "reach this port can generate, and read /metrics and /workers (the operator "
+            "routes answer loopback clients only). Set SPLITSERVE_API_KEY (or --api-key) "
+            "for a server others can reach; see docs/operations.md#security-and-tenancy")
+
+
+def _is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "0.0.0.0" parses; a host name other than localhost may resolve anywhere
 
 
 def install_cors(app: FastAPI, allowed_origins: list[str]) -> None:

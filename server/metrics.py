@@ -110,7 +110,18 @@ class ServerMetrics:
             self.constraint_violations.labels(backend)
         for stage in STAGES:
             self.stage.labels(stage)
+        # Refused before any route ran (server.browser_guard): a page of another origin, or a
+        # POST body that is not JSON.
+        self.refused = Counter("splitserve_requests_refused", "Requests refused before any "
+                               "route ran, by reason (origin, content_type)", ["reason"],
+                               registry=r)
+        for reason in ("origin", "content_type"):
+            self.refused.labels(reason)
         self.pool: Any = None
+
+    def count_refused(self, reason: str) -> None:
+        """One request refused by ``server.browser_guard`` for ``reason``."""
+        self.refused.labels(reason).inc()
 
     def request_timer(self, timing: Any = None) -> RequestTimer:
         return RequestTimer(self, timing)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 from pydantic_core import from_json
 
 from splitserve.observe.timing import RequestTiming, server_timing_header
+from splitserve.server.browser_guard import BrowserGuardMiddleware
 from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.choices import fork_choices
 from splitserve.server.constraint_check import checked_pieces, partial_header
@@ -40,6 +42,7 @@ from splitserve.server.job import Job
 from splitserve.server.job_builder import JobBuilder
 from splitserve.server.messages_api.errors import api_error_body, is_messages_path
 from splitserve.server.messages_api.routes import install_messages_routes
+from splitserve.server.offload import Offload
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
 from splitserve.server.request_id import RequestIdMiddleware
 from splitserve.server.request_trace import ObserveMiddleware
@@ -64,6 +67,8 @@ def create_app(
     metrics: Any | None = None,
     responses_store: AsyncResponseStore | None = None,
     trace_export: Any | None = None,
+    allowed_origins: Sequence[str] = (),
+    offload: Offload | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API for one model served through ``client``.
 
@@ -83,8 +88,16 @@ def create_app(
             this app's life; ``server.responses_api.store``).
         trace_export: the ``observe.otel.TraceExport`` request spans go to (None: tracing
             off); every request is timed either way (``server.request_trace``).
+        allowed_origins: browser origins whose pages may call the API besides the server's
+            own (``server.browser_guard``, installed on the whole app: every route, including
+            those added to the app later, refuses other origins and ``POST`` bodies that are
+            not JSON).
+        offload: where a request's CPU work runs, off the event loop: parsing, the chat
+            template, tokenizing, constraint planning, validating outputs (default: 2
+            threads, ``server.offload``).
     """
     chat = chat or ChatRenderer(tokenizer)
+    offload = offload or Offload()
     jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids, chat)
     tenancy = tenancy or Tenancy()
     speller = TokenSpeller(tokenizer)
@@ -93,12 +106,14 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(ObserveMiddleware, export=trace_export)
-    install_tokenize_routes(app, jobs, tokenizer, context_len)
+    app.add_middleware(BrowserGuardMiddleware, allowed_origins=allowed_origins,
+                       on_refused=None if metrics is None else metrics.count_refused)
+    install_tokenize_routes(app, jobs, tokenizer, context_len, offload)
 
     violations = None if metrics is None else metrics.constraint_violations
 
     def pieces(job: Job) -> Any:
-        return checked_pieces(job, stream_text(client, tokenizer, job), violations)
+        return checked_pieces(job, stream_text(client, tokenizer, job), violations, offload)
 
     # Anthropic's Messages API: the same jobs and pieces, its own shapes (errors included).
     install_messages_routes(app, jobs, tenancy, pieces)
@@ -154,19 +169,21 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req: CompletionRequest = await _parse(request, CompletionRequest, "completions")
+        req: CompletionRequest = await offload.run(
+            parse_body, await request.body(), CompletionRequest, "completions")
         timing = request_timing(request)
-        prompts = [tenancy.apply(request.scope, job, req.cache_salt)
-                   for job in jobs.completion_jobs(req, request.state.request_id, timing)]
+        built = await offload.run(jobs.completion_jobs, req, request.state.request_id, timing)
+        prompts = [tenancy.apply(request.scope, job, req.cache_salt) for job in built]
         batch = [c for p, job in enumerate(prompts) for c in fork_choices(job, req.n or 1, p)]
         return await respond(request, observed(request, batch, timing), req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, "chat")
+        req: ChatCompletionRequest = await offload.run(
+            parse_body, await request.body(), ChatCompletionRequest, "chat")
         timing = request_timing(request)
-        job = tenancy.apply(request.scope, jobs.chat_job(req, request.state.request_id, timing),
-                            req.cache_salt)
+        built = await offload.run(jobs.chat_job, req, request.state.request_id, timing)
+        job = tenancy.apply(request.scope, built, req.cache_salt)
         return await respond(request, observed(request, fork_choices(job, req.n or 1, 0), timing),
                              req.stream)
 
@@ -258,12 +275,10 @@ def _first_api_error(group: BaseExceptionGroup) -> BaseException:
     return group.exceptions[0]
 
 
-async def _parse(
-    request: Request, model_cls: type[BaseGenerateRequest], endpoint: Endpoint
-) -> Any:
+def parse_body(body: bytes, model_cls: type[BaseGenerateRequest], endpoint: Endpoint) -> Any:
     """Validate the raw body ourselves: malformed JSON, fields we do not serve (the table of
-    ``server.fields``) and bad values all become 400."""
-    body = await request.body()
+    ``server.fields``) and bad values all become 400 (blocking: run it through
+    ``server.offload``)."""
     try:
         decoded = from_json(body)
     except ValueError:

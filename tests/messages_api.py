@@ -44,7 +44,8 @@ def check_anthropic_error(status: int, text: str) -> dict[str, Any]:
     assert set(body["error"]) == {"type", "message"}, text
     assert isinstance(body["error"]["message"], str) and body["error"]["message"], text
     kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
+             403: "permission_error", 405: "invalid_request_error", 413: "request_too_large",
+             415: "invalid_request_error", 429: "rate_limit_error",
              503: "overloaded_error"}
     assert body["error"]["type"] == kinds.get(status, "api_error"), (status, text)
     return body["error"]

@@ -79,6 +79,8 @@ def build_parts(config: WorkerConfig, role: WorkerRole) -> WorkerParts:
     grammars = create_worker_grammars(
         e.model, model_config.vocab_size, model_config.eos_token_ids,
         jump_forward=e.jump_forward and role.decodes, default_backend=e.grammar_backend,
+        compile_procs=e.grammar_compile_procs, compile_timeout_s=e.grammar_compile_timeout_s,
+        compile_queue=e.grammar_compile_queue, test_slow=e.grammar_test_slow,
     )
     links = open_links(config, watch_links=role.receives_kv)
     port = OutboxPort(links.outbox)

@@ -8,7 +8,7 @@ sampling code.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -164,3 +164,21 @@ class BaseGrammarBackend(ABC):
             GrammarError: if the constraint is malformed or uses a feature this backend lacks;
                 the message names the problem.
         """
+
+    def export(self, compiled: CompiledGrammar) -> Any:
+        """What of ``compiled`` can cross a process boundary (``compile_pool``): a picklable
+        value for :meth:`restore`, or None when nothing can (then :meth:`restore` compiles
+        again; the child process only proved that the compile finishes in time)."""
+        del compiled
+        return None
+
+    def restore(
+        self, kind: GrammarKind, text: str, options: CompileOptions, exported: Any
+    ) -> CompiledGrammar:
+        """The compiled grammar from :meth:`export`'s value, in this process.
+
+        Raises:
+            GrammarError: as :meth:`compile`.
+        """
+        del exported
+        return self.compile(kind, text, options)

@@ -144,6 +144,18 @@ class XGrammarBackend(BaseGrammarBackend):
             raise GrammarError(_describe(kind, text, clean_backend_message(str(exc)))) from exc
         return XGrammarCompiled(compiled, self.vocab_size)
 
+    def export(self, compiled: CompiledGrammar) -> str:
+        """xgrammar's own serialization of the compiled grammar (its token masks included)."""
+        return compiled._compiled.serialize_json()  # type: ignore[attr-defined]
+
+    def restore(
+        self, kind: GrammarKind, text: str, options: CompileOptions, exported: Any
+    ) -> XGrammarCompiled:
+        """Deserialized against this process's ``TokenizerInfo`` (no compile)."""
+        del kind, text, options
+        return XGrammarCompiled(xgr.CompiledGrammar.deserialize_json(exported, self._info),
+                                self.vocab_size)
+
     def _json_options(self, options: CompileOptions) -> dict[str, Any]:
         if options.whitespace_flexible:
             return {"any_whitespace": True, "max_whitespace_cnt": self._max_whitespace_cnt}

@@ -48,7 +48,7 @@ def worker_pages_used(cluster: Cluster) -> dict[str, int]:
 
 def flush_cache(cluster: Cluster) -> list[dict]:
     """``POST /flush_cache``; the workers' stats after the flush."""
-    r = httpx.post(cluster.config.url + "/flush_cache", timeout=60)
+    r = httpx.post(cluster.config.url + "/flush_cache", json={}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
 

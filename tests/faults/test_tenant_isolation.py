@@ -74,7 +74,7 @@ def ask(url: str, name: str, salt: str | None = None, chat: bool = False) -> tup
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_keys_and_salts_never_share_cached_prompts(cluster, chat) -> None:
     url = cluster.config.url
-    assert httpx.post(url + "/flush_cache", headers=OPERATOR, timeout=30).status_code == 200
+    assert httpx.post(url + "/flush_cache", json={}, headers=OPERATOR, timeout=30).status_code == 200
     first, ref = ask(url, "alice", chat=chat)
     assert first == 0
     again, text = ask(url, "alice", chat=chat)
@@ -120,14 +120,14 @@ def test_tenants_may_not_flush_or_manage_workers(cluster) -> None:
     for method, path, body in [("POST", "/flush_cache", None),
                                ("POST", "/workers/register", reg),
                                ("POST", "/workers/decode-0/drain", None)]:
-        r = httpx.request(method, url + path, json=body, headers=auth("bob"), timeout=30)
+        r = httpx.request(method, url + path, json=body or {}, headers=auth("bob"), timeout=30)
         assert r.status_code == 403, (path, r.text)
         assert r.json()["error"]["code"] == "permission_denied"
     assert all(not w["draining"] for w in httpx.get(url + "/workers", headers=OPERATOR,
                                                      timeout=10).json())
     assert "rogue" not in {w["worker_id"] for w in httpx.get(url + "/workers", headers=OPERATOR,
                                                              timeout=10).json()}
-    assert httpx.post(url + "/flush_cache", headers=OPERATOR, timeout=30).status_code == 200
+    assert httpx.post(url + "/flush_cache", json={}, headers=OPERATOR, timeout=30).status_code == 200
 
 
 def test_rate_limit_per_key(cluster) -> None:

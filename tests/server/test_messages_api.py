@@ -256,8 +256,11 @@ def test_other_errors_are_in_anthropics_shape_on_messages_paths_only(tokenizer) 
     client, _ = _app(tokenizer)
     r = client.post(M, json={"model": "claude-x", "max_tokens": 8, "messages": USER})
     assert r.status_code == 404 and "claude-x" in check_anthropic_error(404, r.text)["message"]
-    r = client.post(M, content=b"{not json")
+    r = client.post(M, content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in check_anthropic_error(400, r.text)[
+        "message"]
+    r = client.post(M, content=b"{}", headers={"content-type": "text/plain"})  # browser guard
+    assert r.status_code == 415 and "must be JSON" in check_anthropic_error(415, r.text)[
         "message"]
     r = client.get(M)
     check_anthropic_error(r.status_code, r.text)
