@@ -112,6 +112,7 @@ class TieredPrefixCache(RadixPrefixCache):
         self.pool, self.rows, self.fmt = pool, page_rows(pool), fmt
         self.identity = identity.digest()
         self.host, self.disk, self.store = host, disk, store
+        self.store_url = store.url if store is not None else ""
         self.write_through = write_policy == "write_through"
         self.cost = cost or LoadCostModel(bytes_per_token=fmt.sizes["raw"] / page_size)
         self.counters = {t: TierCounters() for t in TIERS}
@@ -407,6 +408,9 @@ class TieredPrefixCache(RadixPrefixCache):
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         self.cost.observe_prefill(num_tokens, seconds)
+
+    def prefill_rate(self) -> float:
+        return self.cost.prefill.value or 0.0
 
     def drain_events(self) -> list[KVEvent]:
         return self.events.drain()

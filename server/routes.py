@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from pydantic_core import from_json
 
+from splitserve.server.cache_header import cache_header
 from splitserve.server.chat_template import ChatRenderer
-from splitserve.server.choices import fork_choices
+from splitserve.server.choices import fork_choices, summed_usage
 from splitserve.server.constraint_check import checked_pieces, partial_header
 from splitserve.server.disconnect import client_gone, unless_disconnected
 from splitserve.server.engine_client import BaseEngineClient
@@ -95,11 +96,13 @@ def create_app(
                 request,
                 lambda: streaming_response(batch, [pieces(job) for job in batch], speller),
             )
-            if sse is not None:
-                sse.headers.update(headers)
+            if sse is not None:  # the lead's first piece is in: its prompt was matched
+                sse.headers.update({**headers, **cache_header(summed_usage(batch))})
             return client_gone() if sse is None else sse
         body = await unless_disconnected(request, lambda: _run_all(batch))
-        return client_gone() if body is None else JSONResponse(body, headers=headers)
+        if body is None:
+            return client_gone()
+        return JSONResponse(body, headers={**headers, **cache_header(summed_usage(batch))})
 
     async def _run_all(batch: list[Job]) -> dict[str, Any]:
         if len(batch) == 1:

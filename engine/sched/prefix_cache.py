@@ -95,6 +95,9 @@ class BasePrefixCache(abc.ABC):
 
     # ---- tiers below the pool (radix_cache.tiers); a cache without them keeps the defaults ----
 
+    identity: str = ""  # the block keys' model identity (KV events); "": publishes none
+    store_url: str = ""  # the shared store its blocks may be in ("": none)
+
     def prefetch(self, req: Req) -> None:
         """A new request was queued: start bringing what lower tiers hold of its prompt back
         towards the pool while other requests compute. The default has no tiers."""
@@ -112,6 +115,10 @@ class BasePrefixCache(abc.ABC):
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """A forward pass computed ``num_tokens`` prompt tokens in ``seconds`` (the prefill rate
         that loads are weighed against)."""
+
+    def prefill_rate(self) -> float:
+        """The measured prefill rate (tokens/s; 0: not measured)."""
+        return 0.0
 
     def drain_events(self) -> list[KVEvent]:
         """Changes of where blocks live since the last call (KV events for the router)."""

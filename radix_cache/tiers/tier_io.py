@@ -205,7 +205,7 @@ class TierIO:
         while (job := self._loads.get()) is not None:
             try:
                 self._run_load(job)
-            except Exception:  # noqa: BLE001 - a bug here must not stop later loads
+            except Exception:  # a bug here must not stop later loads
                 logger.exception("KV tier load failed")
                 self._finish(job)
 
@@ -213,7 +213,7 @@ class TierIO:
         while (item := self._writes.get()) is not None:
             try:
                 self._run_write(*item)
-            except Exception:  # noqa: BLE001
+            except Exception:  # nor later writes
                 logger.exception("KV tier write failed")
 
     def _finish(self, job: LoadJob) -> None:
