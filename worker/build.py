@@ -129,16 +129,16 @@ def create_cache(config: WorkerConfig, role: WorkerRole, pool: KVPool, runner: M
 
 
 def probe_prefill(runner: ModelRunner, pool: KVPool, engine: EngineConfig,
-                  eos_token_ids: list[int], num_tokens: int = 256) -> tuple[int, float]:
+                  eos_token_ids: list[int], num_tokens: int = 128) -> tuple[int, float]:
     """``(tokens, seconds)`` of one prompt's forward passes on this model, pool and threads
-    (run twice; the second is timed: the first pays one-time set-up): the prefill rate that
-    loading a cached prefix from disk or the store is weighed against."""
+    (after a short one that pays the one-time set-up): the prefill rate that loading a cached
+    prefix from disk or the store is weighed against."""
     num_tokens = min(num_tokens, (pool.allocator.num_pages - 2) * pool.page_size)
     seconds = 0.0
-    for _ in range(2):
+    for n in (min(16, num_tokens), num_tokens):
         scheduler = Scheduler(NoPrefixCache(pool.allocator, pool.page_size), engine,
                               eos_token_ids, prefill_only=True)
-        req = Req("prefill-probe", [1 + i % 100 for i in range(num_tokens)],
+        req = Req("prefill-probe", [1 + i % 100 for i in range(n)],
                   SamplingParams(max_new_tokens=1, temperature=0.0))
         scheduler.add(req)
         start = time.perf_counter()

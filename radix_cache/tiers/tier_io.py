@@ -272,7 +272,8 @@ class TierIO:
             logger.warning("L3 read of block %s failed: %s", key, exc)
             c.unavailable += 1
             return None
-        if got is None:
+        if got is None:  # deleted meanwhile (another process sharing the directory)
+            self.events.add("removed", "l3", [key])
             return None
         fmt, view = got
         payload = torch.frombuffer(bytearray(view), dtype=torch.uint8)
