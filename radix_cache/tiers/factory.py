@@ -51,8 +51,9 @@ def create_tiered_cache(engine: EngineConfig, pool: KVPool, identity: KVIdentity
         disk = DiskTier(engine.kv_disk_cache_dir, identity.digest(),
                         int(engine.kv_disk_cache_gb * 1e9), fmt.sizes)
         _probe_disk(disk, cost)
+        rate = cost.loads.get("l3")  # none when the probe failed (a full disk)
         logger.info("L3 %s: %d blocks from earlier runs, read at %.2f GB/s", disk.dir,
-                    disk.num_blocks, (cost.loads["l3"].value or 0) / 1e9)
+                    disk.num_blocks, (rate.value or 0) / 1e9 if rate else 0.0)
     if engine.kv_store == "local":
         raise ValueError("kv_store 'local' is resolved by splitserve launch/serve; a worker "
                          "started alone needs mooncake://HOST:PORT")

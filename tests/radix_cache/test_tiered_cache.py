@@ -162,6 +162,29 @@ def test_a_full_disk_costs_a_recompute_and_a_counter() -> None:
         subprocess.run(["umount", str(root)], check=False)
 
 
+def test_a_worker_starts_on_a_disk_that_is_already_full() -> None:
+    """The start-up read probe cannot write its file: the tier is built anyway, unmeasured."""
+    from splitserve.config import EngineConfig
+    from splitserve.engine.kv_pool import KVPool
+    from splitserve.radix_cache.tiers.factory import create_tiered_cache
+    from tests.radix_cache.tiered_fixtures import IDENTITY, LAYOUT
+
+    root = Path(tempfile.mkdtemp())
+    mount = ["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(root)]
+    if subprocess.run(mount, check=False).returncode:
+        pytest.skip("mount failed")
+    try:
+        engine = EngineConfig(model="m", kv_disk_cache_dir=str(root), kv_disk_cache_gb=1.0)
+        cache = create_tiered_cache(engine, KVPool(LAYOUT, 16), IDENTITY)
+        try:
+            assert cache.disk is not None and cache.disk.num_blocks == 0
+            assert "l3" not in cache.cost.loads  # measured by the first loads instead
+        finally:
+            cache.close()
+    finally:
+        subprocess.run(["umount", str(root)], check=False)
+
+
 def test_a_load_slower_than_recomputing_is_not_done(tmp_path: Path) -> None:
     cost = LoadCostModel(bytes_per_token=LAYOUT.page_bytes / LAYOUT.page_size)
     cost.observe_prefill(1000, 1.0)  # 1 ms a token
