@@ -211,6 +211,7 @@ def serve(args: argparse.Namespace, name: str, tokenizer: Any, work: Workload,
             res.after_restart = asyncio.run(run_rounds(
                 config.url, tokenizer, work, range(work.turns, work.turns + 1), histories,
                 answers, args.concurrency, args.max_tokens))
+            res.workers = worker_rows(config.url)  # the restarted workers' L3 loads
     return res
 
 
