@@ -26,6 +26,7 @@ from splitserve.config.schema import (
     DEVICES,
     DTYPES,
     KV_CACHE_DTYPES,
+    KV_WRITE_POLICIES,
     QUANTIZATIONS,
     SPECULATIVE_CHOICES,
     ServeConfig,
@@ -101,6 +102,24 @@ ENGINE_FLAGS = (
          "int8 or fp8_e4m3 (8 bits + a float32 scale per token and KV head: ~0.53x the bytes "
          "of bfloat16; quantized as written, de-quantized as read, by the torch and Triton "
          "attention)", choices=KV_CACHE_DTYPES),
+    Flag("--kv-host-cache-mb", "engine.kv_host_cache_mb", "L2 prefix-cache tier: host memory "
+         "(MiB) outside the KV pool that evicted prefixes move to and come back from (0: none)"),
+    Flag("--kv-host-cache-dtype", "engine.kv_host_cache_dtype", "L2 blocks: auto (the pool's "
+         "bytes) or int8 / fp8_e4m3 (8 bits + scales: ~1.9x the tokens of bfloat16 in the "
+         "same RAM, lossy)", choices=KV_CACHE_DTYPES),
+    Flag("--kv-disk-cache-dir", "engine.kv_disk_cache_dir", "L3 prefix-cache tier: a directory "
+         "of checksummed KV block files, kept across restarts (one sub-directory per model)",
+         parse=str),
+    Flag("--kv-disk-cache-gb", "engine.kv_disk_cache_gb", "L3 size (GB); least recently used "
+         "blocks go first"),
+    Flag("--kv-cache-write-policy", "engine.kv_cache_write_policy", "write_through: copy "
+         "cached blocks to L2/L3 at once (a restart finds them all); write_back: only when "
+         "evicted from the tier above", choices=KV_WRITE_POLICIES),
+    Flag("--kv-store", "engine.kv_store", "prefix-cache tier shared by every worker: "
+         "mooncake://HOST:PORT of a mooncake_master, or local (splitserve launch starts one)",
+         parse=str),
+    Flag("--kv-store-segment-mb", "engine.kv_store_segment_mb", "memory (MiB) each worker "
+         "lends the shared store"),
     Flag("--device", "engine.device", "where models and KV pools live; cuda uses the Triton "
          "attention kernels and CUDA graphs ($SPLITSERVE_DEVICE sets the default)", choices=DEVICES),
     Flag("--page-size", "engine.page_size", "tokens per KV page"),

@@ -34,6 +34,7 @@ QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, at load (engine.model.q
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 ATTENTION_CHOICES = ("auto", *ATTENTION.names)  # auto: torch on CPU, triton on CUDA
 SPECULATIVE_CHOICES = ("none", "ngram")
+KV_WRITE_POLICIES = ("write_through", "write_back")  # when blocks go down a cache tier
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -87,6 +88,20 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # KV pool values: "auto" (the model dtype), "int8" or "fp8_e4m3" (engine.kv_quant; the
     # torch attention backend only, which de-quantizes as it reads).
     kv_cache_dtype: str = "auto"
+    # KV cache tiers under the prefix cache (radix_cache.tiered_cache; docs/serving.md):
+    # L2 host memory outside the pool (MiB, 0: none), its blocks' dtype (auto: the pool's
+    # bytes; int8 / fp8_e4m3: 8 bits + scales, ~1.9x the tokens of bfloat16 in the same RAM);
+    # L3 a directory of block files ("": none) that survives restarts, and its size; when
+    # blocks go down a tier; and a store shared by every worker ("mooncake://HOST:PORT" of a
+    # mooncake_master; "local": the launcher starts one; "": none) with the memory each worker
+    # lends it.
+    kv_host_cache_mb: int = 0
+    kv_host_cache_dtype: str = "auto"
+    kv_disk_cache_dir: str = ""
+    kv_disk_cache_gb: float = 16.0
+    kv_cache_write_policy: str = "write_through"
+    kv_store: str = ""
+    kv_store_segment_mb: int = 256
 
     def check(self) -> None:
         """Raises: ValueError naming the first field out of range or not a registered name."""
@@ -109,6 +124,31 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"kernels: {self.kernels!r} is not auto, c, torch or a plan file")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be positive, not {self.transfer_timeout_s}")
+        self.check_tiers()
+
+    def check_tiers(self) -> None:
+        """Raises: ValueError naming the first cache-tier field out of range."""
+        _choice("kv_host_cache_dtype", self.kv_host_cache_dtype, KV_CACHE_DTYPES)
+        _choice("kv_cache_write_policy", self.kv_cache_write_policy, KV_WRITE_POLICIES)
+        if self.kv_host_cache_mb < 0:
+            raise ValueError(f"kv_host_cache_mb must be >= 0, not {self.kv_host_cache_mb}")
+        if self.kv_disk_cache_gb <= 0:
+            raise ValueError(f"kv_disk_cache_gb must be positive, not {self.kv_disk_cache_gb}")
+        if self.kv_store_segment_mb < 16:
+            raise ValueError("kv_store_segment_mb must be at least 16 (Mooncake's smallest "
+                             f"segment), not {self.kv_store_segment_mb}")
+        if self.kv_store not in ("", "local") and not self.kv_store.startswith("mooncake://"):
+            raise ValueError(f"kv_store: {self.kv_store!r} is not mooncake://HOST:PORT, local "
+                             "or empty")
+        if self.kv_cache_dtype != "auto" and self.kv_host_cache_dtype not in (
+                "auto", self.kv_cache_dtype):
+            raise ValueError(f"kv_host_cache_dtype {self.kv_host_cache_dtype} on a "
+                             f"{self.kv_cache_dtype} KV pool: use auto (the pool's own bytes)")
+
+    @property
+    def has_cache_tiers(self) -> bool:
+        """Whether any tier below the KV pool is configured."""
+        return bool(self.kv_host_cache_mb or self.kv_disk_cache_dir or self.kv_store)
 
 
 class SecurityConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -263,6 +263,9 @@ class TokenOutput(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None  # "stop" | "length"
     prompt_len: int = 0
     cached_len: int = 0
+    # Of ``cached_len``, the tokens each cache tier served ("l1": the KV pool, "l2": host memory,
+    # "l3": the disk, "store": the shared store); empty where no tier is configured (all "l1").
+    cached_by_tier: dict[str, int] = {}
     # Set on the output with index 0 when ``sampling.logprob_start_len >= 0``: logprobs of prompt
     # tokens ``max(1, logprob_start_len) .. prompt_len - 1`` (the first token has none).
     prompt_logprobs: list[float] | None = None
@@ -290,6 +293,33 @@ class RequestError(msgspec.Struct, tag="error"):
     message: str
     code: int = 500
     kind: str = ""
+
+
+class TierStats(msgspec.Struct, kw_only=True):
+    """One KV cache tier of a worker (``WorkerStats.cache_tiers``): its size and use (bytes,
+    blocks of one page each) and what it did since start. ``hit_tokens``: prompt tokens it
+    served; loads and writes in blocks, bytes and seconds; ``write_errors`` (disk full, store
+    full or gone), ``dropped_writes`` (the write queue was full), ``corrupt_blocks`` (failed
+    their checks when read), ``unavailable`` (loads skipped: the tier did not answer) and
+    ``skipped_slower`` (blocks not loaded because recomputing them was measured faster) each
+    cost a recompute, never a wrong token. ``load_gbps``: the measured load rate."""
+
+    tier: str  # "l1" | "l2" | "l3" | "store"
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    blocks: int = 0
+    hit_tokens: int = 0
+    load_blocks: int = 0
+    load_bytes: int = 0
+    load_s: float = 0.0
+    write_blocks: int = 0
+    write_bytes: int = 0
+    write_errors: int = 0
+    dropped_writes: int = 0
+    corrupt_blocks: int = 0
+    unavailable: int = 0
+    skipped_slower: int = 0
+    load_gbps: float = 0.0
 
 
 class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
@@ -342,6 +372,48 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     spec_accepted_tokens: int = 0
     node: str = ""  # the node the worker runs on (WorkerConfig.node: a Ray node id, or the host)
     tokens_generated: int = 0  # output tokens this worker sent to routers since start
+    # KV cache tiers under the prefix cache (radix_cache.tiers), one row each ("l1" first: the
+    # pool's cached pages), and the measured prefill rate their loads are weighed against.
+    cache_tiers: list[TierStats] = []
+    prefill_tokens_per_s: float = 0.0
+
+
+# ---- KV events (worker -> router) ------------------------------------------------------------
+
+
+class KVEvent(msgspec.Struct, array_like=True):
+    """A change of where blocks live on a worker: ``stored`` (now in ``tier``), ``removed``
+    (no longer in ``tier``) or ``demoted`` (moved from ``from_tier`` down to ``tier``). Blocks
+    are named by their content address (``radix_cache.block_hash``)."""
+
+    kind: str
+    tier: str  # "l1" | "l2" | "l3" | "store"
+    keys: list[str]
+    from_tier: str = ""
+
+
+class KVEvents(msgspec.Struct, tag="kv_events", kw_only=True):
+    """Worker -> every router it reports to: its cache tiers' changes since the previous
+    message (``seq``: 1, 2, ... from the worker's start), or, with ``snapshot``, every block it
+    holds now (the answer to :class:`KVEventsQuery`). ``identity`` and ``page_size`` let the
+    router compute the same block keys from a prompt (``block_hash.KVIdentity.digest``);
+    ``store``: the shared store the worker reads (its blocks count for every worker of it)."""
+
+    worker_id: str
+    addr: str
+    identity: str
+    page_size: int
+    seq: int
+    events: list[KVEvent]
+    snapshot: bool = False
+    store: str = ""
+
+
+class KVEventsQuery(msgspec.Struct, tag="kv_events_query"):
+    """Router -> worker: send a snapshot of your blocks (a router that joined late, or missed
+    events: a gap in ``seq``) to ``reply_addr``."""
+
+    reply_addr: str
 
 
 # ---- decode <-> prefill (KV transfer control) ----------------------------------------------
@@ -442,6 +514,8 @@ Message = (
     | KVFailed
     | KVQueued
     | KVReleased
+    | KVEvents
+    | KVEventsQuery
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -393,7 +393,8 @@ class DisaggRequest:
 def _event(o: TokenOutput) -> TokenEvent:
     """The reader's event for output ``o``."""
     return TokenEvent(o.token_ids, o.logprobs, o.finish_reason, prompt_len=o.prompt_len,
-                      cached_len=o.cached_len, prompt_logprobs=o.prompt_logprobs,
+                      cached_len=o.cached_len, cached_by_tier=o.cached_by_tier,
+                      prompt_logprobs=o.prompt_logprobs,
                       top_ids=o.top_ids, top_logprobs=o.top_logprobs,
                       prompt_top_ids=o.prompt_top_ids, prompt_top_logprobs=o.prompt_top_logprobs,
                       stamps=o.stamps)

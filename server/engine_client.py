@@ -31,6 +31,7 @@ class TokenEvent:
     error_code: int = 500
     prompt_len: int = 0
     cached_len: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)  # of cached_len, per cache tier
     prompt_logprobs: list[float] | None = None  # on the first event, when asked for
     # Alternatives per token of ``token_ids`` / ``prompt_logprobs`` (``messages.TokenOutput``).
     top_ids: list[list[int]] = field(default_factory=list)

@@ -19,7 +19,10 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # every cache tier's: the pool, host memory, disk, shared store
+    # Of ``cached_tokens``, per tier ("l1", "l2", "l3", "store"): the response header
+    # ``x-splitserve-cached-tokens`` (server.cache_header), not the OpenAI body.
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {

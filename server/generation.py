@@ -73,6 +73,8 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
             end = len(job.output_ids)
             job.usage.prompt_tokens = ev.prompt_len or job.usage.prompt_tokens
             job.usage.cached_tokens = max(job.usage.cached_tokens, ev.cached_len)
+            if ev.cached_by_tier:  # on the first output only (the worker that matched it)
+                job.usage.cached_by_tier = dict(ev.cached_by_tier)
             text = stops.feed(detok.push(ev.token_ids))
             if ev.finish_reason is not None:
                 engine_done = True

@@ -46,6 +46,8 @@ class RequestTimer:
                     self.m.itl.observe(gap)
             self.num_tokens += len(ev.token_ids)
             self.last = now
+        for tier, n in ev.cached_by_tier.items():
+            self.m.cached_tokens.labels(tier).inc(n)
         if ev.error is not None:
             self.m.requests.labels("error").inc()
         elif ev.finish_reason is not None:
@@ -117,6 +119,11 @@ class ServerMetrics:
                                registry=r)
         for reason in ("origin", "content_type"):
             self.refused.labels(reason)
+        # Prompt tokens served from a prefix-cache tier (l1 pool, l2 host memory, l3 disk,
+        # store shared), as each request's worker reported them.
+        self.cached_tokens = Counter("splitserve_cached_prompt_tokens", "Prompt tokens served "
+                                     "from the prefix cache, by the tier that held them",
+                                     ["tier"], registry=r)
         self.pool: Any = None
 
     def count_refused(self, reason: str) -> None:
@@ -186,6 +193,40 @@ class _WorkerCollector:
         yield from fams.values()
         yield healthy
         yield in_flight
+        yield from _tier_families(self.pool.workers)
+
+
+# Per worker and cache tier (WorkerStats.cache_tiers): gauges, then counters.
+_TIER_GAUGES = {
+    "capacity_bytes": "Bytes a prefix-cache tier may hold",
+    "used_bytes": "Bytes a prefix-cache tier holds",
+    "blocks": "KV blocks (pages) a prefix-cache tier holds",
+    "load_gbps": "Measured load rate of a prefix-cache tier (GB/s)",
+}
+_TIER_COUNTERS = {
+    "hit_tokens": "Prompt tokens a prefix-cache tier served",
+    "load_bytes": "Bytes loaded from a prefix-cache tier into the KV pool",
+    "load_s": "Seconds spent loading from a prefix-cache tier",
+    "write_bytes": "Bytes written to a prefix-cache tier",
+    "write_errors": "Writes to a prefix-cache tier that failed (disk full, store gone)",
+    "dropped_writes": "Writes to a prefix-cache tier dropped (write queue full)",
+    "corrupt_blocks": "Blocks that failed their checksum when read (recomputed)",
+    "unavailable": "Loads skipped because a prefix-cache tier did not answer",
+    "skipped_slower": "Blocks not loaded because recomputing them was measured faster",
+}
+
+
+def _tier_families(workers: list) -> list:
+    labels = ["worker_id", "role", "tier"]
+    fams = {k: GaugeMetricFamily(f"splitserve_cache_tier_{k}", h, labels=labels)
+            for k, h in _TIER_GAUGES.items()}
+    fams |= {k: CounterMetricFamily(f"splitserve_cache_tier_{k}", h, labels=labels)
+             for k, h in _TIER_COUNTERS.items()}
+    for w in workers:
+        for row in w.last_stats.get("cache_tiers", ()):
+            for k, fam in fams.items():
+                fam.add_metric([w.worker_id, w.role, row["tier"]], row[k])
+    return list(fams.values())
 
 
 def install_metrics(app: FastAPI, metrics: ServerMetrics) -> None:

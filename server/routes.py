@@ -24,8 +24,9 @@ from pydantic_core import from_json
 
 from splitserve.observe.timing import RequestTiming, server_timing_header
 from splitserve.server.browser_guard import BrowserGuardMiddleware
+from splitserve.server.cache_header import cache_header
 from splitserve.server.chat_template import ChatRenderer
-from splitserve.server.choices import fork_choices
+from splitserve.server.choices import fork_choices, summed_usage
 from splitserve.server.constraint_check import checked_pieces, partial_header
 from splitserve.server.disconnect import client_gone, unless_disconnected
 from splitserve.server.engine_client import BaseEngineClient
@@ -133,8 +134,8 @@ def create_app(
                 request,
                 lambda: streaming_response(batch, [pieces(job) for job in batch], speller),
             )
-            if sse is not None:
-                sse.headers.update(headers)
+            if sse is not None:  # the lead's first piece is in: its prompt was matched
+                sse.headers.update({**headers, **cache_header(summed_usage(batch))})
             return client_gone() if sse is None else sse
         body = await unless_disconnected(request, lambda: _run_all(batch))
         if body is None:
@@ -144,7 +145,7 @@ def create_app(
             end = time.time()
             headers = {**headers, "x-splitserve-timing": server_timing_header(timing.stages(end))}
             body["splitserve_timing"] = timing.summary(end)
-        return JSONResponse(body, headers=headers)
+        return JSONResponse(body, headers={**headers, **cache_header(summed_usage(batch))})
 
     async def _run_all(batch: list[Job]) -> dict[str, Any]:
         if len(batch) == 1:

@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from splitserve.ipc.messages import (
     AbortTask,
+    KVEvents,
     RequestError,
     SamplingParams,
     TokenBatch,
@@ -245,6 +246,8 @@ class ZmqEngineClient(BaseEngineClient):
             self.pool.on_ready(msg)
         elif isinstance(msg, WorkerStats):
             self.pool.on_stats(msg)
+        elif isinstance(msg, KVEvents):
+            self.pool.on_kv_events(msg)
 
 
 def _log_undelivered(sent: asyncio.Future, rid: str, addr: str) -> None:

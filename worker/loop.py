@@ -24,6 +24,9 @@ from splitserve.ipc.messages import (
     FlushCache,
     GenerateTask,
     KVBootstrap,
+    KVEvent,
+    KVEvents,
+    KVEventsQuery,
     Message,
     RouterBeat,
     Shutdown,
@@ -73,6 +76,9 @@ class Worker:
         self.routers = RouterWatch(self.outbox.link_drops, self.outbox.watch, clock=self.port.now)
         self.next_router_check = 0.0
         self.stopped = False
+        # KV events go to the routers this worker reports to (serve_forever sets them).
+        self.event_addrs: list[str] = []
+        self.kv_seq = 0
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -98,6 +104,14 @@ class Worker:
         server_addrs = list(server_addrs or [c.server_addr])
         for addr in server_addrs:
             self.port.send(addr, WorkerReady(c.worker_id, self.role.name, c.addr))
+        cache = self.scheduler.cache
+        if cache.identity:
+            self.event_addrs = server_addrs
+            # What a restarted worker holds already (its disk tier), then the changes.
+            self.scheduler.cache.drain_events()
+            snapshot = self.kv_events(cache.snapshot_events(), snapshot=True)
+            for addr in server_addrs:
+                self.port.send(addr, snapshot)
         beat = Heartbeat(
             self.ctx, server_addrs, self.stats, configure=self.parts.links.configure_client,
             rejoin=self._rejoin if c.router_urls else None,
@@ -123,7 +137,8 @@ class Worker:
         # Work that cannot be scheduled (waiting for pages) must not spin the core the model
         # uses; the poll still returns at once when a message arrives.
         busy = self.scheduler.has_work and self.scheduler.last_num_scheduled > 0
-        wait_ms = 0 if busy else COMPILE_POLL_MS if len(self.grammars) else idle_wait_ms
+        waits_on_threads = len(self.grammars) or self.scheduler.cache.is_loading
+        wait_ms = 0 if busy else COMPILE_POLL_MS if waits_on_threads else idle_wait_ms
         if self.inbox.poll(wait_ms):
             for _ in range(MAX_MESSAGES_PER_STEP):
                 item = self.inbox.recv()
@@ -144,6 +159,7 @@ class Worker:
                 tracer.sweep(time.time())
         if self.scheduler.has_work:
             self._step()
+            self.publish_kv_events()
 
     def _step(self) -> None:
         """One engine step; its stage stamps (``worker.tracing.stamp_step``); its outputs to
@@ -188,6 +204,9 @@ class Worker:
                 logger.info("%s worker %s: flushed %d cached pages", self.role.name,
                             self.config.worker_id, freed)
                 self.port.send(msg.reply_addr, self.stats(msg.query_id))
+            elif isinstance(msg, KVEventsQuery):
+                self.port.send(msg.reply_addr, self.kv_events(
+                    self.scheduler.cache.snapshot_events(), snapshot=True))
             elif isinstance(msg, Shutdown):
                 self.stopped = True
             else:
@@ -218,6 +237,30 @@ class Worker:
                     self.tracer.mark(req.rid, "admitted")
                     self.tracer.seen(req)
             self.policy.on_admitted(admitted)
+
+    # ---- KV events (the routers' cache-aware routing, server.kv_index) -------------------------
+
+    def kv_events(self, events: list[KVEvent], snapshot: bool = False) -> KVEvents:
+        """``events`` as this worker's message: the next ``seq`` (a snapshot keeps the last)."""
+        cache = self.scheduler.cache
+        if not snapshot:
+            self.kv_seq += 1
+        return KVEvents(worker_id=self.config.worker_id, addr=self.config.addr,
+                        identity=cache.identity, page_size=self.scheduler.page_size,
+                        seq=self.kv_seq, events=events, snapshot=snapshot, store=cache.store_url)
+
+    def publish_kv_events(self) -> None:
+        """Send the cache tiers' changes since the last call to every router (none known: they
+        are dropped; a router asks for a snapshot when it sees a gap)."""
+        events = self.scheduler.cache.drain_events()
+        if not events or not self.event_addrs:
+            return
+        msg = self.kv_events(events)
+        for addr in self.event_addrs:
+            try:
+                self.port.send(addr, msg)
+            except PeerUnreachable as exc:
+                logger.debug("KV events to %s: %s", addr, exc)
 
     # ---- routers that went away (worker.routers) ----------------------------------------------
 
@@ -287,6 +330,8 @@ class Worker:
             spec_draft_tokens=self.scheduler.num_draft_tokens,
             spec_accepted_tokens=self.scheduler.num_accepted_tokens,
             tokens_generated=self.port.num_tokens_out,
+            cache_tiers=self.scheduler.cache.tier_stats(),
+            prefill_tokens_per_s=self.scheduler.cache.prefill_rate(),
             node=self.config.node or socket.gethostname(),
         )
         return self.policy.fill_stats(stats)

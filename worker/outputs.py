@@ -22,6 +22,7 @@ def token_output(req: Req, index: int) -> TokenOutput:
         finish_reason=req.finish_reason,
         prompt_len=req.prompt_len,
         cached_len=req.cached_len,
+        cached_by_tier=req.cached_by_tier if index == 0 else {},
         # The first output carries them: from the prefill worker when disaggregated.
         prompt_logprobs=(
             req.prompt_logprobs if index == 0 and req.sampling.wants_prompt_logprobs else None

@@ -39,6 +39,9 @@ class Req:
     page_ids: list[int] = field(default_factory=list)
     kv_len: int = 0
     cached_len: int = 0  # prompt tokens served from a prefix cache (reported to the client)
+    # Of ``cached_len``, the tokens each cache tier served (radix_cache.tiers: "l1" the pool,
+    # "l2" host memory, "l3" disk, "store" the shared store); empty when no tier is configured.
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
     matched_len: int = 0  # leading tokens whose pages the prefix cache lent at this admission
     locked_node: object | None = None  # the prefix cache's pin on those pages (radix TreeNode)
     finish_reason: str | None = None

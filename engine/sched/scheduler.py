@@ -121,8 +121,10 @@ class Scheduler:
         return self.cache.ensure_free(num_pages + len(self.running))
 
     def add(self, req: Req) -> None:
-        """Queue a request that needs prefill (new, or pages installed but not all of them)."""
+        """Queue a request that needs prefill (new, or pages installed but not all of them).
+        The prefix cache starts loading what its lower tiers hold of the prompt meanwhile."""
         self.waiting.append(req)
+        self.cache.prefetch(req)
 
     def add_running(self, req: Req) -> None:
         """Queue a request whose KV is complete but for its last tokens: the sampled token, plus
@@ -378,6 +380,8 @@ class Scheduler:
             if budget <= 0 or len(reqs) >= self.max_running:
                 break
             is_new = not req.page_ids
+            if is_new and not self.cache.ready(req):
+                continue  # its prompt's KV is still loading from a lower tier: the next may go
             if is_new:
                 # Admit a new prompt only if all of it fits, with a page of headroom per running
                 # request, so a half-prefilled prompt does not force decodes to retract.
