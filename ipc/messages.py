@@ -86,6 +86,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # Alternatives per token (0-20) returned with each sampled token, and with each scored prompt
     # token: the most likely ids of the raw distribution (log-softmax before any processing).
     top_logprobs: int = 0
+    # Scheduling priority (vLLM's semantics): lower values are admitted first and preempted
+    # last when KV pages run out (engine.sched.scheduler); equal values in arrival order.
+    priority: int = 0
 
     @property
     def wants_prompt_logprobs(self) -> bool:

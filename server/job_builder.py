@@ -237,6 +237,7 @@ class JobBuilder:
             logit_bias=dict(req.logit_bias or {}),
             min_tokens=req.min_tokens or 0,
             top_logprobs=top_logprobs,
+            priority=req.priority or 0,
         )
 
 
