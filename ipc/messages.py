@@ -115,6 +115,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         """Whether the request's tokens go through a grammar (a constraint, or a think block the
         engine enforces): its worker prepares one before scheduling it."""
         return self.constraint is not None or self.reasoning is not None
+    # Scheduling priority (vLLM's semantics): lower values are admitted first and preempted
+    # last when KV pages run out (engine.sched.scheduler); equal values in arrival order.
+    priority: int = 0
 
     @property
     def wants_prompt_logprobs(self) -> bool:

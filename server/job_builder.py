@@ -326,6 +326,7 @@ class JobBuilder:
             min_tokens=req.min_tokens or 0,
             top_logprobs=top_logprobs,
             reasoning=reasoning,
+            priority=req.priority or 0,
         )
 
 

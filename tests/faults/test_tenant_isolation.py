@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 KEYS = {"alice": "sk-alice-1", "bob": "sk-bob-2", "carol": "sk-carol-3"}
 OPERATOR = {"Authorization": "Bearer sk-operator-0"}  # --api-key: flushes, manages workers
 RATE = 1.0  # requests per second per key: a burst of one
+BURST = 4  # requests sent at once by one key
 PROMPT = ("You are a careful assistant. Here is a long shared system prompt that sets the scene "
           "for every answer and is long enough to fill several KV pages. Question: what is two "
           "plus two?")
@@ -138,9 +139,22 @@ def test_rate_limit_per_key(cluster) -> None:
     def send(name: str) -> httpx.Response:
         return httpx.post(url + "/v1/completions", json=body, headers=auth(name), timeout=60)
 
-    with ThreadPoolExecutor(4) as pool:
-        rs = list(pool.map(send, ["carol"] * 4))
-    assert sorted(r.status_code for r in rs) == [200, 429, 429, 429]
+    # A burst of BURST at once: a bucket of one second's worth, refilled at RATE, admits at
+    # most 1 + RATE * (the burst's span) of them. The span is measured around the burst on the
+    # client (it contains the server's), so the bound holds however loaded the machine is,
+    # and a limiter that let more through fails it; a burst spread so wide by load that all
+    # of it passed is retried (the 429's shape is checked on a refusal).
+    for _ in range(3):
+        started = time.monotonic()
+        with ThreadPoolExecutor(BURST) as pool:
+            rs = list(pool.map(send, ["carol"] * BURST))
+        span_s = time.monotonic() - started
+        codes = sorted(r.status_code for r in rs)
+        assert set(codes) <= {200, 429}, codes
+        assert 1 <= codes.count(200) <= 1 + int(RATE * span_s), (codes, span_s)
+        if 429 in codes:
+            break
+        time.sleep(1.0 / RATE)
     refused = next(r for r in rs if r.status_code == 429)
     assert refused.headers["retry-after"] == "1"
     err = refused.json()["error"]
