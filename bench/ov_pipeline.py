@@ -21,6 +21,7 @@ SchedulerConfig and GenerationHandle (OpenVINO GenAI 2026.4 Python API).
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -73,7 +74,7 @@ def run_level(pipe: Any, prompts: list[list[int]], output_len: int, c: int, firs
                         "start": r["t0"] - t_run,
                         "ttft": stamps[0] - r["t0"],
                         "latency": stamps[-1] - r["t0"],
-                        "itls": [b - a for a, b in zip(stamps, stamps[1:])],
+                        "itls": [b - a for a, b in itertools.pairwise(stamps)],
                         "prompt_len": r["len"],
                         "output_tokens": r["n"],
                     }
@@ -104,8 +105,12 @@ def main() -> int:
     for k, c in enumerate(job["concurrency"]):
         runs.append(run_level(pipe, prompts, output_len, c, (k + 1) * 10**7))
         print(f"openvino c={c}: {runs[-1]['wall']:.1f} s", file=sys.stderr, flush=True)
-    versions = {"openvino": ov.get_version(), "openvino_genai": ov_genai.__version__,
-                "scheduler": sched.to_string().strip(), "properties": props}
+    versions = {
+        "openvino": ov.get_version(),
+        "openvino_genai": ov_genai.__version__,
+        "scheduler": sched.to_string().strip(),
+        "properties": props,
+    }
     json.dump({"versions": versions, "runs": runs}, sys.stdout)
     return 0
 
