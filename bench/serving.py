@@ -16,6 +16,9 @@ runs and stopped after). Load: ``--concurrency N ...``
 ``random`` (``--input-len`` random token ids). Outputs are ``--output-len`` tokens with
 ``ignore_eos``.
 
+``--openvino [NAME=]DIR`` adds OpenVINO GenAI's ``ContinuousBatchingPipeline`` in process on the
+same prompts (bench/ov_peer.py; its venv and models come from ``bench/peers/openvino.sh``).
+
 Examples::
 
     python bench/serving.py --launch disaggregated --launch colocated --concurrency 1 8 32
@@ -334,6 +337,13 @@ def run_hf_static(works: list[Workload], args: argparse.Namespace) -> list[dict[
     return runs
 
 
+def default_openvino_python() -> str:
+    """The OpenVINO venv's python that bench/peers/openvino.sh makes under the cache folder."""
+    from splitserve.config.env import cache_dir
+
+    return str(cache_dir() / "openvino" / "venv" / "bin" / "python")
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -364,6 +374,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="first, transformers generate on static batches (batch = concurrency level) in "
         "this process (bench/hf_static.py): the in-process baseline",
+    )
+    t.add_argument(
+        "--openvino",
+        action="append",
+        default=[],
+        metavar="[NAME=]DIR",
+        help="OpenVINO GenAI ContinuousBatchingPipeline on this exported model folder, in process "
+        "under --openvino-python (bench/ov_peer.py, bench/peers/openvino.sh), after --hf-static",
+    )
+    t.add_argument(
+        "--openvino-python",
+        default=None,
+        help="python of the OpenVINO venv (default: bench/peers/openvino.sh's, "
+        "$SPLITSERVE_CACHE/openvino/venv/bin/python)",
+    )
+    t.add_argument(
+        "--openvino-threads", type=int, default=0, help="INFERENCE_NUM_THREADS (default: all)"
+    )
+    t.add_argument(
+        "--openvino-kv-precision",
+        default=None,
+        help="KV_CACHE_PRECISION, e.g. u8 or bf16 (default: OpenVINO's own choice, u8 on CPU)",
     )
     t.add_argument("--hf-device", default=None, help="--hf-static device (default: cuda if any)")
     t.add_argument(
@@ -443,8 +475,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--out", type=Path, default=None, help="folder for results.json and PNGs")
     o.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
-    if not args.base_url and not args.launch and not args.hf_static:
-        p.error("give at least one --base-url, --launch or --hf-static")
+    if not args.base_url and not args.launch and not args.hf_static and not args.openvino:
+        p.error("give at least one --base-url, --launch, --hf-static or --openvino")
+    if args.openvino and (args.request_rate or args.prompt_format != "ids"):
+        p.error("--openvino runs closed loops: use --concurrency and --prompt-format ids")
     if args.hf_static and (args.request_rate or args.prompt_format != "ids"):
         p.error("--hf-static runs static batches: use --concurrency and --prompt-format ids")
     return args
@@ -470,6 +504,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     specs = [("url", u) for u in args.base_url] + [("launch", m) for m in args.launch]
     runs: list[dict[str, Any]] = run_hf_static(works, args) if args.hf_static else []
+    if args.openvino:
+        from ov_peer import run_openvino
+
+        args.openvino_python = args.openvino_python or default_openvino_python()
+        runs += run_openvino(works, args)
     for spec in specs:
         with open_target(spec, args) as target:
             runs += run_target(target, works, args, slos)
