@@ -49,6 +49,27 @@ class Answer:
         return self.max_tokens == 0
 
 
+class ThinkingSplit:
+    """Each piece's text as ``(content, reasoning)``: through the job's reasoning parser
+    (``server.reasoning``) where its model thinks, all content otherwise."""
+
+    def __init__(self, job: Job) -> None:
+        self.parser = (job.reasoning.parser()
+                       if job.reasoning is not None and job.splits_reasoning else None)
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if self.parser is None:
+            return text, ""
+        reasoning, content = self.parser.feed(text)
+        return content, reasoning
+
+    def finish(self) -> tuple[str, str]:
+        if self.parser is None:
+            return "", ""
+        reasoning, content = self.parser.finish()
+        return content, reasoning
+
+
 def stop_reason(answer: Answer, job: Job, last: Piece, made_calls: bool) -> str:
     """Anthropic's ``stop_reason`` for an answer whose last piece is ``last``."""
     if last.finish_reason == "length" or answer.warm_only:
@@ -83,14 +104,16 @@ async def full_message(job: Job, answer: Answer, pieces: AsyncIterator[Piece]) -
     Raises:
         APIError: from ``pieces`` (the worker failed the request).
     """
-    blocks = BlockStream(job.tool_format)
+    blocks, split = BlockStream(job.tool_format), ThinkingSplit(job)
     events: list[dict[str, Any]] = []
     last = Piece("", "stop")
     async with contextlib.aclosing(pieces):  # type: ignore[type-var]
         async for piece in pieces:
             if not answer.warm_only:
-                events += blocks.feed(piece.text)
+                events += blocks.feed(*split.feed(piece.text))
             last = piece
+    if not answer.warm_only:
+        events += blocks.feed(*split.finish())
     events += blocks.finish()
     reason = stop_reason(answer, job, last, blocks.made_calls)
     stop_sequence = last.stop_string if reason == "stop_sequence" else None
@@ -113,7 +136,7 @@ async def streaming_message(job: Job, answer: Answer, pieces: AsyncIterator[Piec
 
 async def _events(job: Job, answer: Answer, first: Piece,
                   pieces: AsyncIterator[Piece]) -> AsyncIterator[str]:
-    blocks = BlockStream(job.tool_format)
+    blocks, split = BlockStream(job.tool_format), ThinkingSplit(job)
     start = message(answer, [], None, None, {**usage(job, answer), "output_tokens": 0})
     yield encode({"type": "message_start", "message": start})
     yield encode({"type": "ping"})
@@ -122,13 +145,14 @@ async def _events(job: Job, answer: Answer, first: Piece,
         async with contextlib.aclosing(pieces):  # type: ignore[type-var]
             while piece is not None:
                 if not answer.warm_only:
-                    for event in blocks.feed(piece.text):
+                    for event in blocks.feed(*split.feed(piece.text)):
                         yield encode(event)
                 last, piece = piece, await anext(pieces, None)
     except APIError as err:
         yield encode(error_body(err.status_code, err.message))
         return
-    for event in blocks.finish():
+    tail = blocks.feed(*split.finish()) if not answer.warm_only else []
+    for event in tail + blocks.finish():
         yield encode(event)
     reason = stop_reason(answer, job, last, blocks.made_calls)
     stop_sequence = last.stop_string if reason == "stop_sequence" else None

@@ -49,10 +49,11 @@ MESSAGES_FIELDS: dict[str, FieldRule] = {
                          "400"),
     "tool_choice": implemented("`auto`, `any` and `tool` (the call is grammar-enforced against "
                                "`input_schema`), `none`"),
-    "thinking": implemented("`disabled`; `adaptive` (the model decides whether to think: a "
-                            "model served without a reasoning parser answers without thinking "
-                            "blocks); `enabled` and `between_tools` are a 400 until a reasoning "
-                            "parser serves them"),
+    "thinking": implemented("`enabled` (with a reasoning parser: the thinking comes as a "
+                            "`thinking` block, at most `budget_tokens` tokens, then the end "
+                            "marker is forced; without one a 400), `disabled` (the think block "
+                            "ends at once: no `thinking` block), `adaptive` (the model decides); "
+                            "`between_tools` is a 400"),
     "context_management": implemented("`edits` (beta; Claude Code sends it): see the "
                                       "sub-fields"),
     "output_config": implemented("`format` (a JSON Schema the answer is held to); see the "
@@ -135,10 +136,10 @@ _TOOL_CHOICE: dict[str, FieldRule] = {
 }
 
 _THINKING: dict[str, FieldRule] = {
-    "type": implemented("`disabled`, `adaptive` (the rest: see `thinking`)"),
-    "budget_tokens": implemented("with `enabled` (a 400 for now)"),
-    "display": implemented("with `adaptive`: no thinking block to show yet; with `enabled` a "
-                           "400 for now"),
+    "type": implemented("`enabled`, `disabled`, `adaptive` (see `thinking`)"),
+    "budget_tokens": implemented("with `enabled`, required: the most tokens the thinking may "
+                                 "take (they count toward `max_tokens`)"),
+    "display": refused("every thinking block shows its text", noop=("summarized",)),
 }
 
 _CONTEXT_MANAGEMENT: dict[str, FieldRule] = {

@@ -68,7 +68,7 @@ def install_messages_routes(app: FastAPI, jobs: JobBuilder, tenancy: Tenancy,
     async def count_tokens(request: Request) -> dict[str, Any]:
         req: CountTokensRequest = await _parse(request, CountTokensRequest, COUNT_TOKENS_FIELDS)
         _check_model(jobs, req.model)
-        translated = translate(req)
+        translated = translate(req, jobs.chat.reasoning is not None)
         try:
             ids = jobs.prompt_ids(translated.chat, continuation=translated.prefill)
         except APIError as err:
@@ -84,7 +84,7 @@ def _job(jobs: JobBuilder, req: MessagesRequest, request_id: str | None) -> tupl
         APIError: another model (404), or as ``translate`` and ``JobBuilder.chat_job``.
     """
     _check_model(jobs, req.model)
-    translated = translate(req)
+    translated = translate(req, jobs.chat.reasoning is not None)
     try:
         job = jobs.chat_job(translated.chat, request_id, continuation=translated.prefill)
     except APIError as err:

@@ -73,22 +73,40 @@ class _Turn:
     blocks: list[tuple[str, Any]]
 
 
-def translate(req: CountTokensRequest) -> Translated:
-    """The chat request of ``req`` (a Messages or a count_tokens request).
+def translate(req: CountTokensRequest, reasoning: bool = False) -> Translated:
+    """The chat request of ``req`` (a Messages or a count_tokens request). ``reasoning``:
+    whether the server runs a reasoning parser for its model (``ChatRenderer.reasoning``).
+
+    ``thinking``: ``enabled`` becomes the chat request's ``thinking_token_budget`` (its
+    ``budget_tokens``: the engine forces the think block's end there), ``disabled`` a budget
+    of 0 (the block ends at once; no ``thinking`` block in the answer), ``adaptive`` no budget
+    (the model decides). Without a reasoning parser ``disabled`` and ``adaptive`` change
+    nothing (the model does not think) and ``enabled`` is a 400.
 
     Raises:
-        APIError: 400 naming the field: ``thinking`` other than ``disabled`` or
-            ``adaptive``, a block in a turn
+        APIError: 400 naming the field: ``thinking`` ``enabled`` without a reasoning parser or
+            without ``budget_tokens``, ``between_tools``, a block in a turn
             it does not belong to, a ``tool_result`` answering no ``tool_use`` of the turn
             before, a prefill holding tool calls or combined with ``output_config.format``.
     """
-    # ``adaptive`` lets the model decide whether to think; served without a reasoning parser,
-    # it answers as with ``disabled`` (Claude Code sends ``adaptive`` on every request).
-    if req.thinking is not None and req.thinking.type not in ("disabled", "adaptive"):
-        raise APIError(f"thinking: type {req.thinking.type!r} needs a reasoning parser, which "
-                       "this server does not run yet; send {\"type\": \"disabled\"} or "
-                       "{\"type\": \"adaptive\"}, or leave thinking out", param="thinking",
+    thinking = req.thinking
+    budget: int | None = None
+    if thinking is not None and thinking.type == "between_tools":
+        raise APIError("thinking: type 'between_tools' (interleaved thinking) is not served; "
+                       "send \"enabled\", \"adaptive\" or \"disabled\"", param="thinking",
                        code="unsupported_parameter")
+    if thinking is not None and thinking.type == "enabled":
+        if not reasoning:
+            raise APIError("thinking: the served model has no reasoning parser (its chat "
+                           "template has no think block, or the server runs with "
+                           "--reasoning-parser none); send {\"type\": \"disabled\"} or leave "
+                           "thinking out", param="thinking", code="unsupported_parameter")
+        if thinking.budget_tokens is None:
+            raise APIError("thinking.budget_tokens: required with type 'enabled'",
+                           param="thinking.budget_tokens")
+        budget = thinking.budget_tokens
+    elif thinking is not None and thinking.type == "disabled" and reasoning:
+        budget = 0
     messages, prefill = chat_messages(req)
     body: dict[str, Any] = {"model": req.model, "messages": messages}
     if req.tools is not None:
@@ -115,6 +133,8 @@ def translate(req: CountTokensRequest) -> Translated:
         body.update({k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p),
                                        ("top_k", req.top_k)) if v is not None})
         stop = list(req.stop_sequences or [])
+    if budget is not None:
+        body["thinking_token_budget"] = budget
     try:
         chat = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:

@@ -107,8 +107,8 @@ RESPONSES_FIELDS: dict[str, FieldRule] = {
     "max_tool_calls": ignored("a limit on calls to built-in tools, of which there are none here"),
     "truncation": refused("a prompt over the context is a 400, never cut", noop=("disabled",)),
     "service_tier": refused("one processing tier here", noop=("auto", "default")),
-    "reasoning": implemented("only what asks for no reasoning control: see the sub-fields "
-                             "(the served model's thinking is not configurable yet)"),
+    "reasoning": implemented("`effort` sets the thinking budget of a model served with a "
+                             "reasoning parser; see the sub-fields"),
     "prompt": refused("no stored prompt templates; send the prompt as `input`"),
     "conversation": refused("no Conversations API; continue with `previous_response_id`"),
     "context_management": refused("no context compaction"),
@@ -127,7 +127,10 @@ _TEXT: dict[str, FieldRule] = {
 
 _NO_REASONING_CONTROL = "the served model's thinking is not configurable yet"
 _REASONING: dict[str, FieldRule] = {
-    "effort": refused(f"no thinking budgets: {_NO_REASONING_CONTROL}", noop=("none",)),
+    "effort": implemented("with a reasoning parser, the thinking budget (none 0, minimal 256, "
+                          "low 1024, medium 4096, high 16384, xhigh 32768 tokens; the engine "
+                          "forces the end marker there); without one, anything but `none` is a "
+                          "400"),
     "summary": refused("no reasoning summaries; `auto` asks for the best the model has, here "
                        "none", noop=("auto",)),
     "generate_summary": refused("deprecated `summary`", noop=("auto",)),

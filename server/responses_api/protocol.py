@@ -166,6 +166,15 @@ class TextParam(BaseModel):
     format: TextFormat | None = None
 
 
+class ReasoningParam(BaseModel):
+    """``reasoning``: of its fields only ``effort`` changes the answer here (the thinking
+    budget; ``server.reasoning.budget``); the others are checked by the field table."""
+
+    model_config = _STRICT
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
+
 class ResponsesRequest(BaseModel):
     """``POST /v1/responses``. ``input`` keeps its items as given (an item without ``type`` is
     a message); ``store`` defaults to true, as OpenAI."""
@@ -188,6 +197,7 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     include: list[str] | None = None
+    reasoning: ReasoningParam | None = None
     metadata: dict[str, str] | None = None
     # Ignored (echoed in the response object as OpenAI does).
     user: str | None = None

@@ -78,7 +78,8 @@ def install_responses_routes(app: FastAPI, jobs: JobBuilder, tenancy: Tenancy,
                            code="unsupported_parameter")
         conversation = await _conversation(req, tenant, store)
         try:
-            job = jobs.chat_job(chat_request(req, conversation), request.state.request_id)
+            job = jobs.chat_job(chat_request(req, conversation, jobs.chat.reasoning is not None),
+                                request.state.request_id)
         except APIError as err:
             raise as_responses_error(err) from None
         envelope = Envelope.new(items.new_id("resp"), req)

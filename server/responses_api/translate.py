@@ -56,8 +56,12 @@ class FunctionNames:
         return self.namespaced.get(called, (None, called))
 
 
-def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
+def chat_request(req: ResponsesRequest, items: list[dict[str, Any]],
+                 reasoning: bool = False) -> ChatCompletionRequest:
     """The chat request of ``req`` whose conversation is ``items`` (stored shape, in order).
+    ``reasoning``: whether the server runs a reasoning parser for its model; then
+    ``reasoning.effort`` is chat's ``reasoning_effort`` (a thinking budget the engine forces),
+    without one any effort but ``none`` is a 400 naming ``reasoning.effort``.
 
     Raises:
         APIError: a conversation chat cannot take (a ``function_call_output`` whose call is
@@ -85,6 +89,14 @@ def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatComp
         value = getattr(req, ours)
         if value is not None:
             body[theirs] = value
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    if effort is not None and reasoning:
+        body["reasoning_effort"] = effort
+    elif effort not in (None, "none"):
+        raise APIError(f"reasoning.effort: the served model has no reasoning parser (its chat "
+                       f"template has no think block, or the server runs with "
+                       f"--reasoning-parser none), so {effort!r} would change nothing",
+                       param="reasoning.effort", code="unsupported_parameter")
     if req.wants_logprobs:
         body["logprobs"] = True
         body["top_logprobs"] = req.top_logprobs or 0

@@ -221,7 +221,7 @@ BAD_BODIES = [
     ({"max_tokens": 8, "messages": USER, "container": "c1"}, "container: not supported"),
     ({"max_tokens": 8, "messages": USER, "temperature": 1.5}, "temperature: 1.5 is above"),
     ({"max_tokens": 8, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 2048}},
-     "thinking: type 'enabled' needs a reasoning parser"),
+     "thinking: the served model has no reasoning parser"),
     ({"max_tokens": 8, "messages": USER, "context_management": {"edits": [
         {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens", "value": 9}}]}},
      "context_management.edits[0].type: "),

@@ -60,3 +60,17 @@ def test_think_template_gives_reasoning_content(fake, tokenizer) -> None:
     message = r.json()["choices"][0]["message"]
     # The fake engine's answer lands inside the opened block: all of it is thinking.
     assert message["reasoning_content"] and message["content"] in (None, "")
+
+
+def test_responses_effort_is_the_thinking_budget(fake, tokenizer, client) -> None:
+    """``reasoning.effort`` on ``/v1/responses`` is chat's ``reasoning_effort``: low is a
+    1024-token budget the engine forces; without a reasoning parser it is a 400 naming it."""
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 16,
+            "reasoning": {"effort": "low"}}
+    r = _think_client(fake, tokenizer).post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    assert fake.requests[-1][2].reasoning.budget == 1024
+    r = client.post("/v1/responses", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort", r.text
+    r = client.post("/v1/responses", json={**body, "reasoning": {"effort": "none"}})
+    assert r.status_code == 200, r.text
