@@ -20,6 +20,7 @@ from splitserve.engine.core import EngineCore
 from splitserve.engine.kernels.cpu.build import cpu_kernel_build
 from splitserve.engine.kernels.cpu.features import resolve_dtype
 from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.lora.manager import LoraManager
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.runner.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphRunner
 from splitserve.engine.runner.model_runner import ModelRunner
@@ -64,7 +65,9 @@ def build_parts(config: WorkerConfig, role: WorkerRole) -> WorkerParts:
     pool = create_kv_pool(e.kv_transfer, layout, num_pages, e.device, role.receives_kv)
     cache = create_prefix_cache(e.prefix_cache if role.computes_prompts else "none",
                                 pool.allocator, pool.page_size)
-    scheduler = Scheduler(cache, e, model_config.eos_token_ids, prefill_only=not role.decodes)
+    lora = create_lora(model, e)
+    scheduler = Scheduler(cache, e, model_config.eos_token_ids, prefill_only=not role.decodes,
+                          lora=lora)
     runner = ModelRunner(
         model, pool, e.device, vocab_size=model_config.vocab_size,
         overlap_grammar_mask=e.overlap_grammar_mask,
@@ -93,8 +96,29 @@ def build_parts(config: WorkerConfig, role: WorkerRole) -> WorkerParts:
     return WorkerParts(
         config, dtype, model_config, weights, pool, scheduler, EngineCore(scheduler, runner),
         grammars, links, port, sender, receiver,
-        create_sessions(config, scheduler, grammars, port, sender, receiver),
+        create_sessions(config, scheduler, grammars, port, sender, receiver), lora,
     )
+
+
+def create_lora(model: torch.nn.Module, engine: EngineConfig) -> LoraManager | None:
+    """The worker's LoRA adapters when the config serves them (``EngineConfig.lora_enabled``),
+    with ``lora_modules`` loaded (``pinned_loras`` pinned); else None.
+
+    Raises:
+        ValueError (``engine.lora.peft.LoraError``): an adapter of ``lora_modules`` that cannot
+            be served, named with its problem.
+    """
+    if not engine.lora_enabled:
+        return None
+    lora = LoraManager(model, engine.max_loras, engine.max_lora_rank, engine.max_loaded_loras)
+    for name, path in engine.lora_modules.items():
+        try:
+            adapter = lora.load(name, path, pinned=name in engine.pinned_loras)
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules {name}={path}: {exc}") from exc
+        logger.info("LoRA adapter %s: rank %d from %s (%.0f ms)", name, adapter.rank, path,
+                    adapter.load_s * 1e3)
+    return lora
 
 
 def create_sessions(

@@ -8,6 +8,7 @@ import msgspec
 from splitserve.engine.sched.request import Req
 from splitserve.engine.sched.scheduler import Scheduler
 from splitserve.ipc.messages import GenerateTask
+from splitserve.radix_cache.namespace import adapter_namespace
 
 
 def task_error(task: GenerateTask, scheduler: Scheduler, context_len: int) -> str | None:
@@ -21,6 +22,9 @@ def task_error(task: GenerateTask, scheduler: Scheduler, context_len: int) -> st
     if not scheduler.fits_pool(n + 1):
         cap = (scheduler.allocator.num_pages - 1) * scheduler.page_size
         return f"prompt of {n} tokens does not fit the KV pool ({cap} tokens)"
+    if task.lora is not None and (scheduler.lora is None
+                                  or scheduler.lora.get(task.lora.name) is None):
+        return f"model {task.lora.name!r}: the LoRA adapter is not loaded on this worker"
     return None
 
 
@@ -28,7 +32,12 @@ def new_req(task: GenerateTask, scheduler: Scheduler) -> Req:
     """The scheduler's request for ``task``. Its output is capped at what the KV pool holds
     after the prompt: a sequence that outgrew the pool could never be re-admitted once
     retracted and would wedge the queue behind it. It then ends with ``length``, as at the
-    model's context (only a pool smaller than the context can hit this)."""
+    model's context (only a pool smaller than the context can hit this). Under a LoRA adapter
+    (loaded here: :func:`task_error` checked), its prefix-cache namespace is the adapter's
+    within the tenant's (``radix_cache.namespace``)."""
+    lora = None
+    if task.lora is not None and scheduler.lora is not None:
+        lora = scheduler.lora.get(task.lora.name)
     sampling = task.sampling
     room = (scheduler.allocator.num_pages - 1) * scheduler.page_size - len(task.input_ids)
     if sampling.max_new_tokens > room:
@@ -38,5 +47,7 @@ def new_req(task: GenerateTask, scheduler: Scheduler) -> Req:
         input_ids=list(task.input_ids),
         sampling=sampling,
         reply_addr=task.reply_addr,
-        cache_namespace=task.cache_namespace,
+        cache_namespace=adapter_namespace(task.cache_namespace,
+                                          None if lora is None else lora.digest),
+        lora=lora,
     )
