@@ -52,6 +52,8 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
         if not job.leads_prompt:
             await share.ready.wait()
         extra["affinity"] = share.affinity
+    if job.lora is not None:
+        extra["lora"] = job.lora
     events = client.generate(job.rid, job.input_ids, job.sampling,
                              cache_namespace=job.cache_namespace, **extra)
     engine_done = False

@@ -16,6 +16,7 @@ from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.guard import install_guard
 from splitserve.server.membership import install_membership
 from splitserve.server.metrics import ServerMetrics, install_metrics
+from splitserve.server.models import ServedModels
 from splitserve.server.rate_limit import RateLimiter
 from splitserve.server.routes import create_app
 from splitserve.server.tenancy import KeyRing, Tenancy
@@ -69,8 +70,11 @@ def run_api_server(
     tenancy = Tenancy(RateLimiter(s.rate_limit_rps, s.rate_limit_tps))
     template = Path(s.chat_template).read_text() if s.chat_template else None
     chat = ChatRenderer(tokenizer, template, s.tool_call_parser, family_format)
+    e = config.engine
+    models = ServedModels(Path(model_path).name, e.lora_enabled, e.lora_dir, e.lora_modules,
+                          e.pinned_loras)
     app = create_app(client, tokenizer, Path(model_path).name, context_len, eos_ids,
-                     tenancy=tenancy, chat=chat, metrics=metrics)
+                     tenancy=tenancy, chat=chat, metrics=metrics, models=models)
     install_membership(app, client.pool)
     install_metrics(app, metrics)
     install_guard(app, keys, s.max_body_bytes)

@@ -31,6 +31,8 @@ from splitserve.server.fields import Endpoint
 from splitserve.server.generation import stream_text
 from splitserve.server.job import Job
 from splitserve.server.job_builder import JobBuilder
+from splitserve.server.lora_routes import install_lora_routes
+from splitserve.server.models import ServedModels
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
 from splitserve.server.request_id import RequestIdMiddleware
 from splitserve.server.responses import full_response, merge_choices, streaming_response
@@ -50,6 +52,7 @@ def create_app(
     chat: ChatRenderer | None = None,
     tenancy: Tenancy | None = None,
     metrics: Any | None = None,
+    models: ServedModels | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible API for one model served through ``client``.
 
@@ -65,9 +68,12 @@ def create_app(
             template, ``--tool-call-parser auto``).
         metrics: the ``server.metrics.ServerMetrics`` whose violation counter the json_schema
             safety net increments (None: not counted).
+        models: the names ``model`` may take: the base model's and its LoRA adapters'
+            (``server.models``; default: ``model_name`` only, no adapters).
     """
     chat = chat or ChatRenderer(tokenizer)
-    jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids, chat)
+    models = models or ServedModels(model_name)
+    jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids, chat, models)
     tenancy = tenancy or Tenancy()
     speller = TokenSpeller(tokenizer)
     created = int(time.time())
@@ -75,6 +81,7 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
     install_tokenize_routes(app, jobs, tokenizer, context_len)
+    install_lora_routes(app, models, client)
 
     violations = None if metrics is None else metrics.constraint_violations
 
@@ -134,26 +141,14 @@ def create_app(
                             req.cache_salt)
         return await respond(request, fork_choices(job, req.n or 1, 0), req.stream)
 
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "splitserve",
-            "max_model_len": context_len,
-        }
-
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        """The base model, then its LoRA adapters (each with ``parent`` = the base)."""
+        return {"object": "list", "data": models.cards(created, context_len)}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
-        if not jobs.serves(model):
-            raise APIError(f"model '{model}' does not exist; this server serves '{model_name}'",
-                           param="model", status_code=404, type="invalid_request_error",
-                           code="model_not_found")
-        return model_card()
+        return models.card(model, created, context_len)
 
     @app.get("/chat_template")
     async def chat_template() -> dict[str, Any]:
