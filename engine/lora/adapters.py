@@ -5,8 +5,9 @@ A step with adapted rows runs the base product of every projection once for all 
 the low-rank products grouped by slot (Punica's SGMV, arXiv 2310.18547): for each slot present
 one gather of its rows, ``x A^T`` (the shrink: every adapted module the projection fuses at
 once), one ``@ Bt`` per module (the expand) and one scatter-add into its columns. On CPU
-bfloat16 with the C kernels it is ``lora.c`` (also inside the fused decode layers); elsewhere
-torch ops (:func:`sgmv_add`). The model sets the step's rows (:meth:`ModelAdapters.begin`) before
+bfloat16 with the C kernels it is ``lora.c`` (also inside the fused decode layers); on CUDA
+the Triton kernels (``engine.kernels.triton.lora``, over each projection's slots stacked in two
+buffers); elsewhere torch ops (:func:`sgmv_add`). The model sets the step's rows (:meth:`ModelAdapters.begin`) before
 its layers run and clears them after, so a step without adapted rows finds none and runs the
 base path only.
 """
@@ -54,10 +55,20 @@ class ProjectionSlots:
         index: this projection's row in the C table.
     """
 
-    def __init__(self, owner: ModelAdapters, index: int) -> None:
+    def __init__(self, owner: ModelAdapters, index: int, linear: Linear) -> None:
         self.owner = owner
         self.index = index
         self.slots: list[ProjectionLora | None] = [None] * owner.num_slots
+        # Stacked (the Triton kernels'): every slot's A [R, in] and s * B^T [R, out], zero
+        # where its adapter has no rank or no module.
+        self.a_stack: torch.Tensor | None = None
+        self.bt_stack: torch.Tensor | None = None
+        if owner.stacked_rank:
+            device, r = linear.weight.device, owner.stacked_rank
+            self.a_stack = torch.zeros(owner.num_slots, r, linear.in_features,
+                                       dtype=owner.dtype, device=device)
+            self.bt_stack = torch.zeros(owner.num_slots, r, linear.out_features,
+                                        dtype=owner.dtype, device=device)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` plus the step's LoRA products (``y`` as is when the step has no adapted
@@ -65,6 +76,12 @@ class ProjectionSlots:
         rows = self.owner.rows
         if rows is None:
             return y
+        if self.a_stack is not None:
+            from splitserve.engine.kernels.triton.lora import sgmv_triton
+
+            owner = self.owner
+            return sgmv_triton(x, y, self.a_stack, self.bt_stack, owner.device_rows,
+                               owner.device_segments, owner.max_count)
         kernels = self.owner.kernels
         if (kernels is not None and x.dtype == torch.bfloat16 and x.dim() == 2
                 and x.stride(1) == 1 and y.is_contiguous()):
@@ -82,6 +99,9 @@ class ModelAdapters:
     Args:
         model: the loaded (and packed) model.
         num_slots: ``--max-loras``.
+        max_rank: ``--max-lora-rank`` (sizes the stacked buffers).
+        stacked: keep each projection's slots stacked for the Triton kernels (default: on
+            CUDA); the CPU interpreter runs them too, for tests.
 
     Attributes:
         table: ``[num_slots, P, LORA_F]`` int64, the C kernels' view of every slot: per
@@ -93,16 +113,25 @@ class ModelAdapters:
             they take steps with adapted rows too.
     """
 
-    def __init__(self, model: DecoderLM, num_slots: int) -> None:
+    def __init__(self, model: DecoderLM, num_slots: int, max_rank: int = 64,
+                 stacked: bool | None = None) -> None:
         self.num_slots = num_slots
         self.dtype = model.dtype
         self.kernels: CpuKernels | None = model.kernels
         self.rows: AdapterRows | None = None
+        if stacked is None:
+            stacked = model.embed_tokens.weight.device.type == "cuda"
+        self.stacked_rank = -(-max_rank // 16) * 16 if stacked else 0  # padded for tl.dot
+        self.device = model.embed_tokens.weight.device
+        self.device_rows: torch.Tensor | None = None  # the step's rows on the device (stacked)
+        self.device_segments: torch.Tensor | None = None
+        self.max_count = 0
         self.weights: list[AdapterWeights | None] = [None] * num_slots
         self.projections: dict[str, ProjectionSlots] = {}
         for name, module in model.layers.named_modules(prefix="layers"):
             if isinstance(module, Linear):
-                module.lora = self.projections[name] = ProjectionSlots(self, len(self.projections))
+                module.lora = self.projections[name] = ProjectionSlots(
+                    self, len(self.projections), module)
         self.table = torch.zeros(num_slots, len(self.projections), LORA_F, dtype=torch.long)
         names = list(self.projections)
         self.fusable = names == [f"layers.{i}.{p}" for i in range(len(model.layers))
@@ -112,6 +141,10 @@ class ModelAdapters:
     def begin(self, rows: AdapterRows) -> None:
         """The step about to run has these adapted rows."""
         self.rows = rows
+        if self.stacked_rank:  # once per step, for every projection's kernels
+            self.device_rows = rows.rows.to(self.device)
+            self.device_segments = rows.segments.to(self.device)
+            self.max_count = int(rows.segments[:, 2].max())
 
     def end(self) -> None:
         """The step ran: no adapted rows until the next :meth:`begin`."""
@@ -134,16 +167,31 @@ class ModelAdapters:
         for name, p in weights.projections.items():
             proj = self.projections[name]
             proj.slots[slot] = p
-            entry = self.table[slot, proj.index]
-            entry[0], entry[1], entry[2] = p.a.data_ptr(), p.a.shape[0], len(p.slices)
-            for i, s in enumerate(p.slices[:MAX_SLICES]):
-                entry[3 + 5 * i: 8 + 5 * i] = torch.tensor(
-                    [s.bt.data_ptr(), s.out_offset, s.out_size, s.rank_offset, s.rank])
+            self.table[slot, proj.index] = torch.tensor(table_entry(p))
+            if proj.a_stack is not None:
+                rank = p.a.shape[0]
+                proj.a_stack[slot, :rank] = p.a
+                for s in p.slices:
+                    proj.bt_stack[slot, s.rank_offset:s.rank_offset + s.rank,
+                                  s.out_offset:s.out_offset + s.out_size] = s.bt
         self.weights[slot] = weights
 
     def clear(self, slot: int) -> None:
         """Empty ``slot``."""
         for proj in self.projections.values():
             proj.slots[slot] = None
+            if proj.a_stack is not None:
+                proj.a_stack[slot].zero_()
+                proj.bt_stack[slot].zero_()
         self.table[slot].zero_()
         self.weights[slot] = None
+
+
+def table_entry(p: ProjectionLora) -> list[int]:
+    """The C kernels' entry (``LORA_F`` int64s, ``csrc/kernels.h``) of adapter projection
+    ``p``: the address of ``A``, its rank, its slice count, then per slice the address of its
+    ``Bt``, output offset, output size, rank offset and rank."""
+    entry = [p.a.data_ptr(), p.a.shape[0], len(p.slices)]
+    for s in p.slices[:MAX_SLICES]:
+        entry += [s.bt.data_ptr(), s.out_offset, s.out_size, s.rank_offset, s.rank]
+    return entry + [0] * (LORA_F - len(entry))

@@ -60,7 +60,7 @@ class LoraManager:
         self.model = model
         self.max_lora_rank = max_lora_rank
         self.max_loaded_loras = max_loaded_loras
-        self.adapters = ModelAdapters(model, max_loras)
+        self.adapters = ModelAdapters(model, max_loras, max_lora_rank)
         self.slots = LoraSlots(max_loras, self.adapters.clear)
         self.loaded: dict[str, LoadedAdapter] = {}
         self._keys = itertools.count(1)

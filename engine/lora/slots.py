@@ -56,9 +56,10 @@ class LoraSlots:
         self.num_evictions = 0
 
     def find(self, name: str) -> int | None:
-        """The slot ``name`` sits in, or None."""
+        """The slot ``name`` sits in (not retired: a retired slot takes no new reference), or
+        None."""
         for i, s in enumerate(self.slots):
-            if s.adapter == name:
+            if s.adapter == name and not s.retired:
                 return i
         return None
 
