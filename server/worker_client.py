@@ -17,6 +17,7 @@ retries and aborts. This client is what those requests do to the world (their
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 MAX_DRAIN = 256  # inbox messages handled per wake-up before the other tasks get a turn
 LORA_LOAD_TIMEOUT_S = 300.0  # a worker reads an adapter's files in this long, or the load fails
+UNLOAD_WAIT_S = 30.0  # an unload waits this long at most for tasks accepted under the adapter
 # Plain ints: the per-message socket calls skip pyzmq's enum arithmetic.
 _EVENTS, _POLLIN, _RCVMORE, _NOBLOCK = (int(c) for c in (zmq.EVENTS, zmq.POLLIN, zmq.RCVMORE,
                                                           zmq.NOBLOCK))
@@ -94,6 +96,9 @@ class ZmqEngineClient(BaseEngineClient):
         self.max_inflight_per_worker = max_inflight_per_worker
         self.metrics = metrics
         self.requests = RequestTable()
+        # LoRA adapter -> requests accepted under it whose tasks may not be out yet.
+        self.sending: collections.Counter[str] = collections.Counter()
+        self._all_sent: dict[str, asyncio.Event] = {}  # set when an adapter's count drops to 0
         # DisaggPort.heard_from, called per token: the pool's own, with no call in between.
         self.heard_from = self.pool.heard_from
 
@@ -133,7 +138,35 @@ class ZmqEngineClient(BaseEngineClient):
         req = DisaggRequest(rid, input_ids, sampling, self, self.requests,
                             cache_namespace=cache_namespace, affinity=affinity,
                             metrics=self.metrics, lora=lora)
-        return req.events()
+        if lora is None:
+            return req.events()
+        return self._sending_under(lora.name, req.events())
+
+    async def _sending_under(self, adapter: str,
+                             events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
+        """``events``, counted under ``adapter`` until the first arrives (its tasks are out by
+        then) or it ends: an unload of ``adapter`` reaches the workers after those tasks
+        (:meth:`unload_lora`), so a request accepted before the unload runs under it."""
+        self.sending[adapter] += 1
+        counted = True
+        try:
+            async for event in events:
+                if counted:
+                    counted = False
+                    self._sent(adapter)
+                yield event
+        finally:
+            if counted:
+                self._sent(adapter)
+            await events.aclose()
+
+    def _sent(self, adapter: str) -> None:
+        self.sending[adapter] -= 1
+        if not self.sending[adapter]:
+            del self.sending[adapter]
+            event = self._all_sent.pop(adapter, None)
+            if event is not None:
+                event.set()
 
     # ---- LoRA adapters ---------------------------------------------------------------------------
 
@@ -163,7 +196,15 @@ class ZmqEngineClient(BaseEngineClient):
         return [_lora_row(w, r) for w, r in zip(workers, replies, strict=True)]
 
     async def unload_lora(self, name: str) -> list[dict]:
-        """``BaseEngineClient.unload_lora`` over every live worker."""
+        """``BaseEngineClient.unload_lora`` over every live worker, once the tasks of the
+        requests accepted under ``name`` are out (at most :data:`UNLOAD_WAIT_S`)."""
+        if self.sending.get(name):
+            event = self._all_sent.setdefault(name, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), UNLOAD_WAIT_S)
+            except TimeoutError:
+                logger.warning("unload of %r: requests under it still not sent after %.0f s",
+                               name, UNLOAD_WAIT_S)
         workers = [w for w in self.pool.workers if w.ready]
         replies = await asyncio.gather(*(
             self.pool.command(w, lambda qid: UnloadLora(qid, self.inbox_addr, name), 30.0)
