@@ -58,7 +58,7 @@ def branch_prompt(topic: str, i: int) -> str:
 
 def run_lang(url: str, topics: list[str], threads: int) -> tuple[float, int, list[str]]:
     """Wall seconds, cached prompt tokens summed over the branches, and the branches' tips."""
-    httpx.post(url + "/flush_cache", timeout=60).raise_for_status()
+    httpx.post(url + "/flush_cache", json={}, timeout=60).raise_for_status()
     backend = lang.Endpoint(url)
     t0 = time.perf_counter()
     out = tips.run_batch([{"topic": t} for t in topics], backend=backend, temperature=0,

@@ -157,7 +157,7 @@ def run_cluster(
     with Cluster(spec) as cluster:
         url = cluster.config.url
         asyncio.run(serve_workload(url, [warmup], 4, 1))  # first-call costs (allocations, JIT)
-        httpx.post(url + "/flush_cache", timeout=60).raise_for_status()
+        httpx.post(url + "/flush_cache", json={}, timeout=60).raise_for_status()
         hit0, prompt0 = cache_counters(url)
         wall, ttft, out = asyncio.run(
             serve_workload(url, prompts, args.max_tokens, args.concurrency)

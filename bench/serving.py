@@ -217,7 +217,7 @@ def flush_cache(url: str) -> bool:
     """Best effort ``POST /flush_cache`` (splitserve, SGLang): every load level re-sends the same
     prompts, so a prefix cache would otherwise skip their prefill from the second level on."""
     try:
-        return httpx.post(url + "/flush_cache", timeout=30).status_code == 200
+        return httpx.post(url + "/flush_cache", json={}, timeout=30).status_code == 200
     except httpx.HTTPError:
         return False
 

@@ -7,6 +7,7 @@ from splitserve.config.schema import (
     SecurityConfig,
     ServeConfig,
     ServerConfig,
+    TracingConfig,
     WorkerConfig,
 )
 
@@ -16,5 +17,6 @@ __all__ = [
     "SecurityConfig",
     "ServeConfig",
     "ServerConfig",
+    "TracingConfig",
     "WorkerConfig",
 ]

@@ -17,6 +17,7 @@ from splitserve.config.registry import (
     GRAMMAR_BACKEND,
     KV_TRANSFER,
     PREFIX_CACHE,
+    REASONING_PARSER,
     ROUTING,
     TOOL_CALL_PARSER,
 )
@@ -25,6 +26,7 @@ from splitserve.config.schema import (
     DEVICES,
     DTYPES,
     KV_CACHE_DTYPES,
+    KV_WRITE_POLICIES,
     QUANTIZATIONS,
     SPECULATIVE_CHOICES,
     ServeConfig,
@@ -127,6 +129,24 @@ ENGINE_FLAGS = (
          "int8 or fp8_e4m3 (8 bits + a float32 scale per token and KV head: ~0.53x the bytes "
          "of bfloat16; quantized as written, de-quantized as read, by the torch and Triton "
          "attention)", choices=KV_CACHE_DTYPES),
+    Flag("--kv-host-cache-mb", "engine.kv_host_cache_mb", "L2 prefix-cache tier: host memory "
+         "(MiB) outside the KV pool that evicted prefixes move to and come back from (0: none)"),
+    Flag("--kv-host-cache-dtype", "engine.kv_host_cache_dtype", "L2 blocks: auto (the pool's "
+         "bytes) or int8 / fp8_e4m3 (8 bits + scales: ~1.9x the tokens of bfloat16 in the "
+         "same RAM, lossy)", choices=KV_CACHE_DTYPES),
+    Flag("--kv-disk-cache-dir", "engine.kv_disk_cache_dir", "L3 prefix-cache tier: a directory "
+         "of checksummed KV block files, kept across restarts (one sub-directory per model)",
+         parse=str),
+    Flag("--kv-disk-cache-gb", "engine.kv_disk_cache_gb", "L3 size (GB); least recently used "
+         "blocks go first"),
+    Flag("--kv-cache-write-policy", "engine.kv_cache_write_policy", "write_through: copy "
+         "cached blocks to L2/L3 at once (a restart finds them all); write_back: only when "
+         "evicted from the tier above", choices=KV_WRITE_POLICIES),
+    Flag("--kv-store", "engine.kv_store", "prefix-cache tier shared by every worker: "
+         "mooncake://HOST:PORT of a mooncake_master, or local (splitserve launch starts one)",
+         parse=str),
+    Flag("--kv-store-segment-mb", "engine.kv_store_segment_mb", "memory (MiB) each worker "
+         "lends the shared store"),
     Flag("--device", "engine.device", "where models and KV pools live; cuda uses the Triton "
          "attention kernels and CUDA graphs ($SPLITSERVE_DEVICE sets the default)", choices=DEVICES),
     Flag("--page-size", "engine.page_size", "tokens per KV page"),
@@ -143,6 +163,12 @@ ENGINE_FLAGS = (
          "cache-off baseline)", const="none"),
     Flag("--grammar-backend", "engine.grammar_backend", "grammar backend tried first (the "
          "others are the fallback)", choices=GRAMMAR_BACKEND.names),
+    Flag("--grammar-compile-procs", "engine.grammar_compile_procs", "grammar compile processes "
+         "per worker, killed at their deadline (0: threads, which cannot be stopped)"),
+    Flag("--grammar-compile-timeout", "engine.grammar_compile_timeout_s", "seconds one grammar "
+         "compile may run (from its start) before it is killed"),
+    Flag("--grammar-compile-queue", "engine.grammar_compile_queue", "grammar compiles that may "
+         "wait; more get 503 + Retry-After"),
     Flag("--attention", "engine.attention", "attention backend (auto: torch on CPU, triton on "
          "CUDA; $SPLITSERVE_ATTENTION sets the default)", choices=ATTENTION_CHOICES),
     Flag("--disable-jump-forward", "engine.jump_forward", "sample every token of constrained "
@@ -204,6 +230,9 @@ SERVER_FLAGS = (
          "limit)"),
     Flag("--max-inflight-per-worker", "server.max_inflight_per_worker", "past this many "
          "requests on a worker, new ones get 503 + Retry-After"),
+    Flag("--prepare-threads", "server.prepare_threads", "threads that parse, render the chat "
+         "template, tokenize and validate requests off the event loop (16 requests per thread "
+         "may wait; more get 503 + Retry-After)"),
     Flag("--dead-after", "server.dead_after_s", "seconds without a worker heartbeat before its "
          "requests fail"),
     Flag("--allowed-origins", "server.allowed_origins", "browser origins allowed to call the "
@@ -217,6 +246,30 @@ SERVER_FLAGS = (
     Flag("--tool-call-parser", "server.tool_call_parser", "how tool calls are parsed out of "
          "the model's text (auto: the format the chat template names, else the model family's "
          "(engine.model.registry), else the built-in tool prompt's)", choices=("auto", *TOOL_CALL_PARSER.names)),
+    Flag("--reasoning-parser", "server.reasoning_parser", "how a reasoning model's thinking is "
+         "split from its answer into reasoning_content (auto: the think block the chat "
+         "template names; none: no reasoning)", choices=("auto", "none", *REASONING_PARSER.names)),
+    Flag("--reasoning-budget", "server.reasoning_budget", "thinking tokens at most for requests "
+         "that ask no budget; then the end marker is forced (-1: no limit)"),
+    Flag("--responses-store", "server.responses_store", "the SQLite file that keeps "
+         "/v1/responses for previous_response_id, GET and background responses (default: "
+         "responses.sqlite3 under $SPLITSERVE_CACHE; :memory: keeps them in memory only)",
+         parse=str),
+    Flag("--responses-store-max-mb", "server.responses_store_max_mb", "stored responses kept "
+         "at most (MiB of JSON; the oldest go first)"),
+    Flag("--responses-store-max-age", "server.responses_store_max_age_s", "seconds a stored "
+         "response is kept"),
+)
+TRACING_FLAGS = (
+    Flag("--otlp-traces-endpoint", "tracing.otlp_traces_endpoint", "export OpenTelemetry "
+         "traces of every request over OTLP/HTTP to this URL, e.g. "
+         "http://127.0.0.1:4318/v1/traces (default: tracing off)", parse=str),
+    Flag("--trace-sample-ratio", "tracing.sample_ratio", "share of requests traced (0..1) "
+         "when the caller sent no traceparent header"),
+)
+UI_FLAGS = (
+    Flag("--no-ui", "server.ui", "serve no web page at / (the chat playground and cluster "
+         "view)", const=False),
 )
 CLUSTER_FLAGS = (
     Flag("--threads-per-worker", "cluster.threads_per_worker", "0: split the cores"),

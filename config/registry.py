@@ -13,6 +13,7 @@ routing           ``server.routing.create_routing_policy``            ``--routin
 grammar backend   ``engine.grammar.registry.create_backend``          ``--grammar-backend``
 KV transfer       ``kv_transfer.registry``                            ``--kv-transfer``
 tool-call parser  ``server.chat_template.ChatRenderer``               ``--tool-call-parser``
+reasoning parser  ``server.chat_template.ChatRenderer``               ``--reasoning-parser``
 worker role       ``worker.main.create_worker``                       ``--role``
 ================  ==================================================  =========================
 
@@ -93,6 +94,13 @@ TOOL_CALL_PARSER = Registry("tool-call parser", {
     "hermes": "splitserve.server.tools.formats:HERMES",
     "llama3_json": "splitserve.server.tools.formats:LLAMA3_JSON",
     "mistral": "splitserve.server.tools.formats:MISTRAL",
+    "qwen3_coder": "splitserve.server.tools.formats:QWEN3_CODER",
+    "pythonic": "splitserve.server.tools.formats:PYTHONIC",
+    "deepseek_v3": "splitserve.server.tools.formats:DEEPSEEK_V3",
+})
+REASONING_PARSER = Registry("reasoning parser", {
+    "qwen3": "splitserve.server.reasoning.formats:QWEN3",
+    "deepseek_r1": "splitserve.server.reasoning.formats:DEEPSEEK_R1",
 })
 WORKER_ROLE = Registry("worker role", {
     "prefill": "splitserve.prefill.policy:PREFILL",

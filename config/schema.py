@@ -21,6 +21,7 @@ from splitserve.config.registry import (
     GRAMMAR_BACKEND,
     KV_TRANSFER,
     PREFIX_CACHE,
+    REASONING_PARSER,
     ROUTING,
     TOOL_CALL_PARSER,
     WORKER_ROLE,
@@ -33,6 +34,7 @@ QUANTIZATIONS = ("none", "int8", "int4")  # weight-only, at load (engine.model.q
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 ATTENTION_CHOICES = ("auto", *ATTENTION.names)  # auto: torch on CPU, triton on CUDA
 SPECULATIVE_CHOICES = ("none", "ngram")
+KV_WRITE_POLICIES = ("write_through", "write_back")  # when blocks go down a cache tier
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -55,6 +57,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prefix_cache: str = PREFIX_CACHE.default  # "none": the cache-off baseline
     grammar_backend: str = GRAMMAR_BACKEND.default  # tried first; the others as fallback
     jump_forward: bool = True  # append grammar-forced tokens without sampling them
+    # Grammar compiles run in this many child processes per worker, killed at their deadline
+    # (engine.grammar.compile_pool; 0: threads in the worker, which cannot be stopped); past
+    # grammar_compile_queue waiting compiles a request gets 503 + Retry-After.
+    grammar_compile_procs: int = 2
+    grammar_compile_timeout_s: float = 30.0
+    grammar_compile_queue: int = 16
+    grammar_test_slow: str = ""  # tests only: "MARKER=SECONDS" delays compiles of such texts
     overlap_grammar_mask: bool = True  # fill grammar masks on a thread during the forward pass
     cuda_graph: bool = True  # on CUDA, replay captured graphs for decode steps
     attention: str = msgspec.field(default_factory=lambda: env.text(env.ATTENTION, "auto"))
@@ -91,11 +100,20 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_loaded_loras: int = 0
     lora_dir: str | None = None
     pinned_loras: list[str] = []
-
-    @property
-    def lora_enabled(self) -> bool:
-        """Whether workers serve LoRA adapters."""
-        return self.enable_lora or bool(self.lora_modules) or self.lora_dir is not None
+    # KV cache tiers under the prefix cache (radix_cache.tiered_cache; docs/serving.md):
+    # L2 host memory outside the pool (MiB, 0: none), its blocks' dtype (auto: the pool's
+    # bytes; int8 / fp8_e4m3: 8 bits + scales, ~1.9x the tokens of bfloat16 in the same RAM);
+    # L3 a directory of block files ("": none) that survives restarts, and its size; when
+    # blocks go down a tier; and a store shared by every worker ("mooncake://HOST:PORT" of a
+    # mooncake_master; "local": the launcher starts one; "": none) with the memory each worker
+    # lends it.
+    kv_host_cache_mb: int = 0
+    kv_host_cache_dtype: str = "auto"
+    kv_disk_cache_dir: str = ""
+    kv_disk_cache_gb: float = 16.0
+    kv_cache_write_policy: str = "write_through"
+    kv_store: str = ""
+    kv_store_segment_mb: int = 256
 
     def check(self) -> None:
         """Raises: ValueError naming the first field out of range or not a registered name."""
@@ -119,6 +137,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be positive, not {self.transfer_timeout_s}")
         self._check_lora()
+        self.check_tiers()
 
     def _check_lora(self) -> None:
         if self.max_loras < 1:
@@ -136,6 +155,35 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.lora_dir is not None and not Path(self.lora_dir).is_dir():
             raise ValueError(f"lora_dir: no such folder {self.lora_dir!r}")
 
+    def check_tiers(self) -> None:
+        """Raises: ValueError naming the first cache-tier field out of range."""
+        _choice("kv_host_cache_dtype", self.kv_host_cache_dtype, KV_CACHE_DTYPES)
+        _choice("kv_cache_write_policy", self.kv_cache_write_policy, KV_WRITE_POLICIES)
+        if self.kv_host_cache_mb < 0:
+            raise ValueError(f"kv_host_cache_mb must be >= 0, not {self.kv_host_cache_mb}")
+        if self.kv_disk_cache_gb <= 0:
+            raise ValueError(f"kv_disk_cache_gb must be positive, not {self.kv_disk_cache_gb}")
+        if self.kv_store_segment_mb < 16:
+            raise ValueError("kv_store_segment_mb must be at least 16 (Mooncake's smallest "
+                             f"segment), not {self.kv_store_segment_mb}")
+        if self.kv_store not in ("", "local") and not self.kv_store.startswith("mooncake://"):
+            raise ValueError(f"kv_store: {self.kv_store!r} is not mooncake://HOST:PORT, local "
+                             "or empty")
+        if self.kv_cache_dtype != "auto" and self.kv_host_cache_dtype not in (
+                "auto", self.kv_cache_dtype):
+            raise ValueError(f"kv_host_cache_dtype {self.kv_host_cache_dtype} on a "
+                             f"{self.kv_cache_dtype} KV pool: use auto (the pool's own bytes)")
+
+    @property
+    def has_cache_tiers(self) -> bool:
+        """Whether any tier below the KV pool is configured."""
+        return bool(self.kv_host_cache_mb or self.kv_disk_cache_dir or self.kv_store)
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether workers serve LoRA adapters."""
+        return self.enable_lora or bool(self.lora_modules) or self.lora_dir is not None
+
 
 class SecurityConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``api_key``: ``Authorization: Bearer KEY`` on the HTTP API and for workers joining it.
@@ -149,6 +197,29 @@ class SecurityConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     api_key_file: str | None = None
 
 
+class TracingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenTelemetry traces (``observe.tracing``, docs/observability.md): every process of the
+    cluster exports its spans over OTLP/HTTP to ``otlp_traces_endpoint`` (vLLM's
+    ``--otlp-traces-endpoint``; e.g. ``http://127.0.0.1:4318/v1/traces``). None: tracing off,
+    and no OpenTelemetry module is imported. ``sample_ratio``: the share of requests traced
+    (by trace id, 0..1) when the caller sent no ``traceparent``; one that did is traced as its
+    sampled flag says."""
+
+    otlp_traces_endpoint: str | None = None
+    sample_ratio: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.otlp_traces_endpoint)
+
+    def check(self) -> None:
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ValueError(f"sample_ratio must be within [0, 1], not {self.sample_ratio}")
+        endpoint = self.otlp_traces_endpoint
+        if endpoint and not endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"otlp_traces_endpoint: {endpoint!r} is not an http(s) URL")
+
+
 class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The API server (router): where it listens and how it picks and guards workers."""
 
@@ -158,6 +229,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     routing: str = ROUTING.default  # how a prefill (or colocated) worker is picked
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413 (0: no limit)
     max_inflight_per_worker: int = 256  # past this, new requests get 503 + Retry-After
+    # Threads that parse, render, tokenize and validate requests off the event loop
+    # (server.offload); 16 per thread may wait, more get 503 + Retry-After.
+    prepare_threads: int = 2
     dead_after_s: float = 5.0  # without a heartbeat for this long, a worker's requests fail
     # Browser origins allowed to call the API (CORS), e.g. ["http://localhost:3000"]; "*" for
     # any. Empty: no CORS headers, so browsers refuse cross-origin calls.
@@ -168,6 +242,16 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rate_limit_tps: float = 0.0
     chat_template: str | None = None  # a Jinja chat template file replacing the model's
     tool_call_parser: str = "auto"  # or a TOOL_CALL_PARSER name; auto: the template, else the family
+    # A REASONING_PARSER name, "none", or "auto": the family the chat template's think block
+    # names (none without one). And the thinking budget of requests that ask none (-1: none).
+    reasoning_parser: str = "auto"
+    reasoning_budget: int = -1
+    # Stored /v1/responses (server.responses_api.store): a SQLite file ("": responses.sqlite3
+    # under $SPLITSERVE_CACHE; ":memory:": kept in memory only), its size and age bounds.
+    responses_store: str = ""
+    responses_store_max_mb: int = 1024
+    responses_store_max_age_s: float = 30 * 86400.0
+    ui: bool = True  # the built-in web page at / (server.ui); False: no page, / is a 404
 
     @property
     def url(self) -> str:
@@ -176,13 +260,29 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def check(self) -> None:
         _choice("routing", self.routing, ROUTING.names)
         _choice("tool_call_parser", self.tool_call_parser, ("auto", *TOOL_CALL_PARSER.names))
+        _choice("reasoning_parser", self.reasoning_parser,
+                ("auto", "none", *REASONING_PARSER.names))
+        if self.reasoning_budget < -1:
+            raise ValueError(f"reasoning_budget must be >= -1 (-1: none), not "
+                             f"{self.reasoning_budget}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ValueError(f"chat_template: no such file {self.chat_template!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} is not a TCP port")
+        if self.prepare_threads < 1:
+            raise ValueError(f"prepare_threads must be at least 1, not {self.prepare_threads}")
         for field in ("rate_limit_rps", "rate_limit_tps"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must be >= 0, not {getattr(self, field)}")
+        for field in ("responses_store_max_mb", "responses_store_max_age_s"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive, not {getattr(self, field)}")
+
+    @property
+    def responses_store_path(self) -> str:
+        """The stored responses' database file (``responses_store``, or its default under
+        ``$SPLITSERVE_CACHE``)."""
+        return self.responses_store or str(env.cache_dir() / "responses.sqlite3")
 
 
 class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -212,6 +312,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     log_level: str = "warning"
 
     @property
@@ -221,6 +322,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def check(self) -> None:
         self.engine.check()
         self.server.check()
+        self.tracing.check()
 
     @classmethod
     def from_fields(cls, log_level: str = "warning", **fields: Any) -> ServeConfig:
@@ -242,7 +344,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "engine": EngineConfig, "server": ServerConfig, "cluster": ClusterConfig,
-    "security": SecurityConfig,
+    "security": SecurityConfig, "tracing": TracingConfig,
 }
 
 
@@ -263,12 +365,14 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_threads: int = 0  # 0: torch's default
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     log_level: str = "warning"
     node: str = ""  # the node it runs on, for GET /workers (Ray: the node id; "": the hostname)
 
     def check(self) -> None:
         _choice("role", self.role, WORKER_ROLE.names)
         self.engine.check()
+        self.tracing.check()
 
 
 def _choice(field: str, value: str, choices: tuple[str, ...]) -> None:

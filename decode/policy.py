@@ -20,6 +20,7 @@ into that session's events:
 from __future__ import annotations
 
 import logging
+import time
 
 from splitserve.engine.kv_pool import KVLayout
 from splitserve.engine.sched.batch import StepOutput
@@ -99,8 +100,8 @@ class DecodePolicy:
         if error:
             self.port.fail(task.rid, task.reply_addr, error, 400, FailureKind.INVALID)
             return
-        req = new_req(task, self.scheduler)
-        if task.sampling.constraint is not None:
+        req = new_req(task, self.scheduler, stamp="decode_received")
+        if task.sampling.needs_grammar:
             self.grammars.submit(req)  # compiles while the pages are reserved and the KV travels
         self.sessions.open(req, task.prefill_addr)
         self.scheduler.add_waiting_for_kv(req)
@@ -181,6 +182,7 @@ class DecodePolicy:
         grammar still compiles (then :meth:`on_compiled` starts it); one that ended or is
         fenced drops its grammar."""
         if session.state is T.KV_READY:
+            session.req.stamps.kv_ready = time.time()
             if not self.grammars.is_pending(session.rid):
                 self._start(session)
             return

@@ -3,8 +3,10 @@ applies (nano-vllm's ``LLMEngine.step``; vLLM v1's scheduler/executor split)."""
 
 from __future__ import annotations
 
+import time
+
 from splitserve.engine.runner.model_runner import ModelRunner
-from splitserve.engine.sched.batch import StepOutput
+from splitserve.engine.sched.batch import ScheduledBatch, StepOutput
 from splitserve.engine.sched.scheduler import Scheduler
 
 
@@ -14,13 +16,22 @@ class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        self.last_batch: ScheduledBatch | None = None  # the last step's (None: nothing ran)
 
     def step(self) -> list[StepOutput]:
         """Run one forward pass if anything can run; returns the tokens it sampled."""
-        batch = self.scheduler.schedule()
+        self.last_batch = batch = self.scheduler.schedule()
         if batch is None:
             return []
-        return self.scheduler.update(batch, self.runner.run(batch))
+        start = time.perf_counter()
+        output = self.runner.run(batch)
+        # The prefill rate that loads from lower cache tiers are weighed against: steps that are
+        # mostly prompt chunks (a decode row is one token).
+        prompt_tokens = sum(n for n in batch.chunk_lens if n > 1)
+        if prompt_tokens >= 0.9 * batch.num_tokens:
+            self.scheduler.cache.observe_prefill(prompt_tokens, time.perf_counter() - start)
+        return self.scheduler.update(batch, output)
 
     def close(self) -> None:
         self.runner.close()
+        self.scheduler.cache.close()

@@ -50,6 +50,26 @@ class Constraint(msgspec.Struct, frozen=True):
     whitespace_flexible: bool = False
 
 
+class ReasoningParams(msgspec.Struct, frozen=True):
+    """The think block of a reasoning model's answer, as the engine enforces it (docs/api.md,
+    "Reasoning"): the request's constraint starts only after the block, and the block ends by
+    force after ``budget`` tokens. Sent only where the engine has something to do: a
+    constraint, or a budget (free thinking without a budget is the server's parsing alone).
+
+    ``start_ids`` / ``end_ids``: the markers as the model's tokenizer writes them on their own
+    (a model opens the block with exactly ``start_ids``; the budget forces exactly ``end_ids``);
+    ``end_text``: the end marker's text, found in the output at the byte level whatever tokens
+    spell it; ``opened``: the prompt opened the block, so the answer starts inside it (else the
+    model may open it as its first tokens); ``budget``: thinking tokens at most, -1 for none.
+    """
+
+    start_ids: list[int]
+    end_ids: list[int]
+    end_text: str
+    opened: bool
+    budget: int = -1
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick each next token. Units: tokens.
 
@@ -86,6 +106,18 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # Alternatives per token (0-20) returned with each sampled token, and with each scored prompt
     # token: the most likely ids of the raw distribution (log-softmax before any processing).
     top_logprobs: int = 0
+    # A reasoning model's think block (None: none, or nothing for the engine to enforce):
+    # ``constraint`` applies after it, and it ends by force at its budget (engine.grammar.think).
+    reasoning: ReasoningParams | None = None
+
+    @property
+    def needs_grammar(self) -> bool:
+        """Whether the request's tokens go through a grammar (a constraint, or a think block the
+        engine enforces): its worker prepares one before scheduling it."""
+        return self.constraint is not None or self.reasoning is not None
+    # Scheduling priority (vLLM's semantics): lower values are admitted first and preempted
+    # last when KV pages run out (engine.sched.scheduler); equal values in arrival order.
+    priority: int = 0
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -161,6 +193,10 @@ class GenerateTask(msgspec.Struct, tag="generate", kw_only=True):
     prefill_addr: str | None = None
     cache_namespace: str | None = None
     lora: LoraRef | None = None  # the LoRA adapter it runs under (None: the base model)
+    # W3C trace context (``00-<trace id>-<parent span id>-<flags>``) of the router's span for
+    # this attempt, when the request is traced: the worker's spans join that trace as its
+    # children (``worker.tracing``). None: not traced (tracing off, or not sampled).
+    traceparent: str | None = None
 
 
 class AbortTask(msgspec.Struct, tag="abort"):
@@ -240,6 +276,30 @@ class WorkerReady(msgspec.Struct, tag="ready"):
     addr: str
 
 
+class StageStamps(msgspec.Struct, kw_only=True):
+    """When one request passed each stage boundary on a worker, in wall-clock seconds
+    (``time.time()``; 0 where not reached or not this worker's). Wall clock, not monotonic, so
+    the router can lay the stamps of several processes on one time line (on one host exactly;
+    across hosts as well as their clocks agree, as ``KVPages.sent_at``). The router turns them
+    into the request's timing breakdown (``observe.timing``).
+
+    Prefill and colocated workers: ``received`` (task in), ``scheduled`` (its first prompt
+    chunk started), ``first_token`` (the step that sampled it ended). Decode workers:
+    ``decode_received``, ``kv_ready`` (its last KV pages installed). Decode and colocated:
+    ``first_step`` (its first decode step ended), ``last`` (its last token was emitted) and
+    ``steps`` (decode steps it took part in).
+    """
+
+    received: float = 0.0
+    scheduled: float = 0.0
+    first_token: float = 0.0
+    decode_received: float = 0.0
+    kv_ready: float = 0.0
+    first_step: float = 0.0
+    last: float = 0.0
+    steps: int = 0
+
+
 class TokenOutput(msgspec.Struct, kw_only=True):
     """New tokens of one request. ``index`` is the output position of ``token_ids[0]`` (0 = first
     generated token), so the server can order tokens that come from two workers."""
@@ -251,6 +311,9 @@ class TokenOutput(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None  # "stop" | "length"
     prompt_len: int = 0
     cached_len: int = 0
+    # Of ``cached_len``, the tokens each cache tier served ("l1": the KV pool, "l2": host memory,
+    # "l3": the disk, "store": the shared store); empty where no tier is configured (all "l1").
+    cached_by_tier: dict[str, int] = {}
     # Set on the output with index 0 when ``sampling.logprob_start_len >= 0``: logprobs of prompt
     # tokens ``max(1, logprob_start_len) .. prompt_len - 1`` (the first token has none).
     prompt_logprobs: list[float] | None = None
@@ -261,6 +324,9 @@ class TokenOutput(msgspec.Struct, kw_only=True):
     top_logprobs: list[list[float]] = []
     prompt_top_ids: list[list[int]] | None = None
     prompt_top_logprobs: list[list[float]] | None = None
+    # The worker's stage stamps: on the first output (index 0) and on the last (finish_reason
+    # set), None on the others.
+    stamps: StageStamps | None = None
 
 
 class TokenBatch(msgspec.Struct, tag="tokens"):
@@ -275,6 +341,33 @@ class RequestError(msgspec.Struct, tag="error"):
     message: str
     code: int = 500
     kind: str = ""
+
+
+class TierStats(msgspec.Struct, kw_only=True):
+    """One KV cache tier of a worker (``WorkerStats.cache_tiers``): its size and use (bytes,
+    blocks of one page each) and what it did since start. ``hit_tokens``: prompt tokens it
+    served; loads and writes in blocks, bytes and seconds; ``write_errors`` (disk full, store
+    full or gone), ``dropped_writes`` (the write queue was full), ``corrupt_blocks`` (failed
+    their checks when read), ``unavailable`` (loads skipped: the tier did not answer) and
+    ``skipped_slower`` (blocks not loaded because recomputing them was measured faster) each
+    cost a recompute, never a wrong token. ``load_gbps``: the measured load rate."""
+
+    tier: str  # "l1" | "l2" | "l3" | "store"
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    blocks: int = 0
+    hit_tokens: int = 0
+    load_blocks: int = 0
+    load_bytes: int = 0
+    load_s: float = 0.0
+    write_blocks: int = 0
+    write_bytes: int = 0
+    write_errors: int = 0
+    dropped_writes: int = 0
+    corrupt_blocks: int = 0
+    unavailable: int = 0
+    skipped_slower: int = 0
+    load_gbps: float = 0.0
 
 
 class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
@@ -330,6 +423,49 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     # router prefers a worker where a request's adapter is resident).
     loras: list[str] = []
     loras_resident: list[str] = []
+    tokens_generated: int = 0  # output tokens this worker sent to routers since start
+    # KV cache tiers under the prefix cache (radix_cache.tiers), one row each ("l1" first: the
+    # pool's cached pages), and the measured prefill rate their loads are weighed against.
+    cache_tiers: list[TierStats] = []
+    prefill_tokens_per_s: float = 0.0
+
+
+# ---- KV events (worker -> router) ------------------------------------------------------------
+
+
+class KVEvent(msgspec.Struct, array_like=True):
+    """A change of where blocks live on a worker: ``stored`` (now in ``tier``), ``removed``
+    (no longer in ``tier``) or ``demoted`` (moved from ``from_tier`` down to ``tier``). Blocks
+    are named by their content address (``radix_cache.block_hash``)."""
+
+    kind: str
+    tier: str  # "l1" | "l2" | "l3" | "store"
+    keys: list[str]
+    from_tier: str = ""
+
+
+class KVEvents(msgspec.Struct, tag="kv_events", kw_only=True):
+    """Worker -> every router it reports to: its cache tiers' changes since the previous
+    message (``seq``: 1, 2, ... from the worker's start), or, with ``snapshot``, every block it
+    holds now (the answer to :class:`KVEventsQuery`). ``identity`` and ``page_size`` let the
+    router compute the same block keys from a prompt (``block_hash.KVIdentity.digest``);
+    ``store``: the shared store the worker reads (its blocks count for every worker of it)."""
+
+    worker_id: str
+    addr: str
+    identity: str
+    page_size: int
+    seq: int
+    events: list[KVEvent]
+    snapshot: bool = False
+    store: str = ""
+
+
+class KVEventsQuery(msgspec.Struct, tag="kv_events_query"):
+    """Router -> worker: send a snapshot of your blocks (a router that joined late, or missed
+    events: a gap in ``seq``) to ``reply_addr``."""
+
+    reply_addr: str
 
 
 # ---- decode <-> prefill (KV transfer control) ----------------------------------------------
@@ -436,6 +572,8 @@ Message = (
     | KVFailed
     | KVQueued
     | KVReleased
+    | KVEvents
+    | KVEventsQuery
 )
 
 _encoder = msgspec.msgpack.Encoder()

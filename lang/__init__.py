@@ -13,6 +13,7 @@
 See ``docs/dsl.md``.
 """
 
+from splitserve.lang.anthropic_compatible import AnthropicCompatible
 from splitserve.lang.backend import BaseBackend, ChatPrompt, GenOutput, SelectOutput, TextPrompt
 from splitserve.lang.endpoint import Capabilities, Endpoint
 from splitserve.lang.errors import BackendError, ProgramError
@@ -35,7 +36,7 @@ from splitserve.lang.tool_spec import tool_spec
 from splitserve.lang.tracer import Trace
 
 __all__ = [
-    "BackendError", "BaseBackend", "Capabilities", "ChatPrompt", "ConstantText", "Endpoint",
+    "AnthropicCompatible", "BackendError", "BaseBackend", "Capabilities", "ChatPrompt", "ConstantText", "Endpoint",
     "Fork", "ForkGroup", "Gen", "GenOutput", "Join", "Node", "OpenAICompatible", "Program",
     "ProgramError", "ProgramState", "RoleBegin", "RoleEnd", "Select", "SelectOutput",
     "TextPrompt", "ToolCall", "Trace", "assistant", "function", "gen", "get_default_backend",

@@ -1,5 +1,6 @@
 """The seam between the interpreter and a model server. Implementations: ``lang.endpoint``
-(a splitserve server) and ``lang.openai_compatible`` (any OpenAI-compatible server)."""
+(a splitserve server), ``lang.openai_compatible`` (any OpenAI-compatible server) and
+``lang.anthropic_compatible`` (any server with Anthropic's Messages API)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ class TextPrompt:
 @dataclass(slots=True)
 class ChatPrompt:
     """A prompt as chat messages, for backends without a client-side template and for programs
-    that use tools (the server renders the tools and the tool turns). Generation always starts
-    a fresh assistant message. Messages are OpenAI's: an assistant message may carry
-    ``tool_calls`` (its ``content`` then may be None), a ``tool`` message its ``tool_call_id``."""
+    that use tools (the server renders the tools and the tool turns). Generation starts a fresh
+    assistant message, or, for a backend that ``continues_assistant``, continues a last
+    assistant message. Messages are OpenAI's: an assistant message may carry ``tool_calls``
+    (its ``content`` then may be None), a ``tool`` message its ``tool_call_id``."""
 
     messages: list[dict[str, Any]]
 
@@ -63,11 +65,13 @@ class ToolsArgs:
 class GenOutput:
     """One generation: its text and what the server reported (``finish_reason``,
     ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``); with tools, the calls
-    (``text`` is then the content outside them)."""
+    (``text`` is then the content outside them); with reasoning, the thinking (``text`` is
+    then the answer after it; None: the server split none off)."""
 
     text: str
     meta: dict[str, Any] = field(default_factory=dict)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str | None = None
 
 
 @dataclass(slots=True)
@@ -82,7 +86,14 @@ class SelectOutput:
 
 
 class BaseBackend(abc.ABC):
-    """A model server the interpreter calls. Methods are called from many threads at once."""
+    """A model server the interpreter calls. Methods are called from many threads at once.
+
+    ``continues_assistant``: a :class:`ChatPrompt` may end with an open assistant message
+    (its text so far), which the server continues (Anthropic's prefill); where False, a gen on
+    chat messages must open its assistant message.
+    """
+
+    continues_assistant: bool = False
 
     @abc.abstractmethod
     def chat_template(self) -> ChatTemplate | None:
@@ -124,6 +135,20 @@ class BaseBackend(abc.ABC):
         """
         raise BackendError(f"{type(self).__name__} has no tool calling (it needs a chat "
                            "endpoint that returns tool_calls)", unsupported=True)
+
+    def generate_message(self, prompt: ChatPrompt, sampling: SamplingArgs,
+                         constraint: tuple[str, Any] | None, tools: ToolsArgs | None,
+                         reasoning_effort: str | None = None) -> GenOutput:
+        """Generate an assistant message whose thinking is kept apart (``GenOutput.reasoning``),
+        under ``constraint`` and with ``tools`` (None: none).
+
+        Raises:
+            BackendError: the backend has no chat endpoint (``unsupported``; the default), it
+                cannot enforce ``constraint``, or the server failed.
+        """
+        raise BackendError(f"{type(self).__name__} does not return a reasoning model's "
+                           "thinking apart (it needs a chat endpoint with reasoning_content)",
+                           unsupported=True)
 
     @abc.abstractmethod
     def prefill(self, prompt: Prompt) -> dict[str, Any]:

@@ -18,7 +18,8 @@ def check_one_constraint(node: Gen) -> None:
     """Raises ValueError when ``node`` asks for two constraints or an unknown ``dtype``."""
     if node.dtype not in (None, str, *DTYPE_REGEX):
         raise ValueError(f"gen dtype must be int, float, bool or str, not {node.dtype!r}")
-    kinds = [k for k in ("regex", "json_schema", "choices") if getattr(node, k) is not None]
+    kinds = [k for k in ("regex", "json_schema", "choices", "grammar")
+             if getattr(node, k) is not None]
     if node.dtype in DTYPE_REGEX:
         kinds.append("dtype")
     if node.tools is not None and node.tool_choice != "none":
@@ -28,7 +29,8 @@ def check_one_constraint(node: Gen) -> None:
 
 
 def constraint_of(node: Gen) -> tuple[str, Any] | None:
-    """``(kind, value)`` with kind ``regex``, ``json_schema`` or ``choices``; None if free."""
+    """``(kind, value)`` with kind ``regex``, ``json_schema``, ``choices`` or ``grammar``
+    (GBNF text); None if free."""
     if node.regex is not None:
         return "regex", node.regex
     if node.dtype in DTYPE_REGEX:
@@ -37,6 +39,8 @@ def constraint_of(node: Gen) -> tuple[str, Any] | None:
         return "json_schema", node.json_schema
     if node.choices is not None:
         return "choices", node.choices
+    if node.grammar is not None:
+        return "grammar", node.grammar
     return None
 
 

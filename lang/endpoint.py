@@ -3,7 +3,8 @@
 - Roles render client-side through the model's own chat template (``GET /chat_template``) and go
   to ``/v1/completions`` with ``add_special_tokens: false``, so a program can generate anywhere
   inside a message and ``select`` can score choices after a partial assistant message.
-- Constraints: ``regex`` and ``choice`` extension fields and ``response_format`` json_schema.
+- Constraints: ``regex``, ``choice`` and ``ebnf`` (``gen(grammar=...)``) extension fields and
+  ``response_format`` json_schema.
 - Tools: ``gen(tools=...)`` goes to ``/v1/chat/completions`` (the server renders the tools and
   parses the calls), and so does every later step of a program whose history holds tool turns.
 - ``select``: prompt-token logprobs via ``echo`` + ``logprobs`` + ``max_tokens: 0``, scoring only
@@ -33,6 +34,7 @@ from splitserve.lang.backend import (
 )
 from splitserve.lang.chat_template import ChatTemplate
 from splitserve.lang.errors import BackendError
+from splitserve.lang.grammar_field import probe_grammar_field, unsupported_grammar
 from splitserve.lang.openai_compatible import OpenAIBackendBase, json_schema_format
 from splitserve.radix_cache.token_prefix import common_prefix_len
 
@@ -48,12 +50,14 @@ class Capabilities:
     """What a server was seen to do. ``constraints``: a regex-constrained probe matched.
     ``prompt_logprobs``: echo + logprobs scored prompt tokens. ``prefix_cache``: a repeated
     prompt reported ``cached_tokens > 0``. ``tools``: a chat request naming a function came
-    back with ``tool_calls``."""
+    back with ``tool_calls``. ``grammar``: a probe whose ``ebnf`` grammar allows one word came
+    back as that word (``lang.grammar_field``)."""
 
     constraints: bool
     prompt_logprobs: bool
     prefix_cache: bool
     tools: bool
+    grammar: bool
 
 
 class Endpoint(OpenAIBackendBase):
@@ -65,6 +69,7 @@ class Endpoint(OpenAIBackendBase):
         self._lock = threading.Lock()
         self._template: ChatTemplate | None | bool = False  # False: not fetched yet
         self._caps: Capabilities | None = None
+        self._grammar_refusal: str | None = None  # why the ebnf probe failed
 
     # ---- discovery ----------------------------------------------------------------------------
 
@@ -78,12 +83,14 @@ class Endpoint(OpenAIBackendBase):
             return self._template  # type: ignore[return-value]
 
     def capabilities(self) -> Capabilities:
-        """Probe the server once (four tiny requests) and remember the answer."""
+        """Probe the server once (five tiny requests) and remember the answer."""
         with self._lock:
             if self._caps is None:
+                self._grammar_refusal = probe_grammar_field(self.http, self.model, "ebnf",
+                                                            chat=False)
                 self._caps = Capabilities(
                     self._probe_constraints(), self._probe_logprobs(), self._probe_cache(),
-                    self._probe_tools(),
+                    self._probe_tools(), self._grammar_refusal is None,
                 )
             return self._caps
 
@@ -126,9 +133,14 @@ class Endpoint(OpenAIBackendBase):
 
     # ---- steps --------------------------------------------------------------------------------
 
-    def constraint_fields(self, constraint: tuple[str, Any] | None) -> dict[str, Any]:
+    def constraint_fields(self, constraint: tuple[str, Any] | None,
+                          chat: bool = False) -> dict[str, Any]:
         if constraint is None:
             return {}
+        if constraint[0] == "grammar":
+            if not self.capabilities().grammar:
+                raise unsupported_grammar(self.url, self._grammar_refusal or "")
+            return {"ebnf": constraint[1]}
         if not self.capabilities().constraints:
             raise BackendError(
                 f"the server at {self.url} does not enforce constraints (a regex probe came back "

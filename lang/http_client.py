@@ -15,12 +15,15 @@ from splitserve.server.sse import DONE, iter_events
 
 
 class OpenAIHTTP:
-    """A thread-safe connection pool to one OpenAI-compatible base URL (``.../v1``)."""
+    """A thread-safe connection pool to one OpenAI-compatible base URL (``.../v1``).
+    ``headers``: sent with every request instead of ``Authorization: Bearer <api_key>`` (an
+    Anthropic-compatible server's ``x-api-key`` and ``anthropic-version``)."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 600.0,
-                 max_connections: int = 256) -> None:
+                 max_connections: int = 256, headers: dict[str, str] | None = None) -> None:
         self.base_url = base_url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if headers is None:
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(
             headers=headers,
             timeout=httpx.Timeout(timeout_s, connect=10.0),

@@ -37,6 +37,9 @@ def resolve_sampling(node: Gen, defaults: SamplingArgs) -> SamplingArgs:
 
 
 def _gen(state: ProgramState, node: Gen) -> None:
+    if node.reasoning:
+        _gen_reasoning(state, node)
+        return
     if node.tools is not None:
         _gen_tools(state, node)
         return
@@ -69,6 +72,27 @@ def _gen_tools(state: ProgramState, node: Gen) -> None:
     state.apply_text(out.text, node.name)
     state.set_tool_calls(node.name, out.tool_calls)
     state.set_var(node.name, out.text, {**out.meta, "tool_calls": out.tool_calls})
+
+
+def _gen_reasoning(state: ProgramState, node: Gen) -> None:
+    """A chat request whose thinking is kept apart: the answer goes into the assistant turn
+    and ``s[name]``, the thinking into ``s.reasoning(name)`` (a reasoning model's template
+    leaves earlier thinking out of the history too). Not streamed, as a gen with tools."""
+    ctx = state.ctx
+    prompt = state.chat_prompt("a gen with reasoning is sent as chat messages (the server "
+                               "splits the thinking off)")
+    tools = (None if node.tools is None
+             else ToolsArgs(node.tools, node.tool_choice, node.parallel_tool_calls))
+    out = ctx.backend.generate_message(prompt, resolve_sampling(node, ctx.defaults),
+                                       constraint_of(node), tools, node.reasoning_effort)
+    state.apply_text(out.text, node.name)
+    if tools is not None:
+        state.set_tool_calls(node.name, out.tool_calls)
+    state.set_reasoning(node.name, out.reasoning)
+    meta = {**out.meta, "reasoning": out.reasoning}
+    if tools is not None:
+        meta["tool_calls"] = out.tool_calls
+    state.set_var(node.name, parse_output(node, out.text), meta)
 
 
 def _select(state: ProgramState, node: Select) -> None:

@@ -69,10 +69,13 @@ class RoleEnd(Node):
 @dataclass(slots=True)
 class Gen(Node):
     """Generate text into variable ``name``. ``dtype`` and ``choices`` become constraints
-    (``lang.constraints``); at most one of ``regex``, ``json_schema``, ``choices`` and a
-    non-str ``dtype`` may be set. ``None`` sampling fields take the run's defaults.
+    (``lang.constraints``); at most one of ``regex``, ``json_schema``, ``choices``,
+    ``grammar`` (GBNF text) and a non-str ``dtype`` may be set. ``None`` sampling fields take
+    the run's defaults.
     ``tools`` (OpenAI function specs) make it a chat request that may return tool calls;
-    ``tool_choice`` and ``parallel_tool_calls`` are sent as given (None: the server's default)."""
+    ``tool_choice`` and ``parallel_tool_calls`` are sent as given (None: the server's default).
+    ``reasoning`` makes it a chat request whose thinking (``reasoning_content``) is kept apart
+    from the answer; ``reasoning_effort`` is sent as given."""
 
     name: str | None = None
     max_tokens: int | None = None
@@ -83,10 +86,13 @@ class Gen(Node):
     regex: str | None = None
     json_schema: dict[str, Any] | str | None = None
     choices: list[str] | None = None
+    grammar: str | None = None
     dtype: type | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    reasoning: bool = False
+    reasoning_effort: str | None = None
 
     def describe(self) -> str:
         return f"gen {self.name!r}" if self.name else "gen"

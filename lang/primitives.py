@@ -19,10 +19,13 @@ def gen(
     regex: str | None = None,
     json_schema: dict[str, Any] | str | None = None,
     choices: list[str] | None = None,
+    grammar: str | None = None,
     dtype: type | None = None,
     tools: list[dict[str, Any] | Callable[..., Any]] | None = None,
     tool_choice: str | dict[str, Any] | None = None,
     parallel_tool_calls: bool | None = None,
+    reasoning: bool = False,
+    reasoning_effort: str | None = None,
 ) -> Gen:
     """A generation step; its text is appended and stored in ``s[name]``.
 
@@ -34,6 +37,9 @@ def gen(
         regex: the output matches this regular expression.
         json_schema: the output is JSON valid under this schema (dict or JSON text).
         choices: the output is exactly one of these strings.
+        grammar: the output is a sentence of this EBNF grammar, in llama.cpp's GBNF syntax with
+            a ``root`` rule (what the server's ``ebnf`` field takes); e.g.
+            :func:`splitserve.lang.sql.sql_grammar` for SQL over a database's schema.
         dtype: ``int``, ``float`` or ``bool`` constrain the output to a literal of that type
             and store the parsed value; ``str`` (default) stores the text.
         tools: functions the model may call: OpenAI function spec dicts
@@ -44,12 +50,22 @@ def gen(
         tool_choice: ``"auto"`` (default), ``"none"``, ``"required"``, or a tool's name (that
             function must be called).
         parallel_tool_calls: False: at most one call.
+        reasoning: a reasoning model's thinking is kept apart from its answer: the gen must
+            open an assistant message and goes to the chat endpoint; ``s[name]`` is the answer
+            and ``s.reasoning(name)`` the thinking (the server's ``reasoning_content``; None
+            where the server splits none off).
+        reasoning_effort: OpenAI's effort level (``low``, ``medium``, ``high``...), sent with
+            a ``reasoning`` gen: a thinking budget on a splitserve server.
 
     Raises:
         ValueError: more than one constraint (tools count as one), an unsupported ``dtype``,
-            a bad tool, or a ``tool_choice`` without tools or naming no tool.
+            an empty ``grammar``, a bad tool, or a ``tool_choice`` without tools or naming no tool.
     """
     from splitserve.lang.constraints import check_one_constraint
+
+    if grammar is not None and (not isinstance(grammar, str) or not grammar.strip()):
+        raise ValueError("gen grammar must be GBNF text with a root rule, e.g. "
+                         "'root ::= \"yes\" | \"no\"'")
     from splitserve.lang.tool_spec import tool_choice_field, tool_spec
 
     specs = [tool_spec(t) for t in tools] if tools is not None else None
@@ -57,6 +73,8 @@ def gen(
         raise ValueError("tool_choice and parallel_tool_calls need tools=[...]")
     if specs is not None:
         tool_choice = tool_choice_field(tool_choice, [s["function"]["name"] for s in specs])
+    if reasoning_effort is not None and not reasoning:
+        raise ValueError("reasoning_effort needs reasoning=True")
 
     node = Gen(
         name=name,
@@ -68,10 +86,13 @@ def gen(
         regex=regex,
         json_schema=json_schema,
         choices=list(choices) if choices is not None else None,
+        grammar=grammar,
         dtype=dtype,
         tools=specs,
         tool_choice=tool_choice,
         parallel_tool_calls=parallel_tool_calls,
+        reasoning=reasoning,
+        reasoning_effort=reasoning_effort,
     )
     check_one_constraint(node)
     return node

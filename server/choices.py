@@ -104,6 +104,8 @@ def summed_usage(jobs: list[Job]) -> Usage:
         if job.leads_prompt:
             total.prompt_tokens += job.usage.prompt_tokens
             total.cached_tokens += job.usage.cached_tokens
+            for tier, n in job.usage.cached_by_tier.items():
+                total.cached_by_tier[tier] = total.cached_by_tier.get(tier, 0) + n
         total.completion_tokens += job.usage.completion_tokens
     return total
 

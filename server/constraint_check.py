@@ -6,6 +6,8 @@ A violation means a backend let through what it should have refused: it is logge
 schema's hash, counted in ``splitserve_constraint_violations_total{backend}``, and under
 ``strict`` the request fails (500, ``constraint_violation``) instead of answering a
 valid-looking 200. Outputs cut by ``max_tokens`` are not finished, so they are not checked.
+A reasoning model's output is checked after its thinking, where its grammar starts
+(``engine.grammar.think``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from splitserve.server.constraints import constraint_plan
 from splitserve.server.errors import APIError
 from splitserve.server.generation import Piece
 from splitserve.server.job import Job
+from splitserve.server.offload import Offload
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +73,7 @@ def violation(schema_text: str, output: str) -> str | None:
 
 
 def checked_pieces(
-    job: Job, pieces: AsyncIterator[Piece], violations: Any | None
+    job: Job, pieces: AsyncIterator[Piece], violations: Any | None, offload: Offload | None = None
 ) -> AsyncIterator[Piece]:
     """``pieces``, with the last one held until the whole output has been validated (the same
     iterator when there is nothing to validate).
@@ -79,6 +82,7 @@ def checked_pieces(
         job: the job the pieces belong to.
         pieces: from ``server.generation.stream_text``.
         violations: a Prometheus counter with a ``backend`` label, or None.
+        offload: where ``jsonschema`` runs, off the event loop (None: inline).
 
     Raises:
         APIError: 500 ``constraint_violation`` when a strict schema's output does not validate.
@@ -87,25 +91,30 @@ def checked_pieces(
     # A stop string may cut the JSON short of its end; such an output is not finished.
     if constraint is None or constraint.kind != "json_schema" or job.stop:
         return pieces
-    return _validated(job, constraint, pieces, violations)
+    return _validated(job, constraint, pieces, violations, offload)
 
 
 async def _validated(
-    job: Job, constraint: Any, pieces: AsyncIterator[Piece], violations: Any | None
+    job: Job, constraint: Any, pieces: AsyncIterator[Piece], violations: Any | None,
+    offload: Offload | None,
 ) -> AsyncIterator[Piece]:
     parts: list[str] = []
     try:
         async for piece in pieces:
             parts.append(piece.text)
             if piece.finish_reason == "stop":
-                _check(job, constraint, "".join(parts), violations)
+                output = "".join(parts)
+                if job.reasoning is not None:  # the schema holds after the thinking
+                    output = job.reasoning.split(output)[1]
+                problem = (violation(constraint.text, output) if offload is None else
+                           await offload.run(violation, constraint.text, output))
+                _check(job, constraint, problem, violations)
             yield piece
     finally:
         await pieces.aclose()  # type: ignore[attr-defined]
 
 
-def _check(job: Job, constraint: Any, output: str, violations: Any | None) -> None:
-    problem = violation(constraint.text, output)
+def _check(job: Job, constraint: Any, problem: str | None, violations: Any | None) -> None:
     if problem is None:
         return
     plan = constraint_plan(constraint)

@@ -29,6 +29,7 @@ not list raises ``IllegalTransition``. Every side effect goes through a :class:`
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol
 
@@ -137,17 +138,23 @@ class DisaggRequest:
         affinity: the requests that share its prompt (``PromptAffinity``), for the port.
         metrics: optional ``ServerMetrics``: request outcomes, latencies, retries.
         max_retries: re-runs allowed after a lost worker.
+        timing: its ``observe.timing.RequestTiming``: the tasks' send time, the first and last
+            token's arrival and the workers' stamps are recorded there (None: not timed).
+        trace: its ``server.request_trace.RequestTrace`` (None: not traced): each attempt is
+            a span (``attempt``, then ``retry``), whose ``traceparent`` its tasks carry.
     """
 
-    __slots__ = ("_affinity", "_counted", "_heard_from", "_input_ids", "_lora", "_max_retries",
-                 "_metrics", "_namespace", "_pending", "_port", "_prefill", "_sampling", "_sent_to", "_table",
-                 "_workers", "next_index", "num_attempts", "replies", "rid", "state", "wire")
+    __slots__ = ("_affinity", "_attempt", "_counted", "_heard_from", "_input_ids", "_lora",
+                 "_lost", "_max_retries", "_metrics", "_namespace", "_pending", "_port", "_prefill",
+                 "_sampling", "_sent_to", "_table", "_timing", "_trace", "_workers",
+                 "next_index", "num_attempts", "replies", "rid", "state", "wire")
 
     def __init__(
         self, rid: str, input_ids: list[int], sampling: SamplingParams, port: DisaggPort,
         table: RequestTable, *, cache_namespace: str | None = None,
         affinity: PromptAffinity | None = None, metrics: Any = None,
-        max_retries: int = MAX_RETRIES, lora: LoraRef | None = None,
+        max_retries: int = MAX_RETRIES, lora: LoraRef | None = None, timing: Any = None,
+        trace: Any = None,
     ) -> None:
         self.rid = rid
         self.state = S.NEW
@@ -165,6 +172,9 @@ class DisaggRequest:
         self._sent_to: list[Any] = []  # got the attempt's task: aborted unless it finishes
         self._counted: list[Any] = []  # count this request in flight
         self._pending: dict[int, TokenOutput] = {}  # arrived ahead of ``next_index``
+        self._timing, self._trace = timing, trace
+        self._attempt: Any = None  # the current attempt's span (server.request_trace.Attempt)
+        self._lost = ""  # why the last attempt was retried (the retry span says it)
 
     # ---- the reader -------------------------------------------------------------------------
 
@@ -178,7 +188,8 @@ class DisaggRequest:
         Raises:
             Exception: whatever sending a task raised (the request is closed first).
         """
-        timer = self._metrics.request_timer() if self._metrics is not None else None
+        timing = self._timing
+        timer = self._metrics.request_timer(timing) if self._metrics is not None else None
         self._table.by_rid[self.rid] = self
         replies = self.replies
         try:
@@ -204,6 +215,8 @@ class DisaggRequest:
                         break
                     if item is _END:
                         return
+                    if timing is not None:
+                        _record(timing, item)
                     if timer is not None:
                         timer.on_event(item)
                     yield item
@@ -231,16 +244,23 @@ class DisaggRequest:
         if isinstance(targets, TokenEvent):
             return self._refuse(targets)
         wire = self.rid if self.num_attempts == 0 else f"{self.rid}.retry{self.num_attempts}"
+        attempt = None
+        if self._trace is not None:
+            attempt = self._trace.attempt(wire, self.num_attempts, self._lost or None)
         try:
             frames = [encode(GenerateTask(rid=wire, input_ids=self._input_ids,
                                           sampling=self._sampling,
                                           reply_addr=self._port.inbox_addr, prefill_addr=addr,
-                                          cache_namespace=self._namespace, lora=lora))
+                                          cache_namespace=self._namespace, lora=lora,
+                                          traceparent=attempt and attempt.traceparent))
                       for _, addr in targets]
         except (OverflowError, msgspec.EncodeError) as exc:
+            if attempt is not None:
+                attempt.end("rejected", str(exc))
             # A number the wire cannot carry (an integer past 64 bits): the request's fault.
             return self._refuse(TokenEvent([], [], error=f"a request value is out of range: {exc}",
                                            error_code=400))
+        self._attempt = attempt
         self.num_attempts += 1
         self.wire = wire
         self._workers = [w for w, _ in targets]
@@ -264,6 +284,10 @@ class DisaggRequest:
     def all_sent(self) -> None:
         """``SENT``: the attempt's sending is over (every task sent, or the attempt ended)."""
         self.state = self._next(E.SENT)
+        if self._timing is not None:
+            self._timing.sent = time.time()
+        if self._attempt is not None:
+            self._attempt.routed([w.worker_id for w in self._sent_to])
 
     def on_tokens(self, out: TokenOutput) -> None:
         """``out`` came for :attr:`wire`. Delivered at once when it is next in output order,
@@ -296,7 +320,7 @@ class DisaggRequest:
         """``WORKER_ERROR``: a worker failed the request; the error ends it (HTTP status
         ``msg.code``) and every worker that got the attempt's task is aborted."""
         self.state = self._next(E.WORKER_ERROR)
-        self._end_attempt(abort=True)
+        self._end_attempt(abort=True, error=msg.message)
         self.replies.put_nowait(TokenEvent([], [], error=msg.message, error_code=msg.code))
 
     def on_worker_lost(self, worker: Any, message: str) -> None:
@@ -311,7 +335,8 @@ class DisaggRequest:
             return
         retry = self.state is not S.STREAMING and self.num_attempts <= self._max_retries
         self.state = self._next(E.RETRY if retry else E.WORKER_LOST)
-        self._end_attempt(abort=True)
+        self._lost = message
+        self._end_attempt(abort=True, error=message)
         if retry:
             logger.warning("re-running %s: %s", self.rid, message)
             self.replies.put_nowait(_RETRY)
@@ -366,9 +391,13 @@ class DisaggRequest:
             self._counted.remove(self._prefill)
             self._port.uncount(self._prefill)
 
-    def _end_attempt(self, *, abort: bool) -> None:
+    def _end_attempt(self, *, abort: bool, error: str | None = None) -> None:
         """Uncount every worker still counted and (``abort``) abort every worker that got the
-        attempt's task, once; unroute the attempt's wire rid."""
+        attempt's task, once; unroute the attempt's wire rid; end its span (``error``: why it
+        failed)."""
+        attempt, self._attempt = self._attempt, None
+        if attempt is not None:
+            attempt.end("retried" if self.state is S.RETRYING else self.state.name.lower(), error)
         for w in self._counted:
             self._port.uncount(w)
         self._counted.clear()
@@ -384,6 +413,19 @@ class DisaggRequest:
 def _event(o: TokenOutput) -> TokenEvent:
     """The reader's event for output ``o``."""
     return TokenEvent(o.token_ids, o.logprobs, o.finish_reason, prompt_len=o.prompt_len,
-                      cached_len=o.cached_len, prompt_logprobs=o.prompt_logprobs,
+                      cached_len=o.cached_len, cached_by_tier=o.cached_by_tier,
+                      prompt_logprobs=o.prompt_logprobs,
                       top_ids=o.top_ids, top_logprobs=o.top_logprobs,
-                      prompt_top_ids=o.prompt_top_ids, prompt_top_logprobs=o.prompt_top_logprobs)
+                      prompt_top_ids=o.prompt_top_ids, prompt_top_logprobs=o.prompt_top_logprobs,
+                      stamps=o.stamps)
+
+
+def _record(timing: Any, ev: TokenEvent) -> None:
+    """What reaching the reader tells ``timing`` (``observe.timing.RequestTiming``): the
+    workers' stamps, the first and the last token's arrival."""
+    if ev.stamps is not None:
+        timing.merge(ev.stamps)
+    if ev.token_ids and not timing.first:
+        timing.first = time.time()
+    if ev.finish_reason is not None:
+        timing.last = time.time()

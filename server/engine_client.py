@@ -31,12 +31,15 @@ class TokenEvent:
     error_code: int = 500
     prompt_len: int = 0
     cached_len: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)  # of cached_len, per cache tier
     prompt_logprobs: list[float] | None = None  # on the first event, when asked for
     # Alternatives per token of ``token_ids`` / ``prompt_logprobs`` (``messages.TokenOutput``).
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
     prompt_top_ids: list[list[int]] | None = None
     prompt_top_logprobs: list[list[float]] | None = None
+    # A worker's stage stamps (``messages.StageStamps``), on the first and the last event.
+    stamps: Any = None
 
 
 @dataclass(slots=True)
@@ -59,14 +62,18 @@ class BaseEngineClient(abc.ABC):
     def generate(
         self, rid: str, input_ids: list[int], sampling: SamplingParams,
         cache_namespace: str | None = None, affinity: PromptAffinity | None = None,
-        lora: LoraRef | None = None,
+        lora: LoraRef | None = None, timing: Any = None, trace: Any = None,
     ) -> AsyncIterator[TokenEvent]:
         """Start ``rid`` and yield its :class:`TokenEvent` s until one has ``finish_reason`` or
         ``error``. Closing the iterator early (``aclose``) aborts the request on the workers.
         ``cache_namespace``: the prefix-cache namespace it may reuse and fill (None: shared).
         ``affinity``: shared by requests with the same prompt, which then go to the worker that
         computed it (:class:`PromptAffinity`); the caller passes it only for ``n`` > 1.
-        ``lora``: the LoRA adapter it runs under; the caller passes it only for one."""
+        ``lora``: the LoRA adapter it runs under; the caller passes it only for one.
+        ``timing``: its ``observe.timing.RequestTiming``, whose router and worker boundaries
+        the client fills; ``trace``: its ``server.request_trace.RequestTrace`` (None: not
+        traced), under which each attempt's span goes. Clients without workers may ignore
+        both."""
 
     @abc.abstractmethod
     async def abort(self, rid: str) -> None:

@@ -2,13 +2,15 @@
 ``{"error": {"message", "type", "param", "code"}}``.
 
 FastAPI answers bad input with 422 and its own body shape; OpenAI clients expect 400 and the
-shape above, so the handlers here replace FastAPI's.
+shape above, so the handlers here replace FastAPI's. Paths of another API (Anthropic's
+Messages) answer in that API's shape instead: :func:`use_error_body`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -52,11 +54,30 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
+    def response(self, body: dict[str, Any] | None = None) -> JSONResponse:
+        """The error as a response: with ``body`` (default: :meth:`body`), its status and
+        headers."""
         # 503 is "busy or no healthy worker now": tell clients when to try again.
         headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status_code == 503 else {}
         headers.update(self.headers or {})
-        return JSONResponse(self.body(), status_code=self.status_code, headers=headers or None)
+        return JSONResponse(self.body() if body is None else body,
+                            status_code=self.status_code, headers=headers or None)
+
+
+ErrorBody = Callable[[APIError], dict[str, Any]]
+
+
+def use_error_body(app: FastAPI, on_path: Callable[[str], bool], body: ErrorBody) -> None:
+    """Answer every error of a request whose path ``on_path`` accepts with ``body(error)``
+    instead of OpenAI's body (status and headers unchanged)."""
+    app.state.error_bodies = [*getattr(app.state, "error_bodies", []), (on_path, body)]
+
+
+def _respond(request: Request, exc: APIError) -> JSONResponse:
+    for on_path, body in getattr(request.app.state, "error_bodies", ()):
+        if on_path(request.url.path):
+            return exc.response(body(exc))
+    return exc.response()
 
 
 def error_type(status_code: int) -> str:
@@ -154,24 +175,24 @@ def _union_member_error(errors: Sequence[Any], body: Any) -> tuple[Any, list[str
     return best, best_loc
 
 
-async def _api_error_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return _respond(request, exc)
 
 
-async def _validation_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return from_validation_errors(exc.errors()).response()
+    return _respond(request, from_validation_errors(exc.errors()))
 
 
-async def _http_error_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return APIError(str(exc.detail), status_code=exc.status_code).response()
+    return _respond(request, APIError(str(exc.detail), status_code=exc.status_code))
 
 
-async def _unexpected_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error", exc_info=exc)
-    return APIError("internal server error", status_code=500).response()
+    return _respond(request, APIError("internal server error", status_code=500))
 
 
 def install_error_handlers(app: FastAPI) -> None:

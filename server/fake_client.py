@@ -103,7 +103,7 @@ class FakeEngineClient(BaseEngineClient):
     async def generate(
         self, rid: str, input_ids: list[int], sampling: SamplingParams,
         cache_namespace: str | None = None, affinity: PromptAffinity | None = None,
-        lora: LoraRef | None = None,
+        lora: LoraRef | None = None, timing: Any = None, trace: Any = None,
     ) -> AsyncIterator[TokenEvent]:
         with self._recording():
             self.requests.append((rid, list(input_ids), sampling))

@@ -56,17 +56,39 @@ def objects_at(value: Any, steps: list[tuple[str, bool]], where: str = ""
             yield from objects_at(item, rest, f"{at}[{i}]")
 
 
+def check_table(where: str, obj: dict[str, Any], table: dict[str, FieldRule]) -> None:
+    """Check the fields of ``obj`` (a body, or the nested object at ``where``, its dotted path)
+    by ``table``, as :func:`check_fields` does: for the endpoints whose tables live elsewhere
+    (``server.responses_api.fields``).
+
+    Raises:
+        APIError: as :func:`check_fields`.
+    """
+    _check_object(where, obj, table)
+
+
 def _check_object(where: str, obj: dict[str, Any], table: dict[str, FieldRule]) -> None:
     """Check the fields of ``obj`` (the body, or the nested object at ``where``) by ``table``."""
     for key, value in obj.items():
         rule = table.get(key)
-        if rule is None or value is None:
+        if rule is None:
             continue
-        name = f"{where}.{key}" if where else key
-        if rule.status == "refused":
-            _check_refused(name, value, rule)
-        elif rule.status == "implemented":
-            _check_range(name, value, rule)
+        check_value(f"{where}.{key}" if where else key, value, rule)
+
+
+def check_value(name: str, value: Any, rule: FieldRule) -> None:
+    """Refuse the value of the field ``name`` (its dotted path) as ``rule`` says: a refused
+    field not null nor a no-op value, or an implemented one outside its range or ``enum``.
+
+    Raises:
+        APIError: as :func:`check_fields`.
+    """
+    if value is None:
+        return
+    if rule.status == "refused":
+        _check_refused(name, value, rule)
+    elif rule.status == "implemented":
+        _check_range(name, value, rule)
 
 
 def _check_refused(name: str, value: Any, rule: FieldRule) -> None:

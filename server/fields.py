@@ -87,27 +87,34 @@ _SHARED: dict[str, FieldRule] = {
     "n": implemented("choices per prompt, each with its own seed stream; the prompt is "
                      f"computed once (ours: at most {MAX_N})", minimum=1, maximum=MAX_N),
     "seed": implemented("per-request random stream; a signed 64-bit integer", **_SEED),
-    "stop": implemented("up to 4 stop strings"),
+    "stop": implemented("up to 4 stop strings of at most 1024 characters each"),
     "stream": implemented("server-sent events"),
     "stream_options": implemented("`include_usage`, `continuous_usage_stats` (vLLM): see "
                                   "the sub-fields; a 400 without `stream: true`, as in vLLM"),
     "presence_penalty": implemented("", **_PENALTY),
     "frequency_penalty": implemented("", **_PENALTY),
-    "logit_bias": implemented("token id -> bias added to its logit"),
+    "logit_bias": implemented("token id -> bias added to its logit; at most 300 entries"),
     "user": ignored(_NO_OUTPUT_EFFECT),
     # Extensions.
     "top_k": extension("-1 or 0: off", minimum=-1, maximum=INT32_MAX),
     "min_p": extension("", minimum=0, maximum=1),
     "repetition_penalty": extension("multiplies the logits of seen tokens (vLLM)"),
     "min_tokens": extension("no EOS or stop token before this many"),
-    "stop_token_ids": extension("token ids that end the output"),
+    "stop_token_ids": extension("token ids that end the output; at most 256"),
     "ignore_eos": extension("keep generating past EOS"),
     "return_token_ids": extension("the generated ids in each choice"),
     "regex": extension("the output matches this regular expression"),
     "ebnf": extension("the output matches this GBNF grammar"),
-    "choice": extension("the output is one of these strings"),
+    "choice": extension("the output is one of these strings (at most 1024, of at most 4096 "
+                        "characters each)"),
+    "priority": extension("lower first (vLLM): admitted first, and preempted last when a "
+                          "worker's KV pages run out; ties by arrival; default 0",
+                          minimum=-(2**31), maximum=INT32_MAX),
     "cache_salt": extension("prefix-cache namespace: requests share cache only with the same "
                             "salt (vLLM)"),
+    "thinking_token_budget": extension("a reasoning model thinks at most this many tokens, "
+                                       "then its end marker is forced (vLLM); a 400 where the "
+                                       "server has no reasoning parser", minimum=0),
 }
 
 CHAT_FIELDS: dict[str, FieldRule] = {
@@ -119,7 +126,7 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "response_format": implemented("`text`, `json_object`, `json_schema` (grammar-enforced)"),
     "logprobs": implemented("the sampled tokens' logprobs"),
     "top_logprobs": implemented("most likely tokens per position", minimum=0, maximum=20),
-    "tools": implemented("function tools, rendered into the prompt"),
+    "tools": implemented("function tools, rendered into the prompt; at most 128"),
     "tool_choice": implemented("`none`, `auto`, `required` or a named function"),
     "parallel_tool_calls": implemented("false: at most one call"),
     "store": refused("we store no completions", noop=(False,)),
@@ -130,7 +137,10 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "prediction": refused("no predicted outputs"),
     "web_search_options": refused("no web search"),
     "verbosity": refused("a reasoning-model control the served model lacks"),
-    "reasoning_effort": refused("a reasoning-model control the served model lacks"),
+    "reasoning_effort": implemented(
+        "a thinking budget (none 0, minimal 256, low 1024, medium 4096, high 16384, xhigh "
+        "32768 tokens, max none); a 400 where the server has no reasoning parser",
+        enum=("none", "minimal", "low", "medium", "high", "xhigh", "max")),
     "moderation": refused("no moderation model here"),
     "functions": refused("deprecated by OpenAI; use `tools`"),
     "function_call": refused("deprecated by OpenAI; use `tool_choice`"),
@@ -138,6 +148,10 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "prompt_cache_key": ignored(_CACHE_HINT),
     "prompt_cache_retention": ignored(_CACHE_HINT),
     "prompt_cache_options": ignored(_CACHE_HINT),
+    # Extensions.
+    "chat_template_kwargs": extension("more variables for the chat template, e.g. "
+                                      "`enable_thinking` (vLLM); a name the template does not "
+                                      "read is a 400"),
 }
 
 COMPLETION_FIELDS: dict[str, FieldRule] = {
@@ -196,7 +210,8 @@ def rule_note(rule: FieldRule) -> str:
 
 
 def _bound(x: float) -> str:
-    return {INT64_MIN: "-2^63", INT64_MAX: "2^63-1", INT32_MAX: "2^31-1"}.get(x, f"{x:g}")
+    return {INT64_MIN: "-2^63", INT64_MAX: "2^63-1", INT32_MAX: "2^31-1",
+            -(2**31): "-2^31"}.get(x, f"{x:g}")
 
 
 if __name__ == "__main__":

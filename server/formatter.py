@@ -19,7 +19,10 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # every cache tier's: the pool, host memory, disk, shared store
+    # Of ``cached_tokens``, per tier ("l1", "l2", "l3", "store"): the response header
+    # ``x-splitserve-cached-tokens`` (server.cache_header), not the OpenAI body.
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -67,11 +70,14 @@ class ResponseFormatter:
         logprobs: dict[str, Any] | None = None,
         prompt_token_ids: list[int] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
         """The non-streaming response; ``token_ids`` (when asked for) are the generated ids and
         ``prompt_token_ids`` the prompt's (vLLM's extension), ``logprobs`` the
         legacy-completions logprobs object (``server.logprobs``). With ``tool_calls`` (chat)
-        the message carries them, and ``content`` is null when no text came with them."""
+        the message carries them, and ``content`` is null when no text came with them.
+        ``reasoning`` (chat, a reasoning model): the thinking, as ``message.reasoning_content``
+        (vLLM's and DeepSeek's name; null when empty)."""
         choice: dict[str, Any] = {
             "index": 0, "logprobs": logprobs, "finish_reason": finish_reason
         }
@@ -84,6 +90,8 @@ class ResponseFormatter:
             if tool_calls:
                 choice["message"] = {"role": "assistant", "content": text or None,
                                      "tool_calls": tool_calls}
+            if reasoning is not None:
+                choice["message"]["reasoning_content"] = reasoning or None
         else:
             choice["text"] = text
         body = self._envelope("chat.completion" if self.is_chat else "text_completion", [choice])
@@ -99,17 +107,21 @@ class ResponseFormatter:
         tool_calls: list[dict[str, Any]] | None = None,
         index: int = 0,
         usage: Usage | None = None,
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
         """One streamed chunk of choice ``index``. Chat chunks carry a ``delta``; the first one
         of each choice names the role. ``logprobs``: the object of this chunk's tokens
         (``server.logprobs``), when asked for; ``tool_calls``: OpenAI's call deltas
-        (``server.tools.stream``); ``usage``: the choice's usage so far, sent when
+        (``server.tools.stream``); ``reasoning``: a piece of the thinking
+        (``delta.reasoning_content``); ``usage``: the choice's usage so far, sent when
         ``continuous_usage``."""
         choice: dict[str, Any] = {
             "index": index, "logprobs": logprobs, "finish_reason": finish_reason
         }
         if self.is_chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if reasoning is not None:
+                delta["reasoning_content"] = reasoning
             if text is not None:
                 delta["content"] = text
             if tool_calls:

@@ -25,12 +25,14 @@ from splitserve.server.stop_strings import StopStringMatcher
 class Piece:
     """Text that became final since the last piece; ``finish_reason`` set on the last.
     ``token_start``/``token_end``: the output tokens that came with it (indices into
-    ``job.output_ids``), whose logprobs a streamed chunk carries."""
+    ``job.output_ids``), whose logprobs a streamed chunk carries. ``stop_string``: on the last
+    piece of an answer a stop string ended, that string."""
 
     text: str
     finish_reason: str | None = None
     token_start: int = 0
     token_end: int = 0
+    stop_string: str | None = None
 
 
 async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> AsyncIterator[Piece]:
@@ -54,6 +56,10 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
         extra["affinity"] = share.affinity
     if job.lora is not None:
         extra["lora"] = job.lora
+    if job.timing is not None:
+        extra["timing"] = job.timing
+    if job.trace is not None:
+        extra["trace"] = job.trace
     events = client.generate(job.rid, job.input_ids, job.sampling,
                              cache_namespace=job.cache_namespace, **extra)
     engine_done = False
@@ -69,15 +75,18 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
             end = len(job.output_ids)
             job.usage.prompt_tokens = ev.prompt_len or job.usage.prompt_tokens
             job.usage.cached_tokens = max(job.usage.cached_tokens, ev.cached_len)
+            if ev.cached_by_tier:  # on the first output only (the worker that matched it)
+                job.usage.cached_by_tier = dict(ev.cached_by_tier)
             text = stops.feed(detok.push(ev.token_ids))
             if ev.finish_reason is not None:
                 engine_done = True
                 text += stops.feed(detok.flush(cut=ev.finish_reason == "length"))
                 text += stops.flush()
-                yield Piece(text, "stop" if stops.stopped else ev.finish_reason, start, end)
+                yield Piece(text, "stop" if stops.stopped else ev.finish_reason, start, end,
+                            stops.matched)
                 return
             if stops.stopped:  # engine still running: the finally aborts it
-                yield Piece(text, "stop", start, end)
+                yield Piece(text, "stop", start, end, stops.matched)
                 return
             yield Piece(text, None, start, end)
         engine_done = True

@@ -1,31 +1,29 @@
 """HTTP-level protection, as plain ASGI middleware (streaming responses pass through untouched):
 
 - optional API keys (a :class:`~splitserve.server.tenancy.KeyRing`): every path but ``/health``
-  needs ``Authorization: Bearer <key>`` with one of them, or gets 401 with an OpenAI-style error
-  body (compared in constant time); the key's tenant is recorded in the scope
-  (``server.tenancy.TENANT_SCOPE_KEY``) for the prefix-cache namespace and rate limits;
+  and the web page's static files (``/``, ``/ui/...``, no data in them) needs
+  ``Authorization: Bearer <key>`` with one of them, or the same key in ``x-api-key``
+  (Anthropic's header: its clients and Claude Code send that), or gets 401 in the path's
+  error shape (compared in constant time); the key's tenant is recorded in the scope
+  (``server.tenancy.TENANT_SCOPE_KEY``) for the prefix-cache namespace and rate limits, and that
+  a key was checked (``KEYED_SCOPE_KEY``), which the operator routes need;
 - a request body limit: a larger body gets 413 before the app reads it (``Content-Length`` is
   checked first; a chunked body is counted as it arrives).
+
+Both errors have OpenAI's body, or Anthropic's on the Messages paths
+(``server.messages_api.errors``).
 """
 
 from __future__ import annotations
 
-import json
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from splitserve.server.tenancy import TENANT_SCOPE_KEY, KeyRing
+from splitserve.server.asgi_errors import error_response
+from splitserve.server.tenancy import KEYED_SCOPE_KEY, TENANT_SCOPE_KEY, KeyRing
 
-OPEN_PATHS = frozenset({"/health"})
-
-
-async def _error(send: Send, status: int, message: str, code: str, headers=()) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                 "param": None, "code": code}}).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        *headers]})
-    await send({"type": "http.response.body", "body": body})
+OPEN_PATHS = frozenset({"/health", "/"})
+# The web page's static files (server.ui): the page asks for the key and sends it itself.
+OPEN_PREFIXES = ("/ui/",)
 
 
 class GuardMiddleware:
@@ -41,21 +39,23 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.keys is not None and scope["path"] not in OPEN_PATHS:
-            given = headers.get(b"authorization", b"")
+        path = scope["path"]
+        if self.keys is not None and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
+            given = presented_key(headers)
             key = self.keys.match(given)
             if key is None:
-                msg = ("missing API key: send 'Authorization: Bearer <key>'" if not given
-                       else "incorrect API key")
-                return await _error(send, 401, msg, "invalid_api_key",
-                                    [(b"www-authenticate", b"Bearer")])
+                msg = ("missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: "
+                       "<key>'" if not given else "incorrect API key")
+                return await error_response(send, path, 401, msg, "invalid_api_key",
+                                            [(b"www-authenticate", b"Bearer")])
             scope[TENANT_SCOPE_KEY] = key.tenant
+            scope[KEYED_SCOPE_KEY] = True
         if not self.max_body_bytes:
             return await self.app(scope, receive, send)
         limit_msg = f"request body exceeds the limit of {self.max_body_bytes} bytes"
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return await _error(send, 413, limit_msg, "request_too_large")
+            return await error_response(send, path, 413, limit_msg, "request_too_large")
         # Read the body here (bounded), then replay it to the app.
         chunks, size = [], 0
         while True:
@@ -65,7 +65,7 @@ class GuardMiddleware:
                 break
             size += len(message.get("body", b""))
             if size > self.max_body_bytes:
-                return await _error(send, 413, limit_msg, "request_too_large")
+                return await error_response(send, path, 413, limit_msg, "request_too_large")
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
@@ -79,6 +79,15 @@ class GuardMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def presented_key(headers: dict[bytes, bytes]) -> bytes:
+    """The key a request presents, as ``KeyRing.match`` takes it (``b"Bearer <key>"``): its
+    ``Authorization`` header, else its ``x-api-key`` header; ``b""`` for neither."""
+    given = headers.get(b"authorization", b"")
+    if not given and headers.get(b"x-api-key"):
+        given = b"Bearer " + headers[b"x-api-key"]
+    return given
 
 
 def install_guard(app, keys: KeyRing | str | None, max_body_bytes: int) -> None:

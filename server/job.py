@@ -14,10 +14,13 @@ from typing import TYPE_CHECKING
 
 from splitserve.ipc.messages import LoraRef, SamplingParams
 from splitserve.server.formatter import ResponseFormatter, Usage
+from splitserve.server.reasoning.request import ReasoningRequest
 from splitserve.server.tools.formats import ToolCallFormat
 
 if TYPE_CHECKING:
+    from splitserve.observe.timing import RequestTiming
     from splitserve.server.choices import PromptShare
+    from splitserve.server.request_trace import RequestTrace
 
 
 @dataclass(slots=True)
@@ -46,6 +49,13 @@ class Job:
     logprobs: str | None = None
     discard_output: bool = False
     tool_format: ToolCallFormat | None = None  # parse tool calls out of the answer (chat)
+    # name -> ``parameters`` of the request's functions (the XML and pythonic parsers read them)
+    tool_functions: dict[str, dict] | None = None
+    # A reasoning model's think block (None: the server has no reasoning parser): where the
+    # prompt leaves it and what the engine enforces; ``splits_reasoning``: the answer's
+    # thinking goes to ``reasoning_content`` (chat), else it stays in the text (completions).
+    reasoning: ReasoningRequest | None = None
+    splits_reasoning: bool = False
     # Special token ids the answer's text keeps as this text (the tool-call marker where it is
     # a special token, e.g. Mistral's ``[TOOL_CALLS]``: the parser must see it).
     keep_tokens: dict[int, str] = field(default_factory=dict)
@@ -67,6 +77,11 @@ class Job:
     # > 1, the prompt it shares with its siblings (None: it is its prompt's only choice).
     index: int = 0
     share: PromptShare | None = None
+    # Observability (server.request_trace, observe.timing): this choice's stage boundaries
+    # (None: not timed, e.g. a test's app without the middleware), and the HTTP request's
+    # trace (None: not traced).
+    timing: RequestTiming | None = None
+    trace: RequestTrace | None = None
 
     @property
     def leads_prompt(self) -> bool:

@@ -11,7 +11,8 @@ import time
 import uuid
 from typing import Any
 
-from splitserve.ipc.messages import Constraint, LoraRef, SamplingParams
+from splitserve.ipc.messages import Constraint, LoraRef, ReasoningParams, SamplingParams
+from splitserve.observe.timing import RequestTiming
 from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.constraints import constraint_from_request
 from splitserve.server.errors import APIError
@@ -19,9 +20,12 @@ from splitserve.server.format_prompt import with_format_description
 from splitserve.server.formatter import ResponseFormatter, Usage
 from splitserve.server.job import Job
 from splitserve.server.models import MODEL_ALIAS, ServedModels
+from splitserve.server.prompt_bound import prompt_bound
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
+from splitserve.server.reasoning.budget import thinking_budget
+from splitserve.server.reasoning.request import ReasoningRequest
 from splitserve.server.tools.prompt import hf_messages
-from splitserve.server.tools.request import tool_request
+from splitserve.server.tools.request import ToolRequest, tool_request
 
 __all__ = ["MODEL_ALIAS", "JobBuilder"]
 
@@ -49,6 +53,7 @@ class JobBuilder:
         self.context_len = context_len
         self.eos_token_ids = eos_token_ids
         self.models = models or ServedModels(model_name)
+        self.bound = prompt_bound(tokenizer)
 
     def serves(self, model: str) -> bool:
         """Whether ``model`` names the base model or a LoRA adapter served on it."""
@@ -62,7 +67,8 @@ class JobBuilder:
         """
         return self.models.resolve(model)
 
-    def completion_jobs(self, req: CompletionRequest, request_id: str | None = None) -> list[Job]:
+    def completion_jobs(self, req: CompletionRequest, request_id: str | None = None,
+                        timing: RequestTiming | None = None) -> list[Job]:
         """The jobs of a ``/v1/completions`` request: one per prompt (``server.choices`` forks
         each into its ``n`` choices), all under one response id (``request_id``: the client's
         ``X-Request-Id``, which the rid carries: :func:`new_rid`).
@@ -80,10 +86,16 @@ class JobBuilder:
             raise APIError("prompt: a list of several prompts is not supported with stream",
                            param="prompt")
         rid = new_rid(False, request_id)
+        constraint = constraint_from_request(req)
         jobs = []
         for i, prompt in enumerate(prompts):
-            job = self._make_job(req, self._completion_ids(req, prompt), is_chat=False,
-                                 rid=rid if len(prompts) == 1 else f"{rid}-{i}", response_id=rid)
+            ids = self._completion_ids(req, prompt, timing)
+            reasoning = self._reasoning(
+                req, prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt),
+                constraint is not None)
+            job = self._make_job(req, ids, is_chat=False,
+                                 rid=rid if len(prompts) == 1 else f"{rid}-{i}", response_id=rid,
+                                 constraint=constraint, reasoning=reasoning)
             if req.echo:
                 job.echo_text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
             job.logprobs = "completion" if req.logprobs is not None else None
@@ -91,9 +103,13 @@ class JobBuilder:
             jobs.append(job)
         return jobs
 
-    def chat_job(self, req: ChatCompletionRequest, request_id: str | None = None) -> Job:
+    def chat_job(self, req: ChatCompletionRequest, request_id: str | None = None,
+                 timing: RequestTiming | None = None, continuation: str = "") -> Job:
         """The job of a ``/v1/chat/completions`` request (``request_id`` as in
-        :meth:`completion_jobs`).
+        :meth:`completion_jobs`; ``timing``: where the template's and the tokenizer's times
+        are recorded, ``RequestTiming.prepare``). ``continuation``: text the assistant's answer
+        starts with (Anthropic's prefill): the prompt ends with it, after the generation
+        prompt, and the answer continues it.
 
         Raises:
             APIError: a model not served (404), ``best_of`` > 1, ``top_logprobs`` without ``logprobs``, a
@@ -104,27 +120,69 @@ class JobBuilder:
         self._check_model(req)
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
-        tools = tool_request(req, self.chat.tool_format, self.chat.begin_token)
+        tools = self._tools(req)
         rid = new_rid(True, request_id)
-        job = self._make_job(req, self._chat_ids(req, tools.tools), is_chat=True, rid=rid,
-                             response_id=rid, constraint=tools.constraint)
-        job.tool_format = tools.format
-        if tools.format is not None and self.chat.begin_token is not None:
-            job.keep_tokens = {self.chat.begin_token: tools.format.begin}
+        start = time.time()
+        text = self._chat_text(req, tools.tools) + continuation
+        self._refuse_far_over_context(text, "messages")
+        rendered = time.time()
+        # The template already wrote BOS and the role markers; don't add them twice.
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if timing is not None:
+            timing.prepare += [("template", start, rendered), ("tokenize", rendered, time.time())]
+        constraint = tools.constraint or constraint_from_request(req)
+        reasoning = self._reasoning(req, text, constraint is not None)
+        job = self._make_job(req, ids, is_chat=True, rid=rid, response_id=rid,
+                             constraint=constraint, reasoning=reasoning)
+        job.tool_format, job.tool_functions = tools.format, tools.functions
+        job.splits_reasoning = True
+        if tools.format is not None:
+            job.keep_tokens = {token: marker
+                               for marker, token in self.chat.special_markers.items()}
         job.logprobs = "chat" if req.logprobs else None
         return job
 
-    def prompt_ids(self, req: BaseGenerateRequest) -> list[int]:
+    def _tools(self, req: ChatCompletionRequest) -> ToolRequest:
+        return tool_request(req, self.chat.tool_format, self.chat.begin_token,
+                            self.chat.special_markers)
+
+    def _reasoning(self, req: BaseGenerateRequest, prompt: str,
+                   constrained: bool) -> ReasoningRequest | None:
+        """The request's reasoning (None where the server has no reasoning parser).
+
+        Raises:
+            APIError: a thinking budget asked of a server without a reasoning parser, or both
+                ``reasoning_effort`` and ``thinking_token_budget`` (400 naming the field).
+        """
+        setup = self.chat.reasoning
+        effort = req.reasoning_effort if isinstance(req, ChatCompletionRequest) else None
+        tokens = req.thinking_token_budget
+        if setup is None:
+            for param, value in (("reasoning_effort", effort), ("thinking_token_budget", tokens)):
+                if value is not None:
+                    raise APIError(
+                        f"{param}: the served model has no reasoning parser (its chat template "
+                        "has no think block, or the server runs with --reasoning-parser none)",
+                        param=param)
+            return None
+        try:
+            budget = thinking_budget(effort, tokens, setup.default_budget)
+        except ValueError as exc:
+            raise APIError(str(exc), param="thinking_token_budget") from None
+        return setup.for_prompt(prompt, budget, constrained)
+
+    def prompt_ids(self, req: BaseGenerateRequest, continuation: str = "") -> list[int]:
         """The prompt's token ids exactly as a generation request would send them
-        (``POST /tokenize``; a chat request's tools rendered as for generation, a completion
-        request's first prompt).
+        (``POST /tokenize``; a chat request's tools rendered as for generation, and its
+        ``continuation`` as :meth:`chat_job` takes it; a completion request's first prompt).
 
         Raises:
             APIError: as :meth:`chat_job` / :meth:`completion_jobs` for the prompt.
         """
         if isinstance(req, ChatCompletionRequest):
-            tools = tool_request(req, self.chat.tool_format, self.chat.begin_token)
-            return self._chat_ids(req, tools.tools)
+            text = self._chat_text(req, self._tools(req).tools) + continuation
+            self._refuse_far_over_context(text, "messages")
+            return self.tokenizer.encode(text, add_special_tokens=False)
         assert isinstance(req, CompletionRequest)
         return self._completion_ids(req, req.prompts[0])
 
@@ -135,10 +193,16 @@ class JobBuilder:
         if req.best_of not in (None, 1):
             raise APIError("best_of: only best_of=1 is supported", param="best_of")
 
-    def _completion_ids(self, req: CompletionRequest, prompt: str | list[int]) -> list[int]:
+    def _completion_ids(self, req: CompletionRequest, prompt: str | list[int],
+                        timing: RequestTiming | None = None) -> list[int]:
         if isinstance(prompt, str):
+            start = time.time()
+            self._refuse_far_over_context(prompt, "prompt")
             # By default a raw prompt gets BOS where the model expects one.
-            return self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+            if timing is not None:
+                timing.prepare.append(("tokenize", start, time.time()))
+            return ids
         bad = self._first_outside_vocab(prompt)
         if bad is not None:
             raise APIError(f"prompt: token id {bad} is outside the vocabulary", param="prompt")
@@ -163,7 +227,13 @@ class JobBuilder:
             raise APIError(f"min_tokens: {req.min_tokens} exceeds max_tokens ({max_tokens})",
                            param="min_tokens")
 
-    def _chat_ids(self, req: ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
+    def _chat_text(self, req: ChatCompletionRequest, tools: list[dict] | None) -> str:
+        """The rendered prompt of a chat request (its template's text)."""
+        kwargs = req.chat_template_kwargs or {}
+        try:
+            self.chat.check_template_kwargs(kwargs)
+        except ValueError as exc:
+            raise APIError(str(exc), param=str(exc).split(":")[0]) from None
         try:
             messages = hf_messages(req.messages)
         except ValueError as exc:
@@ -177,15 +247,30 @@ class JobBuilder:
                 messages, fmt.json_schema.name, fmt.json_schema.description,
                 self.chat.default_system)
         try:
-            text = self.chat.render(messages, tools)
+            return self.chat.render(messages, tools, kwargs)
         except Exception as exc:  # jinja raises on conversations the template refuses
             raise APIError(f"messages: chat template failed: {exc}", param="messages") from exc
-        # The template already wrote BOS and the role markers; don't add them twice.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _refuse_far_over_context(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing it, a text that has at least the context's tokens by its
+        length in bytes alone (``server.prompt_bound``: no valid prompt is refused here).
+
+        Raises:
+            APIError: 400 naming ``param``.
+        """
+        num_bytes = len(text.encode("utf-8", errors="surrogatepass"))
+        at_least = self.bound.min_tokens(num_bytes)
+        if at_least >= self.context_len:
+            raise APIError(
+                f"{param}: the prompt has at least {at_least} tokens ({num_bytes} bytes; no "
+                f"token of this model covers more than {self.bound.max_bytes_per_token:g}); the "
+                f"context length is {self.context_len}, leaving no room to generate",
+                param=param)
 
     def _make_job(
         self, req: BaseGenerateRequest, input_ids: list[int], is_chat: bool, rid: str,
         response_id: str, constraint: Constraint | None = None,
+        reasoning: ReasoningRequest | None = None,
     ) -> Job:
         """One prompt's job: ``rid`` names it on the workers, ``response_id`` is the answer's
         ``id`` (the same unless the request has several prompts)."""
@@ -211,15 +296,17 @@ class JobBuilder:
         self._check_sampling(req, max_tokens)
         fmt = ResponseFormatter(response_id, int(time.time()), req.model, is_chat,
                                 req.include_usage, req.continuous_usage)
-        sampling = self._sampling(req, room, max_tokens, constraint)
+        sampling = self._sampling(req, room, max_tokens, constraint,
+                                  None if reasoning is None else reasoning.params)
         job = Job(rid, input_ids, sampling, req.stop or [], fmt, Usage(len(input_ids)),
                   req.return_token_ids)
         job.lora = self.resolve_model(req.model)
+        job.reasoning = reasoning
         return job
 
     def _sampling(
         self, req: BaseGenerateRequest, room: int, max_tokens: int | None,
-        constraint: Constraint | None = None,
+        constraint: Constraint | None = None, reasoning: ReasoningParams | None = None,
     ) -> SamplingParams:
         scores_prompt = isinstance(req, CompletionRequest) and req.wants_prompt_logprobs
         if isinstance(req, CompletionRequest):
@@ -240,15 +327,17 @@ class JobBuilder:
             stop_token_ids=eos + [t for t in req.stop_token_ids or () if t not in eos],
             ignore_eos=req.ignore_eos,
             logprob_start_len=(req.logprob_start_len or 0) if scores_prompt else -1,
-            # The tool-call grammar (server.tools) replaces the request's own constraint fields,
-            # which tool_request refused alongside it.
-            constraint=constraint or constraint_from_request(req),
+            # The caller's: the tool-call grammar (server.tools), or the request's own
+            # constraint fields (constraint_from_request), which tool_request refuses together.
+            constraint=constraint,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=dict(req.logit_bias or {}),
             min_tokens=req.min_tokens or 0,
             top_logprobs=top_logprobs,
+            reasoning=reasoning,
+            priority=req.priority or 0,
         )
 
 

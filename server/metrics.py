@@ -15,22 +15,28 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 
+from splitserve.config.registry import GRAMMAR_BACKEND, WORKER_ROLE
+from splitserve.observe.timing import STAGES
 from splitserve.server.engine_client import TokenEvent
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class RequestTimer:
-    """Times one request: call :meth:`on_event` for every event it yields."""
+    """Times one request: call :meth:`on_event` for every event it yields. ``timing``: its
+    ``observe.timing.RequestTiming`` (filled by the caller), whose stages are observed when it
+    finishes."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, timing: Any = None) -> None:
         self.m = metrics
+        self.timing = timing
         self.start = self.last = time.monotonic()
         self.num_tokens = 0
 
     def on_event(self, ev: TokenEvent) -> None:
         now = time.monotonic()
         if ev.token_ids:
+            self.m.generation_tokens.inc(len(ev.token_ids))
             if self.num_tokens == 0:
                 self.m.ttft.observe(now - self.start)
             else:
@@ -40,11 +46,19 @@ class RequestTimer:
                     self.m.itl.observe(gap)
             self.num_tokens += len(ev.token_ids)
             self.last = now
+        for tier, n in ev.cached_by_tier.items():
+            self.m.cached_tokens.labels(tier).inc(n)
         if ev.error is not None:
             self.m.requests.labels("error").inc()
         elif ev.finish_reason is not None:
             self.m.e2e.observe(now - self.start)
             self.m.requests.labels("finished").inc()
+            self.m.prompt_tokens.inc(ev.prompt_len)
+            self.m.cached_prompt_tokens.inc(ev.cached_len)
+            if self.timing is not None:
+                stage = self.m.stage
+                for name, seconds in self.timing.stages().items():
+                    stage.labels(name).observe(seconds)
 
     def rejected(self) -> None:
         self.m.requests.labels("rejected").inc()
@@ -77,10 +91,47 @@ class ServerMetrics:
         self.constraint_violations = Counter(
             "splitserve_constraint_violations", "Finished json_schema outputs that broke their "
             "schema, by the grammar backend the chain chose", ["backend"], registry=r)
+        # The timing breakdown's stages (observe.timing), per finished request.
+        self.stage = Histogram("splitserve_request_stage_seconds", "Time of each request stage "
+                               "(server, queue, prefill, transfer, decode, deliver), finished "
+                               "requests", ["stage"], buckets=LATENCY_BUCKETS, registry=r)
+        self.generation_tokens = Counter("splitserve_generation_tokens", "Output tokens "
+                                         "delivered to clients", registry=r)
+        self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens of finished "
+                                     "requests", registry=r)
+        self.cached_prompt_tokens = Counter("splitserve_prompt_cached_tokens", "Prompt tokens of "
+                                            "finished requests served from a prefix cache",
+                                            registry=r)
+        # Every label value a dashboard names is exposed from the start (at 0), so a query of
+        # a failure that has not happened yet reads 0 rather than nothing.
+        for outcome in ("finished", "error", "rejected"):
+            self.requests.labels(outcome)
+        for role in WORKER_ROLE.names:
+            self.worker_failures.labels(role)
+        for backend in GRAMMAR_BACKEND.names:
+            self.constraint_violations.labels(backend)
+        for stage in STAGES:
+            self.stage.labels(stage)
+        # Refused before any route ran (server.browser_guard): a page of another origin, or a
+        # POST body that is not JSON.
+        self.refused = Counter("splitserve_requests_refused", "Requests refused before any "
+                               "route ran, by reason (origin, content_type)", ["reason"],
+                               registry=r)
+        for reason in ("origin", "content_type"):
+            self.refused.labels(reason)
+        # Prompt tokens served from a prefix-cache tier (l1 pool, l2 host memory, l3 disk,
+        # store shared), as each request's worker reported them.
+        self.cached_tokens = Counter("splitserve_cached_prompt_tokens", "Prompt tokens served "
+                                     "from the prefix cache, by the tier that held them",
+                                     ["tier"], registry=r)
         self.pool: Any = None
 
-    def request_timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    def count_refused(self, reason: str) -> None:
+        """One request refused by ``server.browser_guard`` for ``reason``."""
+        self.refused.labels(reason).inc()
+
+    def request_timer(self, timing: Any = None) -> RequestTimer:
+        return RequestTimer(self, timing)
 
     def attach(self, pool: Any) -> None:
         """Report the workers of ``pool`` (a ``server.worker_pool.WorkerPool``) at scrape time."""
@@ -114,6 +165,7 @@ _COUNTERS = {
     "kv_pages_received": "KV pages received from prefill workers",
     "spec_draft_tokens": "Speculative draft tokens proposed (--speculative)",
     "spec_accepted_tokens": "Speculative draft tokens kept by verification",
+    "tokens_generated": "Output tokens the worker sent to routers",
 }
 
 
@@ -141,6 +193,40 @@ class _WorkerCollector:
         yield from fams.values()
         yield healthy
         yield in_flight
+        yield from _tier_families(self.pool.workers)
+
+
+# Per worker and cache tier (WorkerStats.cache_tiers): gauges, then counters.
+_TIER_GAUGES = {
+    "capacity_bytes": "Bytes a prefix-cache tier may hold",
+    "used_bytes": "Bytes a prefix-cache tier holds",
+    "blocks": "KV blocks (pages) a prefix-cache tier holds",
+    "load_gbps": "Measured load rate of a prefix-cache tier (GB/s)",
+}
+_TIER_COUNTERS = {
+    "hit_tokens": "Prompt tokens a prefix-cache tier served",
+    "load_bytes": "Bytes loaded from a prefix-cache tier into the KV pool",
+    "load_s": "Seconds spent loading from a prefix-cache tier",
+    "write_bytes": "Bytes written to a prefix-cache tier",
+    "write_errors": "Writes to a prefix-cache tier that failed (disk full, store gone)",
+    "dropped_writes": "Writes to a prefix-cache tier dropped (write queue full)",
+    "corrupt_blocks": "Blocks that failed their checksum when read (recomputed)",
+    "unavailable": "Loads skipped because a prefix-cache tier did not answer",
+    "skipped_slower": "Blocks not loaded because recomputing them was measured faster",
+}
+
+
+def _tier_families(workers: list) -> list:
+    labels = ["worker_id", "role", "tier"]
+    fams = {k: GaugeMetricFamily(f"splitserve_cache_tier_{k}", h, labels=labels)
+            for k, h in _TIER_GAUGES.items()}
+    fams |= {k: CounterMetricFamily(f"splitserve_cache_tier_{k}", h, labels=labels)
+             for k, h in _TIER_COUNTERS.items()}
+    for w in workers:
+        for row in w.last_stats.get("cache_tiers", ()):
+            for k, fam in fams.items():
+                fam.add_metric([w.worker_id, w.role, row["tier"]], row[k])
+    return list(fams.values())
 
 
 def install_metrics(app: FastAPI, metrics: ServerMetrics) -> None:

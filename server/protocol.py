@@ -11,7 +11,7 @@ one those tables call ignored. Checks that need the tokenizer or the context len
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,6 +23,16 @@ from pydantic import (
 )
 
 MAX_STOP_STRINGS = 4
+# Bounds on the fields whose size the client chooses, so no request can make every step (or
+# the grammar compiler) do unbounded work: OpenAI's own where it has one (logit_bias 300
+# entries, tools 128), ours otherwise. A value past one is a 400 naming the field.
+MAX_LOGIT_BIAS = 300
+MAX_STOP_CHARS = 1024  # characters in one stop string
+MAX_STOP_TOKEN_IDS = 256
+MAX_CHOICES = 1024  # strings of ``choice``
+MAX_CHOICE_CHARS = 4096  # characters in one of them
+MAX_TOOLS = 128
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # ``priority``: any int32 (vLLM: any int)
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is a choice of the answer)
 
@@ -88,7 +98,11 @@ class BaseGenerateRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = None
-    stop: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] | None = Field(
+        None, max_length=MAX_STOP_STRINGS)
+    # Extension (vLLM's semantics): lower values are admitted first and keep their KV pages
+    # when a worker runs out (higher values are preempted and recomputed); ties by arrival.
+    priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     n: int | None = Field(None, ge=1)
     best_of: int | None = Field(None, ge=1)  # legacy completions; only 1 (vLLM removed it too)
     ignore_eos: bool = False  # extension (vLLM, SGLang): keep generating past EOS
@@ -97,7 +111,9 @@ class BaseGenerateRequest(BaseModel):
     # Extensions (vLLM/SGLang names) for the other constraint kinds; one constraint per request.
     regex: str | None = None  # the whole output matches this regular expression
     ebnf: str | None = None  # a GBNF grammar with a ``root`` rule (e.g. a SQL subset)
-    choice: list[str] | None = Field(None, min_length=1)  # the output is exactly one of these
+    # The output is exactly one of these.
+    choice: list[Annotated[str, Field(max_length=MAX_CHOICE_CHARS)]] | None = Field(
+        None, min_length=1, max_length=MAX_CHOICES)
     # Extension (llguidance's term): free whitespace between JSON tokens; default compact JSON.
     whitespace_flexible: bool = False
     stream: bool | None = False
@@ -112,7 +128,11 @@ class BaseGenerateRequest(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0)
     logit_bias: dict[int, float] | None = None  # JSON keys are token ids as strings
     min_tokens: int | None = Field(None, ge=0)  # extension (vLLM): EOS/stop ids masked till then
-    stop_token_ids: list[int] | None = None  # extension (vLLM): ids that end the output too
+    # Extension (vLLM): ids that end the output too.
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    # Extension (vLLM's name): a reasoning model thinks at most this many tokens, then its end
+    # marker is forced (server.reasoning.budget).
+    thinking_token_budget: int | None = Field(None, ge=0)
 
     @field_validator("stream_options")
     @classmethod
@@ -133,6 +153,8 @@ class BaseGenerateRequest(BaseModel):
         # OpenAI: a map from token ids (JSON object keys, so strings) to a bias in [-100, 100].
         if not isinstance(value, dict):
             return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries (as OpenAI), got {len(value)}")
         out = {}
         for key, bias in value.items():
             if not isinstance(key, str) or not key.lstrip("-").isdigit():
@@ -348,8 +370,13 @@ class ChatCompletionRequest(BaseGenerateRequest):
     # Tool calling (``server.tools``): the functions the model may call, whether it must, and
     # whether it may call several in one turn. Checked against each other in
     # ``server.tools.request``.
-    tools: list[ToolDefinition] | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = False  # each output token's logprob in choices[].logprobs.content
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs: true
+    # Reasoning models (server.reasoning): OpenAI's effort level, mapped to a thinking budget;
+    # and (vLLM's extension) more variables for the chat template, e.g. enable_thinking.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh",
+                              "max"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import Response
 
+from splitserve.server.answer_stream import AnswerStream, answer_parts
 from splitserve.server.choices import prompt_source, summed_usage
 from splitserve.server.disconnect import SSEResponse
 from splitserve.server.errors import APIError
@@ -27,8 +29,6 @@ from splitserve.server.job import Job
 from splitserve.server.logprobs import chat_logprobs, completion_logprobs, echoed_prompt_scores
 from splitserve.server.sse import DONE_EVENT, encode_event
 from splitserve.server.token_text import TokenSpeller
-from splitserve.server.tools.extract import parse_tool_calls
-from splitserve.server.tools.stream import ToolCallStream, finish_reason
 
 
 async def full_response(
@@ -56,14 +56,25 @@ async def full_response(
         text = job.echo_text + text
     ids = job.output_ids if job.return_token_ids else None
     prompt_ids = job.input_ids if job.return_token_ids else None
-    tool_calls = None
-    if job.tool_format is not None:
-        text, calls = parse_tool_calls(text, job.tool_format)
-        finish = finish_reason(finish, bool(calls))
-        tool_calls = [c.as_openai() for c in calls]
-    body = job.formatter.full(text, finish, job.usage, ids, logprobs, prompt_ids, tool_calls)
+    tool_calls, reasoning = None, None
+    if _splits(job):
+        start = time.time()
+        parts = answer_parts(job, text, finish)
+        text, finish, tool_calls, reasoning = (parts.content, parts.finish_reason,
+                                               parts.tool_calls, parts.reasoning)
+        if job.trace is not None and tool_calls is not None:
+            job.trace.stage("tool_parse", start, time.time(),
+                            **{"splitserve.calls": len(tool_calls)})
+    body = job.formatter.full(text, finish, job.usage, ids, logprobs, prompt_ids, tool_calls,
+                              reasoning)
     body["choices"][0]["index"] = job.index
     return body
+
+
+def _splits(job: Job) -> bool:
+    """Whether the answer's text is split into parts (tool calls, a reasoning model's
+    thinking: ``server.answer_stream``) rather than answered as it is."""
+    return job.tool_format is not None or (job.reasoning is not None and job.splits_reasoning)
 
 
 def answer_logprobs(job: Job, speller: TokenSpeller) -> dict[str, Any] | None:
@@ -132,8 +143,15 @@ async def _sse_events(jobs: list[Job], sources: list[AsyncIterator[str]]) -> Asy
         yield encode_event(err.body())
         yield DONE_EVENT
         return
-    if fmt.include_usage:
-        yield encode_event(fmt.usage_chunk(summed_usage(jobs)))
+    timing = jobs[0].timing
+    if fmt.include_usage or (timing is not None and timing.wanted):
+        chunk = fmt.usage_chunk(summed_usage(jobs))
+        if not fmt.include_usage:
+            del chunk["usage"]
+        if timing is not None and timing.wanted:
+            # The timing breakdown (observe.timing), asked for with x-splitserve-timing.
+            chunk["splitserve_timing"] = timing.summary(time.time())
+        yield encode_event(chunk)
     yield DONE_EVENT
 
 
@@ -198,36 +216,50 @@ async def _choice_chunks(job: Job, first: Piece | None, pieces: AsyncIterator[Pi
                          speller: TokenSpeller) -> AsyncIterator[str]:
     """The SSE events of one choice's streamed chunks (``first``: its first piece if already
     read), each naming ``job.index``; the role chunk first (chat), its own ``finish_reason``
-    last. With tools, content and tool-call deltas (``server.tools.stream``), never the call
-    markup.
+    last. With tools or a reasoning model's thinking, reasoning, content and tool-call deltas
+    (``server.answer_stream``), never the call markup; a piece's logprobs ride on its first
+    delta (or on the next one, while its text is held back).
 
     Raises:
         APIError: the worker failed this choice.
     """
     fmt, index, usage = job.formatter, job.index, job.usage
     chunk_logprobs = _ChunkLogprobs(job, speller)
-    calls = None if job.tool_format is None else ToolCallStream(job.tool_format)
+    parts = AnswerStream(job) if _splits(job) else None
     async with contextlib.aclosing(pieces):  # type: ignore[type-var]
         if fmt.is_chat:
             # Its usage (continuous_usage) counts no token yet, though the lead's first is in.
             before = Usage(usage.prompt_tokens, 0, usage.cached_tokens)
             yield encode_event(fmt.chunk("", role=True, index=index, usage=before))
         piece = first if first is not None else await anext(pieces, None)
+        held: dict[str, Any] | None = None  # logprobs of tokens whose text is held back
         while piece is not None:
-            if calls is not None:
-                deltas = calls.feed(piece.text)
+            if parts is not None:
+                held = _join_logprobs(held, chunk_logprobs.of(piece))
+                deltas = parts.feed(piece.text)
                 if piece.finish_reason:
-                    deltas += calls.finish()
+                    deltas += parts.finish()
                 for delta in deltas:
-                    yield encode_event(fmt.chunk(delta.get("content"), index=index, usage=usage,
-                                                 tool_calls=delta.get("tool_calls")))
+                    yield encode_event(fmt.chunk(
+                        delta.get("content"), index=index, usage=usage, logprobs=held,
+                        tool_calls=delta.get("tool_calls"),
+                        reasoning=delta.get("reasoning_content")))
+                    held = None
                 if piece.finish_reason:
-                    yield encode_event(fmt.chunk(None, calls.finish_reason(piece.finish_reason),
-                                                 index=index, usage=usage))
+                    yield encode_event(fmt.chunk(None, parts.finish_reason(piece.finish_reason),
+                                                 index=index, usage=usage, logprobs=held))
             else:
                 for event in _text_events(fmt, piece, chunk_logprobs.of(piece), index, usage):
                     yield event
             piece = await anext(pieces, None)
+
+
+def _join_logprobs(held: dict[str, Any] | None,
+                   new: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Chat logprobs objects of consecutive tokens as one (their ``content`` lists joined)."""
+    if held is None or new is None:
+        return held or new
+    return {**held, "content": held["content"] + new["content"]}
 
 
 def _text_events(fmt: Any, piece: Piece, lp: dict[str, Any] | None, index: int,

@@ -1,10 +1,14 @@
 """Routing policies: which prefill (or colocated) worker gets a request.
 
-``cache_aware`` (default) keeps, per worker, an approximate radix tree of the prompts it was sent
-(the router cannot see the worker's real cache, so it assumes a worker still holds what it was
-sent, up to a bounded size) and sends a request to the worker with the longest cached prefix,
-unless the load is unbalanced, in which case the least-loaded worker gets it (as SGLang's router
-does). ``round_robin`` cycles, ignoring prefixes: the baseline to compare against.
+``cache_aware`` (default) sends a request to the worker whose cache holds the longest prefix of
+its prompt, unless the load is unbalanced, in which case the least-loaded worker gets it (as
+SGLang's router does). What a worker holds it learns two ways: the workers' KV events
+(``server.kv_index``: every block in every tier of the worker, host memory and disk included, and
+a shared store's blocks for every worker that reads it; what other routers sent there too), and,
+for what is still being computed, an approximate radix tree of the prompts this router sent
+(assumed held up to a bounded size). The longer of the two counts; among equal lengths a worker
+that has more of it in memory (pool or host tier) wins. ``round_robin`` cycles, ignoring
+prefixes: the baseline to compare against.
 Units: tokens; load is requests in flight.
 
 Tenants: a request matches only prompts sent in its own prefix-cache namespace
@@ -22,7 +26,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from splitserve.config.registry import ROUTING
+from splitserve.ipc.messages import KVEvents
 from splitserve.radix_cache.radix_tree import RadixCache
+from splitserve.server.kv_index import KVEventIndex
 
 
 class RoutedWorker(Protocol):
@@ -45,6 +51,13 @@ class BaseRoutingPolicy(abc.ABC):
 
     def flush(self) -> None:
         """Workers dropped their caches (``POST /flush_cache``): forget what they hold."""
+
+    def observe(self, msg: KVEvents) -> bool:
+        """A worker's KV events; False when the policy needs a snapshot from it (a gap)."""
+        return True
+
+    def forget(self, addr: str) -> None:
+        """The worker at ``addr`` died: what it held is gone."""
 
 
 class RoundRobinPolicy(BaseRoutingPolicy):
@@ -80,6 +93,7 @@ class CacheAwarePolicy(BaseRoutingPolicy):
     def __init__(self, config: CacheAwareConfig | None = None) -> None:
         self.config = config or CacheAwareConfig()
         self._trees: dict[str, RadixCache] = {}
+        self.index = KVEventIndex()
 
     def _tree(self, addr: str) -> RadixCache:
         if addr not in self._trees:
@@ -98,9 +112,12 @@ class CacheAwarePolicy(BaseRoutingPolicy):
         if hi - lo > cfg.balance_abs_threshold and hi > cfg.balance_rel_threshold * lo:
             chosen = least_loaded
         else:
-            matched = [self._tree(w.addr).match_prefix(input_ids, namespace).matched_len
-                       for w in workers]
-            best = max(range(len(workers)), key=lambda i: (matched[i], -loads[i]))
+            sent = [self._tree(w.addr).match_prefix(input_ids, namespace).matched_len
+                    for w in workers]
+            held = [self.index.match(w.addr, input_ids, namespace) for w in workers]
+            matched = [max(s, h.tokens) for s, h in zip(sent, held)]
+            best = max(range(len(workers)),
+                       key=lambda i: (matched[i], held[i].fast_tokens, -loads[i]))
             covers = matched[best] >= cfg.cache_threshold * len(input_ids)
             chosen = workers[best] if matched[best] and covers else least_loaded
         self._remember(chosen.addr, input_ids, namespace)
@@ -118,6 +135,13 @@ class CacheAwarePolicy(BaseRoutingPolicy):
 
     def flush(self) -> None:
         self._trees.clear()
+
+    def observe(self, msg: KVEvents) -> bool:
+        return self.index.apply(msg)
+
+    def forget(self, addr: str) -> None:
+        self._trees.pop(addr, None)
+        self.index.forget(addr)
 
 
 def create_routing_policy(name: str) -> BaseRoutingPolicy:

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 class StopStringMatcher:
     """Filters the text of one request, piece by piece.
 
-    After a match ``stopped`` is True and the matcher emits nothing more; the caller then aborts
-    the request in the engine and reports finish reason ``"stop"``.
+    After a match ``stopped`` is True, ``matched`` is the stop string found, and the matcher
+    emits nothing more; the caller then aborts the request in the engine and reports finish
+    reason ``"stop"``.
     """
 
     def __init__(self, stop: Sequence[str]) -> None:
@@ -22,6 +23,7 @@ class StopStringMatcher:
         self._max_held = max((len(s) for s in self._stops), default=1) - 1
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None
 
     def feed(self, text: str) -> str:
         """Return the part of ``held + text`` that is safe to emit now."""
@@ -30,8 +32,9 @@ class StopStringMatcher:
         if not self._stops:
             return text
         buf = self._held + text
-        cut = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda hit: hit[0])
             self.stopped = True
             self._held = ""
             return buf[:cut]

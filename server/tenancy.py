@@ -10,10 +10,13 @@ rate limits.
 - :class:`Tenancy`: applies both to a built :class:`~splitserve.server.job.Job`, and the tenant's
   rate limits (``server.rate_limit``): a refused request is a 429 with ``Retry-After``.
 - :func:`require_operator`: the routes that act on every tenant's state (``POST /flush_cache``,
-  worker membership) are the operator's: the ``--api-key`` key, or anyone when no key is set.
-  A tenant's key (``--api-key-file``) gets 403: flushing would let one tenant evict the others'
-  cache entries at will (and time their refill), and a worker it registered would receive the
-  other tenants' prompts.
+  worker membership and drain/resume) are the operator's: the ``--api-key`` key, or, when no
+  key is set, a client on this machine's loopback only (a server on ``--host 0.0.0.0`` without a
+  key must not let the network flush its cache or drain its workers). A tenant's key
+  (``--api-key-file``) gets 403: flushing would let one tenant evict the others' cache entries
+  at will (and time their refill), and a worker it registered would receive the other tenants'
+  prompts. A web page on this machine is loopback too: ``server.browser_guard`` keeps browsers
+  out.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from splitserve.server.browser_guard import is_loopback_client
 from splitserve.server.errors import APIError
 from splitserve.server.job import Job
 from splitserve.server.rate_limit import RateLimiter
 
 TENANT_SCOPE_KEY = "splitserve.tenant"  # the guard puts the request's tenant here in the scope
+KEYED_SCOPE_KEY = "splitserve.keyed"  # True in the scope once the guard matched a key
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,17 +125,24 @@ def request_tenant(scope: dict[str, Any]) -> str | None:
 
 
 def require_operator(scope: dict[str, Any], what: str) -> None:
-    """Refuse ``what`` (a route, in words) to a tenant's key.
+    """Refuse ``what`` (a route, in words) to anyone but the operator.
 
     Raises:
         APIError: 403 (``permission_denied``) when the request's key is one of
-            ``--api-key-file``'s tenants; nothing for the operator's ``--api-key`` or when no
-            key is configured.
+            ``--api-key-file``'s tenants, or when no key was checked (none is configured) and
+            the client is not on loopback; nothing for the operator's ``--api-key``, or for a
+            loopback client when no key is configured.
     """
     if request_tenant(scope) is not None:
         raise APIError(f"{what} needs the operator's API key (--api-key); a tenant's key "
                        "(--api-key-file) may not use it", status_code=403,
                        type="permission_error", code="permission_denied")
+    if not scope.get(KEYED_SCOPE_KEY) and not is_loopback_client(scope):
+        raise APIError(f"{what} is the operator's: with no --api-key set it is served to "
+                       "clients on this machine's loopback only; start the server with "
+                       "--api-key (or SPLITSERVE_API_KEY) and send it to call it from "
+                       "elsewhere", status_code=403, type="permission_error",
+                       code="permission_denied")
 
 
 class Tenancy:

@@ -20,6 +20,7 @@ from pydantic_core import from_json
 
 from splitserve.server.errors import APIError, from_validation_errors
 from splitserve.server.job_builder import MODEL_ALIAS, JobBuilder
+from splitserve.server.offload import Offload
 from splitserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -41,40 +42,47 @@ def server_version() -> str:
 
 
 def install_tokenize_routes(app: FastAPI, jobs: JobBuilder, tokenizer: Any,
-                            context_len: int) -> None:
-    """Add ``/tokenize``, ``/detokenize`` and ``/version`` to ``app``."""
+                            context_len: int, offload: Offload) -> None:
+    """Add ``/tokenize``, ``/detokenize`` and ``/version`` to ``app``; their parsing,
+    tokenizing and decoding run on ``offload``'s threads."""
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        body = await _json_object(request)
+    def prompt_ids(raw: bytes) -> list[int]:
+        body = _json_object(raw)
         body.setdefault("model", MODEL_ALIAS)
         model_cls = ChatCompletionRequest if "messages" in body else CompletionRequest
         req = _validate(model_cls, body)
         _check_model(jobs, req.model)
-        ids = jobs.prompt_ids(req)
-        return {"tokens": ids, "count": len(ids), "max_model_len": context_len}
+        return jobs.prompt_ids(req)
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
-        req = _validate(DetokenizeRequest, await _json_object(request))
+    def decoded(raw: bytes) -> str:
+        req = _validate(DetokenizeRequest, _json_object(raw))
         _check_model(jobs, req.model)
         vocab_size = len(tokenizer)
         for i, t in enumerate(req.tokens):
             if not 0 <= t < vocab_size:
                 raise APIError(f"tokens[{i}]: token id {t} is outside the vocabulary",
                                param=f"tokens[{i}]")
-        return {"prompt": tokenizer.decode(req.tokens)}
+        return tokenizer.decode(req.tokens)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        ids = await offload.run(prompt_ids, await request.body())
+        return {"tokens": ids, "count": len(ids), "max_model_len": context_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return {"prompt": await offload.run(decoded, await request.body())}
 
     @app.get("/version")
     async def get_version() -> dict[str, str]:
         return {"version": server_version()}
 
 
-async def _json_object(request: Request) -> dict[str, Any]:
+def _json_object(raw: bytes) -> dict[str, Any]:
     # pydantic's parser, as for generation bodies: it refuses lone surrogates (\ud800), which
     # Python's json accepts and the tokenizer then cannot take.
     try:
-        body = from_json(await request.body())
+        body = from_json(raw)
     except ValueError as exc:
         raise APIError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):

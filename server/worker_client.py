@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from splitserve.ipc.messages import (
     AbortTask,
+    KVEvents,
     LoadLora,
     LoraRef,
     LoraReply,
@@ -131,13 +132,13 @@ class ZmqEngineClient(BaseEngineClient):
     def generate(
         self, rid: str, input_ids: list[int], sampling: SamplingParams,
         cache_namespace: str | None = None, affinity: PromptAffinity | None = None,
-        lora: LoraRef | None = None,
+        lora: LoraRef | None = None, timing: Any = None, trace: Any = None,
     ) -> AsyncIterator[TokenEvent]:
         """``rid``'s events (``BaseEngineClient.generate``), run by its own
         :class:`DisaggRequest`."""
         req = DisaggRequest(rid, input_ids, sampling, self, self.requests,
                             cache_namespace=cache_namespace, affinity=affinity,
-                            metrics=self.metrics, lora=lora)
+                            metrics=self.metrics, lora=lora, timing=timing, trace=trace)
         if lora is None:
             return req.events()
         return self._sending_under(lora.name, req.events())
@@ -330,6 +331,8 @@ class ZmqEngineClient(BaseEngineClient):
             self.pool.on_stats(msg)
         elif isinstance(msg, LoraReply):
             self.pool.on_reply(msg.query_id, msg)
+        elif isinstance(msg, KVEvents):
+            self.pool.on_kv_events(msg)
 
 
 def _lora_row(w: WorkerHandle, reply: LoraReply | None) -> dict:

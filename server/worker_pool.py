@@ -38,6 +38,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from splitserve.ipc.messages import (
     FlushCache,
+    KVEvents,
+    KVEventsQuery,
     RouterBeat,
     StatsQuery,
     WorkerReady,
@@ -47,6 +49,16 @@ from splitserve.ipc.messages import (
 from splitserve.server.routing import create_routing_policy
 
 logger = logging.getLogger(__name__)
+
+
+def stats_dict(msg: WorkerStats) -> dict:
+    """A worker's stats as plain JSON-able values (its cache tiers' rows as dicts), less the
+    query id."""
+    out = msgspec.structs.asdict(msg)
+    out.pop("query_id", None)
+    out["cache_tiers"] = [msgspec.structs.asdict(t) for t in msg.cache_tiers]
+    return out
+
 
 HEALTH_CHECK_S = 0.5  # how often silence is checked (workers beat every 0.5 s)
 SEND_HWM = 1000
@@ -235,8 +247,7 @@ class WorkerPool:
         """A heartbeat, or the answer to :meth:`query`."""
         for w in self.workers:
             if w.worker_id == msg.worker_id:
-                w.last_stats = msgspec.structs.asdict(msg)
-                w.last_stats.pop("query_id", None)
+                w.last_stats = stats_dict(msg)
                 self._alive(w)
         self.on_reply(msg.query_id, msg)
 
@@ -261,6 +272,18 @@ class WorkerPool:
             return None
         finally:
             self.stats_waiters.pop(qid, None)
+
+    def on_kv_events(self, msg: KVEvents) -> None:
+        """A worker's KV events, for the routing policy; a gap in them asks the worker for a
+        snapshot of its blocks."""
+        if self.routing.observe(msg):
+            return
+        w = self.by_addr.get(msg.addr)
+        if w is not None:
+            try:
+                w.sock.send(encode(KVEventsQuery(self.reply_addr)), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the next gap asks again
 
     def heard_from(self, w: WorkerHandle) -> None:
         """A sign of life other than a heartbeat (tokens); it does not take a dead worker back."""
@@ -318,6 +341,7 @@ class WorkerPool:
         logger.error("%s worker %s at %s %s", w.role, w.worker_id, w.addr, why)
         w.ready = False
         w.failures += 1
+        self.routing.forget(w.addr)
         self.on_dead(w, f"{w.role} worker {w.worker_id} {why}")
         if self.metrics:
             self.metrics.worker_failures.labels(w.role).inc()
@@ -342,9 +366,7 @@ class WorkerPool:
             query = make_query(qid) if make_query else StatsQuery(qid, self.reply_addr)
             await w.sock.send(encode(query), zmq.NOBLOCK)
             stats = await asyncio.wait_for(fut, timeout=timeout_s)
-            out = msgspec.structs.asdict(stats)
-            out.pop("query_id", None)
-            return {**out, **row, "healthy": True}
+            return {**stats_dict(stats), **row, "healthy": True}
         except (TimeoutError, zmq.Again):
             self.stats_waiters.pop(qid, None)
             # Busy in a long step: the heartbeat's stats are at most a beat old.

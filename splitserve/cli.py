@@ -1,4 +1,4 @@
-"""``splitserve`` command line: launch | serve | demo | worker | api-server | keygen.
+"""``splitserve`` command line: launch | serve | demo | worker | api-server | keygen | top.
 
 Every flag sets one field of the typed config (``splitserve.config``); defaults live there. The
 launcher hands each child its whole config as ``--config-json``, so a worker started by
@@ -24,6 +24,8 @@ from splitserve.config.flags import (
     LOG_FLAGS,
     SECURITY_FLAGS,
     SERVER_FLAGS,
+    TRACING_FLAGS,
+    UI_FLAGS,
     Flag,
     add_flags,
     apply_flags,
@@ -34,9 +36,11 @@ from splitserve.config.schema import EngineConfig, from_json
 if TYPE_CHECKING:
     from splitserve.engine.model.config import ModelConfig
 
-CLUSTER_COMMAND_FLAGS = (*ENGINE_FLAGS, *LOG_FLAGS, *SECURITY_FLAGS, *SERVER_FLAGS, *CLUSTER_FLAGS)
-WORKER_FLAGS = (*ENGINE_FLAGS, *LOG_FLAGS, *SECURITY_FLAGS)
-API_SERVER_FLAGS = (ENGINE_FLAGS[0], *LOG_FLAGS, *SECURITY_FLAGS, *SERVER_FLAGS)
+CLUSTER_COMMAND_FLAGS = (*ENGINE_FLAGS, *LOG_FLAGS, *SECURITY_FLAGS, *SERVER_FLAGS, *UI_FLAGS,
+                         *TRACING_FLAGS, *CLUSTER_FLAGS)
+WORKER_FLAGS = (*ENGINE_FLAGS, *LOG_FLAGS, *SECURITY_FLAGS, *TRACING_FLAGS)
+API_SERVER_FLAGS = (ENGINE_FLAGS[0], *LOG_FLAGS, *SECURITY_FLAGS, *SERVER_FLAGS, *UI_FLAGS,
+                    *TRACING_FLAGS)
 
 
 def _config_json_flag(p: argparse.ArgumentParser) -> None:
@@ -75,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--addr", default=None, help="this worker's inbox (overrides --host/--port)")
     p.add_argument("--server-addr", default=None, help="the API server's inbox (without --router)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (0: torch's default)")
+
+    p = sub.add_parser("top", help="the live cluster view in the terminal (GET /cluster)")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the API server")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    p.add_argument("--once", action="store_true", help="print one screen and exit")
+    p.add_argument("--api-key", default=None, help="default: $SPLITSERVE_API_KEY")
 
     p = sub.add_parser("keygen", help="write a CURVE key file for --curve-keys")
     p.add_argument("path")
@@ -333,7 +343,7 @@ def _log_level(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     _pin_from_env()
-    if args.command != "keygen":
+    if args.command not in ("keygen", "top"):
         logging.basicConfig(level=_log_level(args).upper())
     if args.command in ("worker", "api-server"):
         _die_with_parent()
@@ -356,6 +366,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {args.path} (mode 0600); pass --curve-keys {args.path} to every process")
     elif args.command == "api-server":
         _run_api_server(args)
+    elif args.command == "top":
+        from splitserve.top import run_top
+
+        try:
+            run_top(args.url, args.api_key or env.optional_text(env.API_KEY), args.interval,
+                    args.once)
+        except KeyboardInterrupt:
+            pass
 
 
 __all__ = ["Flag", "build_parser", "main", "serve_config"]

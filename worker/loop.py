@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,10 @@ from splitserve.ipc.messages import (
     AbortTask,
     FlushCache,
     GenerateTask,
+    KVBootstrap,
+    KVEvent,
+    KVEvents,
+    KVEventsQuery,
     LoadLora,
     Message,
     RouterBeat,
@@ -40,6 +45,7 @@ from splitserve.worker.heartbeat import Heartbeat, rejoin_router
 from splitserve.worker.parts import WorkerParts
 from splitserve.worker.role import WorkerRole
 from splitserve.worker.routers import CHECK_S, RouterWatch
+from splitserve.worker.tracing import stamp_step
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +74,16 @@ class Worker:
         self.sender, self.receiver, self.sessions = parts.sender, parts.receiver, parts.sessions
         self.policy = role.create_policy(parts)
         self.adapters = WorkerAdapters(parts.lora, self.port, self.config.worker_id)
+        # The traced requests' spans (worker.tracing; None: tracing off).
+        self.tracer = parts.tracer
+        self.port.tracer = parts.tracer
         # Which routers are still there: a gone one's requests are ended (worker.routers).
         self.routers = RouterWatch(self.outbox.link_drops, self.outbox.watch, clock=self.port.now)
         self.next_router_check = 0.0
         self.stopped = False
+        # KV events go to the routers this worker reports to (serve_forever sets them).
+        self.event_addrs: list[str] = []
+        self.kv_seq = 0
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -97,6 +109,14 @@ class Worker:
         server_addrs = list(server_addrs or [c.server_addr])
         for addr in server_addrs:
             self.port.send(addr, WorkerReady(c.worker_id, self.role.name, c.addr))
+        cache = self.scheduler.cache
+        if cache.identity:
+            self.event_addrs = server_addrs
+            # What a restarted worker holds already (its disk tier), then the changes.
+            self.scheduler.cache.drain_events()
+            snapshot = self.kv_events(cache.snapshot_events(), snapshot=True)
+            for addr in server_addrs:
+                self.port.send(addr, snapshot)
         beat = Heartbeat(
             self.ctx, server_addrs, self.stats, configure=self.parts.links.configure_client,
             rejoin=self._rejoin if c.router_urls else None,
@@ -111,6 +131,8 @@ class Worker:
             self.grammars.close()
             self.adapters.close()
             self.core.close()
+            if self.tracer is not None:
+                self.tracer.close()
             # Backend threads (mooncake/nixl writers, nixl's progress thread) stop before the
             # interpreter exits: a nixl thread still inside UCX at exit crashed the process.
             self.policy.close()
@@ -121,15 +143,19 @@ class Worker:
         # Work that cannot be scheduled (waiting for pages) must not spin the core the model
         # uses; the poll still returns at once when a message arrives.
         busy = self.scheduler.has_work and self.scheduler.last_num_scheduled > 0
-        waiting = len(self.grammars) or len(self.adapters)
-        wait_ms = 0 if busy else COMPILE_POLL_MS if waiting else idle_wait_ms
+        waits_on_threads = (len(self.grammars) or len(self.adapters)
+                            or self.scheduler.cache.is_loading)
+        wait_ms = 0 if busy else COMPILE_POLL_MS if waits_on_threads else idle_wait_ms
         if self.inbox.poll(wait_ms):
             for _ in range(MAX_MESSAGES_PER_STEP):
                 item = self.inbox.recv()
                 if item is None:
                     break
                 self.dispatch(*item)
+        tracer = self.tracer
         for done in self.grammars.poll():
+            if tracer is not None:
+                tracer.mark(done.req.rid, "compiled")
             self._handle(self.policy.on_compiled, done)
         if self.adapters.loads:
             for task in self.adapters.poll():
@@ -139,14 +165,36 @@ class Worker:
         if now >= self.next_router_check:
             self.next_router_check = now + CHECK_S
             self._handle(self.check_routers, now)
+            if tracer is not None:
+                tracer.sweep(time.time())
         if self.scheduler.has_work:
-            self._handle(self.policy.on_step, self.core.step())
+            self._step()
+            self.publish_kv_events()
+
+    def _step(self) -> None:
+        """One engine step; its stage stamps (``worker.tracing.stamp_step``); its outputs to
+        the policy; the traces of the requests it finished here ended."""
+        start = time.time()
+        outputs = self.core.step()
+        batch = self.core.last_batch
+        if batch is not None:
+            tracer = self.tracer
+            stamp_step(batch, start, time.time(),
+                       tracer.live if tracer is not None and tracer.live else None)
+        self._handle(self.policy.on_step, outputs)
+        tracer = self.tracer
+        if tracer is not None and tracer.live and self.role.decodes:
+            for out in outputs:
+                if out.req.finish_reason is not None:
+                    tracer.end(out.req.rid, "finished", out.req)
 
     def dispatch(self, msg: Message, frames: Frames | list) -> None:
         """Handle one inbox message: the worker's own (stats, flush, router beats, shutdown)
         here, the others by the policy; then admission."""
         try:
             if isinstance(msg, GenerateTask):
+                if self.tracer is not None:
+                    self.tracer.begin(msg.rid, msg.traceparent)
                 if self.routers.dropped(msg.reply_addr):
                     # A router restarted at the same inbox: its predecessor's requests go first.
                     self.end_requests_of(msg.reply_addr, "closed its link")
@@ -157,6 +205,8 @@ class Worker:
             elif isinstance(msg, AbortTask):
                 if not self.adapters.drop(msg.rid):
                     self.policy.on_abort(msg.rid)
+                if self.tracer is not None:
+                    self.tracer.end(msg.rid, "aborted")
             elif isinstance(msg, RouterBeat):
                 self.routers.heard(msg.reply_addr, msg.dead_after_s)
             elif isinstance(msg, StatsQuery):
@@ -173,9 +223,14 @@ class Worker:
             elif isinstance(msg, UnloadLora):
                 self.routers.heard(msg.reply_addr)
                 self.adapters.on_unload(msg)
+            elif isinstance(msg, KVEventsQuery):
+                self.port.send(msg.reply_addr, self.kv_events(
+                    self.scheduler.cache.snapshot_events(), snapshot=True))
             elif isinstance(msg, Shutdown):
                 self.stopped = True
             else:
+                if self.tracer is not None and isinstance(msg, KVBootstrap):
+                    self.tracer.mark(msg.rid, "bootstrap")
                 self.policy.on_peer(msg, frames)
         except PeerUnreachable as exc:
             logger.warning("%s: %s", type(msg).__name__, exc)
@@ -196,7 +251,35 @@ class Worker:
         bootstraps each."""
         admitted = self.scheduler.admit_waiting_for_kv()
         if admitted:
+            if self.tracer is not None:
+                for req in admitted:
+                    self.tracer.mark(req.rid, "admitted")
+                    self.tracer.seen(req)
             self.policy.on_admitted(admitted)
+
+    # ---- KV events (the routers' cache-aware routing, server.kv_index) -------------------------
+
+    def kv_events(self, events: list[KVEvent], snapshot: bool = False) -> KVEvents:
+        """``events`` as this worker's message: the next ``seq`` (a snapshot keeps the last)."""
+        cache = self.scheduler.cache
+        if not snapshot:
+            self.kv_seq += 1
+        return KVEvents(worker_id=self.config.worker_id, addr=self.config.addr,
+                        identity=cache.identity, page_size=self.scheduler.page_size,
+                        seq=self.kv_seq, events=events, snapshot=snapshot, store=cache.store_url)
+
+    def publish_kv_events(self) -> None:
+        """Send the cache tiers' changes since the last call to every router (none known: they
+        are dropped; a router asks for a snapshot when it sees a gap)."""
+        events = self.scheduler.cache.drain_events()
+        if not events or not self.event_addrs:
+            return
+        msg = self.kv_events(events)
+        for addr in self.event_addrs:
+            try:
+                self.port.send(addr, msg)
+            except PeerUnreachable as exc:
+                logger.debug("KV events to %s: %s", addr, exc)
 
     # ---- routers that went away (worker.routers) ----------------------------------------------
 
@@ -266,6 +349,9 @@ class Worker:
             kernel_plan=kernel_report(model, self.config.engine),
             spec_draft_tokens=self.scheduler.num_draft_tokens,
             spec_accepted_tokens=self.scheduler.num_accepted_tokens,
+            tokens_generated=self.port.num_tokens_out,
+            cache_tiers=self.scheduler.cache.tier_stats(),
+            prefill_tokens_per_s=self.scheduler.cache.prefill_rate(),
             node=self.config.node or socket.gethostname(),
         )
         lora = self.parts.lora

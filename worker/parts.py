@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from splitserve.worker.grammars import WorkerGrammars
     from splitserve.worker.links import Links
     from splitserve.worker.port import OutboxPort
+    from splitserve.worker.tracing import WorkerTracer
 
 
 @dataclass(slots=True, eq=False)
@@ -49,3 +50,4 @@ class WorkerParts:
     receiver: BaseKVReceiver | None = None
     sessions: SendSessions | RecvSessions | None = None
     lora: LoraManager | None = None
+    tracer: WorkerTracer | None = None  # spans of traced requests (None: tracing off)

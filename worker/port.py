@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from splitserve.ipc.sockets import Outbox
     from splitserve.kv_transfer.base import BaseKVReceiver
     from splitserve.worker.grammars import WorkerGrammars
+    from splitserve.worker.tracing import WorkerTracer
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ class OutboxPort:
         self.num_failed = 0  # requests failed here, every kind
         self.num_transfer_failures = 0  # of those, FailureKind.TRANSFER
         self.num_orphaned = 0  # requests ended because their router went away
+        self.num_tokens_out = 0  # output tokens sent to routers
+        # The traced requests' spans (worker.tracing.WorkerTracer; None: tracing off). A
+        # request that fails or is orphaned here ends its trace through the port.
+        self.tracer: WorkerTracer | None = None
 
     def now(self) -> float:
         """Seconds on :attr:`clock`."""
@@ -85,8 +90,11 @@ class OutboxPort:
     def emit(self, outputs: list[tuple[str, TokenOutput]]) -> None:
         """Send token outputs, one :class:`TokenBatch` per router address."""
         by_addr: dict[str, list[TokenOutput]] = {}
+        num_tokens = 0
         for addr, out in outputs:
             by_addr.setdefault(addr, []).append(out)
+            num_tokens += len(out.token_ids)
+        self.num_tokens_out += num_tokens
         for addr, outs in by_addr.items():
             try:
                 self.send(addr, TokenBatch(outs))
@@ -98,6 +106,8 @@ class OutboxPort:
         """Count the failure and send :class:`RequestError` (with ``kind``) to ``reply_addr``."""
         logger.info("request %s failed (%s): %s", rid, kind.value, message)
         self.num_failed += 1
+        if self.tracer is not None:
+            self.tracer.end(rid, "failed", error=message)
         if kind is FailureKind.TRANSFER:
             self.num_transfer_failures += 1
         try:
@@ -109,6 +119,8 @@ class OutboxPort:
         """Count a request ended because its router went away, and tell that router (503), in
         case it was only cut off and its link comes back."""
         self.num_orphaned += 1
+        if self.tracer is not None:
+            self.tracer.end(rid, "orphaned", error=message)
         try:
             self.send(reply_addr, RequestError(rid, message, 503,
                                                FailureKind.ROUTER_GONE.value))
@@ -157,6 +169,9 @@ class SessionPort:
         """Give back all ``req`` holds: its compile, its place in the scheduler, its pages."""
         self.grammars.discard(req.rid)
         self.scheduler.release(req)
+        tracer = getattr(self.port, "tracer", None)
+        if tracer is not None:
+            tracer.end(req.rid, "released", req)
 
     def install(self, header: KVPages, frames: Frames | list) -> None:
         """Put one message's pages into the pool. Raises: ValueError (they do not fit)."""

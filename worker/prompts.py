@@ -43,7 +43,7 @@ class PromptStage:
     def start(self, req: Req) -> None:
         """Schedule ``req`` now, or compile its constraint first (:meth:`compiled` then
         schedules it)."""
-        if req.sampling.constraint is not None:
+        if req.sampling.needs_grammar:
             self.grammars.submit(req)
         else:
             self.scheduler.add(req)

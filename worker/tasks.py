@@ -3,6 +3,8 @@ for it. Shared by every role's policy."""
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 
 from splitserve.engine.sched.request import Req
@@ -28,13 +30,14 @@ def task_error(task: GenerateTask, scheduler: Scheduler, context_len: int) -> st
     return None
 
 
-def new_req(task: GenerateTask, scheduler: Scheduler) -> Req:
+def new_req(task: GenerateTask, scheduler: Scheduler, stamp: str = "received") -> Req:
     """The scheduler's request for ``task``. Its output is capped at what the KV pool holds
     after the prompt: a sequence that outgrew the pool could never be re-admitted once
     retracted and would wedge the queue behind it. It then ends with ``length``, as at the
     model's context (only a pool smaller than the context can hit this). Under a LoRA adapter
     (loaded here: :func:`task_error` checked), its prefix-cache namespace is the adapter's
-    within the tenant's (``radix_cache.namespace``)."""
+    within the tenant's (``radix_cache.namespace``). ``stamp``: the ``Req.stamps`` field that
+    records its arrival here (``decode_received`` on a decode worker)."""
     lora = None
     if task.lora is not None and scheduler.lora is not None:
         lora = scheduler.lora.get(task.lora.name)
@@ -42,7 +45,7 @@ def new_req(task: GenerateTask, scheduler: Scheduler) -> Req:
     room = (scheduler.allocator.num_pages - 1) * scheduler.page_size - len(task.input_ids)
     if sampling.max_new_tokens > room:
         sampling = msgspec.structs.replace(sampling, max_new_tokens=max(room, 1))
-    return Req(
+    req = Req(
         rid=task.rid,
         input_ids=list(task.input_ids),
         sampling=sampling,
@@ -51,3 +54,5 @@ def new_req(task: GenerateTask, scheduler: Scheduler) -> Req:
                                           None if lora is None else lora.digest),
         lora=lora,
     )
+    setattr(req.stamps, stamp, time.time())
+    return req

@@ -8,7 +8,7 @@ sampling code.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -93,6 +93,15 @@ class BaseMatcher(ABC):
         """
         return ""
 
+    def forced_token_ids(self) -> list[int]:
+        """Token ids the grammar forces next as exactly these tokens (a marker the matcher
+        knows by its ids, ``engine.grammar.think``), to be accepted before any forced string.
+
+        Returns:
+            The ids, or ``[]`` (the backends' grammars force text, not ids).
+        """
+        return []
+
 
 class CompiledGrammar(ABC):
     """An immutable compiled constraint, shared by every request that uses the same (kind, text,
@@ -155,3 +164,21 @@ class BaseGrammarBackend(ABC):
             GrammarError: if the constraint is malformed or uses a feature this backend lacks;
                 the message names the problem.
         """
+
+    def export(self, compiled: CompiledGrammar) -> Any:
+        """What of ``compiled`` can cross a process boundary (``compile_pool``): a picklable
+        value for :meth:`restore`, or None when nothing can (then :meth:`restore` compiles
+        again; the child process only proved that the compile finishes in time)."""
+        del compiled
+        return None
+
+    def restore(
+        self, kind: GrammarKind, text: str, options: CompileOptions, exported: Any
+    ) -> CompiledGrammar:
+        """The compiled grammar from :meth:`export`'s value, in this process.
+
+        Raises:
+            GrammarError: as :meth:`compile`.
+        """
+        del exported
+        return self.compile(kind, text, options)

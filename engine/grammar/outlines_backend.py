@@ -177,6 +177,18 @@ class OutlinesBackend(BaseGrammarBackend):
             raise GrammarError(_describe(kind, text, str(exc))) from exc
         return OutlinesCompiled(index, regex, self.vocab_size, self._stop_token_ids)
 
+    def export(self, compiled: CompiledGrammar) -> tuple[Any, str]:
+        """The ``Index`` (outlines-core pickles it) and its regex."""
+        return compiled._index, compiled.regex  # type: ignore[attr-defined]
+
+    def restore(
+        self, kind: GrammarKind, text: str, options: CompileOptions, exported: Any
+    ) -> OutlinesCompiled:
+        """The shipped ``Index``, unpickled (no compile)."""
+        del kind, text, options
+        index, regex = exported
+        return OutlinesCompiled(index, regex, self.vocab_size, self._stop_token_ids)
+
     def _to_regex(self, kind: GrammarKind, text: str, options: CompileOptions) -> str:
         """Returns: the regex for a constraint. Raises: GrammarError if it has none."""
         if kind == "regex":

@@ -93,10 +93,12 @@ class RequestGrammar:
     def forced_tokens(self, limit: int) -> list[int]:
         """Tokens the grammar forces next, already accepted by the matcher (jump-forward).
 
-        Conservative by design: the forced string is tokenized on its own, and its last token is
-        held back for the model to sample, because that is where the model's own tokenization
-        would merge the forced text with what follows (``name"`` then ``:`` is sampled as
-        ``":``). Tokens the matcher refuses (a tokenizer that normalizes text) undo the jump.
+        First the exact ids the matcher forces (``BaseMatcher.forced_token_ids``: a think
+        block's end marker once its budget is spent), then its forced text. The text is
+        conservative by design: it is tokenized on its own, and its last token is held back for
+        the model to sample, because that is where the model's own tokenization would merge
+        the forced text with what follows (``name"`` then ``:`` is sampled as ``":``). Tokens
+        the matcher refuses (a tokenizer that normalizes text) undo that part of the jump.
 
         Args:
             limit: at most this many tokens (what ``max_new_tokens`` still allows).
@@ -106,16 +108,28 @@ class RequestGrammar:
         """
         if self.encode is None or limit <= 0:
             return []
-        text = self.matcher.find_jump_forward_string()
+        exact: list[int] = []
+        while len(exact) < limit:
+            ids = self.matcher.forced_token_ids()[: limit - len(exact)]
+            if not ids:
+                break
+            for n, token_id in enumerate(ids):
+                if not self.matcher.accept_token(token_id):
+                    if n:
+                        self.matcher.rollback(n)
+                    return exact
+            exact += ids
+        limit -= len(exact)
+        text = self.matcher.find_jump_forward_string() if limit > 0 else ""
         if not text:
-            return []
+            return exact
         tokens = self.encode(text)[:-1][:limit]
         for n, token_id in enumerate(tokens):
             if token_id in self.stop_token_ids or not self.matcher.accept_token(token_id):
                 if n:
                     self.matcher.rollback(n)
-                return []
-        return tokens
+                return exact
+        return exact + tokens
 
 
 def _bit(position: int) -> int:

@@ -9,13 +9,23 @@ A scheduler calls ``submit(kind, text, options)`` when a constrained request arr
 returned future with the request. Each step it checks ``future.done()``: requests whose grammar
 is still compiling simply stay waiting, so they never block the rest of the batch. When done,
 ``future.result()`` is the ``CompiledGrammar`` (make one matcher per request from it) or raises
-``GrammarError`` (fail only that request, HTTP 400).
+``GrammarError`` (fail only that request, HTTP 400) or ``CompileBusy`` (503: the compile queue
+is full).
+
+With a :class:`~splitserve.engine.grammar.compile_pool.CompilePool` the compiles run in child
+processes that are killed at their deadline (a thread cannot be stopped; xgrammar spends
+minutes on some schemas); without one, on threads, as before. Either way a compile's deadline
+counts from when it starts, and a constraint that timed out fails at once with the same message
+for ``remember_timeouts_s`` (a client retrying a pathological schema does not occupy a compile
+slot again). A compile whose requests all went (:meth:`GrammarService.release`) is dropped if it
+has not started.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +38,7 @@ from splitserve.engine.grammar.base import (
     GrammarError,
     GrammarKind,
 )
+from splitserve.engine.grammar.compile_pool import CompileBusy, CompilePool
 from splitserve.engine.grammar.options import DEFAULT_OPTIONS, CompileOptions
 
 logger = logging.getLogger(__name__)
@@ -50,8 +61,9 @@ class _Attempt:
         self.steps = list(steps)
         self.source = source  # what the backends compile (``ChainPlan.source``)
         self.errors: list[str] = []
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entered when cancelling runs the done callback
         self.backend_index = 0
+        self.job: Future | None = None  # the running step's compile (thread or process)
 
 
 class GrammarService:
@@ -61,11 +73,15 @@ class GrammarService:
         backends: the configured order (default backend first); ``chain.plan_chain`` reorders
             them per constraint, and a constraint that one cannot compile (error or timeout) is
             tried on the next.
-        timeout_s: seconds each backend gets for one compile. A timed-out compile thread cannot
-            be killed; its late result is dropped and the next backend is tried.
-        num_threads: compile threads (xgrammar and outlines-core release the GIL while compiling).
+        timeout_s: seconds each backend gets for one compile, from when it starts. On a
+            thread, a timed-out compile cannot be killed (its late result is dropped); with
+            ``pool`` its process is killed. Then the next backend is tried.
+        num_threads: threads that compile (without ``pool``) or rebuild shipped grammars.
         max_cache_entries: compiled grammars kept (least recently used evicted); failures are
-            cached too, so a bad schema sent repeatedly costs one compile. Timeouts are not cached.
+            cached too, so a bad schema sent repeatedly costs one compile.
+        pool: compile in these child processes (its own deadline replaces ``timeout_s``).
+        remember_timeouts_s: how long a constraint that timed out on every backend it was
+            tried on keeps failing at once (0: not remembered).
     """
 
     def __init__(
@@ -74,12 +90,19 @@ class GrammarService:
         timeout_s: float = 30.0,
         num_threads: int = 2,
         max_cache_entries: int = 1024,
+        pool: CompilePool | None = None,
+        remember_timeouts_s: float = 600.0,
     ) -> None:
         if not backends:
             raise ValueError("GrammarService needs at least one backend")
         self.backends = list(backends)
         self._by_name = {b.name: b for b in self.backends}
-        self.timeout_s = timeout_s
+        self.timeout_s = pool.timeout_s if pool is not None else timeout_s
+        self.compile_pool = pool
+        self.remember_timeouts_s = remember_timeouts_s
+        self._timed_out: dict[CacheKey, float] = {}  # key -> when it may be compiled again
+        self._attempts: dict[CacheKey, _Attempt] = {}  # compiles in progress
+        self._waiters: dict[CacheKey, int] = {}  # requests waiting on each of them
         self.max_cache_entries = max_cache_entries
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[CacheKey, Future[CompiledGrammar]] = OrderedDict()
@@ -106,13 +129,20 @@ class GrammarService:
         key = (kind, text, options)
         with self._cache_lock:
             cached = self._cache.get(key)
+            if cached is not None and self._timed_out.get(key, float("inf")) <= time.monotonic():
+                del self._cache[key], self._timed_out[key]  # time to try it again
+                cached = None
             if cached is not None:
                 self._cache.move_to_end(key)
+                if not cached.done():
+                    self._waiters[key] = self._waiters.get(key, 0) + 1
                 return cached
             result: Future[CompiledGrammar] = Future()
             self._cache[key] = result
+            self._waiters[key] = 1
             while len(self._cache) > self.max_cache_entries:
-                self._cache.popitem(last=False)
+                evicted, _ = self._cache.popitem(last=False)
+                self._timed_out.pop(evicted, None)
         if kind not in GRAMMAR_KINDS:
             result.set_exception(
                 GrammarError(f"unknown constraint kind {kind!r}; expected one of {GRAMMAR_KINDS}")
@@ -122,8 +152,53 @@ class GrammarService:
         if not plan.steps:
             result.set_exception(GrammarError(_unenforceable_message(plan.ignored_by_all)))
             return result
-        self._try_next_backend(_Attempt(key, result, plan.steps, plan.source))
+        attempt = _Attempt(key, result, plan.steps, plan.source)
+        with self._cache_lock:
+            self._attempts[key] = attempt
+        result.add_done_callback(lambda _: self._forget_attempt(key, attempt))
+        self._try_next_backend(attempt)
         return result
+
+    def release(
+        self, kind: GrammarKind, text: str, options: CompileOptions = DEFAULT_OPTIONS
+    ) -> bool:
+        """One request waiting on this constraint went; when none waits and its compile has
+        not started, the compile is dropped (and not cached).
+
+        Returns:
+            Whether a queued compile was dropped.
+        """
+        key = (kind, "" if kind == "json_object" else text, options)
+        with self._cache_lock:
+            left = self._waiters.get(key, 0) - 1
+            if left > 0:
+                self._waiters[key] = left
+                return False
+            self._waiters.pop(key, None)
+            attempt = self._attempts.get(key)
+        if attempt is None:
+            return False
+        with attempt.lock:
+            job, index = attempt.job, attempt.backend_index
+            if job is None or attempt.result.done():
+                return False
+            attempt.backend_index = len(attempt.steps)  # its callback must not try the next
+            dropped = (self.compile_pool.cancel(job) if self.compile_pool is not None
+                       else job.cancel())
+            if not dropped:  # already running: it goes on
+                attempt.backend_index = index
+                return False
+        with self._cache_lock:
+            if self._cache.get(key) is attempt.result:
+                del self._cache[key]
+        attempt.result.set_exception(GrammarError("compile cancelled: its requests went"))
+        return True
+
+    def _forget_attempt(self, key: CacheKey, attempt: _Attempt) -> None:
+        with self._cache_lock:
+            if self._attempts.get(key) is attempt:
+                del self._attempts[key]
+                self._waiters.pop(key, None)
 
     def compile(
         self, kind: GrammarKind, text: str, options: CompileOptions = DEFAULT_OPTIONS
@@ -144,8 +219,18 @@ class GrammarService:
         return future is not None and future.done() and future.exception() is None
 
     def shutdown(self) -> None:
-        """Stop accepting work; running compiles finish in the background."""
+        """Stop accepting work; running compiles finish in the background (in processes:
+        killed)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.compile_pool is not None:
+            self.compile_pool.shutdown()
+        with self._cache_lock:
+            attempts = list(self._attempts.values())
+        for attempt in attempts:  # nothing is left to finish them
+            with attempt.lock:
+                attempt.backend_index = len(attempt.steps)
+                if not attempt.result.done():
+                    attempt.result.set_exception(GrammarError("the grammar service shut down"))
 
     def _try_next_backend(self, attempt: _Attempt) -> None:
         """Run the chain's next backend on the pool, with a timer for its timeout."""
@@ -156,13 +241,61 @@ class GrammarService:
         backend = self._by_name[step.backend]
         index = attempt.backend_index
         kind, _, options = attempt.key
-        job = self._pool.submit(
-            backend.compile, kind, step.source or attempt.source, options  # type: ignore[arg-type]
-        )
+        source = step.source or attempt.source
+        if self.compile_pool is not None:
+            try:
+                job = self.compile_pool.submit(backend.name, kind, source, options)
+            except CompileBusy as exc:
+                self._refuse_busy(attempt, exc)
+                return
+            attempt.job = job
+            job.add_done_callback(lambda done: self._rebuild(attempt, index, backend, done))
+            return
         timer = threading.Timer(self.timeout_s, self._on_timeout, args=(attempt, index, backend))
         timer.daemon = True
-        timer.start()
+
+        def run() -> CompiledGrammar:
+            timer.start()  # the deadline counts from the compile's start, not its queueing
+            return backend.compile(kind, source, options)  # type: ignore[arg-type]
+
+        job = self._pool.submit(run)
+        attempt.job = job
         job.add_done_callback(lambda done: self._on_done(attempt, index, backend, done, timer))
+
+    def _rebuild(
+        self, attempt: _Attempt, index: int, backend: BaseGrammarBackend, job: Future
+    ) -> None:
+        """Rebuild a shipped grammar on a thread (not the pool's thread, which waits on the
+        next child)."""
+        try:
+            self._pool.submit(self._on_shipped, attempt, index, backend, job)
+        except RuntimeError:  # shut down: shutdown() failed the attempt
+            pass
+
+    def _on_shipped(
+        self, attempt: _Attempt, index: int, backend: BaseGrammarBackend, job: Future
+    ) -> None:
+        """A child's compile ended: rebuild its grammar here, or record why it failed."""
+        if job.cancelled():
+            return  # released (``release`` failed the attempt)
+        done: Future[CompiledGrammar] = Future()
+        error = job.exception()
+        if error is None:
+            kind, _, options = attempt.key
+            source = attempt.steps[index].source or attempt.source
+            try:
+                done.set_result(backend.restore(kind, source, options, job.result()))  # type: ignore[arg-type]
+            except Exception as exc:
+                done.set_exception(exc)
+        else:
+            done.set_exception(error)
+        self._on_done(attempt, index, backend, done, None)
+
+    def _refuse_busy(self, attempt: _Attempt, exc: CompileBusy) -> None:
+        with self._cache_lock:
+            if self._cache.get(attempt.key) is attempt.result:
+                del self._cache[attempt.key]
+        attempt.result.set_exception(exc)
 
     def _on_done(
         self,
@@ -170,9 +303,10 @@ class GrammarService:
         index: int,
         backend: BaseGrammarBackend,
         job: Future[CompiledGrammar],
-        timer: threading.Timer,
+        timer: threading.Timer | None,
     ) -> None:
-        timer.cancel()
+        if timer is not None:
+            timer.cancel()
         with attempt.lock:
             if attempt.backend_index != index or attempt.result.done():
                 return  # this backend already timed out; its late result is dropped
@@ -200,12 +334,17 @@ class GrammarService:
 
     def _fail(self, attempt: _Attempt) -> None:
         timed_out = any("timed out" in e for e in attempt.errors)
-        if timed_out:  # a timeout may pass on a quieter machine; let a later request retry
-            with self._cache_lock:
-                if self._cache.get(attempt.key) is attempt.result:
-                    del self._cache[attempt.key]
         kind = kind_of(attempt)
         message = f"cannot compile {kind} constraint: " + "; ".join(attempt.errors)
+        if timed_out:  # a timeout may pass on a quieter machine: remembered for a while only
+            with self._cache_lock:
+                if self._cache.get(attempt.key) is attempt.result:
+                    if self.remember_timeouts_s > 0:
+                        self._timed_out[attempt.key] = time.monotonic() + self.remember_timeouts_s
+                        message += (f" (remembered: the same constraint fails at once for "
+                                    f"{self.remember_timeouts_s:g}s)")
+                    else:
+                        del self._cache[attempt.key]
         attempt.result.set_exception(GrammarError(message))
 
 

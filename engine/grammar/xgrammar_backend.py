@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import threading
 from typing import Any
 
 import torch
@@ -120,6 +122,14 @@ class XGrammarBackend(BaseGrammarBackend):
             stop_token_ids=stops,
         )
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=max_threads)
+        # A structural tag may name special tokens as tokens (a tool-call marker such as
+        # Mistral's [TOOL_CALLS] or DeepSeek's <｜tool▁calls▁begin｜>): xgrammar accepts no token
+        # whose text is empty, so those compile against a vocabulary where exactly they have
+        # their text (every other special token stays out of reach), built once per set.
+        self._tokenizer, self._encoded, self._stops = tokenizer, encoded, stops
+        self._max_threads = max_threads
+        self._marker_compilers: dict[frozenset[int], xgr.GrammarCompiler] = {}
+        self._marker_lock = threading.Lock()
         self._max_whitespace_cnt = max_whitespace_cnt
         self._strict_mode = strict_mode
 
@@ -133,6 +143,18 @@ class XGrammarBackend(BaseGrammarBackend):
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with C++ context
             raise GrammarError(_describe(kind, text, clean_backend_message(str(exc)))) from exc
         return XGrammarCompiled(compiled, self.vocab_size)
+
+    def export(self, compiled: CompiledGrammar) -> str:
+        """xgrammar's own serialization of the compiled grammar (its token masks included)."""
+        return compiled._compiled.serialize_json()  # type: ignore[attr-defined]
+
+    def restore(
+        self, kind: GrammarKind, text: str, options: CompileOptions, exported: Any
+    ) -> XGrammarCompiled:
+        """Deserialized against this process's ``TokenizerInfo`` (no compile)."""
+        del kind, text, options
+        return XGrammarCompiled(xgr.CompiledGrammar.deserialize_json(exported, self._info),
+                                self.vocab_size)
 
     def _json_options(self, options: CompileOptions) -> dict[str, Any]:
         if options.whitespace_flexible:
@@ -159,8 +181,50 @@ class XGrammarBackend(BaseGrammarBackend):
         if kind == "choice":
             return self._compiler.compile_grammar(choices_to_ebnf(parse_choices(text)))
         if kind == "structural_tag":
-            return self._compiler.compile_structural_tag(text)
+            return self._structural_compiler(text).compile_structural_tag(text)
         raise GrammarError(f"unknown constraint kind {kind!r}")
+
+    def _structural_compiler(self, text: str) -> xgr.GrammarCompiler:
+        """The compiler for a structural tag: the plain one, or, where the tag names special
+        tokens (``token`` elements, token triggers), one whose vocabulary gives just those
+        tokens their text."""
+        try:
+            named = _named_tokens(json.loads(text))
+        except ValueError:
+            return self._compiler  # xgrammar reports the syntax error
+        markers = frozenset(t for t in named if 0 <= t < self.vocab_size
+                            and not self._encoded[t] and t not in self._stops)
+        if not markers:
+            return self._compiler
+        with self._marker_lock:
+            compiler = self._marker_compilers.get(markers)
+            if compiler is None:
+                encoded = list(self._encoded)
+                for token_id in markers:
+                    encoded[token_id] = self._tokenizer.decode([token_id]).encode()
+                info = xgr.TokenizerInfo(encoded, vocab_type=xgr.VocabType.RAW,
+                                         vocab_size=self.vocab_size, stop_token_ids=self._stops)
+                compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
+                self._marker_compilers[markers] = compiler
+        return compiler
+
+
+def _named_tokens(node: Any) -> set[int]:
+    """The token ids a structural tag names: ``{"type": "token", "token": id}`` elements and
+    ``trigger_tokens`` (ids only; a token named by its text is resolved by xgrammar)."""
+    found: set[int] = set()
+    if isinstance(node, dict):
+        if node.get("type") == "token" and isinstance(node.get("token"), int):
+            found.add(node["token"])
+        for token in node.get("trigger_tokens") or ():
+            if isinstance(token, int):
+                found.add(token)
+        for value in node.values():
+            found |= _named_tokens(value)
+    elif isinstance(node, list):
+        for value in node:
+            found |= _named_tokens(value)
+    return found
 
 
 def _describe(kind: GrammarKind, text: str, message: str) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from splitserve.engine.kv_pool import PageAllocator
 from splitserve.engine.sched.request import Req
+from splitserve.ipc.messages import KVEvent, TierStats
 
 
 @dataclass(slots=True)
@@ -91,6 +92,48 @@ class BasePrefixCache(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> CacheStats:
         """Current sizes and counters."""
+
+    # ---- tiers below the pool (radix_cache.tiers); a cache without them keeps the defaults ----
+
+    identity: str = ""  # the block keys' model identity (KV events); "": publishes none
+    store_url: str = ""  # the shared store its blocks may be in ("": none)
+
+    def prefetch(self, req: Req) -> None:
+        """A new request was queued: start bringing what lower tiers hold of its prompt back
+        towards the pool while other requests compute. The default has no tiers."""
+
+    def ready(self, req: Req) -> bool:
+        """Whether ``req`` may be matched now: no load of its prompt is still running (a
+        request whose load is not done waits; the others are scheduled past it)."""
+        return True
+
+    @property
+    def is_loading(self) -> bool:
+        """Whether any load is running (the worker polls for it instead of idling)."""
+        return False
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A forward pass computed ``num_tokens`` prompt tokens in ``seconds`` (the prefill rate
+        that loads are weighed against)."""
+
+    def prefill_rate(self) -> float:
+        """The measured prefill rate (tokens/s; 0: not measured)."""
+        return 0.0
+
+    def drain_events(self) -> list[KVEvent]:
+        """Changes of where blocks live since the last call (KV events for the router)."""
+        return []
+
+    def snapshot_events(self) -> list[KVEvent]:
+        """Every block held now, as ``stored`` events per tier."""
+        return []
+
+    def tier_stats(self) -> list[TierStats]:
+        """One row per tier (empty without tiers)."""
+        return []
+
+    def close(self) -> None:
+        """Stop background I/O (finishing queued writes)."""
 
     def admitted(self, req: Req) -> None:
         """Count a matched request that was admitted; on a first admission (no output yet) set

@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from splitserve.ipc.messages import SamplingParams
+from splitserve.ipc.messages import SamplingParams, StageStamps
 
 if TYPE_CHECKING:
     from splitserve.engine.grammar.request_grammar import RequestGrammar
@@ -43,6 +43,9 @@ class Req:
     page_ids: list[int] = field(default_factory=list)
     kv_len: int = 0
     cached_len: int = 0  # prompt tokens served from a prefix cache (reported to the client)
+    # Of ``cached_len``, the tokens each cache tier served (radix_cache.tiers: "l1" the pool,
+    # "l2" host memory, "l3" disk, "store" the shared store); empty when no tier is configured.
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
     matched_len: int = 0  # leading tokens whose pages the prefix cache lent at this admission
     locked_node: object | None = None  # the prefix cache's pin on those pages (radix TreeNode)
     finish_reason: str | None = None
@@ -60,6 +63,11 @@ class Req:
     uid: int = field(default_factory=lambda: next(_uids))  # keys per-sequence engine caches
     ngrams: NgramIndex | None = None  # speculative drafts' index, made at its first decode step
     lora_slot: int | None = None  # its adapter's slot while admitted (engine.lora.slots)
+    # When it passed each stage boundary here (wall clock; the worker stamps them, the router
+    # gets them with its first and last outputs), and its trace record when it is traced
+    # (``worker.tracing.ReqTrace``; None: not traced). The engine never reads either.
+    stamps: StageStamps = field(default_factory=StageStamps)
+    trace: Any = None
 
     @property
     def lora_id(self) -> str:

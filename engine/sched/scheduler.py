@@ -30,12 +30,15 @@ SENDING_KV        prefilled here (prefill worker): its pages are held        yes
 ================  =========================================================  ==================
 
 Admission is one rule (:meth:`Scheduler.can_admit`) for the scheduler's own prompts and for the
-reservations of requests whose KV is coming (:meth:`Scheduler.admit_waiting_for_kv`, in arrival
-order). A request under a LoRA adapter is also admitted only with a reference on its adapter's
-slot (``engine.lora``), held until its pages are freed; one whose adapter gets no slot yet
-waits without holding up the requests behind it, and its adapter is named to the slots so that
-one is drained for it (``engine.lora.slots``). A request in a KV handoff leaves through :meth:`Scheduler.release` (its transfer session
-ended) or, its KV arrived, :meth:`Scheduler.add_received`.
+reservations of requests whose KV is coming (:meth:`Scheduler.admit_waiting_for_kv`). Both queues are ordered by ``SamplingParams.priority`` (lower first, vLLM's semantics), then arrival;
+when pages run out the least urgent running request is retracted (recomputed later), and a
+waiting prompt more urgent than running ones preempts them (:meth:`_preempt_for_waiting`). With
+every priority equal (the default 0) this is first come, first served. A request under a LoRA
+adapter is also admitted only with a reference on its adapter's slot (``engine.lora``), held
+until its pages are freed; one whose adapter gets no slot yet waits without holding up the
+requests behind it, and its adapter is named to the slots so that one is drained for it
+(``engine.lora.slots``). A request in a KV handoff leaves through :meth:`Scheduler.release` (its
+transfer session ended) or, its KV arrived, :meth:`Scheduler.add_received`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import deque
+from collections.abc import Iterable
 
 from splitserve.config import EngineConfig
 from splitserve.engine.kv_pool import pages_for
@@ -128,8 +132,12 @@ class Scheduler:
         return self.cache.ensure_free(num_pages + len(self.running))
 
     def add(self, req: Req) -> None:
-        """Queue a request that needs prefill (new, or pages installed but not all of them)."""
-        self.waiting.append(req)
+        """Queue a request that needs prefill (new, or pages installed but not all of them):
+        after every waiting request of the same or a more urgent priority (lower
+        ``sampling.priority``), so the queue runs by priority, then arrival. The prefix cache
+        starts loading what its lower tiers hold of the prompt meanwhile."""
+        _insert_by_priority(self.waiting, req, ties_first=False)
+        self.cache.prefetch(req)
 
     def add_running(self, req: Req) -> None:
         """Queue a request whose KV is complete but for its last tokens: the sampled token, plus
@@ -139,12 +147,14 @@ class Scheduler:
 
     def add_waiting_for_kv(self, req: Req) -> None:
         """Queue a request whose prompt's KV a prefill worker computes (``WAITING_FOR_KV``): it
-        holds no pages until :meth:`admit_waiting_for_kv` reserves them, in arrival order."""
-        self.waiting_for_kv.append(req)
+        holds no pages until :meth:`admit_waiting_for_kv` reserves them, by priority, then
+        arrival."""
+        _insert_by_priority(self.waiting_for_kv, req, ties_first=False)
 
     def admit_waiting_for_kv(self) -> list[Req]:
-        """Reserve the prompt's pages of each queued ``WAITING_FOR_KV`` request, in arrival
-        order, while :meth:`can_admit` allows (the first that does not fit stops the rest).
+        """Reserve the prompt's pages of each queued ``WAITING_FOR_KV`` request, by priority
+        then arrival, while :meth:`can_admit` allows (the first that does not fit stops the
+        rest; one whose adapter has no slot yet is passed over).
 
         Returns: the requests admitted now, each with ``page_ids`` = its reservation (the pages
         its KV is to be written into), in arrival order."""
@@ -384,9 +394,12 @@ class Scheduler:
         chunks: list[int] = []
         alloc = self.allocator
         page_size = self.page_size
+        self._preempt_for_waiting()
         speculate = 0 < len(self.running) <= self.speculative_max_running and self.num_draft > 0
-        # Decode first: it keeps inter-token latency flat while prompts are chunked in.
-        for req in list(self.running):
+        # Decode first: it keeps inter-token latency flat while prompts are chunked in. The
+        # most urgent rows first (a stable sort: admission order among equals), so the last
+        # free pages go to them and a less urgent row is the one that yields.
+        for req in sorted(self.running, key=lambda r: r.sampling.priority):
             if req not in self.running:  # retracted below while making room
                 continue
             if len(reqs) >= self.max_running:
@@ -417,6 +430,8 @@ class Scheduler:
             if budget <= 0 or len(reqs) >= self.max_running:
                 break
             is_new = not req.page_ids
+            if is_new and not self.cache.ready(req):
+                continue  # its prompt's KV is still loading from a lower tier: the next may go
             if is_new and not self._acquire_adapter(req):
                 continue  # its adapter has no slot yet: the prompts behind it go ahead
             if is_new:
@@ -477,21 +492,72 @@ class Scheduler:
         return draft
 
     def _retract_one(self, keep: Req, scheduled: list[Req]) -> bool:
-        """Retract the most recently admitted running request other than ``keep`` and those
-        already in this step's batch (retracting one of those would leave it in the batch with
-        no pages)."""
-        for victim in reversed(self.running):
-            if victim is not keep and victim not in scheduled:
+        """Retract one running request other than ``keep`` and those already in this step's
+        batch (retracting one of those would leave it in the batch with no pages) and not more
+        urgent than ``keep`` (a lower ``priority``): the least urgent, the most recently
+        admitted among equals. False when there is none (then ``keep`` itself yields)."""
+        victim = _least_urgent(r for r in self.running if r is not keep and r not in scheduled
+                               and r.sampling.priority >= keep.sampling.priority)
+        if victim is None:
+            return False
+        self._retract(victim)
+        return True
+
+    def _preempt_for_waiting(self) -> None:
+        """vLLM's priority preemption: while the most urgent waiting request is a new prompt
+        that cannot be admitted, retract running requests strictly less urgent than it (the
+        least urgent, latest admitted first), until it fits or none is left. With every
+        priority equal this does nothing: requests wait in arrival order, as before."""
+        if not self.waiting or self.waiting[0].page_ids:
+            return
+        head = self.waiting[0]
+        if not any(r.sampling.priority > head.sampling.priority for r in self.running):
+            return
+        self.cache.match(head)
+        try:
+            total = pages_for(head.seq_len + 1, self.page_size) - len(head.page_ids)
+            while not self.can_admit(total):
+                victim = _least_urgent(r for r in self.running
+                                       if r.sampling.priority > head.sampling.priority)
+                if victim is None:
+                    return
                 self._retract(victim)
-                return True
-        return False
+        finally:
+            self.cache.unmatch(head)
 
     def _retract(self, req: Req) -> None:
-        # Its KV is recomputed later over prompt + output, which continues the same sequence.
+        # Its KV is recomputed later over prompt + output, which continues the same sequence;
+        # it goes back ahead of the waiting requests of its own priority (it came before them).
         self.running.remove(req)
         self.free(req)
-        self.waiting.appendleft(req)
+        _insert_by_priority(self.waiting, req, ties_first=True)
         self.num_retracted += 1
+
+
+def _insert_by_priority(queue: deque[Req], req: Req, ties_first: bool) -> None:
+    """Insert ``req`` into ``queue`` (sorted by ``sampling.priority``, lowest first) before
+    (``ties_first``) or after the requests of its own priority. O(1) when it goes last."""
+    p = req.sampling.priority
+    if not queue or (queue[-1].sampling.priority < p if ties_first
+                     else queue[-1].sampling.priority <= p):
+        queue.append(req)
+        return
+    for i, other in enumerate(queue):
+        q = other.sampling.priority
+        if q > p or (ties_first and q == p):
+            queue.insert(i, req)
+            return
+    queue.append(req)
+
+
+def _least_urgent(candidates: Iterable[Req]) -> Req | None:
+    """The candidate with the highest ``priority`` value, the last of them among equals (the
+    running list is in admission order)."""
+    victim = None
+    for req in candidates:
+        if victim is None or req.sampling.priority >= victim.sampling.priority:
+            victim = req
+    return victim
 
 
 def _scores_prompt(req: Req, chunk_len: int) -> bool:

@@ -1,10 +1,12 @@
-"""Model text -> content and tool calls, incrementally: the streaming and the full answer alike.
+"""Model text -> content and tool calls for the JSON families (Hermes, Llama 3 JSON, Mistral),
+incrementally: the streaming and the full answer alike.
 
 :class:`ToolCallExtractor` is fed the detokenized text as it arrives and returns
 :class:`ToolEvent` s: content text outside any call, the start of a call (its name, once the
 name is complete), and fragments of the call's arguments, as OpenAI's streaming deltas carry
-them. The full (non-streaming) answer is the same events gathered (:func:`parse_tool_calls`),
-so a streamed answer reassembles to exactly the full one.
+them. The full (non-streaming) answer is the same events gathered
+(``server.tools.parsers.parse_tool_calls``), so a streamed answer reassembles to exactly the
+full one.
 
 Text that might be the start of a call marker is held back until it is clear, so no markup
 reaches ``content``. Whitespace (and the format's separator) between calls is not content:
@@ -18,23 +20,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import Enum
 
 from splitserve.server.tools.calls import ToolCall, new_call_id
+from splitserve.server.tools.events import BaseToolCallParser, ToolEvent, merge_events
 from splitserve.server.tools.formats import ToolCallFormat
+from splitserve.server.tools.scan import MISMATCH as _MISMATCH
+from splitserve.server.tools.scan import NEED as _NEED
+from splitserve.server.tools.scan import WS as _WS
+from splitserve.server.tools.scan import ValueScanner as _ValueScanner
+from splitserve.server.tools.scan import first_trigger as _first_trigger
+from splitserve.server.tools.scan import match_literal as _match_literal
+from splitserve.server.tools.scan import partial_suffix as _partial_suffix
+from splitserve.server.tools.scan import skip_ws as _skip_ws
 
-
-@dataclass(slots=True)
-class ToolEvent:
-    """One piece of the answer: ``content`` text, or a call's start (``name`` set, with its
-    ``call_id``) or an ``arguments`` fragment of call ``index``."""
-
-    content: str | None = None
-    index: int = -1
-    call_id: str | None = None
-    name: str | None = None
-    arguments: str | None = None
+__all__ = ["ToolCallExtractor", "ToolEvent"]
 
 
 class _State(Enum):
@@ -47,12 +47,11 @@ class _State(Enum):
     LIST_NEXT = "list_next"  # ``,`` and the next object, or ``]``
 
 
-_WS = " \t\r\n"
-_NEED, _MISMATCH = -1, -2  # scan results besides "matched up to index i"
 
 
-class ToolCallExtractor:
-    """Splits one answer's text into content and calls in ``fmt``.
+class ToolCallExtractor(BaseToolCallParser):
+    """Splits one answer's text into content and calls in ``fmt`` (a JSON family: Hermes,
+    Llama 3 JSON, Mistral).
 
     Args:
         fmt: the envelope the model writes.
@@ -206,116 +205,7 @@ class ToolCallExtractor:
         self._start, self._buf = "", raw[1:]
 
 
-@dataclass(slots=True)
-class _ValueScanner:
-    """Finds where one JSON value ends, a chunk at a time (strings, escapes, nesting)."""
-
-    depth: int = 0
-    started: bool = False
-    in_string: bool = False
-    escaped: bool = False
-    scalar: bool = False
-
-    def feed(self, text: str) -> tuple[int, bool]:
-        """``(characters of text that belong to the value, whether the value is complete)``."""
-        for i, ch in enumerate(text):
-            if not self.started:
-                if ch in _WS:
-                    continue
-                self.started = True
-                if ch == '"':
-                    self.in_string = True
-                elif ch in "{[":
-                    self.depth = 1
-                else:
-                    self.scalar = True
-                continue
-            if self.scalar:
-                if ch in _WS + ",}]":
-                    return i, True
-                continue
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-                    if self.depth == 0:
-                        return i + 1, True
-                continue
-            if ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return i + 1, True
-        return len(text), False
-
-
-def parse_tool_calls(text: str, fmt: ToolCallFormat,
-                     call_ids: Callable[[], str] | None = None) -> tuple[str, list[ToolCall]]:
-    """The whole answer's ``(content, calls)``, exactly what streaming it would deliver."""
-    extractor = ToolCallExtractor(fmt, call_ids)
-    events = extractor.feed(text) + extractor.finish()
-    content = "".join(e.content for e in events if e.content is not None)
-    return content, extractor.calls
-
-
-def _merge(events: list[ToolEvent]) -> list[ToolEvent]:
-    """Adjacent content events, and adjacent argument fragments of one call, as one event."""
-    out: list[ToolEvent] = []
-    for ev in events:
-        last = out[-1] if out else None
-        if last is not None and ev.content is not None and last.content is not None:
-            last.content += ev.content
-        elif (last is not None and ev.arguments is not None and last.arguments is not None
-              and last.index == ev.index):
-            last.arguments += ev.arguments
-        elif ev.content != "":
-            out.append(ev)
-    return out
-
-
-def _first_trigger(buf: str, triggers: list[str]) -> tuple[int, str]:
-    """The earliest position of any trigger in ``buf`` and which one (-1 if none)."""
-    best, which = -1, ""
-    for t in triggers:
-        at = buf.find(t)
-        if at >= 0 and (best < 0 or at < best):
-            best, which = at, t
-    return best, which
-
-
-def _partial_suffix(buf: str, triggers: list[str]) -> int:
-    """Length of the longest end of ``buf`` that a trigger starts with."""
-    best = 0
-    for t in triggers:
-        for n in range(min(len(t) - 1, len(buf)), best, -1):
-            if buf.endswith(t[:n]):
-                best = n
-                break
-    return best
-
-
-def _skip_ws(buf: str, i: int) -> int:
-    while i < len(buf) and buf[i] in _WS:
-        i += 1
-    return i
-
-
-def _match_literal(buf: str, i: int, literal: str) -> int:
-    """After optional whitespace, ``literal`` at ``buf[i:]``: the index after it, or _NEED /
-    _MISMATCH."""
-    i = _skip_ws(buf, i)
-    avail = buf[i: i + len(literal)]
-    if not literal.startswith(avail):
-        return _MISMATCH
-    if len(avail) < len(literal):
-        return _NEED
-    return i + len(literal)
+_merge = merge_events
 
 
 def _match_string(buf: str, i: int) -> tuple[int, str]:

@@ -16,8 +16,9 @@ from splitserve.constraints.schema_limits import ignored_keywords, known_refusal
 from splitserve.ipc.messages import Constraint
 from splitserve.server.errors import APIError
 from splitserve.server.protocol import ChatCompletionRequest, NamedToolChoice
-from splitserve.server.tools.formats import ToolCallFormat
+from splitserve.server.tools.formats import PythonicFormat, ToolCallFormat
 from splitserve.server.tools.grammar import ANY_OBJECT, FunctionSpec, tool_call_constraint
+from splitserve.server.tools.pythonic_grammar import unenforced as pythonic_unenforced
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,19 +29,24 @@ class ToolRequest:
         tools: the ``tools[]`` entries to render into the prompt (None: none).
         constraint: the call grammar (None: tools are off for this answer).
         format: the envelope the answer is parsed in (None: the answer is plain content).
+        functions: name -> ``parameters`` schema of every function in ``tools`` (the XML and
+            pythonic parsers read them).
     """
 
     tools: list[dict[str, Any]] | None
     constraint: Constraint | None
     format: ToolCallFormat | None
+    functions: dict[str, dict[str, Any]] | None = None
 
 
 NO_TOOLS = ToolRequest(None, None, None)
 
 
 def tool_request(req: ChatCompletionRequest, fmt: ToolCallFormat,
-                 begin_token: int | None = None) -> ToolRequest:
-    """The tool side of ``req`` for a model writing calls in ``fmt``.
+                 begin_token: int | None = None,
+                 special: dict[str, int] | None = None) -> ToolRequest:
+    """The tool side of ``req`` for a model writing calls in ``fmt`` (``begin_token``,
+    ``special``: its markers that are special tokens, ``server.tools.grammar``).
 
     Raises:
         APIError: ``tool_choice`` required or named without ``tools``, a named function
@@ -61,7 +67,8 @@ def tool_request(req: ChatCompletionRequest, fmt: ToolCallFormat,
         raise APIError(f"tools: the function name {dup!r} appears twice", param="tools")
     for i, tool in enumerate(tools):
         if tool.function.strict and tool.function.parameters is not None:
-            _refuse_unenforceable(tool.function.parameters, f"tools[{i}].function.parameters")
+            _refuse_unenforceable(fmt, tool.function.parameters,
+                                  f"tools[{i}].function.parameters")
     if choice == "none":
         return NO_TOOLS
     functions = [FunctionSpec(t.function.name, t.function.parameters or ANY_OBJECT)
@@ -77,15 +84,21 @@ def tool_request(req: ChatCompletionRequest, fmt: ToolCallFormat,
         mode = "required"
     _refuse_second_constraint(req)
     parallel = req.parallel_tool_calls is not False
-    constraint = tool_call_constraint(fmt, functions, mode, parallel, begin_token)  # type: ignore[arg-type]
+    constraint = tool_call_constraint(fmt, functions, mode, parallel,  # type: ignore[arg-type]
+                                      begin_token, special)
     rendered = [t.model_dump(exclude_none=True) for t in tools]
-    return ToolRequest(rendered, constraint, fmt)
+    schemas = {t.function.name: t.function.parameters or ANY_OBJECT for t in tools}
+    return ToolRequest(rendered, constraint, fmt, schemas)
 
 
-def _refuse_unenforceable(schema: dict[str, Any], param: str) -> None:
+def _refuse_unenforceable(fmt: ToolCallFormat, schema: dict[str, Any], param: str) -> None:
     # Tool calls compile as xgrammar structural tags (constraints.chain routes them there):
-    # its measured limits (constraints.schema_limits) say what it would not enforce.
-    unenforced = ignored_keywords("xgrammar", schema) + known_refusals("xgrammar", schema)
+    # its measured limits (constraints.schema_limits) say what it would not enforce; a
+    # pythonic call's arguments are our own EBNF (server.tools.pythonic_grammar).
+    if isinstance(fmt, PythonicFormat):
+        unenforced = pythonic_unenforced(schema)
+    else:
+        unenforced = ignored_keywords("xgrammar", schema) + known_refusals("xgrammar", schema)
     if unenforced:
         raise APIError(
             f"{param}: the function is strict, but the grammar cannot enforce "

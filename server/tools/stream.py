@@ -10,16 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve.server.tools.extract import ToolCallExtractor, ToolEvent
+from splitserve.server.tools.events import ToolEvent
 from splitserve.server.tools.formats import ToolCallFormat
+from splitserve.server.tools.parsers import create_parser
 
 
 class ToolCallStream:
     """Turns one answer's text, piece by piece, into chat deltas (``{"content": ...}`` or
-    ``{"tool_calls": [...]}``)."""
+    ``{"tool_calls": [...]}``); ``functions``: name -> ``parameters`` of the request's
+    functions (``server.tools.parsers.create_parser``)."""
 
-    def __init__(self, fmt: ToolCallFormat) -> None:
-        self.extractor = ToolCallExtractor(fmt)
+    def __init__(self, fmt: ToolCallFormat,
+                 functions: dict[str, dict[str, Any]] | None = None) -> None:
+        self.extractor = create_parser(fmt, functions)
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """Deltas for the next piece of text."""

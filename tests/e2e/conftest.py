@@ -16,7 +16,8 @@ __all__ = ["free_port"]
 
 def _launch(model_path: Path, **kw) -> Iterator[Cluster]:
     # One thread per worker: CI machines have 2 cores shared with pytest and the API server.
-    options = {"kv_cache_mb": 128, "threads_per_worker": 1, **kw}
+    # Stored responses in memory: tests leave nothing in the cache folder.
+    options = {"kv_cache_mb": 128, "threads_per_worker": 1, "responses_store": ":memory:", **kw}
     with Cluster(serve_config(model_path, **options)) as cluster:
         yield cluster
 
@@ -47,7 +48,7 @@ def worker_pages_used(cluster: Cluster) -> dict[str, int]:
 
 def flush_cache(cluster: Cluster) -> list[dict]:
     """``POST /flush_cache``; the workers' stats after the flush."""
-    r = httpx.post(cluster.config.url + "/flush_cache", timeout=60)
+    r = httpx.post(cluster.config.url + "/flush_cache", json={}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
 

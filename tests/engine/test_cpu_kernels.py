@@ -12,7 +12,7 @@ import torch
 from splitserve.engine.kernels.cpu.bindings import SKINNY_MAX_ROWS, CpuKernels
 from splitserve.engine.model.layers import Linear, can_pack
 from splitserve.engine.step_plan import product_for
-from tests.cpu_kernels import load_or_fail
+from tests.cpu_kernels import BF16_KERNEL_FLAGS, cpu_flags, load_or_fail, require_kernel
 
 kernels = load_or_fail()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the kernel is off")
@@ -134,7 +134,8 @@ def tile_tolerance(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch
     return 2**-8 * ref.abs() + k * 2**-24 * (x.float().abs() @ w.float().abs().T) + 1e-30
 
 
-@pytest.mark.skipif(kernels is None or not kernels.has_gemm, reason="no AVX512_BF16 kernel")
+@require_kernel(kernels, kernels is not None and kernels.has_gemm, BF16_KERNEL_FLAGS,
+                "bfloat16 register tiles (gemm_bf16.c)")
 @pytest.mark.parametrize("n,k", [(16, 48), (80, 37), (960, 576), (576, 1536), (4112, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemm_tiles_match_float32_reference(n, k, bias) -> None:
@@ -163,7 +164,8 @@ def test_gemm_tiles_match_float32_reference(n, k, bias) -> None:
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(kernels is None or kernels.has_gemm, reason="this CPU has AVX512_BF16")
+@pytest.mark.skipif(kernels is None or set(BF16_KERNEL_FLAGS) <= cpu_flags(),
+                    reason="this CPU has AVX512_BF16 (/proc/cpuinfo)")
 def test_gemm_refuses_without_avx512_bf16() -> None:
     w = CpuKernels.pack_decode(torch.randn(16, 8).to(torch.bfloat16))
     assert kernels is not None and kernels.linear_gemm(torch.ones(4, 8).bfloat16(), w, None) is None

@@ -25,13 +25,13 @@ from splitserve.engine.model.quant_int4 import (
     unpack_int4,
 )
 from splitserve.engine.step_plan import product_for
-from tests.cpu_kernels import load_or_fail
+from tests.cpu_kernels import VNNI_KERNEL_FLAGS, load_or_fail, require_kernel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 KERNELS = load_or_fail()
-needs_w4 = pytest.mark.skipif(KERNELS is None or not KERNELS.has_w4,
-                              reason="no C compiler or no AVX512-VNNI")
+needs_w4 = require_kernel(KERNELS, KERNELS is not None and KERNELS.has_w4, VNNI_KERNEL_FLAGS,
+                          "int4 weight products (gemm_w4.c)")
 needs_torch_int4 = pytest.mark.skipif(not torch_int4_available(),
                                       reason="this torch has no CPU int4 kernel")
 # Decode's row buckets (1-32) and a prompt chunk (64 rows), on the default model's shapes.

@@ -18,13 +18,13 @@ from splitserve.engine.model.quant import (
     quantize_int8,
     quantize_int8_groups,
 )
-from tests.cpu_kernels import load_or_fail
+from tests.cpu_kernels import VNNI_KERNEL_FLAGS, load_or_fail, require_kernel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 KERNELS = load_or_fail()
-needs_w8 = pytest.mark.skipif(KERNELS is None or not KERNELS.has_w8,
-                              reason="no C compiler or no AVX512-VNNI")
+needs_w8 = require_kernel(KERNELS, KERNELS is not None and KERNELS.has_w8, VNNI_KERNEL_FLAGS,
+                          "int8 weight products (gemm_w8.c)")
 
 
 def test_quantize_int8_is_per_channel_absmax_round_to_nearest() -> None:

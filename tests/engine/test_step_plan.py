@@ -24,6 +24,7 @@ from splitserve.engine.step_plan import (
     plan_step,
     product_for,
 )
+from tests.cpu_kernels import BF16_KERNEL_FLAGS, check_kernel
 
 C, TORCH, C_T4 = Product.C, Product.TORCH, Product.C_TORCH_INT4
 CPU = ProductLimits(8, 4)  # a measured plan: layers C up to 8 rows, the head up to 4
@@ -286,8 +287,8 @@ def test_each_step_takes_the_path_its_plan_names(bf16_model, monkeypatch, specul
     from splitserve.engine.model.kernel_plan import ProductPlan
 
     model, cfg = bf16_model
-    if model.kernels is None or model.kernels.decode_max_rows < 4:
-        pytest.skip("needs the C products at 4 rows (AVX512_BF16 tiles)")
+    check_kernel(model.kernels, model.kernels is not None and model.kernels.decode_max_rows >= 4,
+                 BF16_KERNEL_FLAGS, "the C products at 4 rows (AVX512_BF16 tiles)")
     plan = ProductPlan(4, 2, "test: C up to 4 rows, head up to 2")
     kinds = _check_paths(model, cfg, monkeypatch, plan, speculative)
     if speculative:
@@ -305,11 +306,13 @@ def test_int4_steps_take_torchs_kernel_where_planned(model_path, monkeypatch) ->
     every projection, as their plans say."""
     from splitserve.engine.model.kernel_plan import ProductPlan
     from splitserve.engine.model.quant_int4 import torch_int4_available
-    from tests.cpu_kernels import load_or_fail
+    from tests.cpu_kernels import VNNI_KERNEL_FLAGS, check_kernel, load_or_fail
 
     kernels = load_or_fail()
-    if not torch_int4_available() or kernels is None or not kernels.has_w4:
-        pytest.skip("needs torch's CPU int4 kernel and ours")
+    if not torch_int4_available():
+        pytest.skip("this torch has no CPU int4 kernel")  # torch's, not ours
+    check_kernel(kernels, kernels is not None and kernels.has_w4, VNNI_KERNEL_FLAGS,
+                 "int4 weight products (gemm_w4.c)")
     model, cfg = _load(model_path, "int4")
     plan = ProductPlan(4, 2, "test: int4 ours at 1 row", w4_layer_rows=1)
     kinds = _check_paths(model, cfg, monkeypatch, plan)

@@ -172,7 +172,7 @@ def test_worker_joins_router_and_drain(cluster, keyfile, model_path) -> None:
                       "draining", "num_running", "num_waiting"):
             assert field in joined, field
         assert joined["role"] == "decode" and joined["addr"].startswith("tcp://127.0.0.1:")
-        r = httpx.post(url + "/workers/decode-0/drain", headers=AUTH)
+        r = httpx.post(url + "/workers/decode-0/drain", json={}, headers=AUTH)
         assert r.status_code == 200 and r.json()["draining"]
         before = workers(cluster, AUTH)["decode-0"]["kv_bytes_received"]
         for i in range(3):
@@ -180,8 +180,9 @@ def test_worker_joins_router_and_drain(cluster, keyfile, model_path) -> None:
         rows = workers(cluster, AUTH)
         assert rows["decode-0"]["kv_bytes_received"] == before  # drained: no new requests
         assert rows["decode-joined"]["kv_bytes_received"] > 0
-        assert httpx.post(url + "/workers/nope/drain", headers=AUTH).status_code == 404
-        assert httpx.post(url + "/workers/decode-0/resume", headers=AUTH).json()["draining"] is False
+        assert httpx.post(url + "/workers/nope/drain", json={}, headers=AUTH).status_code == 404
+        assert httpx.post(url + "/workers/decode-0/resume", json={},
+                          headers=AUTH).json()["draining"] is False
         proc.terminate()
         proc.wait(30)
         wait_until(lambda: not workers(cluster, AUTH)["decode-joined"]["healthy"], 10,

@@ -23,14 +23,16 @@ pytestmark = pytest.mark.slow
 PORT = 8000
 DEAD_AFTER_S = 3.0
 
+# The router listens beyond loopback: workers join it (an operator route) with this key.
+KEY = "sk-netns-operator"
 CLIENT = r"""
 import json, sys, httpx
-url, body = sys.argv[1], json.loads(sys.argv[2])
+url, body, auth = sys.argv[1], json.loads(sys.argv[2]), {"Authorization": "Bearer " + sys.argv[3]}
 if body.get("_get"):
-    r = httpx.get(url + body["_get"], timeout=10)
+    r = httpx.get(url + body["_get"], headers=auth, timeout=10)
     print(json.dumps({"status": r.status_code, "json": r.json()}))
 else:
-    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    r = httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=120)
     print(json.dumps({"status": r.status_code, "json": r.json()}))
 """
 
@@ -46,7 +48,8 @@ def hosts():
 
 def _http(hosts: Hosts, body: dict) -> dict:
     url = f"http://{hosts.addr['router']}:{PORT}"
-    r = subprocess.run(hosts.cmd("router", [sys.executable, "-c", CLIENT, url, json.dumps(body)]),
+    r = subprocess.run(hosts.cmd("router", [sys.executable, "-c", CLIENT, url, json.dumps(body),
+                                            KEY]),
                        check=False, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
@@ -70,7 +73,7 @@ def test_three_hosts_kv_over_real_tcp(hosts: Hosts, model_path: Path) -> None:
         hosts.netem("decode", "delay 2ms loss 0.5%")
     except NetnsUnavailable as exc:  # e.g. a container kernel without sch_netem
         warnings.warn(f"tc netem unavailable, running without delay/loss: {exc}", stacklevel=1)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", SPLITSERVE_API_KEY=KEY)
     router_url = f"http://{hosts.addr['router']}:{PORT}"
     base = [sys.executable, "-m", "splitserve"]
     procs = [subprocess.Popen(hosts.cmd("router", [

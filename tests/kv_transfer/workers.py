@@ -4,6 +4,7 @@ them a request, run their loops until a condition holds."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from pathlib import Path
 
@@ -72,4 +73,6 @@ def run_until(workers, server: Inbox, until, timeout_s: float = 60.0) -> list:
 
 
 def segments() -> set[str]:
-    return {p.name for p in SHM_DIR.glob(PREFIX + "*")}
+    """This test process's shm segments (its in-process workers name them by its pid): other
+    test runs on the machine create and remove their own meanwhile, which must not count."""
+    return {p.name for p in SHM_DIR.glob(f"{PREFIX}{os.getpid()}-*")}

@@ -1,8 +1,10 @@
 """One disaggregated cluster (default model) for the lang end-to-end tests, and its Endpoint.
 
-Features other branches add are detected, not assumed: ``Endpoint.capabilities()`` probes the
-server (a regex-constrained request; echo + logprobs; a repeated prompt's ``cached_tokens``), and
-tests that need a missing feature skip saying which.
+``Endpoint.capabilities()`` probes a server (a regex-constrained request; echo + logprobs; a
+repeated prompt's ``cached_tokens``; a named tool call). Against our own server every capability
+is required: a probe that comes back negative is a regression, so the ``needs_*`` fixtures fail
+the test naming it (they never skip; a skip would hide the regression). Only optional
+third-party servers may skip for a feature they lack.
 """
 
 from __future__ import annotations
@@ -26,13 +28,17 @@ def endpoint(lang_cluster) -> lang.Endpoint:
     return lang.Endpoint(lang_cluster.config.url)
 
 
+def require(endpoint: lang.Endpoint, capability: str, what: str) -> None:
+    """Fail (never skip) when our own server's probe for ``capability`` came back negative."""
+    caps = endpoint.capabilities()
+    assert getattr(caps, capability), f"our server lost a capability: {what} ({caps})"
+
+
 @pytest.fixture
 def needs_constraints(endpoint) -> None:
-    if not endpoint.capabilities().constraints:
-        pytest.skip("server does not enforce constraints yet (structured-generation branch)")
+    require(endpoint, "constraints", "a regex-constrained probe came back unconstrained")
 
 
 @pytest.fixture
 def needs_prefix_cache(endpoint) -> None:
-    if not endpoint.capabilities().prefix_cache:
-        pytest.skip("server reports no cached_tokens yet (radix-cache branch)")
+    require(endpoint, "prefix_cache", "a repeated prompt reported no cached_tokens")

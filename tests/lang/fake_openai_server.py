@@ -10,12 +10,13 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-Responder = Callable[[str, dict[str, Any]], dict[str, Any]]
+# A JSON body (HTTP 200), or (status, JSON body).
+Responder = Callable[[str, dict[str, Any]], dict[str, Any] | tuple[int, dict[str, Any]]]
 
 
 class FakeOpenAIServer:
-    """Answers ``POST`` with ``respond(path, body)`` (a JSON body, HTTP 200; as one SSE delta
-    when the request streams) and ``GET
+    """Answers ``POST`` with ``respond(path, body)`` (a JSON body, HTTP 200, as one SSE delta
+    when the request streams; or ``(status, body)``, sent as it is) and ``GET
     /chat_template`` with ``template``; records every request as ``(path, body)``."""
 
     def __init__(self, respond: Responder, template: str | None = None) -> None:
@@ -52,7 +53,9 @@ def _handler(server: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
             with server.lock:
                 server.requests.append((self.path, body))
             answer = server.respond(self.path, body)
-            if body.get("stream"):
+            if isinstance(answer, tuple):
+                self._send(*answer)
+            elif body.get("stream"):
                 self._send_events(_as_events(answer))
             else:
                 self._send(200, answer)

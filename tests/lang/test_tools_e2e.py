@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 
 from splitserve import lang
+from tests.lang.conftest import require
 from tests.lang.weather_tools import TOOLS, weather_agent
 
 pytestmark = pytest.mark.slow
@@ -17,8 +18,7 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in map(lang.
 
 @pytest.fixture
 def needs_tools(endpoint) -> None:
-    if not endpoint.capabilities().tools:
-        pytest.skip("server returns no tool_calls yet (tool-calling branch)")
+    require(endpoint, "tools", "a chat request naming a function returned no tool_calls")
 
 
 def _check_loop(s: lang.ProgramState) -> list[lang.ToolCall]:

@@ -40,11 +40,15 @@ def lora_dir(tmp_path: Path) -> Path:
     return root
 
 
-def app_client(fake, tokenizer, models: ServedModels, keys: KeyRing | None = None) -> TestClient:
+LOOPBACK = ("127.0.0.1", 50000)  # with no --api-key, operator routes serve loopback only
+
+
+def app_client(fake, tokenizer, models: ServedModels, keys: KeyRing | None = None,
+               client: tuple[str, int] = LOOPBACK) -> TestClient:
     app = create_app(fake, tokenizer, MODEL, CONTEXT_LEN, [tokenizer.eos_token_id], models=models)
     if keys is not None:
         install_guard(app, keys, max_body_bytes=0)
-    return TestClient(app)
+    return TestClient(app, client=client)
 
 
 @pytest.fixture
@@ -131,6 +135,16 @@ def test_run_time_loads_need_lora_enabled(fake, tokenizer, lora_dir) -> None:
     assert r.status_code == 200, r.text  # no --lora-dir: any folder
 
 
+def test_loads_without_a_key_are_loopback_only(fake, tokenizer, lora_dir) -> None:
+    remote = app_client(fake, tokenizer, ServedModels(MODEL, lora_dir=str(lora_dir)),
+                        client=("203.0.113.7", 40000))
+    for path, body in ((LOAD, {"lora_name": "x", "lora_path": "chat"}),
+                       (UNLOAD, {"lora_name": "x"})):
+        r = remote.post(path, json=body)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
+    assert fake.loaded_loras == {}
+
+
 def test_loads_are_the_operators(fake, tokenizer, lora_dir, tmp_path) -> None:
     keyfile = tmp_path / "keys"
     keyfile.write_text("sk-alice alice\n")
@@ -147,3 +161,26 @@ def test_loads_are_the_operators(fake, tokenizer, lora_dir, tmp_path) -> None:
     r = client.post(C, json={"model": "x", "prompt": "hi"},
                     headers={"Authorization": "Bearer sk-alice"})
     assert r.status_code == 200  # tenants use the adapters the operator loaded
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_messages_and_responses_run_under_the_adapter_named(client, fake, lora_dir,
+                                                            path) -> None:
+    """Anthropic's Messages and OpenAI's Responses build their jobs through
+    ``JobBuilder.chat_job`` too: an adapter's name runs under it, an unknown one is a 404 (never
+    a 5xx), the alias and the base model's name run on the base."""
+    if path == "/v1/messages":
+        body = {"model": "sql", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    else:
+        body = {"model": "sql", "input": "hi", "max_output_tokens": 16}
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "sql"
+    ref = fake.loras[-1]
+    assert ref is not None and (ref.name, ref.path) == ("sql", str(lora_dir / "sql"))
+    for base in ("default", MODEL):
+        assert client.post(path, json={**body, "model": base}).status_code == 200
+        assert fake.loras[-1] is None
+    r = client.post(path, json={**body, "model": "chat"})  # in --lora-dir, but not loaded
+    assert r.status_code == 404, r.text
+    assert "'chat'" in r.text

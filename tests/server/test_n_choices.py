@@ -206,16 +206,27 @@ def test_n_16_is_accepted(client) -> None:
 
 class _LeadFails(FakeEngineClient):
     """Every choice sends its first event; then the lead (rid ``...-0``) fails while its
-    siblings wait for more (like decode steps in flight)."""
+    siblings wait for more (like decode steps in flight). The lead fails only once both
+    siblings' first events were taken by the server (an event, not a sleep)."""
 
-    async def generate(self, rid, input_ids, sampling, cache_namespace=None, affinity=None):
+    num_siblings = 2
+    _siblings_started: asyncio.Event | None = None
+    _num_started = 0
+
+    async def generate(self, rid, input_ids, sampling, cache_namespace=None, affinity=None,
+                       **observed):
         inner = super().generate(rid, input_ids, sampling, cache_namespace, affinity)
+        if self._siblings_started is None:  # made on the server's event loop
+            self._siblings_started = asyncio.Event()
         try:
             yield await anext(inner)
             if rid.endswith("-0"):
-                await asyncio.sleep(0.05)  # the siblings have started by now
+                await asyncio.wait_for(self._siblings_started.wait(), 60)
                 yield TokenEvent([], [], error="decode worker died", error_code=500)
                 return
+            self._num_started += 1  # the server asked for this choice's next event
+            if self._num_started == self.num_siblings:
+                self._siblings_started.set()
             await asyncio.Event().wait()  # until the server closes this stream
         finally:
             await inner.aclose()  # the fake records the abort of an unfinished request

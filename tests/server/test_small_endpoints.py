@@ -19,9 +19,10 @@ CONTEXT_LEN = 256
 USER = [{"role": "user", "content": "Say hi"}]
 
 
-def make_app(tokenizer):
+def make_app(tokenizer, allowed_origins=()):
     fake = FakeEngineClient(tokenizer, eos_token_id=tokenizer.eos_token_id)
-    return create_app(fake, tokenizer, MODEL, CONTEXT_LEN, [tokenizer.eos_token_id])
+    return create_app(fake, tokenizer, MODEL, CONTEXT_LEN, [tokenizer.eos_token_id],
+                      allowed_origins=allowed_origins)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,7 @@ def test_tokenize_unknown_model_is_404(client, path, body) -> None:
 
 def test_tokenize_needs_a_json_object(client) -> None:
     for content in (b"[1, 2]", b"{nope", b'{"prompt": "a\\ud800b"}'):  # a lone surrogate
-        r = client.post("/tokenize", content=content)
+        r = client.post("/tokenize", content=content, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
@@ -166,7 +167,7 @@ def test_cors(tokenizer) -> None:
     assert plain.options("/v1/chat/completions", headers=preflight).status_code != 200
     from splitserve.server.guard import install_guard
 
-    app = make_app(tokenizer)
+    app = make_app(tokenizer, ["http://app.test"])  # as server.main builds it
     install_guard(app, "sekret", 0)
     install_cors(app, ["http://app.test"])
     client = TestClient(app)

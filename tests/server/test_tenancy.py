@@ -142,14 +142,18 @@ def test_wrong_key_still_401(fake, tokenizer, keyfile) -> None:
 
 def test_flush_cache_is_the_operators_only(fake, tokenizer, keyfile) -> None:
     """A tenant's key may not flush every tenant's cache (403 naming the operator's key); the
-    operator's ``--api-key`` may, and so may anyone when no key is configured."""
+    operator's ``--api-key`` may, from anywhere; with no key configured, a client on loopback
+    may and any other gets 403."""
     client = make_client(fake, tokenizer, keyfile)
     for tenant_key in ("sk-alice", "sk-bob"):
-        r = client.post("/flush_cache", headers=auth(tenant_key))
+        r = client.post("/flush_cache", json={}, headers=auth(tenant_key))
         assert r.status_code == 403, r.text
         err = r.json()["error"]
         assert err["code"] == "permission_denied" and "--api-key" in err["message"], err
-    assert client.post("/flush_cache", headers=auth("sk-admin")).status_code == 200
-    assert client.post("/flush_cache").status_code == 401  # no key at all
+    assert client.post("/flush_cache", json={}, headers=auth("sk-admin")).status_code == 200
+    assert client.post("/flush_cache", json={}).status_code == 401  # no key at all
     open_app = create_app(fake, tokenizer, "m", 2048, [tokenizer.eos_token_id])
-    assert TestClient(open_app).post("/flush_cache").status_code == 200
+    local = TestClient(open_app, client=("127.0.0.1", 50000))
+    assert local.post("/flush_cache", json={}).status_code == 200
+    r = TestClient(open_app, client=("10.1.2.3", 50000)).post("/flush_cache", json={})
+    assert r.status_code == 403 and "loopback" in r.json()["error"]["message"], r.text

@@ -89,3 +89,22 @@ def test_without_tools_the_marker_stays_skipped(mistral_style) -> None:
     client = _app(mistral_style)
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": USER})
     assert r.json()["choices"][0]["message"]["content"] == REPLY.removeprefix(MARKER)
+
+
+def test_the_call_grammar_writes_the_special_marker(mistral_style) -> None:
+    # The marker is a special token, which the xgrammar backend's vocabulary keeps out of text:
+    # the call grammar names it by id, and the backend gives it its text for that grammar only.
+    from splitserve.engine.grammar.xgrammar_backend import XGrammarBackend
+    from splitserve.server.tools.grammar import FunctionSpec, tool_call_constraint
+
+    backend = XGrammarBackend(mistral_style)
+    marker = mistral_style.convert_tokens_to_ids(MARKER)
+    schema = WEATHER["function"]["parameters"]
+    constraint = tool_call_constraint(MISTRAL, [FunctionSpec("get_weather", schema)],
+                                      "required", True, marker)
+    matcher = backend.compile(constraint.kind, constraint.text).create_matcher()
+    ids = mistral_style.encode(REPLY, add_special_tokens=False)
+    assert ids[0] == marker
+    assert all(matcher.accept_token(t) for t in ids) and matcher.can_end()
+    plain = backend.compile("json_object", "").create_matcher()
+    assert not plain.accept_token(marker)  # other grammars still never write it

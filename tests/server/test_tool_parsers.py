@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from splitserve.server.tools.extract import ToolCallExtractor, parse_tool_calls
+from splitserve.server.tools.extract import ToolCallExtractor
 from splitserve.server.tools.formats import HERMES, LLAMA3_JSON, MISTRAL, detect_format
+from splitserve.server.tools.parsers import parse_tool_calls
 from splitserve.server.tools.stream import ToolCallStream
 
 WEATHER = '{"city": "Paris", "unit": "c"}'
@@ -129,3 +130,12 @@ def test_detect_format_from_template_text() -> None:
     assert detect_format('<|python_tag|>{"name": ..., "parameters": ...}') is LLAMA3_JSON
     assert detect_format("{{ message.content }}") is None
     assert detect_format(None) is None
+
+
+def test_every_format_is_a_tool_call_parser_flag() -> None:
+    from splitserve.config.registry import TOOL_CALL_PARSER
+    from splitserve.server.tools.formats import FORMATS
+
+    assert set(TOOL_CALL_PARSER.names) == set(FORMATS)
+    for name, fmt in FORMATS.items():
+        assert TOOL_CALL_PARSER.load(name) is fmt

@@ -1,0 +1,92 @@
+"""A running stream keeps flowing while 4 MB request bodies arrive back to back: their parsing,
+chat template and length check run off the event loop (``server.offload``) and a prompt far over
+the context is refused from its byte length before it is tokenized (``server.prompt_bound``).
+
+The served app is the real one (guard included, 4 MiB body limit) on a live uvicorn server; the
+engine is the fake one, paced at one token per 20 ms. The bound on the largest gap is generous
+for a busy 2-core machine (the issue's goal is 250 ms; ``bench/stream_gap.py`` measures the
+precise figure against its baseline); the figure is printed (``pytest -s``)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from splitserve.server.fake_client import FakeEngineClient
+from splitserve.server.guard import install_guard
+from splitserve.server.main import create_server
+from splitserve.server.routes import create_app
+from tests.http_api import CH, MODEL, USER, WAIT_S
+
+NUM_BODIES = 4
+GENEROUS_GAP_S = 1.0
+CONTEXT_LEN = 4096  # room for a stream of ~80 s at most (it is ended once the bodies are in)
+
+
+@pytest.fixture
+def paced_server(tokenizer):
+    fake = FakeEngineClient(tokenizer, tokenizer.eos_token_id, reply="tick " * 50,
+                            tokens_per_event=1, delay_s=0.02)
+    app = create_app(fake, tokenizer, MODEL, CONTEXT_LEN, [tokenizer.eos_token_id])
+    install_guard(app, None, 4 * 2**20)
+    server = create_server(app, "127.0.0.1", 0, log_level="warning")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + WAIT_S
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+def test_a_stream_flows_while_4mb_bodies_arrive(paced_server) -> None:
+    url = paced_server
+    arrivals: list[float] = []
+    first_chunk, bodies_done = threading.Event(), threading.Event()
+
+    def stream() -> None:
+        body = {"model": MODEL, "messages": USER, "stream": True, "ignore_eos": True,
+                "max_tokens": CONTEXT_LEN - 64}
+        with httpx.stream("POST", url + CH, json=body, timeout=WAIT_S) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic())
+                    first_chunk.set()
+                if bodies_done.is_set():
+                    return  # closing the connection aborts the request
+
+    streamer = threading.Thread(target=stream, daemon=True)
+    streamer.start()
+    assert first_chunk.wait(WAIT_S), "the stream never started"
+    text = "The quick brown fox jumps over the lazy dog. " * 88_000  # 3.96 MB
+    big = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+    codes = []
+    with httpx.Client(timeout=WAIT_S) as client:
+        started = time.monotonic()
+        for _ in range(NUM_BODIES):
+            r = client.post(url + CH, json=big)
+            codes.append((r.status_code, r.json()["error"]["message"][:60]))
+        ended = time.monotonic()
+    bodies_done.set()
+    streamer.join(WAIT_S)
+    assert not streamer.is_alive()
+    assert all(code == 400 for code, _ in codes), codes  # refused by length, nothing else
+    during = [t for t in arrivals if started <= t <= ended]
+    window = [arrivals[arrivals.index(during[0]) - 1], *during] if during else []
+    gaps = [b - a for a, b in zip(window, window[1:])]
+    # The stream ran all along: chunks arrived throughout the bodies' upload and refusal.
+    assert len(gaps) >= 3 and arrivals[-1] >= ended - GENEROUS_GAP_S, (len(gaps), codes)
+    largest = max(gaps + [ended - during[-1]])
+    print(f"\n{NUM_BODIES} bodies of {len(text) / 1e6:.2f} MB in {ended - started:.2f}s; "
+          f"{len(during)} chunks meanwhile, largest gap {largest * 1000:.0f} ms")
+    assert largest < GENEROUS_GAP_S
