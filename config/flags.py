@@ -83,6 +83,33 @@ def _cpu_affinity(items: list[str]) -> dict[str, list[int]]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def parse_lora_modules(items: Sequence[str]) -> dict[str, str]:
+    """``["sql=/adapters/sql", "chat=/adapters/chat"]`` -> ``{"sql": "/adapters/sql", ...}``
+    (vLLM's ``--lora-modules name=path`` form; a bare path is named after its folder).
+
+    Raises:
+        ValueError: an empty name or path, or a name given twice.
+    """
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep:
+            name, path = item.rstrip("/").rsplit("/", 1)[-1], item
+        if not name or not path:
+            raise ValueError(f"bad LoRA module {item!r}: use NAME=PATH")
+        if name in out:
+            raise ValueError(f"LoRA module name {name!r} is given twice")
+        out[name] = path
+    return out
+
+
+def _lora_modules(items: list[str]) -> dict[str, str]:
+    try:
+        return parse_lora_modules(items)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _origins(items: list[str]) -> list[str]:
     # Space- or comma-separated, as users write lists of origins.
     return [o for item in items for o in item.replace(",", " ").split()]
@@ -169,6 +196,20 @@ ENGINE_FLAGS = (
          "($SPLITSERVE_FUSED_DECODE=0)", const=False),
     Flag("--disable-decode-kv-cache", "engine.decode_kv_cache", "gather decode K/V from the "
          "paged pool each step ($SPLITSERVE_DECODE_KV_CACHE=0)", const=False),
+    Flag("--enable-lora", "engine.enable_lora", "serve LoRA adapters, loaded at run time "
+         "(POST /v1/load_lora_adapter; implied by --lora-modules and --lora-dir)", const=True),
+    Flag("--lora-modules", "engine.lora_modules", "LoRA adapters (PEFT folders) served from "
+         "the start, as NAME=PATH; a request's model field names one",
+         parse=_lora_modules, nargs="+"),
+    Flag("--max-loras", "engine.max_loras", "LoRA adapter slots: the most adapters one step "
+         "runs (others wait for a slot; the least recently used idle one is evicted)"),
+    Flag("--max-lora-rank", "engine.max_lora_rank", "largest LoRA rank accepted (1-512)"),
+    Flag("--max-loaded-loras", "engine.max_loaded_loras", "most LoRA adapters loaded at once "
+         "(0: no limit)"),
+    Flag("--lora-dir", "engine.lora_dir", "run-time adapter loads only from under this "
+         "folder", parse=str),
+    Flag("--pinned-loras", "engine.pinned_loras", "adapters of --lora-modules kept in their "
+         "slots, never evicted", parse=list, nargs="+"),
 )
 LOG_FLAGS = (Flag("--log-level", "log_level", "debug | info | warning | error"),)
 SECURITY_FLAGS = (

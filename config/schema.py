@@ -88,6 +88,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # KV pool values: "auto" (the model dtype), "int8" or "fp8_e4m3" (engine.kv_quant; the
     # torch attention backend only, which de-quantizes as it reads).
     kv_cache_dtype: str = "auto"
+    # LoRA adapters (engine.lora, docs/lora.md). On when enable_lora, or lora_modules or
+    # lora_dir are given: adapters at start (name -> PEFT folder) and at run time
+    # (POST /v1/load_lora_adapter, only from under lora_dir when it is set); max_loras slots
+    # (adapters one step runs), ranks up to max_lora_rank, at most max_loaded_loras loaded (0:
+    # no limit); pinned_loras stay in their slots.
+    enable_lora: bool = False
+    lora_modules: dict[str, str] = {}
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    max_loaded_loras: int = 0
+    lora_dir: str | None = None
+    pinned_loras: list[str] = []
     # KV cache tiers under the prefix cache (radix_cache.tiered_cache; docs/serving.md):
     # L2 host memory outside the pool (MiB, 0: none), its blocks' dtype (auto: the pool's
     # bytes; int8 / fp8_e4m3: 8 bits + scales, ~1.9x the tokens of bfloat16 in the same RAM);
@@ -124,7 +136,24 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"kernels: {self.kernels!r} is not auto, c, torch or a plan file")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be positive, not {self.transfer_timeout_s}")
+        self._check_lora()
         self.check_tiers()
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, not {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be 1..512, not {self.max_lora_rank}")
+        if self.max_loaded_loras < 0:
+            raise ValueError(f"max_loaded_loras must be >= 0, not {self.max_loaded_loras}")
+        unknown = [n for n in self.pinned_loras if n not in self.lora_modules]
+        if unknown:
+            raise ValueError(f"pinned_loras: {unknown[0]!r} is not one of lora_modules")
+        if len(self.pinned_loras) >= self.max_loras:
+            raise ValueError(f"pinned_loras: {len(self.pinned_loras)} pinned adapters need "
+                             f"max_loras > {len(self.pinned_loras)} (one slot stays unpinned)")
+        if self.lora_dir is not None and not Path(self.lora_dir).is_dir():
+            raise ValueError(f"lora_dir: no such folder {self.lora_dir!r}")
 
     def check_tiers(self) -> None:
         """Raises: ValueError naming the first cache-tier field out of range."""
@@ -149,6 +178,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def has_cache_tiers(self) -> bool:
         """Whether any tier below the KV pool is configured."""
         return bool(self.kv_host_cache_mb or self.kv_disk_cache_dir or self.kv_store)
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether workers serve LoRA adapters."""
+        return self.enable_lora or bool(self.lora_modules) or self.lora_dir is not None
 
 
 class SecurityConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -117,6 +117,7 @@ class DecodePolicy:
                 kv_transfer=self.receiver.name,
                 weights=self.weights,
                 endpoint=self.receiver.endpoint(),
+                lora=req.lora_id,
             ))
 
     def on_peer(self, msg: Message, frames: Frames | list) -> None:

@@ -14,6 +14,53 @@ import torch
 
 
 @dataclass(slots=True)
+class AdapterRows:
+    """Which LoRA adapter slot the new tokens of a step run under, grouped by slot: the
+    segments of Punica's SGMV (arXiv 2310.18547), each a gather of its rows, two small
+    products and a scatter-add (``engine.lora``). Made only for a step where some row has an
+    adapter; a base-only step has none (``ForwardBatch.lora`` None), so it runs as without
+    LoRA.
+
+    Attributes:
+        groups: ``(slot, rows)`` per slot present: ``rows`` a ``slice`` of ``T`` where its
+            tokens are consecutive, else an int64 index tensor.
+        rows: ``[N]`` int64, the adapted tokens' indices in ``T``, grouped by slot (the C
+            kernels' form of ``groups``; on the CPU).
+        segments: ``[G, 3]`` int64, per group ``(slot, start in rows, count)`` (on the CPU).
+    """
+
+    groups: list[tuple[int, slice | torch.Tensor]]
+    rows: torch.Tensor
+    segments: torch.Tensor
+
+
+def adapter_rows(slots: Sequence[int | None], extend_lens: Sequence[int],
+                 device: str | torch.device = "cpu") -> AdapterRows | None:
+    """The :class:`AdapterRows` of a step whose sequence ``i`` extends by ``extend_lens[i]``
+    tokens under adapter slot ``slots[i]`` (None: the base model), or None when no sequence
+    has an adapter."""
+    if all(s is None for s in slots):
+        return None
+    by_slot: dict[int, list[int]] = {}
+    start = 0
+    for slot, n in zip(slots, extend_lens, strict=True):
+        if slot is not None:
+            by_slot.setdefault(slot, []).extend(range(start, start + n))
+        start += n
+    groups: list[tuple[int, slice | torch.Tensor]] = []
+    rows: list[int] = []
+    segments: list[list[int]] = []
+    for slot, idx in by_slot.items():
+        consecutive = idx[-1] - idx[0] + 1 == len(idx)
+        groups.append((slot, slice(idx[0], idx[-1] + 1) if consecutive
+                       else torch.tensor(idx, dtype=torch.long, device=device)))
+        segments.append([slot, len(rows), len(idx)])
+        rows.extend(idx)
+    return AdapterRows(groups, torch.tensor(rows, dtype=torch.long),
+                       torch.tensor(segments, dtype=torch.long))
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     """One step's inputs.
 
@@ -36,6 +83,8 @@ class ForwardBatch:
         max_seq_lens: ``B`` ints, the most KV each sequence can reach on this worker (prompt +
             ``max_new_tokens`` - 1), or None when unknown. The decode KV cache reserves room by
             them, so it need not grow in the middle of a sequence's decoding.
+        lora: the tokens that run under LoRA adapters, by slot (:class:`AdapterRows`), or
+            None: every token runs under the base model.
     """
 
     input_ids: torch.Tensor
@@ -49,6 +98,7 @@ class ForwardBatch:
     seq_ids: list[int] | None = None
     logits_every_token: bool = False
     max_seq_lens: list[int] | None = None
+    lora: AdapterRows | None = None
 
     @property
     def batch_size(self) -> int:
@@ -89,6 +139,7 @@ class ForwardBatch:
             seq_ids=repeated(self.seq_ids),
             logits_every_token=self.logits_every_token,
             max_seq_lens=repeated(self.max_seq_lens),
+            lora=self.lora,  # by token, which keeps its index
         )
 
 
@@ -103,6 +154,7 @@ def build_forward_batch(
     seq_ids: list[int] | None = None,
     logit_counts: Sequence[int] | None = None,
     max_seq_lens: list[int] | None = None,
+    lora_slots: Sequence[int | None] | None = None,
 ) -> ForwardBatch:
     """Build a :class:`ForwardBatch`.
 
@@ -121,6 +173,8 @@ def build_forward_batch(
             logits (default 1; speculative rows verify a draft at every drafted position), in
             position order; so the first rows of the logits are ``sum(logit_counts)`` long.
         max_seq_lens: per sequence, the most KV it can reach here (see :class:`ForwardBatch`).
+        lora_slots: per sequence, the LoRA adapter slot it runs under (None: the base model),
+            or None when no sequence has one.
 
     Raises:
         ValueError: a sequence's pages cannot hold its tokens.
@@ -176,4 +230,5 @@ def build_forward_batch(
         seq_ids=seq_ids,
         logits_every_token=logit_rows == list(range(len(ids))),
         max_seq_lens=max_seq_lens,
+        lora=None if lora_slots is None else adapter_rows(lora_slots, extend_lens, device),
     )

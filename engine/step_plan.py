@@ -99,6 +99,7 @@ class StepShape:
             a captured graph computes).
         max_pages: the page table's width.
         max_seq_len: the longest sequence after the step.
+        adapters: some row runs under a LoRA adapter (``ForwardBatch.lora``).
     """
 
     num_rows: int
@@ -110,6 +111,7 @@ class StepShape:
     samples_in_order: bool = False
     max_pages: int = 0
     max_seq_len: int = 0
+    adapters: bool = False
 
     @classmethod
     def of(cls, batch: ForwardBatch, sample_rows: Sequence[int] | None = None,
@@ -123,7 +125,7 @@ class StepShape:
         return cls(  # positional: the fields' order above
             num_rows, batch.input_ids.shape[0], batch.logit_indices.shape[0],
             batch.is_decode_only, batch.seq_ids is not None, verifies, in_order,
-            batch.page_table.shape[1], max(batch.seq_lens, default=0),
+            batch.page_table.shape[1], max(batch.seq_lens, default=0), batch.lora is not None,
         )
 
 
@@ -158,7 +160,7 @@ def product_for(num_rows: int, c_rows: int, w4_rows: int = NO_LIMIT) -> Product:
 
 
 def plan_step(shape: StepShape, limits: ProductLimits, fuses: bool,
-              graphs: GraphLimits | None = None) -> StepPlan:
+              graphs: GraphLimits | None = None, fuses_adapters: bool = False) -> StepPlan:
     """The one decision of a step's path.
 
     Args:
@@ -168,6 +170,8 @@ def plan_step(shape: StepShape, limits: ProductLimits, fuses: bool,
             Llama-family layer, one window, C kernels on, the torch backend's decode cache and
             its C attention for the pool's heads: ``DecoderLM.fuses_decode``).
         graphs: the captured CUDA graphs (None: none, every step runs eagerly).
+        fuses_adapters: the fused decode layers also run LoRA products
+            (``DecoderLM.fuses_adapters``).
 
     Returns:
         The plan. The fused layers take a decode-only, keyed step whose every product is one of
@@ -175,15 +179,19 @@ def plan_step(shape: StepShape, limits: ProductLimits, fuses: bool,
         kernel). A verify step runs as decode rows exactly when they take it: elsewhere its
         rows would share a cache slot on the per-op path, whose torch products cannot scatter
         them (a slow per-row copy), so it stays an extend there. A graph replays a decode-only
-        step that samples every row in order, within its sizes.
+        step that samples every row in order, within its sizes, and without LoRA rows (the
+        graphs hold the base path). A step with LoRA rows takes the fused layers only where
+        they run its adapters' products.
     """
     rows = shape.num_tokens
     layers = product_for(rows, limits.layer_rows, limits.w4_layer_rows)
-    fits_fused = fuses and shape.keyed and layers is Product.C
+    fits_fused = (fuses and shape.keyed and layers is Product.C
+                  and (fuses_adapters or not shape.adapters))
     as_decode_rows = shape.verifies and fits_fused
     decode_only = shape.decode_only or as_decode_rows
     replay = (
         graphs is not None and decode_only and not as_decode_rows and shape.samples_in_order
+        and not shape.adapters
         and 0 < shape.num_rows <= graphs.max_rows and shape.max_pages <= graphs.max_pages
         and shape.max_seq_len <= graphs.context_len
     )

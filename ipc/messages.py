@@ -166,6 +166,15 @@ class WeightsMsg(msgspec.Struct, frozen=True):
     weights_digest: str = ""
 
 
+class LoraRef(msgspec.Struct, frozen=True):
+    """The LoRA adapter a request runs under: ``name`` (the ``model`` the client sent) and
+    ``path``, its PEFT folder, from which a worker that has not loaded it (restarted, joined
+    later) loads it before the request runs."""
+
+    name: str
+    path: str
+
+
 # ---- server -> worker -------------------------------------------------------------------------
 
 
@@ -183,6 +192,7 @@ class GenerateTask(msgspec.Struct, tag="generate", kw_only=True):
     reply_addr: str
     prefill_addr: str | None = None
     cache_namespace: str | None = None
+    lora: LoraRef | None = None  # the LoRA adapter it runs under (None: the base model)
     # W3C trace context (``00-<trace id>-<parent span id>-<flags>``) of the router's span for
     # this attempt, when the request is traced: the worker's spans join that trace as its
     # children (``worker.tracing``). None: not traced (tracing off, or not sampled).
@@ -222,7 +232,42 @@ class FlushCache(msgspec.Struct, tag="flush_cache"):
     reply_addr: str
 
 
+class LoadLora(msgspec.Struct, tag="load_lora"):
+    """Load the LoRA adapter in PEFT folder ``path`` as ``name`` (replacing a load of that name);
+    ``pinned``: keep it in a slot. The worker answers :class:`LoraReply` (``query_id``) to
+    ``reply_addr`` once loaded or refused, serving meanwhile."""
+
+    query_id: int
+    reply_addr: str
+    name: str
+    path: str
+    pinned: bool = False
+
+
+class UnloadLora(msgspec.Struct, tag="unload_lora"):
+    """Forget adapter ``name`` (requests already admitted under it finish under it); answered
+    by :class:`LoraReply`."""
+
+    query_id: int
+    reply_addr: str
+    name: str
+
+
 # ---- worker -> server -------------------------------------------------------------------------
+
+
+class LoraReply(msgspec.Struct, tag="lora_reply", kw_only=True):
+    """The answer to :class:`LoadLora` / :class:`UnloadLora`: ``error`` "" when done, else why
+    not (the adapter's problem, as a 400 names it); a load's adapter ``digest``, ``rank`` and
+    seconds to read it (``load_s``)."""
+
+    query_id: int
+    worker_id: str
+    name: str
+    error: str = ""
+    digest: str = ""
+    rank: int = 0
+    load_s: float = 0.0
 
 
 class WorkerReady(msgspec.Struct, tag="ready"):
@@ -374,6 +419,10 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     node: str = ""  # the node the worker runs on (WorkerConfig.node: a Ray node id, or the host)
+    # LoRA adapters (engine.lora): loaded here, and of those the ones in a slot now (the
+    # router prefers a worker where a request's adapter is resident).
+    loras: list[str] = []
+    loras_resident: list[str] = []
     tokens_generated: int = 0  # output tokens this worker sent to routers since start
     # KV cache tiers under the prefix cache (radix_cache.tiers), one row each ("l1" first: the
     # pool's cached pages), and the measured prefill rate their loads are weighed against.
@@ -434,6 +483,9 @@ class KVBootstrap(msgspec.Struct, tag="kv_bootstrap", kw_only=True):
     # from its own, or that does not say (None), as their KV would not be the decode model's.
     weights: WeightsMsg | None = None
     endpoint: dict[str, str] = {}  # backend-specific: where the pages live (shm segment, ...)
+    # The LoRA adapter the decode worker runs the request under (its digest, "" for the base
+    # model); the prefill worker refuses a bootstrap whose adapter is not the request's there.
+    lora: str = ""
 
 
 class KVPages(msgspec.Struct, tag="kv_pages", kw_only=True):
@@ -507,6 +559,9 @@ Message = (
     | Shutdown
     | RouterBeat
     | FlushCache
+    | LoadLora
+    | UnloadLora
+    | LoraReply
     | WorkerReady
     | TokenBatch
     | RequestError

@@ -38,7 +38,7 @@ from splitserve.ipc.messages import (
 )
 from splitserve.ipc.sockets import PeerUnreachable
 from splitserve.kv_transfer.base import BaseKVSender, layout_from_msg, weights_mismatch
-from splitserve.kv_transfer.send_session import SendSessions
+from splitserve.kv_transfer.send_session import SendSession, SendSessions
 from splitserve.kv_transfer.session import TransferState
 from splitserve.worker.grammars import CompileDone
 from splitserve.worker.outputs import token_output
@@ -102,6 +102,10 @@ class PrefillPolicy:
             session.on_task(req)
         if session.req is not req:
             return  # it failed already (the decode worker gave up): the late task is dropped
+        if session.bootstrap is not None and session.bootstrap.lora != req.lora_id:
+            self._refuse(session.bootstrap, session, adapter_mismatch(req.lora_id,
+                                                                      session.bootstrap.lora))
+            return
         self.prompts.start(req)
 
     def on_compiled(self, done: CompileDone) -> None:
@@ -139,19 +143,25 @@ class PrefillPolicy:
         if boot.kv_transfer != self.kv_transfer:
             mismatches = [(f"KV transfer backend mismatch: {self.kv_transfer!r} here vs "
                            f"{boot.kv_transfer!r} on the decode worker")]
+        if session is not None and session.req is not None and session.req.lora_id != boot.lora:
+            mismatches.append(adapter_mismatch(session.req.lora_id, boot.lora))
         mismatch = "; ".join(m for m in mismatches if m)
         if mismatch:
-            message = f"refused by prefill worker: {mismatch}"
-            try:
-                self.port.send(boot.dst_addr, KVFailed(boot.rid, message))
-            except PeerUnreachable as exc:
-                logger.warning("could not refuse the bootstrap of %s: %s", boot.rid, exc)
-            if session is not None:
-                session.fail(message)
+            self._refuse(boot, session, mismatch)
         elif session is None:
             self.sessions.open_bootstrap(boot)
         else:
             session.on_bootstrap(boot)
+
+    def _refuse(self, boot: KVBootstrap, session: SendSession | None, mismatch: str) -> None:
+        """Refuse ``boot``: the decode worker frees its reservation, the session fails."""
+        message = f"refused by prefill worker: {mismatch}"
+        try:
+            self.port.send(boot.dst_addr, KVFailed(boot.rid, message))
+        except PeerUnreachable as exc:
+            logger.warning("could not refuse the bootstrap of %s: %s", boot.rid, exc)
+        if session is not None:
+            session.fail(message)
 
     def on_admitted(self, reqs: list[Req]) -> None:
         """Nothing: no request here waits for KV."""
@@ -208,6 +218,13 @@ class PrefillPolicy:
     def close(self) -> None:
         """Close the KV sender (one-sided backends: stop the writer thread after its queue)."""
         self.sender.close()
+
+
+def adapter_mismatch(here: str, there: str) -> str:
+    """Why a request's KV may not cross: its LoRA adapter (digests; "" the base model) differs
+    between this prefill worker and the decode worker."""
+    return (f"LoRA adapter mismatch: {here or 'base model'} here vs {there or 'base model'} "
+            "on the decode worker (their adapter files differ)")
 
 
 PREFILL = WorkerRole("prefill", computes_prompts=True, decodes=False, receives_kv=False,

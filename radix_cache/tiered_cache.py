@@ -59,7 +59,11 @@ from splitserve.radix_cache.tiers.tier_io import (
 )
 
 WRITE_POLICIES = ("write_through", "write_back")
-BASE_ADAPTER = ""  # the adapter part of a block's key for the base model (multi-LoRA: its id)
+# The adapter part of every block key's chain root. A LoRA adapter's identity (its files'
+# digest) is already folded into a request's namespace on the worker (``worker.tasks.new_req``,
+# ``radix_cache.namespace``), which the radix tree matches in and every key chains from: blocks
+# of different adapters never share a tree node or a key in any tier.
+BASE_ADAPTER = ""
 MAX_ROOTS = 4096  # chain roots kept (one per namespace seen recently)
 
 

@@ -35,8 +35,16 @@ from typing import Any, Protocol
 
 import msgspec
 
-from splitserve.ipc.messages import GenerateTask, RequestError, SamplingParams, TokenOutput, encode
+from splitserve.ipc.messages import (
+    GenerateTask,
+    LoraRef,
+    RequestError,
+    SamplingParams,
+    TokenOutput,
+    encode,
+)
 from splitserve.kv_transfer.session import IllegalTransition
+from splitserve.radix_cache.namespace import adapter_namespace
 from splitserve.server.disagg_transitions import DISAGG_TRANSITIONS, DisaggEvent, DisaggState
 from splitserve.server.engine_client import PromptAffinity, TokenEvent
 from splitserve.server.replies import Replies
@@ -60,10 +68,13 @@ class DisaggPort(Protocol):
 
     def targets(
         self, input_ids: list[int], affinity: PromptAffinity | None, namespace: str | None,
+        adapter: str | None = None,
     ) -> list[tuple[Any, str | None]] | TokenEvent:
         """One attempt's workers in sending order, each with the prefill worker's inbox its task
         names (None: it computes the prompt itself); or the 503 event that refuses the request
-        (no healthy worker, or one at its in-flight limit)."""
+        (no healthy worker, or one at its in-flight limit). ``namespace``: the prefix-cache
+        namespace cache-aware routing matches in (the LoRA adapter folded in); ``adapter``: the
+        request's LoRA adapter, whose workers it prefers."""
 
     def send_task(self, worker: Any, frame: bytes) -> Awaitable[Any]:
         """Send an encoded ``GenerateTask``; awaiting it waits while the link is full.
@@ -120,7 +131,8 @@ class DisaggRequest:
 
     Args:
         rid: the caller's request id; attempt ``k`` > 0 runs as ``<rid>.retry<k>``.
-        input_ids, sampling, cache_namespace: what every task carries.
+        input_ids, sampling, cache_namespace, lora: what every task carries (``lora``: the
+            LoRA adapter it runs under, None for the base model).
         port: the world (:class:`DisaggPort`).
         table: where it routes itself while in flight.
         affinity: the requests that share its prompt (``PromptAffinity``), for the port.
@@ -132,8 +144,8 @@ class DisaggRequest:
             a span (``attempt``, then ``retry``), whose ``traceparent`` its tasks carry.
     """
 
-    __slots__ = ("_affinity", "_attempt", "_counted", "_heard_from", "_input_ids", "_lost",
-                 "_max_retries", "_metrics", "_namespace", "_pending", "_port", "_prefill",
+    __slots__ = ("_affinity", "_attempt", "_counted", "_heard_from", "_input_ids", "_lora",
+                 "_lost", "_max_retries", "_metrics", "_namespace", "_pending", "_port", "_prefill",
                  "_sampling", "_sent_to", "_table", "_timing", "_trace", "_workers",
                  "next_index", "num_attempts", "replies", "rid", "state", "wire")
 
@@ -141,7 +153,8 @@ class DisaggRequest:
         self, rid: str, input_ids: list[int], sampling: SamplingParams, port: DisaggPort,
         table: RequestTable, *, cache_namespace: str | None = None,
         affinity: PromptAffinity | None = None, metrics: Any = None,
-        max_retries: int = MAX_RETRIES, timing: Any = None, trace: Any = None,
+        max_retries: int = MAX_RETRIES, lora: LoraRef | None = None, timing: Any = None,
+        trace: Any = None,
     ) -> None:
         self.rid = rid
         self.state = S.NEW
@@ -151,6 +164,7 @@ class DisaggRequest:
         self.replies = Replies()  # TokenEvents, or _RETRY / _END
         self._input_ids, self._sampling, self._namespace = input_ids, sampling, cache_namespace
         self._affinity, self._port, self._table = affinity, port, table
+        self._lora = lora
         self._metrics, self._max_retries = metrics, max_retries
         self._heard_from = port.heard_from
         self._workers: list[Any] = []  # the attempt's workers, in sending order
@@ -220,7 +234,13 @@ class DisaggRequest:
         worker with its encoded task, in sending order. Or refuse it (``REFUSE``) and return
         the event that says why; nothing is counted or sent then."""
         self._next(E.SEND)  # REFUSE leaves the same states
-        targets = self._port.targets(self._input_ids, self._affinity, self._namespace)
+        lora = self._lora
+        if lora is None:
+            targets = self._port.targets(self._input_ids, self._affinity, self._namespace)
+        else:  # routed in the adapter's own namespace, to the workers that hold it
+            targets = self._port.targets(self._input_ids, self._affinity,
+                                         adapter_namespace(self._namespace, lora.name),
+                                         adapter=lora.name)
         if isinstance(targets, TokenEvent):
             return self._refuse(targets)
         wire = self.rid if self.num_attempts == 0 else f"{self.rid}.retry{self.num_attempts}"
@@ -231,7 +251,7 @@ class DisaggRequest:
             frames = [encode(GenerateTask(rid=wire, input_ids=self._input_ids,
                                           sampling=self._sampling,
                                           reply_addr=self._port.inbox_addr, prefill_addr=addr,
-                                          cache_namespace=self._namespace,
+                                          cache_namespace=self._namespace, lora=lora,
                                           traceparent=attempt and attempt.traceparent))
                       for _, addr in targets]
         except (OverflowError, msgspec.EncodeError) as exc:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.ipc.messages import SamplingParams
+from splitserve.ipc.messages import LoraRef, SamplingParams
 
 
 @dataclass(slots=True)
@@ -62,13 +62,14 @@ class BaseEngineClient(abc.ABC):
     def generate(
         self, rid: str, input_ids: list[int], sampling: SamplingParams,
         cache_namespace: str | None = None, affinity: PromptAffinity | None = None,
-        timing: Any = None, trace: Any = None,
+        lora: LoraRef | None = None, timing: Any = None, trace: Any = None,
     ) -> AsyncIterator[TokenEvent]:
         """Start ``rid`` and yield its :class:`TokenEvent` s until one has ``finish_reason`` or
         ``error``. Closing the iterator early (``aclose``) aborts the request on the workers.
         ``cache_namespace``: the prefix-cache namespace it may reuse and fill (None: shared).
         ``affinity``: shared by requests with the same prompt, which then go to the worker that
         computed it (:class:`PromptAffinity`); the caller passes it only for ``n`` > 1.
+        ``lora``: the LoRA adapter it runs under; the caller passes it only for one.
         ``timing``: its ``observe.timing.RequestTiming``, whose router and worker boundaries
         the client fills; ``trace``: its ``server.request_trace.RequestTrace`` (None: not
         traced), under which each attempt's span goes. Clients without workers may ignore
@@ -86,6 +87,21 @@ class BaseEngineClient(abc.ABC):
     async def worker_stats(self) -> list[dict]:
         """One dict per worker: ``worker_id``, ``role``, ``pages_total``, ``pages_used``,
         ``num_running``, ``num_waiting``."""
+
+    async def load_lora(self, name: str, path: str, pinned: bool = False) -> list[dict]:
+        """Load the LoRA adapter in folder ``path`` as ``name`` on every worker; returns one
+        row per worker (``worker_id``, ``digest``, ``rank``, ``load_s``) once all have it.
+
+        Raises:
+            APIError: a worker refused it (400 with the adapter's problem; the others unload
+                it again), or no worker answered (503).
+        """
+        raise NotImplementedError
+
+    async def unload_lora(self, name: str) -> list[dict]:
+        """Unload adapter ``name`` on every worker (requests already admitted under it finish
+        under it); one row per worker."""
+        raise NotImplementedError
 
     async def flush_cache(self) -> list[dict]:
         """Drop every unpinned prefix-cache entry on every worker; returns

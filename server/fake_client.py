@@ -10,9 +10,10 @@ import contextlib
 import itertools
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
-from splitserve.ipc.messages import SamplingParams
+from splitserve.ipc.messages import LoraRef, SamplingParams
 from splitserve.radix_cache.token_prefix import common_prefix_len
 from splitserve.server.engine_client import BaseEngineClient, PromptAffinity, TokenEvent
 
@@ -32,7 +33,10 @@ class FakeEngineClient(BaseEngineClient):
     before the first) it sends nothing more until the request is aborted, like a worker between
     two tokens of a long step, so only a disconnect the server notices can end the request.
     ``reply_for``: when set, each request's reply text is ``reply_for(sampling)`` (e.g. one per
-    seed, to tell choices apart). The ``affinity`` of each request is recorded (``affinities``).
+    seed, to tell choices apart). The ``affinity`` of each request is recorded (``affinities``),
+    and its LoRA adapter (``loras``). Adapter loads succeed for a folder with an
+    ``adapter_config.json`` (recorded in ``loaded_loras``) and fail as a worker's would
+    otherwise.
     """
 
     def __init__(
@@ -60,6 +64,8 @@ class FakeEngineClient(BaseEngineClient):
         self.finished: set[str] = set()
         self._prompts: list[tuple[str | None, list[int]]] = []  # (cache namespace, prompt)
         self.namespaces: list[str | None] = []  # each request's cache namespace, in order
+        self.loras: list[LoraRef | None] = []  # each request's LoRA adapter, in order
+        self.loaded_loras: dict[str, str] = {}  # name -> folder
         # Notified on every change to requests/aborted/finished (the server may run in a thread).
         self._recorded = threading.Condition()
 
@@ -97,11 +103,12 @@ class FakeEngineClient(BaseEngineClient):
     async def generate(
         self, rid: str, input_ids: list[int], sampling: SamplingParams,
         cache_namespace: str | None = None, affinity: PromptAffinity | None = None,
-        timing: Any = None, trace: Any = None,
+        lora: LoraRef | None = None, timing: Any = None, trace: Any = None,
     ) -> AsyncIterator[TokenEvent]:
         with self._recording():
             self.requests.append((rid, list(input_ids), sampling))
             self.affinities.append(affinity)
+            self.loras.append(lora)
         # A cache that, like the workers' radix cache, shares only within one namespace.
         cached_len = max((common_prefix_len(p, input_ids) for ns, p in self._prompts
                           if ns == cache_namespace), default=0)
@@ -145,6 +152,20 @@ class FakeEngineClient(BaseEngineClient):
 
     def is_ready(self) -> bool:
         return self.ready
+
+    async def load_lora(self, name: str, path: str, pinned: bool = False) -> list[dict]:
+        from splitserve.server.errors import APIError
+
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise APIError(f"lora_path: adapter_config.json not found in {path}",
+                           param="lora_path")
+        self.loaded_loras[name] = path
+        return [{"worker_id": "fake-0", "role": "colocated", "error": "", "digest": "fake",
+                 "rank": 8, "load_ms": 0.0}]
+
+    async def unload_lora(self, name: str) -> list[dict]:
+        self.loaded_loras.pop(name, None)
+        return [{"worker_id": "fake-0", "role": "colocated", "error": ""}]
 
     async def worker_stats(self) -> list[dict]:
         return [

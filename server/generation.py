@@ -54,6 +54,8 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
         if not job.leads_prompt:
             await share.ready.wait()
         extra["affinity"] = share.affinity
+    if job.lora is not None:
+        extra["lora"] = job.lora
     if job.timing is not None:
         extra["timing"] = job.timing
     if job.trace is not None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from splitserve.ipc.messages import SamplingParams
+from splitserve.ipc.messages import LoraRef, SamplingParams
 from splitserve.server.formatter import ResponseFormatter, Usage
 from splitserve.server.reasoning.request import ReasoningRequest
 from splitserve.server.tools.formats import ToolCallFormat
@@ -41,6 +41,8 @@ class Job:
     formatter: ResponseFormatter
     usage: Usage
     return_token_ids: bool = False
+    # The LoRA adapter the request's ``model`` named (None: the base model; server.models).
+    lora: LoraRef | None = None
     echo_text: str | None = None  # the prompt's text, prepended when ``echo`` (legacy completions)
     # Which logprobs object the answer carries: None, "chat" (``logprobs.content``) or
     # "completion" (the legacy one); the alternatives' count is ``sampling.top_logprobs``.

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any
 
-from splitserve.ipc.messages import Constraint, ReasoningParams, SamplingParams
+from splitserve.ipc.messages import Constraint, LoraRef, ReasoningParams, SamplingParams
 from splitserve.observe.timing import RequestTiming
 from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.constraints import constraint_from_request
@@ -19,6 +19,7 @@ from splitserve.server.errors import APIError
 from splitserve.server.format_prompt import with_format_description
 from splitserve.server.formatter import ResponseFormatter, Usage
 from splitserve.server.job import Job
+from splitserve.server.models import MODEL_ALIAS, ServedModels
 from splitserve.server.prompt_bound import prompt_bound
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
 from splitserve.server.reasoning.budget import thinking_budget
@@ -26,7 +27,7 @@ from splitserve.server.reasoning.request import ReasoningRequest
 from splitserve.server.tools.prompt import hf_messages
 from splitserve.server.tools.request import ToolRequest, tool_request
 
-MODEL_ALIAS = "default"  # accepted as ``model`` whatever the served model is called
+__all__ = ["MODEL_ALIAS", "JobBuilder"]
 
 
 class JobBuilder:
@@ -34,25 +35,37 @@ class JobBuilder:
 
     Args:
         tokenizer: the model's Hugging Face tokenizer (with a chat template for chat).
-        model_name: the ``model`` clients must send (:data:`MODEL_ALIAS` is accepted too).
+        model_name: the base model's name (:data:`MODEL_ALIAS` is accepted too).
         context_len: prompt + generated tokens may not exceed this (tokens).
         eos_token_ids: ids that end generation unless the request sets ``ignore_eos``.
+        models: the names ``model`` may take, LoRA adapters included (``server.models``;
+            default: the base model's only). Every job's ``model`` resolves there
+            (:meth:`resolve_model`), whichever endpoint built it.
     """
 
     def __init__(
         self, tokenizer: Any, model_name: str, context_len: int, eos_token_ids: list[int],
-        chat: ChatRenderer | None = None,
+        chat: ChatRenderer | None = None, models: ServedModels | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.chat = chat or ChatRenderer(tokenizer)
         self.model_name = model_name
         self.context_len = context_len
         self.eos_token_ids = eos_token_ids
+        self.models = models or ServedModels(model_name)
         self.bound = prompt_bound(tokenizer)
 
     def serves(self, model: str) -> bool:
-        """Whether ``model`` names the served model."""
-        return model in (self.model_name, MODEL_ALIAS)
+        """Whether ``model`` names the base model or a LoRA adapter served on it."""
+        return self.models.serves(model)
+
+    def resolve_model(self, model: str) -> LoraRef | None:
+        """The LoRA adapter ``model`` names (None: the base model).
+
+        Raises:
+            APIError: 404 naming a model this server does not serve.
+        """
+        return self.models.resolve(model)
 
     def completion_jobs(self, req: CompletionRequest, request_id: str | None = None,
                         timing: RequestTiming | None = None) -> list[Job]:
@@ -61,7 +74,7 @@ class JobBuilder:
         ``X-Request-Id``, which the rid carries: :func:`new_rid`).
 
         Raises:
-            APIError: another model, ``best_of`` > 1, an echo/logprobs combination not served
+            APIError: a model not served (404), ``best_of`` > 1, an echo/logprobs combination not served
                 (:func:`check_echo`), several prompts with ``stream``, a sampling field out of
                 range (:meth:`_check_sampling`), a token id outside the vocabulary, or no room
                 in the context.
@@ -99,7 +112,7 @@ class JobBuilder:
         prompt, and the answer continues it.
 
         Raises:
-            APIError: another model, ``best_of`` > 1, ``top_logprobs`` without ``logprobs``, a
+            APIError: a model not served (404), ``best_of`` > 1, ``top_logprobs`` without ``logprobs``, a
                 sampling field out of range, a conversation the chat template refuses, tool
                 fields that do not fit together (``server.tools.request``), or no room in the
                 context.
@@ -174,10 +187,7 @@ class JobBuilder:
         return self._completion_ids(req, req.prompts[0])
 
     def _check_model(self, req: BaseGenerateRequest) -> None:
-        if not self.serves(req.model):
-            raise APIError(
-                f"model: '{req.model}' is not served here; use '{self.model_name}'", param="model"
-            )
+        self.resolve_model(req.model)
         # ``n`` (1..server.fields.MAX_N, the field table's range) forks each prompt's job in
         # server.choices; best_of is refused there too (vLLM removed it).
         if req.best_of not in (None, 1):
@@ -290,6 +300,7 @@ class JobBuilder:
                                   None if reasoning is None else reasoning.params)
         job = Job(rid, input_ids, sampling, req.stop or [], fmt, Usage(len(input_ids)),
                   req.return_token_ids)
+        job.lora = self.resolve_model(req.model)
         job.reasoning = reasoning
         return job
 

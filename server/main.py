@@ -20,6 +20,7 @@ from splitserve.server.cluster_view import ClusterView, install_cluster_view
 from splitserve.server.guard import install_guard
 from splitserve.server.membership import install_membership
 from splitserve.server.metrics import ServerMetrics, install_metrics
+from splitserve.server.models import ServedModels
 from splitserve.server.offload import Offload
 from splitserve.server.rate_limit import RateLimiter
 from splitserve.server.responses_api.store import AsyncResponseStore, ResponseStore
@@ -86,8 +87,11 @@ def run_api_server(
                           s.responses_store_max_age_s)
     export = create_trace_export(config.tracing, "splitserve-api", s.url)
     model_name = Path(model_path).name
+    e = config.engine
+    models = ServedModels(model_name, e.lora_enabled, e.lora_dir, e.lora_modules,
+                          e.pinned_loras)
     app = create_app(client, tokenizer, model_name, context_len, eos_ids,
-                     tenancy=tenancy, chat=chat, metrics=metrics,
+                     tenancy=tenancy, chat=chat, metrics=metrics, models=models,
                      responses_store=AsyncResponseStore(store), trace_export=export,
                      allowed_origins=s.allowed_origins,
                      offload=Offload(s.prepare_threads, 16 * s.prepare_threads))

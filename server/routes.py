@@ -41,8 +41,10 @@ from splitserve.server.fields import Endpoint
 from splitserve.server.generation import stream_text
 from splitserve.server.job import Job
 from splitserve.server.job_builder import JobBuilder
+from splitserve.server.lora_routes import install_lora_routes
 from splitserve.server.messages_api.errors import api_error_body, is_messages_path
 from splitserve.server.messages_api.routes import install_messages_routes
+from splitserve.server.models import ServedModels
 from splitserve.server.offload import Offload
 from splitserve.server.protocol import BaseGenerateRequest, ChatCompletionRequest, CompletionRequest
 from splitserve.server.request_id import RequestIdMiddleware
@@ -66,6 +68,7 @@ def create_app(
     chat: ChatRenderer | None = None,
     tenancy: Tenancy | None = None,
     metrics: Any | None = None,
+    models: ServedModels | None = None,
     responses_store: AsyncResponseStore | None = None,
     trace_export: Any | None = None,
     allowed_origins: Sequence[str] = (),
@@ -85,6 +88,8 @@ def create_app(
             template, ``--tool-call-parser auto``).
         metrics: the ``server.metrics.ServerMetrics`` whose violation counter the json_schema
             safety net increments (None: not counted).
+        models: the names ``model`` may take: the base model's and its LoRA adapters'
+            (``server.models``; default: ``model_name`` only, no adapters).
         responses_store: where ``/v1/responses`` keeps responses (default: in memory, for
             this app's life; ``server.responses_api.store``).
         trace_export: the ``observe.otel.TraceExport`` request spans go to (None: tracing
@@ -99,7 +104,8 @@ def create_app(
     """
     chat = chat or ChatRenderer(tokenizer)
     offload = offload or Offload()
-    jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids, chat)
+    models = models or ServedModels(model_name)
+    jobs = JobBuilder(tokenizer, model_name, context_len, eos_token_ids, chat, models)
     tenancy = tenancy or Tenancy()
     speller = TokenSpeller(tokenizer)
     created = int(time.time())
@@ -110,6 +116,7 @@ def create_app(
     app.add_middleware(BrowserGuardMiddleware, allowed_origins=allowed_origins,
                        on_refused=None if metrics is None else metrics.count_refused)
     install_tokenize_routes(app, jobs, tokenizer, context_len, offload)
+    install_lora_routes(app, models, client)
 
     violations = None if metrics is None else metrics.constraint_violations
 
@@ -188,26 +195,14 @@ def create_app(
         return await respond(request, observed(request, fork_choices(job, req.n or 1, 0), timing),
                              req.stream)
 
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "splitserve",
-            "max_model_len": context_len,
-        }
-
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        """The base model, then its LoRA adapters (each with ``parent`` = the base)."""
+        return {"object": "list", "data": models.cards(created, context_len)}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
-        if not jobs.serves(model):
-            raise APIError(f"model '{model}' does not exist; this server serves '{model_name}'",
-                           param="model", status_code=404, type="invalid_request_error",
-                           code="model_not_found")
-        return model_card()
+        return models.card(model, created, context_len)
 
     @app.get("/chat_template")
     async def chat_template() -> dict[str, Any]:

@@ -98,6 +98,4 @@ def _validate(model_cls: type[BaseModel], body: dict[str, Any]) -> Any:
 
 
 def _check_model(jobs: JobBuilder, model: str) -> None:
-    if not jobs.serves(model):
-        raise APIError(f"model: '{model}' is not served here; use '{jobs.model_name}'",
-                       param="model")
+    jobs.resolve_model(model)  # a LoRA adapter tokenizes as its base model

@@ -17,6 +17,7 @@ retries and aborts. This client is what those requests do to the world (their
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -28,9 +29,13 @@ import zmq.asyncio
 from splitserve.ipc.messages import (
     AbortTask,
     KVEvents,
+    LoadLora,
+    LoraRef,
+    LoraReply,
     RequestError,
     SamplingParams,
     TokenBatch,
+    UnloadLora,
     WorkerReady,
     WorkerStats,
     decode,
@@ -38,11 +43,14 @@ from splitserve.ipc.messages import (
 )
 from splitserve.server.disagg_request import DisaggRequest, RequestTable
 from splitserve.server.engine_client import BaseEngineClient, PromptAffinity, TokenEvent
+from splitserve.server.errors import APIError
 from splitserve.server.worker_pool import WorkerHandle, WorkerPool
 
 logger = logging.getLogger(__name__)
 
 MAX_DRAIN = 256  # inbox messages handled per wake-up before the other tasks get a turn
+LORA_LOAD_TIMEOUT_S = 300.0  # a worker reads an adapter's files in this long, or the load fails
+UNLOAD_WAIT_S = 30.0  # an unload waits this long at most for tasks accepted under the adapter
 # Plain ints: the per-message socket calls skip pyzmq's enum arithmetic.
 _EVENTS, _POLLIN, _RCVMORE, _NOBLOCK = (int(c) for c in (zmq.EVENTS, zmq.POLLIN, zmq.RCVMORE,
                                                           zmq.NOBLOCK))
@@ -89,6 +97,9 @@ class ZmqEngineClient(BaseEngineClient):
         self.max_inflight_per_worker = max_inflight_per_worker
         self.metrics = metrics
         self.requests = RequestTable()
+        # LoRA adapter -> requests accepted under it whose tasks may not be out yet.
+        self.sending: collections.Counter[str] = collections.Counter()
+        self._all_sent: dict[str, asyncio.Event] = {}  # set when an adapter's count drops to 0
         # DisaggPort.heard_from, called per token: the pool's own, with no call in between.
         self.heard_from = self.pool.heard_from
 
@@ -121,14 +132,85 @@ class ZmqEngineClient(BaseEngineClient):
     def generate(
         self, rid: str, input_ids: list[int], sampling: SamplingParams,
         cache_namespace: str | None = None, affinity: PromptAffinity | None = None,
-        timing: Any = None, trace: Any = None,
+        lora: LoraRef | None = None, timing: Any = None, trace: Any = None,
     ) -> AsyncIterator[TokenEvent]:
         """``rid``'s events (``BaseEngineClient.generate``), run by its own
         :class:`DisaggRequest`."""
         req = DisaggRequest(rid, input_ids, sampling, self, self.requests,
                             cache_namespace=cache_namespace, affinity=affinity,
-                            metrics=self.metrics, timing=timing, trace=trace)
-        return req.events()
+                            metrics=self.metrics, lora=lora, timing=timing, trace=trace)
+        if lora is None:
+            return req.events()
+        return self._sending_under(lora.name, req.events())
+
+    async def _sending_under(self, adapter: str,
+                             events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
+        """``events``, counted under ``adapter`` until the first arrives (its tasks are out by
+        then) or it ends: an unload of ``adapter`` reaches the workers after those tasks
+        (:meth:`unload_lora`), so a request accepted before the unload runs under it."""
+        self.sending[adapter] += 1
+        counted = True
+        try:
+            async for event in events:
+                if counted:
+                    counted = False
+                    self._sent(adapter)
+                yield event
+        finally:
+            if counted:
+                self._sent(adapter)
+            await events.aclose()
+
+    def _sent(self, adapter: str) -> None:
+        self.sending[adapter] -= 1
+        if not self.sending[adapter]:
+            del self.sending[adapter]
+            event = self._all_sent.pop(adapter, None)
+            if event is not None:
+                event.set()
+
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+
+    async def load_lora(self, name: str, path: str, pinned: bool = False) -> list[dict]:
+        """``BaseEngineClient.load_lora`` over every live worker, prefill and decode pools
+        alike (both hold each adapter); they read it at once, each on its own thread."""
+        workers = [w for w in self.pool.workers if w.ready]
+        if not workers:
+            raise APIError("no live worker to load the adapter on", status_code=503)
+        replies = await asyncio.gather(*(
+            self.pool.command(w, lambda qid: LoadLora(qid, self.inbox_addr, name, path, pinned),
+                              LORA_LOAD_TIMEOUT_S) for w in workers))
+        failed = [(w, r) for w, r in zip(workers, replies, strict=True)
+                  if r is None or r.error]
+        digests = {r.digest for r in replies if r is not None and not r.error}
+        if not failed and len(digests) > 1:
+            failed = [(workers[0], LoraReply(query_id=0, worker_id=workers[0].worker_id,
+                                             name=name, error="the workers read different "
+                                             f"files at {path} (digests {sorted(digests)})"))]
+        if failed:
+            await self.unload_lora(name)  # those that loaded it drop it again
+            w, r = failed[0]
+            if r is None:
+                raise APIError(f"{w.role} worker {w.worker_id} did not answer the load of "
+                               f"{name!r} within {LORA_LOAD_TIMEOUT_S:g} s", status_code=503)
+            raise APIError(f"lora_path: {r.error}", param="lora_path")
+        return [_lora_row(w, r) for w, r in zip(workers, replies, strict=True)]
+
+    async def unload_lora(self, name: str) -> list[dict]:
+        """``BaseEngineClient.unload_lora`` over every live worker, once the tasks of the
+        requests accepted under ``name`` are out (at most :data:`UNLOAD_WAIT_S`)."""
+        if self.sending.get(name):
+            event = self._all_sent.setdefault(name, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), UNLOAD_WAIT_S)
+            except TimeoutError:
+                logger.warning("unload of %r: requests under it still not sent after %.0f s",
+                               name, UNLOAD_WAIT_S)
+        workers = [w for w in self.pool.workers if w.ready]
+        replies = await asyncio.gather(*(
+            self.pool.command(w, lambda qid: UnloadLora(qid, self.inbox_addr, name), 30.0)
+            for w in workers))
+        return [_lora_row(w, r) for w, r in zip(workers, replies, strict=True)]
 
     async def abort(self, rid: str) -> None:
         """Close ``rid`` if it is in flight: every worker that got its current attempt's task
@@ -143,19 +225,20 @@ class ZmqEngineClient(BaseEngineClient):
 
     def targets(
         self, input_ids: list[int], affinity: PromptAffinity | None = None,
-        namespace: str | None = None,
+        namespace: str | None = None, adapter: str | None = None,
     ) -> list[tuple[WorkerHandle, str | None]] | TokenEvent:
         """``(worker, prefill_addr)`` pairs to send the task to, decode first (it starts
         reserving pages), or the 503 event that refuses it (no healthy worker, or one of them
         full). With ``affinity``, the worker that computes the prompt is the one its first
         request went to, while that one is live. ``namespace``: the request's prefix-cache
-        namespace, the only one the routing policy matches it in."""
-        colocated = self._prompt_worker("colocated", input_ids, affinity, namespace)
+        namespace, the only one the routing policy matches it in; ``adapter``: its LoRA
+        adapter, preferably run where it is resident (``WorkerPool.pick``)."""
+        colocated = self._prompt_worker("colocated", input_ids, affinity, namespace, adapter)
         if colocated is not None:
             targets = [(colocated, None)]
         else:
-            p = self._prompt_worker("prefill", input_ids, affinity, namespace)
-            d = self.pool.pick("decode")
+            p = self._prompt_worker("prefill", input_ids, affinity, namespace, adapter)
+            d = self.pool.pick("decode", adapter=adapter)
             if p is None or d is None:
                 return TokenEvent([], [], error="no healthy prefill/decode worker", error_code=503)
             targets = [(d, p.addr), (p, None)]
@@ -169,7 +252,7 @@ class ZmqEngineClient(BaseEngineClient):
 
     def _prompt_worker(
         self, role: str, input_ids: list[int], affinity: PromptAffinity | None,
-        namespace: str | None = None,
+        namespace: str | None = None, adapter: str | None = None,
     ) -> WorkerHandle | None:
         """The ``role`` worker to compute ``input_ids``: the affinity's worker if it is still
         live and of that role, else the routing policy's pick (recorded in the affinity)."""
@@ -177,7 +260,7 @@ class ZmqEngineClient(BaseEngineClient):
         if (pinned is not None and pinned.role == role and pinned.ready and not pinned.draining
                 and pinned in self.pool.workers):
             return pinned
-        chosen = self.pool.pick(role, input_ids, namespace)
+        chosen = self.pool.pick(role, input_ids, namespace, adapter)
         if affinity is not None and chosen is not None:
             affinity.worker = chosen
         return chosen
@@ -246,8 +329,19 @@ class ZmqEngineClient(BaseEngineClient):
             self.pool.on_ready(msg)
         elif isinstance(msg, WorkerStats):
             self.pool.on_stats(msg)
+        elif isinstance(msg, LoraReply):
+            self.pool.on_reply(msg.query_id, msg)
         elif isinstance(msg, KVEvents):
             self.pool.on_kv_events(msg)
+
+
+def _lora_row(w: WorkerHandle, reply: LoraReply | None) -> dict:
+    """One worker's row of a load or unload answer."""
+    row = {"worker_id": w.worker_id, "role": w.role}
+    if reply is None:
+        return {**row, "error": "no answer"}
+    return {**row, "error": reply.error, "digest": reply.digest, "rank": reply.rank,
+            "load_ms": round(reply.load_s * 1e3, 1)}
 
 
 def _log_undelivered(sent: asyncio.Future, rid: str, addr: str) -> None:

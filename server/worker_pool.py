@@ -50,6 +50,7 @@ from splitserve.server.routing import create_routing_policy
 
 logger = logging.getLogger(__name__)
 
+
 def stats_dict(msg: WorkerStats) -> dict:
     """A worker's stats as plain JSON-able values (its cache tiers' rows as dicts), less the
     query id."""
@@ -61,6 +62,17 @@ def stats_dict(msg: WorkerStats) -> dict:
 
 HEALTH_CHECK_S = 0.5  # how often silence is checked (workers beat every 0.5 s)
 SEND_HWM = 1000
+ADAPTER_SLACK = 8  # requests in flight a worker with the adapter resident may exceed the least
+
+
+def _prefer_resident(live: list[WorkerHandle], adapter: str) -> list[WorkerHandle]:
+    """The workers of ``live`` with ``adapter`` resident, unless there are none or they are
+    more than :data:`ADAPTER_SLACK` requests busier than the least loaded; else ``live``."""
+    resident = [w for w in live if adapter in w.last_stats.get("loras_resident", ())]
+    if resident and (min(w.in_flight for w in resident)
+                     <= min(w.in_flight for w in live) + ADAPTER_SLACK):
+        return resident
+    return live
 
 
 @dataclass(slots=True, eq=False)
@@ -166,13 +178,19 @@ class WorkerPool:
 
     def pick(
         self, role: str, input_ids: list[int] | None = None, namespace: str | None = None,
+        adapter: str | None = None,
     ) -> WorkerHandle | None:
         """A live, not draining worker of ``role``: by the routing policy for the roles that
         cache prefixes (``input_ids`` given; matched in the request's prefix-cache
-        ``namespace`` only), else the least loaded; None if there is none."""
+        ``namespace`` only), else the least loaded; None if there is none. With a LoRA
+        ``adapter``, among the workers that have it resident (their last stats) unless those
+        are ``ADAPTER_SLACK`` requests busier than the least loaded (Dynamo's adapter-aware
+        routing: a worker without it must first put it in a slot, maybe evicting another)."""
         live = [w for w in self.workers if w.role == role and w.ready and not w.draining]
         if not live:
             return None
+        if adapter is not None:
+            live = _prefer_resident(live, adapter)
         if input_ids is not None:
             return self.routing.pick(live, input_ids, namespace)  # type: ignore[return-value]
         return min(live, key=lambda w: w.in_flight)
@@ -231,9 +249,29 @@ class WorkerPool:
             if w.worker_id == msg.worker_id:
                 w.last_stats = stats_dict(msg)
                 self._alive(w)
-        fut = self.stats_waiters.pop(msg.query_id, None)
+        self.on_reply(msg.query_id, msg)
+
+    def on_reply(self, query_id: int, msg: Any) -> None:
+        """The answer to query ``query_id`` (:meth:`query`, :meth:`command`) came."""
+        fut = self.stats_waiters.pop(query_id, None)
         if fut is not None and not fut.done():
             fut.set_result(msg)
+
+    async def command(self, w: WorkerHandle, make: Callable[[int], Any],
+                      timeout_s: float) -> Any | None:
+        """Send ``w`` the message ``make(query_id)`` and return its answer (the message with
+        that ``query_id``: :meth:`on_reply`), or None if none came within ``timeout_s`` (or
+        its link is full)."""
+        qid = next(self.query_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.stats_waiters[qid] = fut
+        try:
+            await w.sock.send(encode(make(qid)), zmq.NOBLOCK)
+            return await asyncio.wait_for(fut, timeout=timeout_s)
+        except (TimeoutError, zmq.Again):
+            return None
+        finally:
+            self.stats_waiters.pop(qid, None)
 
     def on_kv_events(self, msg: KVEvents) -> None:
         """A worker's KV events, for the routing policy; a gap in them asks the worker for a

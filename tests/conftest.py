@@ -94,3 +94,12 @@ def hf_model(model_path: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(model_path: Path, tmp_path_factory) -> dict[str, Path]:
+    """Tiny LoRA adapters for the default model, trained with ``peft`` once per session
+    (``tests.lora_adapters``): name -> PEFT folder."""
+    from tests.lora_adapters import train_all
+
+    return train_all(model_path, tmp_path_factory.mktemp("lora"))

@@ -23,6 +23,7 @@ from splitserve.engine.core import EngineCore
 from splitserve.engine.kernels.cpu.build import cpu_kernel_build
 from splitserve.engine.kernels.cpu.features import resolve_dtype
 from splitserve.engine.kv_pool import KVPool
+from splitserve.engine.lora.manager import LoraManager
 from splitserve.engine.model.loader import load_model
 from splitserve.engine.runner.cuda_graph import DEFAULT_BATCH_SIZES, DecodeGraphRunner
 from splitserve.engine.runner.model_runner import ModelRunner
@@ -72,6 +73,7 @@ def build_parts(config: WorkerConfig, role: WorkerRole) -> WorkerParts:
     num_pages = max(2, e.kv_cache_mb * 2**20 // layout.page_bytes)
     # The backend decides where the pool lives (shm: a segment the prefill side maps).
     pool = create_kv_pool(e.kv_transfer, layout, num_pages, e.device, role.receives_kv)
+    lora = create_lora(model, e)
     runner = ModelRunner(
         model, pool, e.device, vocab_size=model_config.vocab_size,
         overlap_grammar_mask=e.overlap_grammar_mask,
@@ -80,7 +82,8 @@ def build_parts(config: WorkerConfig, role: WorkerRole) -> WorkerParts:
         eos_token_ids=model_config.eos_token_ids,
     )
     cache = create_cache(config, role, pool, runner, weights, dtype, model_config.eos_token_ids)
-    scheduler = Scheduler(cache, e, model_config.eos_token_ids, prefill_only=not role.decodes)
+    scheduler = Scheduler(cache, e, model_config.eos_token_ids, prefill_only=not role.decodes,
+                          lora=lora)
     grammars = create_worker_grammars(
         e.model, model_config.vocab_size, model_config.eos_token_ids,
         jump_forward=e.jump_forward and role.decodes, default_backend=e.grammar_backend,
@@ -104,9 +107,30 @@ def build_parts(config: WorkerConfig, role: WorkerRole) -> WorkerParts:
     return WorkerParts(
         config, dtype, model_config, weights, pool, scheduler, EngineCore(scheduler, runner),
         grammars, links, port, sender, receiver,
-        create_sessions(config, scheduler, grammars, port, sender, receiver),
+        create_sessions(config, scheduler, grammars, port, sender, receiver), lora,
         create_worker_tracer(config, role),
     )
+
+
+def create_lora(model: torch.nn.Module, engine: EngineConfig) -> LoraManager | None:
+    """The worker's LoRA adapters when the config serves them (``EngineConfig.lora_enabled``),
+    with ``lora_modules`` loaded (``pinned_loras`` pinned); else None.
+
+    Raises:
+        ValueError (``engine.lora.peft.LoraError``): an adapter of ``lora_modules`` that cannot
+            be served, named with its problem.
+    """
+    if not engine.lora_enabled:
+        return None
+    lora = LoraManager(model, engine.max_loras, engine.max_lora_rank, engine.max_loaded_loras)
+    for name, path in engine.lora_modules.items():
+        try:
+            adapter = lora.load(name, path, pinned=name in engine.pinned_loras)
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules {name}={path}: {exc}") from exc
+        logger.info("LoRA adapter %s: rank %d from %s (%.0f ms)", name, adapter.rank, path,
+                    adapter.load_s * 1e3)
+    return lora
 
 
 def create_worker_tracer(config: WorkerConfig, role: WorkerRole) -> WorkerTracer | None:

@@ -2,7 +2,8 @@
 built (``worker.build``); what each event means is the role's policy's (``worker.role``).
 
 One iteration (:meth:`Worker.run_once`): drain the inbox (at most ``MAX_MESSAGES_PER_STEP``
-messages), hand finished grammar compiles to the policy, tick it (deadlines, keepalives), end
+messages), hand finished grammar compiles to the policy, and the tasks whose LoRA adapter
+finished loading (``worker.adapters``), tick it (deadlines, keepalives), end
 the requests of routers that went away (``worker.routers``), and run one engine step if there
 is work, handing its outputs to the policy. After every event the scheduler admits the
 requests whose KV is coming, in arrival order, and the policy bootstraps those it admitted:
@@ -27,15 +28,18 @@ from splitserve.ipc.messages import (
     KVEvent,
     KVEvents,
     KVEventsQuery,
+    LoadLora,
     Message,
     RouterBeat,
     Shutdown,
     StatsQuery,
+    UnloadLora,
     WorkerReady,
     WorkerStats,
 )
 from splitserve.ipc.sockets import PeerUnreachable
 from splitserve.kv_transfer.session import IllegalTransition
+from splitserve.worker.adapters import WorkerAdapters
 from splitserve.worker.build import kernel_report
 from splitserve.worker.heartbeat import Heartbeat, rejoin_router
 from splitserve.worker.parts import WorkerParts
@@ -69,6 +73,7 @@ class Worker:
         self.ctx, self.inbox, self.outbox = parts.links.ctx, parts.links.inbox, parts.links.outbox
         self.sender, self.receiver, self.sessions = parts.sender, parts.receiver, parts.sessions
         self.policy = role.create_policy(parts)
+        self.adapters = WorkerAdapters(parts.lora, self.port, self.config.worker_id)
         # The traced requests' spans (worker.tracing; None: tracing off).
         self.tracer = parts.tracer
         self.port.tracer = parts.tracer
@@ -124,6 +129,7 @@ class Worker:
             beat.stop()
             beat.join()
             self.grammars.close()
+            self.adapters.close()
             self.core.close()
             if self.tracer is not None:
                 self.tracer.close()
@@ -137,7 +143,8 @@ class Worker:
         # Work that cannot be scheduled (waiting for pages) must not spin the core the model
         # uses; the poll still returns at once when a message arrives.
         busy = self.scheduler.has_work and self.scheduler.last_num_scheduled > 0
-        waits_on_threads = len(self.grammars) or self.scheduler.cache.is_loading
+        waits_on_threads = (len(self.grammars) or len(self.adapters)
+                            or self.scheduler.cache.is_loading)
         wait_ms = 0 if busy else COMPILE_POLL_MS if waits_on_threads else idle_wait_ms
         if self.inbox.poll(wait_ms):
             for _ in range(MAX_MESSAGES_PER_STEP):
@@ -150,6 +157,9 @@ class Worker:
             if tracer is not None:
                 tracer.mark(done.req.rid, "compiled")
             self._handle(self.policy.on_compiled, done)
+        if self.adapters.loads:
+            for task in self.adapters.poll():
+                self._handle(self.policy.on_task, task)
         now = self.now()
         self._handle(self.policy.on_tick, now)
         if now >= self.next_router_check:
@@ -189,9 +199,12 @@ class Worker:
                     # A router restarted at the same inbox: its predecessor's requests go first.
                     self.end_requests_of(msg.reply_addr, "closed its link")
                 self.routers.heard(msg.reply_addr)
-                self.policy.on_task(msg)
+                task = self.adapters.admit(msg)  # held while its LoRA adapter loads
+                if task is not None:
+                    self.policy.on_task(task)
             elif isinstance(msg, AbortTask):
-                self.policy.on_abort(msg.rid)
+                if not self.adapters.drop(msg.rid):
+                    self.policy.on_abort(msg.rid)
                 if self.tracer is not None:
                     self.tracer.end(msg.rid, "aborted")
             elif isinstance(msg, RouterBeat):
@@ -204,6 +217,12 @@ class Worker:
                 logger.info("%s worker %s: flushed %d cached pages", self.role.name,
                             self.config.worker_id, freed)
                 self.port.send(msg.reply_addr, self.stats(msg.query_id))
+            elif isinstance(msg, LoadLora):
+                self.routers.heard(msg.reply_addr)
+                self.adapters.on_load(msg)
+            elif isinstance(msg, UnloadLora):
+                self.routers.heard(msg.reply_addr)
+                self.adapters.on_unload(msg)
             elif isinstance(msg, KVEventsQuery):
                 self.port.send(msg.reply_addr, self.kv_events(
                     self.scheduler.cache.snapshot_events(), snapshot=True))
@@ -267,21 +286,22 @@ class Worker:
     def check_routers(self, now: float) -> None:
         """End the requests of every router that is gone (link closed, or silent past its
         ``dead_after_s``), freeing their pages."""
-        held = self.policy.held()
+        held = {**self.policy.held(), **self.adapters.held()}
         for addr, why in self.routers.gone(now, set(held.values())):
             self.end_requests_of(addr, why, held)
 
     def end_requests_of(self, addr: str, why: str, held: dict[str, str] | None = None) -> None:
         """Abort every request of the router at ``addr`` (its pages freed on this worker; the
         router, if it is only cut off, gets a 503 for each should the link come back)."""
-        held = self.policy.held() if held is None else held
+        held = {**self.policy.held(), **self.adapters.held()} if held is None else held
         rids = [rid for rid, reply in held.items() if reply == addr]
         if not rids:
             return
         logger.warning("%s worker %s: router at %s %s: ending its %d requests", self.role.name,
                        self.config.worker_id, addr, why, len(rids))
         for rid in rids:
-            self.policy.on_abort(rid)
+            if not self.adapters.drop(rid):
+                self.policy.on_abort(rid)
             self.port.orphan(rid, addr, f"the router at {addr} {why}: the {self.role.name} "
                                         "worker ended the request")
 
@@ -334,4 +354,7 @@ class Worker:
             prefill_tokens_per_s=self.scheduler.cache.prefill_rate(),
             node=self.config.node or socket.gethostname(),
         )
+        lora = self.parts.lora
+        if lora is not None:
+            stats.loras, stats.loras_resident = lora.names(), lora.resident()
         return self.policy.fill_stats(stats)

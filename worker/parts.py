@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from splitserve.config import WorkerConfig
     from splitserve.engine.core import EngineCore
     from splitserve.engine.kv_pool import KVPool
+    from splitserve.engine.lora.manager import LoraManager
     from splitserve.engine.model.config import ModelConfig
     from splitserve.engine.sched.scheduler import Scheduler
     from splitserve.ipc.messages import WeightsMsg
@@ -31,7 +32,8 @@ class WorkerParts:
     colocated one.
 
     ``dtype``: the dtype the model runs in (``float32``, ``bfloat16``...); ``weights``: the
-    loaded weights' identity for the KV handshake.
+    loaded weights' identity for the KV handshake; ``lora``: its LoRA adapters (None: it
+    serves none).
     """
 
     config: WorkerConfig
@@ -47,4 +49,5 @@ class WorkerParts:
     sender: BaseKVSender | None = None
     receiver: BaseKVReceiver | None = None
     sessions: SendSessions | RecvSessions | None = None
+    lora: LoraManager | None = None
     tracer: WorkerTracer | None = None  # spans of traced requests (None: tracing off)

@@ -10,6 +10,7 @@ import msgspec
 from splitserve.engine.sched.request import Req
 from splitserve.engine.sched.scheduler import Scheduler
 from splitserve.ipc.messages import GenerateTask
+from splitserve.radix_cache.namespace import adapter_namespace
 
 
 def task_error(task: GenerateTask, scheduler: Scheduler, context_len: int) -> str | None:
@@ -23,6 +24,9 @@ def task_error(task: GenerateTask, scheduler: Scheduler, context_len: int) -> st
     if not scheduler.fits_pool(n + 1):
         cap = (scheduler.allocator.num_pages - 1) * scheduler.page_size
         return f"prompt of {n} tokens does not fit the KV pool ({cap} tokens)"
+    if task.lora is not None and (scheduler.lora is None
+                                  or scheduler.lora.get(task.lora.name) is None):
+        return f"model {task.lora.name!r}: the LoRA adapter is not loaded on this worker"
     return None
 
 
@@ -30,9 +34,13 @@ def new_req(task: GenerateTask, scheduler: Scheduler, stamp: str = "received") -
     """The scheduler's request for ``task``. Its output is capped at what the KV pool holds
     after the prompt: a sequence that outgrew the pool could never be re-admitted once
     retracted and would wedge the queue behind it. It then ends with ``length``, as at the
-    model's context (only a pool smaller than the context can hit this). ``stamp``: the
-    ``Req.stamps`` field that records its arrival here (``decode_received`` on a decode
-    worker)."""
+    model's context (only a pool smaller than the context can hit this). Under a LoRA adapter
+    (loaded here: :func:`task_error` checked), its prefix-cache namespace is the adapter's
+    within the tenant's (``radix_cache.namespace``). ``stamp``: the ``Req.stamps`` field that
+    records its arrival here (``decode_received`` on a decode worker)."""
+    lora = None
+    if task.lora is not None and scheduler.lora is not None:
+        lora = scheduler.lora.get(task.lora.name)
     sampling = task.sampling
     room = (scheduler.allocator.num_pages - 1) * scheduler.page_size - len(task.input_ids)
     if sampling.max_new_tokens > room:
@@ -42,7 +50,9 @@ def new_req(task: GenerateTask, scheduler: Scheduler, stamp: str = "received") -
         input_ids=list(task.input_ids),
         sampling=sampling,
         reply_addr=task.reply_addr,
-        cache_namespace=task.cache_namespace,
+        cache_namespace=adapter_namespace(task.cache_namespace,
+                                          None if lora is None else lora.digest),
+        lora=lora,
     )
     setattr(req.stamps, stamp, time.time())
     return req

@@ -14,13 +14,13 @@ the step itself when called without one.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from splitserve.engine.attention.base import BaseAttentionBackend, create_attention_backend
-from splitserve.engine.forward_batch import ForwardBatch
+from splitserve.engine.forward_batch import AdapterRows, ForwardBatch
 from splitserve.engine.kernels.cpu.bindings import CpuKernels
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.model.config import ModelConfig
@@ -41,6 +41,23 @@ WeightMap = dict[str, WeightSlot]
 def rows(start: int, count: int) -> tuple[slice]:
     """The index of ``count`` rows from ``start`` (a :data:`WeightSlot`'s second half)."""
     return (slice(start, start + count),)
+
+
+class StepAdapters(Protocol):
+    """The LoRA adapters of a model (``engine.lora.adapters.ModelAdapters``, set as
+    ``DecoderLM.lora`` where the server serves adapters): told each step's adapted rows."""
+
+    def begin(self, rows: AdapterRows) -> None:
+        """The step about to run has these adapted rows (the projections read them)."""
+
+    def end(self) -> None:
+        """The step ran."""
+
+    def fused_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The fused decode layers' LoRA arguments for the current step, or None."""
+
+    def serves_fused(self) -> bool:
+        """Whether the fused decode layers can run steps with adapted rows."""
 
 
 class DecoderLM(nn.Module):
@@ -94,6 +111,8 @@ class DecoderLM(nn.Module):
         # The loaded checkpoint's identity for the KV handshake (engine.model.weight_digest),
         # set by the loader; "" until then.
         self.weights_digest = ""
+        # LoRA adapters (engine.lora), when served: None runs every step on the base weights.
+        self.lora: StepAdapters | None = None
         self.layers: nn.ModuleList
         self.norm: nn.Module
 
@@ -188,11 +207,17 @@ class DecoderLM(nn.Module):
         fused = self.fused_layers
         return self.fused_decode and fused is not None and fused.serves(self.attn_backend, pool)
 
+    def fuses_adapters(self) -> bool:
+        """Whether the fused decode layers also take steps with LoRA rows (a fact for the step
+        planner: the C LoRA products and the Llama layer's projection order)."""
+        return self.lora is not None and self.lora.serves_fused()
+
     def plan_step(self, batch: ForwardBatch, pool: KVPool) -> StepPlan:
         """The plan of ``batch`` run straight through :meth:`forward` over ``pool`` (no runner:
         no speculative rows, no CUDA graphs): ``engine.step_plan.plan_step`` on this model's
         limits and fused layers."""
-        return plan_step(StepShape.of(batch), self.product_limits, self.fuses_decode(pool))
+        return plan_step(StepShape.of(batch), self.product_limits, self.fuses_decode(pool),
+                         fuses_adapters=self.fuses_adapters())
 
     def weight_bytes(self) -> int:
         """Bytes of the parameters plus the packed copies :meth:`pack_weights` made (oneDNN's
@@ -265,6 +290,19 @@ class DecoderLM(nn.Module):
         """
         if plan is None:
             plan = self.plan_step(batch, pool)
+        lora = self.lora if batch.lora is not None else None
+        if lora is None:
+            return self._forward(batch, pool, return_hidden, meta, plan)
+        lora.begin(batch.lora)  # type: ignore[arg-type]
+        try:
+            return self._forward(batch, pool, return_hidden, meta, plan)
+        finally:
+            lora.end()
+
+    def _forward(
+        self, batch: ForwardBatch, pool: KVPool, return_hidden: bool, meta: object | None,
+        plan: StepPlan,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x = self.embed(batch.input_ids)
         # Positions end at seq_len - 1: the bound check needs no read of the positions tensor.
         max_position = max(batch.seq_lens) - 1 if batch.seq_lens else None
@@ -273,7 +311,8 @@ class DecoderLM(nn.Module):
         if meta is None:
             meta = backend.prepare(batch, pool, self.config.layer_windows)
         fused = self.fused_layers if plan.fused_layers else None
-        if fused is None or not fused.run(x, batch, backend, meta, pool):
+        lora = None if self.lora is None else self.lora.fused_args()
+        if fused is None or not fused.run(x, batch, backend, meta, pool, lora):
             for layer, rope in zip(self.layers, ropes, strict=True):
                 x = layer(x, rope, backend, meta, pool, plan.layers)
         # The norm is per row, so only the scored rows need it (and the vocab projection); a

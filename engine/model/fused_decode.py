@@ -115,10 +115,13 @@ class FusedDecodeLayers:
         return backend.serves_fused_decode(pool, self.config.num_heads)
 
     def run(self, x: torch.Tensor, batch: ForwardBatch, backend: BaseAttentionBackend,
-            meta: object, pool: KVPool) -> bool:
+            meta: object, pool: KVPool,
+            lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
         """Run every decoder layer on ``x [T, hidden]`` (bfloat16, updated in place) for the
         decode-only ``batch`` the step plan gave them, writing the new K/V to ``pool`` and the
-        decode cache. ``meta``: the backend's metadata for ``batch``.
+        decode cache. ``meta``: the backend's metadata for ``batch``; ``lora``: the step's
+        LoRA table and adapted rows (``engine.lora.adapters.ModelAdapters.fused_args``), or
+        None.
 
         Returns:
             Whether it ran: False (nothing touched; the caller runs the layers) where the
@@ -136,7 +139,7 @@ class FusedDecodeLayers:
         rc = self.kernels.decode_layers(
             self.ptrs, x, self.config, self.rope, batch.positions, pool, batch.out_page_ids,
             batch.out_offsets, targets.kt, targets.v, targets.slots, targets.positions,
-            targets.lens, self.window,
+            targets.lens, self.window, lora,
         )
         if rc != 0:
             raise RuntimeError(f"fused decode layers failed (code {rc})")

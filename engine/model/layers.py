@@ -6,7 +6,7 @@ random init of a large model would cost seconds for nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,16 @@ from splitserve.engine.step_plan import Product
 
 if TYPE_CHECKING:
     from splitserve.engine.kernels.triton.quant_matmul import TritonInt4Weight, TritonInt8Weight
+
+
+class ProjectionAdapters(Protocol):
+    """What a :class:`Linear` asks of its LoRA adapters (``engine.lora``, which sets
+    ``Linear.lora`` on the projections adapters may target): add the step's low-rank products
+    of the rows that run under an adapter."""
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y [T, out]`` (the base product of ``x [T, in]``) plus each adapted row's
+        ``s * (x A^T) B^T``; ``y`` itself when no row of the step has an adapter here."""
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -103,8 +113,11 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = empty_parameter(out_features, in_features, dtype=dtype)
         self.bias = empty_parameter(out_features, dtype=dtype) if bias else None
+        # LoRA adapters on this projection (engine.lora), where the server serves them.
+        self.lora: ProjectionAdapters | None = None
         self.packed: torch.Tensor | None = None  # set by pack(); not a parameter
         # Set by pack() too: the C kernels for decode steps and the weight in their layout,
         # used for the steps whose plan says Product.C (engine.step_plan).
@@ -172,15 +185,18 @@ class Linear(nn.Module):
         """``x [T, in]`` -> ``[T, out]`` by ``product``, the step plan's choice for the
         decoder layers (``engine.step_plan``): the C products where this module packed their
         weight, else oneDNN's packed product, else ``F.linear`` (CUDA: the Triton kernel of a
-        quantized weight, whatever ``product`` says)."""
+        quantized weight, whatever ``product`` says); then the step's LoRA products, if any
+        row runs under an adapter of this projection."""
         if self.gpu_weight is not None:
-            return self.gpu_weight(x, self.bias)
-        if product is not Product.TORCH and self.kernels is not None and x.dim() == 2 and (
+            y = self.gpu_weight(x, self.bias)
+        elif product is not Product.TORCH and self.kernels is not None and x.dim() == 2 and (
                 self.int8 is not None or self.int4 is not None or self.decode_packed is not None):
-            return self.c_product(x.contiguous(), product)
-        if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            y = self.c_product(x.contiguous(), product)
+        elif self.packed is not None:
+            y = packed_linear(x, self.packed, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 class LMHead:

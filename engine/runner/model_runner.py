@@ -118,6 +118,7 @@ class ModelRunner:
                 seq_ids=[r.uid for r in reqs],
                 logit_counts=counts if drafts else None,
                 max_seq_lens=step.max_seq_lens or None,
+                lora_slots=None if self.model.lora is None else [r.lora_slot for r in reqs],
             )
             plan = self.plan_step(step, batch)
             if plan.as_decode_rows:
@@ -167,7 +168,7 @@ class ModelRunner:
         shape = StepShape.of(batch, step.sample_rows, scored, verifies)
         graphs, model = self.decode_graphs, self.model
         return plan_step(shape, model.product_limits, model.fuses_decode(self.pool),
-                         None if graphs is None else graphs.limits)
+                         None if graphs is None else graphs.limits, model.fuses_adapters())
 
     def _sample(
         self,

@@ -11,6 +11,7 @@ from splitserve.ipc.messages import SamplingParams, StageStamps
 
 if TYPE_CHECKING:
     from splitserve.engine.grammar.request_grammar import RequestGrammar
+    from splitserve.engine.lora.manager import LoadedAdapter
     from splitserve.engine.sched.ngram import NgramIndex
 
 # Process-wide counter for Req.uid: unlike rid (client-chosen, may repeat) or id() (reused after
@@ -33,7 +34,10 @@ class Req:
     input_ids: list[int]
     sampling: SamplingParams
     reply_addr: str = ""
-    cache_namespace: str | None = None  # prefix-cache namespace (tenant); None: the shared one
+    # Prefix-cache namespace: the tenant's, with the LoRA adapter folded in (a prefix computed
+    # under one adapter is no other's); None: the shared one, base model.
+    cache_namespace: str | None = None
+    lora: LoadedAdapter | None = None  # the LoRA adapter it runs under (None: the base model)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
@@ -58,11 +62,18 @@ class Req:
     grammar: RequestGrammar | None = None  # set once its constraint compiled (None: free text)
     uid: int = field(default_factory=lambda: next(_uids))  # keys per-sequence engine caches
     ngrams: NgramIndex | None = None  # speculative drafts' index, made at its first decode step
+    lora_slot: int | None = None  # its adapter's slot while admitted (engine.lora.slots)
     # When it passed each stage boundary here (wall clock; the worker stamps them, the router
     # gets them with its first and last outputs), and its trace record when it is traced
     # (``worker.tracing.ReqTrace``; None: not traced). The engine never reads either.
     stamps: StageStamps = field(default_factory=StageStamps)
     trace: Any = None
+
+    @property
+    def lora_id(self) -> str:
+        """Its adapter's identity (the digest of its files; "" for the base model): the KV
+        handoff checks that both workers run the same."""
+        return "" if self.lora is None else self.lora.digest
 
     @property
     def prompt_len(self) -> int:

@@ -30,12 +30,15 @@ SENDING_KV        prefilled here (prefill worker): its pages are held        yes
 ================  =========================================================  ==================
 
 Admission is one rule (:meth:`Scheduler.can_admit`) for the scheduler's own prompts and for the
-reservations of requests whose KV is coming (:meth:`Scheduler.admit_waiting_for_kv`). Both
-queues are ordered by ``SamplingParams.priority`` (lower first, vLLM's semantics), then arrival;
+reservations of requests whose KV is coming (:meth:`Scheduler.admit_waiting_for_kv`). Both queues are ordered by ``SamplingParams.priority`` (lower first, vLLM's semantics), then arrival;
 when pages run out the least urgent running request is retracted (recomputed later), and a
 waiting prompt more urgent than running ones preempts them (:meth:`_preempt_for_waiting`). With
-every priority equal (the default 0) this is first come, first served. A request in a KV handoff leaves through :meth:`Scheduler.release` (its transfer session
-ended) or, its KV arrived, :meth:`Scheduler.add_received`.
+every priority equal (the default 0) this is first come, first served. A request under a LoRA
+adapter is also admitted only with a reference on its adapter's slot (``engine.lora``), held
+until its pages are freed; one whose adapter gets no slot yet waits without holding up the
+requests behind it, and its adapter is named to the slots so that one is drained for it
+(``engine.lora.slots``). A request in a KV handoff leaves through :meth:`Scheduler.release` (its
+transfer session ended) or, its KV arrived, :meth:`Scheduler.add_received`.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from collections.abc import Iterable
 
 from splitserve.config import EngineConfig
 from splitserve.engine.kv_pool import pages_for
+from splitserve.engine.lora.manager import LoraManager
 from splitserve.engine.sched.batch import ModelOutput, ScheduledBatch, StepOutput, Verified
 from splitserve.engine.sched.ngram import NgramIndex
 from splitserve.engine.sched.prefix_cache import BasePrefixCache
@@ -75,6 +79,7 @@ class Scheduler:
         eos_token_ids: tokens that end an output (unless the request ignores EOS).
         prefill_only: the prefill worker's scheduler: a request stops computing with its first
             token (``SENDING_KV``: its pages held for the KV send) and never jumps forward.
+        lora: the worker's LoRA adapters (their slots), or None: no request has one.
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class Scheduler:
         engine: EngineConfig,
         eos_token_ids: list[int],
         prefill_only: bool = False,
+        lora: LoraManager | None = None,
     ) -> None:
         self.cache = cache
         self.allocator = cache.allocator
@@ -99,6 +105,7 @@ class Scheduler:
         self.num_draft_tokens = 0  # drafted since start
         self.num_accepted_tokens = 0  # of those, kept by verification
         self.prefill_only = prefill_only
+        self.lora = lora
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Req] = deque()  # need more than one token of KV: new or retracted
         self.running: list[Req] = []  # decoding: exactly one token missing its KV
@@ -147,17 +154,20 @@ class Scheduler:
     def admit_waiting_for_kv(self) -> list[Req]:
         """Reserve the prompt's pages of each queued ``WAITING_FOR_KV`` request, by priority
         then arrival, while :meth:`can_admit` allows (the first that does not fit stops the
-        rest).
+        rest; one whose adapter has no slot yet is passed over).
 
         Returns: the requests admitted now, each with ``page_ids`` = its reservation (the pages
         its KV is to be written into), in arrival order."""
         admitted: list[Req] = []
-        while self.waiting_for_kv:
-            req = self.waiting_for_kv[0]
+        self._want_adapters()
+        for req in list(self.waiting_for_kv):
+            if not self._acquire_adapter(req):
+                continue  # its adapter has no slot yet: the others go ahead
             num_pages = pages_for(req.prompt_len, self.page_size)
             if not self.can_admit(num_pages):
+                self._release_adapter(req)
                 break
-            self.waiting_for_kv.popleft()
+            self.waiting_for_kv.remove(req)
             req.page_ids = self.allocator.alloc(num_pages)
             self.receiving_kv.append(req)
             admitted.append(req)
@@ -207,8 +217,34 @@ class Scheduler:
     def free(self, req: Req) -> None:
         """Give back ``req``'s pages: its computed KV goes to the prefix cache (when on), the
         rest to the pool. Afterwards ``req`` holds no pages and ``kv_len == 0``. The queues are
-        the caller's: a queued request is taken out by :meth:`release` or :meth:`abort`."""
+        the caller's: a queued request is taken out by :meth:`release` or :meth:`abort`. Its
+        reference on its adapter's slot goes too."""
         self.cache.release(req)
+        self._release_adapter(req)
+
+    # ---- LoRA adapter slots -----------------------------------------------------------------
+
+    def _acquire_adapter(self, req: Req) -> bool:
+        """Whether ``req`` may be admitted as far as its adapter goes: it has none, already
+        holds its slot, or got a reference on it now."""
+        if req.lora is None or req.lora_slot is not None:
+            return True
+        assert self.lora is not None, "a request with an adapter on a worker without LoRA"
+        req.lora_slot = self.lora.acquire(req.lora)
+        return req.lora_slot is not None
+
+    def _release_adapter(self, req: Req) -> None:
+        if req.lora_slot is not None:
+            assert self.lora is not None
+            self.lora.release(req.lora_slot)
+            req.lora_slot = None
+
+    def _want_adapters(self) -> None:
+        """Name the adapters of the requests not admitted yet to the slots (each admission
+        pass), so that a slot drains for one that has none."""
+        if self.lora is not None:
+            self.lora.want([r.lora for r in (*self.waiting, *self.waiting_for_kv)
+                            if r.lora is not None and r.lora_slot is None])
 
     def check_pages(self) -> None:
         """Every used page is either the cache's or one request's, in whichever state (waiting,
@@ -321,6 +357,7 @@ class Scheduler:
         elif finished:
             self.running.remove(req)
         if self.prefill_only and was_waiting:
+            self._release_adapter(req)  # it computes nothing more here
             self.sending_kv.append(req)
             return StepOutput(req, token_id, logprob, finished, prefilled=True)
         if finished:
@@ -387,12 +424,16 @@ class Scheduler:
             reqs.append(req)
             chunks.append(chunk)
         budget = self.max_batch_tokens - sum(chunks)
+        if self.lora is not None and self.waiting:
+            self._want_adapters()
         for req in self.waiting:
             if budget <= 0 or len(reqs) >= self.max_running:
                 break
             is_new = not req.page_ids
             if is_new and not self.cache.ready(req):
                 continue  # its prompt's KV is still loading from a lower tier: the next may go
+            if is_new and not self._acquire_adapter(req):
+                continue  # its adapter has no slot yet: the prompts behind it go ahead
             if is_new:
                 # Admit a new prompt only if all of it fits, with a page of headroom per running
                 # request, so a half-prefilled prompt does not force decodes to retract.
@@ -400,12 +441,14 @@ class Scheduler:
                 total = pages_for(req.seq_len + 1, page_size) - len(req.page_ids)
                 if not self.can_admit(total):
                     self.cache.unmatch(req)
+                    self._release_adapter(req)
                     break  # waits (FIFO) until requests finish or cache entries unpin
             chunk = min(req.extend_len, budget)
             need = pages_for(req.kv_len + chunk, page_size) - len(req.page_ids)
             if not self.cache.ensure_free(need):
                 if is_new:
                     self.cache.unmatch(req)
+                    self._release_adapter(req)
                 break  # FIFO: later prompts wait behind this one
             if is_new:
                 self.cache.admitted(req)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from splitserve.engine.sched.request import Req
+from splitserve.radix_cache.namespace import adapter_namespace
 from splitserve.radix_cache.tiers.cost_model import LoadCostModel
 from tests.radix_cache.tiered_fixtures import (
     LAYOUT,
@@ -309,3 +310,22 @@ TestTieredWriteThrough.settings = settings(max_examples=60, stateful_step_count=
                                            deadline=None)
 TestTieredWriteBack = TieredWriteBackMachine.TestCase
 TestTieredWriteBack.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_lora_adapters_never_share_in_any_tier(tmp_path: Path) -> None:
+    """A worker folds a request's adapter digest into its namespace (``worker.tasks.new_req``:
+    ``radix_cache.namespace.adapter_namespace``), which is part of every block key's chain root:
+    the radix tree and each tier keep the base model's and each adapter's blocks apart, and the
+    same adapter files (same digest) hit again after the blocks went down the tiers."""
+    cache = make_cache(tmp_path, num_pages=8, host_slots=4, disk_bytes=1 << 20)
+    prompt = list(range(10))
+    ns = {d: adapter_namespace("tenant-a", d) for d in ("", "digest-sql", "digest-chat")}
+    assert ns[""] == "tenant-a" and len(set(ns.values())) == 3
+    assert len({tuple(cache.keys_of(prompt, n)) for n in ns.values()}) == 3
+    _serve(cache, prompt, ns["digest-sql"])
+    assert _serve(cache, prompt, ns["digest-chat"]).cached_len == 0  # in the pool (L1)
+    cache.evict(cache.tree.evictable_pages)
+    _churn(cache)
+    assert _serve(cache, prompt, ns[""]).cached_len == 0
+    again = _serve(cache, prompt, ns["digest-sql"])
+    assert again.cached_len == 10 and "l1" not in again.cached_by_tier

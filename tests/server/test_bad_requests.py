@@ -11,7 +11,6 @@ from tests.http_api import CH, CONTEXT_LEN, MODEL, USER, C
 
 BAD_REQUESTS = [
     (C, {"prompt": "hi"}, "model"),
-    (C, {"model": "gpt-4", "prompt": "hi"}, "model"),
     (C, {"model": MODEL}, "prompt"),
     (C, {"model": MODEL, "prompt": 5}, "prompt"),
     (C, {"model": MODEL, "prompt": ["a", "b"], "stream": True}, "prompt"),
@@ -88,6 +87,20 @@ def test_bad_request_is_400_naming_the_field(
     assert fake.requests == []  # nothing reached the engine
     good = {"model": MODEL, "prompt": "hi"} if path == C else {"model": MODEL, "messages": USER}
     assert client.post(path, json=good).status_code == 200
+
+
+@pytest.mark.parametrize("path", [C, CH])
+def test_unknown_model_is_404_naming_it(client, fake, path: str) -> None:
+    """A ``model`` that is neither the base model nor a served LoRA adapter: 404
+    ``model_not_found`` (OpenAI's and vLLM's answer), naming it and what is served."""
+    body = {"model": "gpt-4", "prompt": "hi"} if path == C else {"model": "gpt-4",
+                                                                 "messages": USER}
+    r = client.post(path, json=body)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    assert "'gpt-4'" in err["message"] and MODEL in err["message"]
+    assert fake.requests == []
 
 
 TOOLS = [{"type": "function", "function": {"name": "f"}}]

@@ -268,7 +268,8 @@ def test_other_errors_are_in_anthropics_shape_on_messages_paths_only(tokenizer) 
     r = client.post(M + "/batches", json={})
     assert r.status_code == 404 and check_anthropic_error(404, r.text)
     r = client.post("/v1/chat/completions", json={"model": "claude-x", "messages": USER})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "model"  # OpenAI's shape
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"  # OpenAI's shape
+    assert r.json()["error"]["code"] == "model_not_found"
 
 
 def test_worker_errors_before_and_after_the_first_event(tokenizer) -> None:

@@ -240,7 +240,6 @@ def test_text_format_json_schema_is_the_chat_constraint(tokenizer) -> None:
     ({"background": True, "stream": True}, "stream"),
     ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
      "input[0].content[0].text"),
-    ({"model": "other"}, "model"),
 ])
 def test_bad_requests_are_400s_naming_the_responses_field(app, body, param) -> None:
     client, fake = app
@@ -250,6 +249,19 @@ def test_bad_requests_are_400s_naming_the_responses_field(app, body, param) -> N
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error", err
     assert err["message"].startswith(param) or param in err["message"]
+    assert len(fake.requests) == before
+
+
+def test_a_model_not_served_is_a_404_naming_it(app) -> None:
+    """As on ``/v1/chat/completions``: the model, or a LoRA adapter on it, resolves in
+    ``JobBuilder`` (``server.models``); any other name is OpenAI's ``model_not_found``."""
+    client, fake = app
+    before = len(fake.requests)
+    r = client.post(PATH, json={"model": "other", "input": "hi"})
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["param"] == "model" and err["code"] == "model_not_found" and "'other'" in \
+        err["message"]
     assert len(fake.requests) == before
 
 

@@ -63,19 +63,27 @@ def test_detokenize_inverts_tokenize(client, tokenizer) -> None:
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
-    ("/tokenize", {"model": "other", "prompt": "x"}, "model"),
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {"messages": [{"role": "nobody", "content": "x"}]}, "messages[0].role"),
     ("/detokenize", {"tokens": [1, 10**9]}, "tokens[1]"),
     ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),
-    ("/detokenize", {"model": "other", "tokens": [1]}, "model"),
 ])
 def test_tokenize_bad_input_is_a_400_naming_the_field(client, path, body, param) -> None:
     r = client.post(path, json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/tokenize", {"model": "other", "prompt": "x"}),
+    ("/detokenize", {"model": "other", "tokens": [1]}),
+])
+def test_tokenize_unknown_model_is_404(client, path, body) -> None:
+    r = client.post(path, json=body)
+    assert r.status_code == 404, r.text
+    assert r.json()["error"]["code"] == "model_not_found" and "'other'" in r.text
 
 
 def test_tokenize_needs_a_json_object(client) -> None:

@@ -68,6 +68,9 @@ class CpuKernels(PoolKernels):
         self._w4.restype = ctypes.c_int
         self._w4.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr]
         self.has_w4 = bool(lib.gemm_w4_available())  # AVX512-VNNI int4 weight products
+        self._lora = lib.lora_sgmv_bf16
+        self._lora.restype = ctypes.c_int
+        self._lora.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
         self.has_gemm = bool(lib.gemm_packed_bf16_available())
         # Rows up to which linear_decode runs (beyond: oneDNN on its own packed copy).
         self.decode_max_rows = GEMM_MAX_ROWS if self.has_gemm else SKINNY_MAX_ROWS
@@ -301,6 +304,36 @@ class CpuKernels(PoolKernels):
             None if bias is None else bias.data_ptr(), n, k, y.data_ptr(), blocking,
         )
         return y if rc == 0 else None
+
+    def lora_sgmv(
+        self, x: torch.Tensor, y: torch.Tensor, entry: int, slot_stride: int,
+        rows: torch.Tensor, segments: torch.Tensor,
+    ) -> None:
+        """Add the LoRA products of the adapted rows to ``y`` in place (``lora.c``: per row,
+        ``x A^T`` in float32, then each slice's ``(x A^T)[:, ro : ro + r] @ Bt`` into its
+        columns, rounded once).
+
+        Args:
+            x: ``[T, K]`` bfloat16, last dim contiguous (rows may be strided).
+            y: ``[T, N]`` bfloat16, the projection's output, last dim contiguous.
+            entry: the address of the projection's entry of slot 0 in the LoRA table
+                (``LORA_F`` int64s, ``engine.lora.adapters``); slot ``i``'s is
+                ``slot_stride`` int64s further.
+            slot_stride: int64s between two slots' entries.
+            rows: ``[N]`` int64 adapted rows grouped by slot; segments: ``[G, 3]`` int64
+                ``(slot, start in rows, count)`` (``forward_batch.AdapterRows``).
+
+        Raises:
+            MemoryError: no memory for the row blocks. ValueError: a rank above the kernel's.
+        """
+        rc = self._lora(
+            x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[1], entry,
+            slot_stride, rows.data_ptr(), segments.data_ptr(), segments.shape[0],
+        )
+        if rc == -1:
+            raise MemoryError("LoRA kernel: out of memory")
+        if rc != 0:
+            raise ValueError("LoRA kernel: a rank above its limit")
 
     def decode_attention(
         self,

@@ -47,6 +47,7 @@ SOURCES = (
     "gemm_w8.c",
     "gemm_w4.c",
     "kv_quant.c",
+    "lora.c",
 )
 HEADERS = ("bf16.h", "fast_exp.h", "kernels.h", "x_quant.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-std=c11")

@@ -59,7 +59,7 @@ class PoolKernels:
         self._layers.restype = ctypes.c_int
         self._layers.argtypes = [_i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _f32, _i64]
         self._layers.argtypes += [_ptr] * 4 + [_i64] * 3 + [_ptr] * 4 + [_i64] * 2 + [_ptr] * 3
-        self._layers.argtypes += [_i64, _i64]
+        self._layers.argtypes += [_i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
 
     def kv_quantize(
         self, x: torch.Tensor, kind: str
@@ -168,6 +168,7 @@ class PoolKernels:
         cache_positions: torch.Tensor,
         lens: torch.Tensor,
         window: int | None,
+        lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> int:
         """Every decoder layer of a decode-only step in one call (``decode_layers.c``); the
         caller (:mod:`splitserve.engine.model.fused_decode`) runs it where the step plan says it
@@ -185,9 +186,13 @@ class PoolKernels:
             slots: ``[M]`` int64 cache slot of each row; cache_positions: ``[M]`` its position.
             lens: ``[M]`` int64 KV length after the step.
             window: sliding window, or None.
+            lora: ``(table, rows, segments)``: the LoRA slot table (``[slots, L * 4, LORA_F]``
+                int64, ``engine.lora.adapters``) and the step's adapted rows by slot
+                (``forward_batch.AdapterRows``); None: no row has an adapter.
 
         Returns:
-            0, or the failing kernel's error code (-1: out of memory).
+            0, or the failing kernel's error code (-1: out of memory, -2: a LoRA rank above
+            the C kernel's).
 
         Raises:
             ValueError: a pool the kernels cannot write.
@@ -225,6 +230,7 @@ class PoolKernels:
             lens.data_ptr(),
             kind,
             pool.layout.value_bytes if kind else 0,
+            *_lora_args(lora),
         )
 
     def extend_attention_q8(
@@ -288,3 +294,12 @@ class PoolKernels:
         if rc == -1:
             raise MemoryError("extend attention kernel: out of memory")
         return out if rc == 0 else None
+
+
+def _lora_args(lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> tuple:
+    """``decode_layers_bf16``'s last five arguments for ``(table, rows, segments)``."""
+    if lora is None:
+        return (None, 0, None, None, 0)
+    table, rows, segments = lora
+    return (table.data_ptr(), table.stride(0), rows.data_ptr(), segments.data_ptr(),
+            segments.shape[0])

@@ -6,6 +6,8 @@
  * Per layer l, from the hidden state x [m, H] (updated in place, the residual stream):
  *   h = norm1(x); qkv = h W_qkv + b; RoPE on q, k; K/V into pool and decode cache;
  *   a = attention(q); o = a W_o + b; x = x + o; n = norm2(x); x = x + down(silu(gate) * up).
+ * With LoRA rows (lora_segs), each of the four products then adds its adapters' low-rank
+ * products (lora.c), as the per-op path's Linear does.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,6 +25,11 @@ enum {
 };
 
 #define P(l, i) ((const uint16_t *)(uintptr_t)ptrs[(l) * NPTR + (i)])
+/* Projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l: its adapters' products on y. */
+#define LORA(p, x, xs, y, ys, k)                                                              \
+    if (lora_nsegs && rc == 0)                                                                \
+        rc = lora_sgmv_bf16(x, xs, y, ys, k, lora_tab + (l * 4 + (p)) * LORA_F,               \
+                            lora_slot_stride, lora_rows, lora_segs, lora_nsegs)
 
 /* Projection W of layer l (W, W + 1, W + 2: weight, bias, scales) on x [m, k] -> y [m, n]. */
 static int project(const int64_t *ptrs, int64_t l, int w, const uint16_t *x, int64_t m,
@@ -42,7 +49,10 @@ static int project(const int64_t *ptrs, int64_t l, int w, const uint16_t *x, int
  * layers layer_stride elements apart, V at + v_offset, pages page_stride apart; kv_kind: the
  * pool's values (KV_BF16: bfloat16 elements; KV_INT8 / KV_FP8_E4M3: bytes, the strides in bytes
  * and each page's scales from byte value_bytes, kv_quant.c); cache: kt / cv of layer 0, layers
- * cache_stride apart (NULL kt: no cache, attention not supported then).
+ * cache_stride apart (NULL kt: no cache, attention not supported then). lora_tab: the LoRA
+ * entries of slot 0, LORA_F int64s per projection, four projections per layer (qkv, o,
+ * gate_up, down), slots lora_slot_stride apart; lora_rows / lora_segs / lora_nsegs: the
+ * adapted rows by slot (lora_sgmv_bf16); lora_nsegs 0: no LoRA this step.
  * Returns 0, -1 if out of memory, or a kernel's error code. */
 int decode_layers_bf16(int64_t n_layers, const int64_t *ptrs, uint16_t *x, int64_t m,
                        int64_t hid, int64_t hq, int64_t hkv, int64_t d, int64_t inter,
@@ -52,7 +62,8 @@ int decode_layers_bf16(int64_t n_layers, const int64_t *ptrs, uint16_t *x, int64
                        const int64_t *page_ids, const int64_t *offsets, uint16_t *ckt,
                        uint16_t *cv, int64_t cache_stride, int64_t cap, const int64_t *slots,
                        const int64_t *pos, const int64_t *lens, int64_t kv_kind,
-                       int64_t value_bytes) {
+                       int64_t value_bytes, const int64_t *lora_tab, int64_t lora_slot_stride,
+                       const int64_t *lora_rows, const int64_t *lora_segs, int64_t lora_nsegs) {
     int64_t nqkv = (hq + 2 * hkv) * d;
     size_t need = (size_t)m * (size_t)(hid + nqkv + hq * d + hid + 2 * inter + inter + hid);
     uint16_t *buf = malloc(sizeof(uint16_t) * need);
@@ -63,6 +74,7 @@ int decode_layers_bf16(int64_t n_layers, const int64_t *ptrs, uint16_t *x, int64
     for (int64_t l = 0; l < n_layers && rc == 0; l++) {
         rms_norm_bf16(x, hid, NULL, P(l, IN_NORM), eps, m, hid, NULL, h);
         rc = project(ptrs, l, QKV_W, h, m, nqkv, hid, qkv);
+        LORA(0, h, hid, qkv, nqkv, hid);
         if (rc) break;
         rope_bf16(qkv, nqkv, m, hq + hkv, d, positions, cos_table, sin_table);
         if (kv_kind == KV_BF16) {
@@ -80,12 +92,15 @@ int decode_layers_bf16(int64_t n_layers, const int64_t *ptrs, uint16_t *x, int64
                                    slots, lens, m, hkv, hq / hkv, d, cap, window, scale, att);
         if (rc) break;
         rc = project(ptrs, l, O_W, att, m, hid, hq * d, o);
+        LORA(1, att, hq * d, o, hid, hq * d);
         if (rc) break;
         rms_norm_bf16(o, hid, x, P(l, POST_NORM), eps, m, hid, x, h); /* x += o; h = norm */
         rc = project(ptrs, l, GU_W, h, m, 2 * inter, hid, gu);
+        LORA(2, h, hid, gu, 2 * inter, hid);
         if (rc) break;
         silu_mul_bf16(gu, m, inter, act);
         rc = project(ptrs, l, DOWN_W, act, m, hid, inter, dn);
+        LORA(3, act, inter, dn, hid, inter);
         for (int64_t i = 0; i < m * hid; i++)
             x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(dn[i]));
     }

@@ -55,4 +55,12 @@ void rope_bf16(uint16_t *qk, int64_t row_stride, int64_t t, int64_t heads, int64
                const int64_t *positions, const float *cos_table, const float *sin_table);
 void silu_mul_bf16(const uint16_t *gate_up, int64_t t, int64_t n, uint16_t *out);
 
+/* LoRA (lora.c): the int64s of one slot's entry for one projection (A, R, slices, then 5 per
+ * slice: Bt, output offset, output size, rank offset, rank), and the largest rank served. */
+#define LORA_F 20
+#define LORA_MAX_RANK 512
+int lora_sgmv_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride,
+                   int64_t k, const int64_t *tab, int64_t slot_stride, const int64_t *rows,
+                   const int64_t *segs, int64_t n_segs);
+
 #endif
