@@ -62,7 +62,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # grammar_compile_queue waiting compiles a request gets 503 + Retry-After.
     grammar_compile_procs: int = 2
     grammar_compile_timeout_s: float = 30.0
-    grammar_compile_queue: int = 16
+    grammar_compile_queue: int = 256
     grammar_test_slow: str = ""  # tests only: "MARKER=SECONDS" delays compiles of such texts
     overlap_grammar_mask: bool = True  # fill grammar masks on a thread during the forward pass
     cuda_graph: bool = True  # on CUDA, replay captured graphs for decode steps

@@ -94,7 +94,7 @@ def run_api_server(
                      tenancy=tenancy, chat=chat, metrics=metrics, models=models,
                      responses_store=AsyncResponseStore(store), trace_export=export,
                      allowed_origins=s.allowed_origins,
-                     offload=Offload(s.prepare_threads, 16 * s.prepare_threads))
+                     offload=Offload(s.prepare_threads, 128 * s.prepare_threads))
     install_membership(app, client.pool)
     install_metrics(app, metrics)
     view = ClusterView(client.pool, metrics, model_name)

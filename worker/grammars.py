@@ -163,7 +163,7 @@ def create_worker_grammars(
     default_backend: str = DEFAULT_BACKEND,
     compile_procs: int = 2,
     compile_timeout_s: float = 30.0,
-    compile_queue: int = 16,
+    compile_queue: int = 256,
     test_slow: str = "",
 ) -> WorkerGrammars:
     """Load the model's tokenizer and build the compile service (``default_backend`` first,
