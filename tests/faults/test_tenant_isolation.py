@@ -91,6 +91,8 @@ def test_keys_and_salts_never_share_cached_prompts(cluster, chat) -> None:
 
 def test_a_keys_stored_responses_are_its_own(cluster) -> None:
     url = cluster.config.url
+    # Earlier tests sent the same prompt under bob's key: start from an empty cache.
+    assert httpx.post(url + "/flush_cache", json={}, headers=OPERATOR, timeout=30).status_code == 200
     body = {"model": "default", "input": PROMPT, "max_output_tokens": 16, "temperature": 0}
     made = post(url, "/v1/responses", body, auth("alice"))
     assert made.status_code == 200, made.text

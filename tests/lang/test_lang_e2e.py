@@ -147,7 +147,7 @@ def test_unsupported_feature_is_a_clear_error(endpoint) -> None:
     assert endpoint.capabilities().constraints
     other = lang.Endpoint(endpoint.url)
     other._caps = Capabilities(constraints=False, prompt_logprobs=True, prefix_cache=True,
-                               tools=True)
+                               tools=True, grammar=True)
     prog = lang.function(lambda s: s.__iadd__("n=" + lang.gen("n", dtype=int)))
     with pytest.raises(lang.ProgramError, match="does not enforce constraints"):
         prog.run(backend=other)
