@@ -86,16 +86,22 @@ class Engine:
 
     def submit(self, core: EngineCore, prompts: list[str], constraint: Constraint | None,
                max_new_tokens: int, ignore_eos: bool = False) -> list[Req]:
-        """Queue greedy requests on ``core`` once their grammar compiled (cached after the
-        first time). Returns: the requests."""
+        """Queue greedy requests for chat ``prompts`` on ``core`` (:meth:`submit_ids`)."""
+        return self.submit_ids(core, [self.chat_ids(text) for text in prompts], constraint,
+                               max_new_tokens, ignore_eos)
+
+    def submit_ids(self, core: EngineCore, prompts: list[list[int]], constraint: Constraint | None,
+                   max_new_tokens: int, ignore_eos: bool = False) -> list[Req]:
+        """Queue greedy requests for token-id ``prompts`` on ``core`` once their grammar
+        compiled (cached after the first time). Returns: the requests."""
         reqs = []
-        for i, text in enumerate(prompts):
+        for i, ids in enumerate(prompts):
             sampling = SamplingParams(
                 max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos,
                 stop_token_ids=[] if ignore_eos else self.config.eos_token_ids,
                 constraint=constraint,
             )
-            req = Req(rid=str(i), input_ids=self.chat_ids(text), sampling=sampling)
+            req = Req(rid=str(i), input_ids=list(ids), sampling=sampling)
             reqs.append(req)
             if constraint is None:
                 core.scheduler.add(req)

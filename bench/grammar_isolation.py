@@ -31,7 +31,6 @@ import os
 import sys
 import time
 from concurrent.futures import Future
-from pathlib import Path
 
 from common import DATA_DIR, cpu_line, percentile, resolve_model
 

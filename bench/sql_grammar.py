@@ -31,8 +31,7 @@ from splitserve.default_model import ensure_default_model
 from splitserve.engine.grammar import GrammarError, GrammarService, allocate_bitmask
 from splitserve.engine.grammar.batch_mask import BatchMask
 from splitserve.engine.grammar.registry import BACKEND_NAMES, create_backend
-from splitserve.engine.sched.request import Req
-from splitserve.ipc.messages import Constraint, SamplingParams
+from splitserve.ipc.messages import Constraint
 from splitserve.lang.sql import describe_schema, sql_grammar
 
 DATA = DATA_DIR / "text_to_sql"
@@ -102,25 +101,6 @@ def mask_times(tokenizer, grammar: str, queries: list[str]) -> None:
               f"{1e6 * percentile(times, 99):.0f} |")
 
 
-def _submit(engine: Engine, core, prompts: list[list[int]], constraint: Constraint | None,
-            steps: int) -> None:
-    for i, prompt in enumerate(prompts):
-        sampling = SamplingParams(max_new_tokens=steps, temperature=0.0,
-                                  ignore_eos=constraint is None,
-                                  stop_token_ids=[] if constraint is None
-                                  else engine.config.eos_token_ids, constraint=constraint)
-        req = Req(rid=str(i), input_ids=list(prompt), sampling=sampling)
-        if constraint is None:
-            core.scheduler.add(req)
-        else:
-            engine.grammars.submit(req)
-    while len(engine.grammars):
-        for done in engine.grammars.poll():
-            assert done.error is None, done.error
-            core.scheduler.add(done.req)
-        time.sleep(0.001)
-
-
 def step_times(engine: Engine, prompts: list[list[int]], grammar: str, batch_sizes: list[int],
                steps: int, reps: int) -> None:
     variants = {"unconstrained": None, "SQL grammar": Constraint("ebnf", grammar)}
@@ -166,7 +146,7 @@ def _step_samples(engine: Engine, prompts: list[list[int]], variants: dict, batc
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     for _ in range(reps):
         for name, constraint in variants.items():
-            _submit(engine, cores[name], rows, constraint, steps)
+            engine.submit_ids(cores[name], rows, constraint, steps, ignore_eos=constraint is None)
         timed: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
         order = list(cores)
         while any(c.scheduler.has_work for c in cores.values()):

@@ -19,10 +19,7 @@ import torch
 from grammar import Engine
 
 from splitserve.default_model import ensure_default_model
-from splitserve.engine.core import EngineCore
 from splitserve.engine.grammar.batch_mask import BatchMask
-from splitserve.engine.sched.request import Req
-from splitserve.ipc.messages import Constraint, SamplingParams
 from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.tools.formats import HERMES
 from splitserve.server.tools.grammar import FunctionSpec, tool_call_constraint
@@ -53,25 +50,6 @@ def cpu_model() -> str:
     return names[0] if names else "unknown CPU"
 
 
-def _submit(engine: Engine, core: EngineCore, prompt: list[int], batch: int,
-            constraint: Constraint | None, steps: int) -> None:
-    for i in range(batch):
-        sampling = SamplingParams(max_new_tokens=steps, temperature=0.0,
-                                  ignore_eos=constraint is None,
-                                  stop_token_ids=[] if constraint is None
-                                  else engine.config.eos_token_ids, constraint=constraint)
-        req = Req(rid=str(i), input_ids=list(prompt), sampling=sampling)
-        if constraint is None:
-            core.scheduler.add(req)
-        else:
-            engine.grammars.submit(req)
-    while len(engine.grammars):
-        for done in engine.grammars.poll():
-            assert done.error is None, done.error
-            core.scheduler.add(done.req)
-        time.sleep(0.001)
-
-
 def bench(engine: Engine, batch_sizes: list[int], steps: int, reps: int) -> None:
     renderer = ChatRenderer(engine.tokenizer)
     text = renderer.render([{"role": "user", "content": PROMPT}], TOOLS)
@@ -93,7 +71,8 @@ def bench(engine: Engine, batch_sizes: list[int], steps: int, reps: int) -> None
         samples: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(reps):
             for name, constraint in variants.items():
-                _submit(engine, cores[name], prompt, batch, constraint, steps)
+                engine.submit_ids(cores[name], [prompt] * batch, constraint, steps,
+                                  ignore_eos=constraint is None)
             timed: dict[str, list[float]] = {name: [] for name in variants}
             order = list(cores)
             while any(c.scheduler.has_work for c in cores.values()):

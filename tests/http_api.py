@@ -1,9 +1,17 @@
 """What the HTTP API tests on the fake engine share (tests/server, with the fixtures in
 tests/server/conftest.py): the served model's name and context, a chat prompt, the two paths,
-a patient timeout, and SSE parsing."""
+a patient timeout, SSE parsing, and an app served for real on a free port."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from splitserve.server.main import create_server
 from splitserve.server.sse import iter_events
 
 MODEL = "smol-test"
@@ -13,6 +21,26 @@ C, CH = "/v1/completions", "/v1/chat/completions"
 # How long a test waits for something the server must do (start, abort a request): only a
 # failing test waits this long, so it is generous, for a busy machine.
 WAIT_S = 30.0
+
+
+@contextlib.contextmanager
+def served(app: Any) -> Iterator[str]:
+    """``app`` on a live uvicorn server in a thread; yields its base URL, stops it after."""
+    server = create_server(app, "127.0.0.1", 0, log_level="warning")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound here so the port is known and free of races
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + WAIT_S
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
 
 
 def sse_events(text: str) -> list[dict | str]:

@@ -9,7 +9,6 @@ precise figure against its baseline); the figure is printed (``pytest -s``)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -18,9 +17,8 @@ import pytest
 
 from splitserve.server.fake_client import FakeEngineClient
 from splitserve.server.guard import install_guard
-from splitserve.server.main import create_server
 from splitserve.server.routes import create_app
-from tests.http_api import CH, MODEL, USER, WAIT_S
+from tests.http_api import CH, MODEL, USER, WAIT_S, served
 
 NUM_BODIES = 4
 GENEROUS_GAP_S = 1.0
@@ -33,19 +31,8 @@ def paced_server(tokenizer):
                             tokens_per_event=1, delay_s=0.02)
     app = create_app(fake, tokenizer, MODEL, CONTEXT_LEN, [tokenizer.eos_token_id])
     install_guard(app, None, 4 * 2**20)
-    server = create_server(app, "127.0.0.1", 0, log_level="warning")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + WAIT_S
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with served(app) as url:
+        yield url
 
 
 def test_a_stream_flows_while_4mb_bodies_arrive(paced_server) -> None:
