@@ -17,13 +17,18 @@ that should stay on loopback says ``host: 127.0.0.1``: every process binds and a
 cluster.yaml::
 
     model: /models/SmolLM2-135M-Instruct     # same path on every node
-    router: {port: 8000, inbox_port: 8001, node_ip: 10.0.0.1}  # node_ip (or resources) pins it
+    router: {port: 8000, inbox_port: 8001, node_ip: 10.0.0.1, num_cpus: 1}  # node_ip (or resources) pins it
     prefill: {count: 2, port: 7001, num_cpus: 8}
     decode:  {count: 2, port: 7002, num_cpus: 8, kv_cache_mb: 4096}
     engine:  {dtype: bfloat16, page_size: 16}  # flags for every worker
     curve_keys: /etc/splitserve/cluster.keys   # optional; same file on every node
     tracing: {otlp_traces_endpoint: http://10.0.0.9:4318/v1/traces}  # optional, every process
     host: 127.0.0.1                            # optional, one node: bind this, not the node's IP
+    placement_timeout_s: 60                    # optional: a process not started by then is an error
+
+A process no node could ever hold is an error at once, one that waits for resources others took
+is an error after ``placement_timeout_s``; both name what it asked for and what each node has
+(``launch.ray_placement``).
 
 Ports each host must open, and the multi-host and KubeRay recipes: ``docs/multihost.md``.
 """
@@ -48,6 +53,13 @@ from splitserve.config import (
 )
 from splitserve.config.schema import to_json
 from splitserve.launch.ray_host import ProcessHost, check_ray_address
+from splitserve.launch.ray_placement import (
+    Ask,
+    RayPlacementError,
+    ask_from_options,
+    check_placeable,
+    wait_placed,
+)
 
 ROLE_KEYS = ("count", "port", "num_cpus", "num_gpus", "resources", "node_ip", "kv_cache_mb")
 
@@ -69,6 +81,7 @@ class RayClusterSpec:
     router_port: int = 8000
     router_node_ip: str | None = None
     router_resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources
+    router_num_cpus: float = 1  # the router's own CPUs (0: it reserves none)
     router_inbox_port: int = 0  # the router's ZeroMQ inbox, where workers reply (0: any free)
     prefill: RoleSpec = field(default_factory=RoleSpec)
     decode: RoleSpec = field(default_factory=RoleSpec)
@@ -76,6 +89,7 @@ class RayClusterSpec:
     curve_keys: str | None = None
     host: str | None = None  # what every process binds and advertises (None: its node's IP)
     tracing: TracingConfig = field(default_factory=TracingConfig)  # for every process
+    placement_timeout_s: float = 60.0  # every process started by then, or RayPlacementError
 
     @classmethod
     def from_yaml(cls, text: str) -> RayClusterSpec:
@@ -104,12 +118,22 @@ class RayClusterSpec:
             tracing.check()
         except (msgspec.ValidationError, ValueError) as exc:
             raise ValueError(f"cluster spec: tracing: {exc}") from exc
-        bad = set(router) - {"port", "node_ip", "resources", "inbox_port"}
+        bad = set(router) - {"port", "node_ip", "resources", "inbox_port", "num_cpus"}
         if bad:
             raise ValueError(f"cluster spec: router: unknown keys {sorted(bad)}")
+        bad = set(d) - {"model", "router", "prefill", "decode", "engine", "curve_keys", "host",
+                        "tracing", "placement_timeout_s"}
+        if bad:
+            raise ValueError(f"cluster spec: unknown keys {sorted(bad)}")
+        placement_timeout_s = float(d.get("placement_timeout_s", 60.0))
+        router_num_cpus = float(router.get("num_cpus", 1))
+        if placement_timeout_s <= 0 or router_num_cpus < 0:
+            raise ValueError("cluster spec: placement_timeout_s must be > 0 and "
+                             "router.num_cpus >= 0")
         return cls(model=d["model"], router_port=router.get("port", 8000),
                    router_node_ip=router.get("node_ip"),
                    router_resources=dict(router.get("resources") or {}),
+                   router_num_cpus=router_num_cpus, placement_timeout_s=placement_timeout_s,
                    router_inbox_port=router.get("inbox_port", 0), engine=engine,
                    curve_keys=d.get("curve_keys"), host=d.get("host"), tracing=tracing,
                    **roles)
@@ -142,6 +166,8 @@ def launch_on_ray(address: str | None, spec: RayClusterSpec,
 
     Raises:
         ConnectionError: nothing answers at ``address`` (instead of Ray's endless retries).
+        RayPlacementError: a process no node can hold (at once), or one not started within
+            ``spec.placement_timeout_s``; every process started so far is stopped first.
     """
     import ray
 
@@ -157,12 +183,24 @@ def launch_on_ray(address: str | None, spec: RayClusterSpec,
         child_env[env.API_KEY] = security.api_key
     server = ServeConfig(engine=spec.engine, server=ServerConfig(port=spec.router_port),
                          security=security, tracing=spec.tracing, log_level=log_level)
-    router_role = RoleSpec(resources=spec.router_resources)
-    router = host_cls.options(**_options(router_role, spec.router_node_ip)).remote(
+    router_role = RoleSpec(num_cpus=spec.router_num_cpus, resources=spec.router_resources)
+    router_options = _options(router_role, spec.router_node_ip)
+    asks = [ask_from_options("router", router_options)]
+    for role_name in ("prefill", "decode"):
+        role = getattr(spec, role_name)
+        asks += [ask_from_options(f"{role_name}-{i}", _options(role, role.node_ip))
+                 for i in range(role.count)]
+    check_placeable(asks, ray.nodes())
+    router = host_cls.options(**router_options).remote(
         "api-server", json.loads(to_json(server)), child_env, host=spec.host,
         port=spec.router_inbox_port)
-    url = f"http://{ray.get(router.node_ip.remote())}:{spec.router_port}"
     handles = [router]
+    try:
+        _wait_placed(ray, asks[:1], handles, spec.placement_timeout_s)
+    except RayPlacementError:
+        _kill(ray, handles)
+        raise
+    url = f"http://{ray.get(router.node_ip.remote())}:{spec.router_port}"
     for role_name in ("prefill", "decode"):
         role: RoleSpec = getattr(spec, role_name)
         engine = spec.engine
@@ -177,8 +215,27 @@ def launch_on_ray(address: str | None, spec: RayClusterSpec,
             port = role.port + i if role.port else 0
             handles.append(host_cls.options(**_options(role, role.node_ip)).remote(
                 "worker", json.loads(to_json(worker)), child_env, host=spec.host, port=port))
-    ray.get([h.pid.remote() for h in handles])  # every process started
+    try:
+        _wait_placed(ray, asks, handles, spec.placement_timeout_s)
+    except RayPlacementError:
+        _kill(ray, handles)
+        raise
+    ray.get([h.pid.remote() for h in handles])  # an actor that failed to start raises here
     return url, handles
+
+
+def _wait_placed(ray: Any, asks: list[Ask], handles: list, timeout_s: float) -> None:
+    from ray._private.state import available_resources_per_node
+
+    wait_placed(list(zip(asks, [h.pid.remote() for h in handles], strict=True)), timeout_s,
+                wait=lambda refs, t: ray.wait(refs, num_returns=len(refs), timeout=t),
+                nodes=ray.nodes, available=available_resources_per_node)
+
+
+def _kill(ray: Any, handles: list) -> None:
+    """Stop every started process and its actor (no restart), after a failed placement."""
+    for handle in handles:
+        ray.kill(handle, no_restart=True)
 
 
 def wait_healthy(url: str, num_workers: int, timeout_s: float = 300,

@@ -232,6 +232,7 @@ def _run_on_ray(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from splitserve.launch.ray import RayClusterSpec, launch_on_ray, wait_healthy
+    from splitserve.launch.ray_placement import RayPlacementError
 
     if not args.config:
         sys.exit("error: --ray needs --config cluster.yaml")
@@ -248,9 +249,14 @@ def _run_on_ray(args: argparse.Namespace) -> None:
     try:
         _check_key_file(config)
         url, handles = launch_on_ray(args.ray, spec, config.security, config.log_level)
-    except (ConnectionError, ValueError) as exc:
+    except (ConnectionError, ValueError, RayPlacementError) as exc:
         sys.exit(f"error: {exc}")
-    wait_healthy(url, spec.prefill.count + spec.decode.count, api_key=config.security.api_key)
+    try:
+        wait_healthy(url, spec.prefill.count + spec.decode.count,
+                     api_key=config.security.api_key)
+    except TimeoutError as exc:
+        ray.get([h.stop.remote() for h in reversed(handles)])
+        sys.exit(f"error: {exc}")
     print(f"splitserve ready on Ray: {url}/v1  (Ctrl-C to stop)", flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
