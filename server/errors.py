@@ -8,7 +8,6 @@ Messages) answer in that API's shape instead: :func:`use_error_body`.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any

@@ -124,7 +124,7 @@ def create_app(
         return checked_pieces(job, stream_text(client, tokenizer, job), violations, offload)
 
     # Anthropic's Messages API: the same jobs and pieces, its own shapes (errors included).
-    install_messages_routes(app, jobs, tenancy, pieces)
+    install_messages_routes(app, jobs, tenancy, pieces, offload)
     use_error_body(app, is_messages_path, api_error_body)
 
     async def respond(request: Request, batch: list[Job], stream: bool | None) -> Response:
@@ -173,7 +173,7 @@ def create_app(
         return merge_choices(batch, bodies)
 
     install_responses_routes(app, jobs, tenancy, responses_store or memory_store(), speller,
-                             pieces)
+                             pieces, offload)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

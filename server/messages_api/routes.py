@@ -2,8 +2,9 @@
 
 One request's path: the body's fields against the tables (``messages_api.fields``), parsed
 (``messages_api.protocol``), translated into the chat request (``messages_api.translate``),
-built into its job by the chat path's ``JobBuilder`` and put under its tenant
-(``server.tenancy``), run through the same ``stream_text`` as chat (``pieces``), and answered
+built into its job by the chat path's ``JobBuilder`` (all of it off the event loop, through the
+chat path's ``server.offload``, so a huge body never stalls other streams) and put under its
+tenant (``server.tenancy``), run through the same ``stream_text`` as chat (``pieces``), and answered
 as a message or an event stream (``messages_api.answer``). Every error on these paths has
 Anthropic's shape (``messages_api.errors``, applied by the app's error handlers).
 """
@@ -31,25 +32,30 @@ from splitserve.server.messages_api.errors import MESSAGES_PATH
 from splitserve.server.messages_api.fields import COUNT_TOKENS_FIELDS, check_messages_fields
 from splitserve.server.messages_api.protocol import CountTokensRequest, MessagesRequest
 from splitserve.server.messages_api.translate import as_messages_error, translate
+from splitserve.server.offload import Offload
 from splitserve.server.tenancy import Tenancy
 
 logger = logging.getLogger(__name__)
 
 
 def install_messages_routes(app: FastAPI, jobs: JobBuilder, tenancy: Tenancy,
-                            pieces: Callable[[Job], AsyncIterator[Piece]]) -> None:
+                            pieces: Callable[[Job], AsyncIterator[Piece]],
+                            offload: Offload) -> None:
     """Add the Messages routes to ``app``.
 
     Args:
         jobs: builds each request's job, as for chat.
         tenancy: cache namespace and rate limits of each job.
         pieces: runs a job (``server.generation.stream_text`` under the json_schema check).
+        offload: where parsing, translating, the chat template and tokenizing run (the chat
+            routes' own threads; 503 when its queue is full).
     """
 
     @app.post(MESSAGES_PATH)
     async def messages(request: Request) -> Response:
-        req: MessagesRequest = await _parse(request, MessagesRequest)
-        job, answer = _job(jobs, req, request.state.request_id)
+        req: MessagesRequest = await offload.run(
+            parse_body, await request.body(), MessagesRequest, None)
+        job, answer = await offload.run(_job, jobs, req, request.state.request_id)
         job = tenancy.apply(request.scope, job, None)
         logger.info("request %s: %s, %d prompt tokens, X-Request-Id %s", job.rid,
                     request.url.path, len(job.input_ids), request.state.request_id)
@@ -66,19 +72,30 @@ def install_messages_routes(app: FastAPI, jobs: JobBuilder, tenancy: Tenancy,
 
     @app.post(MESSAGES_PATH + "/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
-        req: CountTokensRequest = await _parse(request, CountTokensRequest, COUNT_TOKENS_FIELDS)
-        _check_model(jobs, req.model)
-        translated = translate(req, jobs.chat.reasoning is not None)
-        try:
-            ids = jobs.prompt_ids(translated.chat, continuation=translated.prefill)
-        except APIError as err:
-            raise as_messages_error(err) from None
-        return {"input_tokens": len(ids)}
+        req: CountTokensRequest = await offload.run(
+            parse_body, await request.body(), CountTokensRequest, COUNT_TOKENS_FIELDS)
+        return {"input_tokens": await offload.run(_count_tokens, jobs, req)}
+
+
+def _count_tokens(jobs: JobBuilder, req: CountTokensRequest) -> int:
+    """The prompt length of ``req`` as the chat template renders it (blocking: run it through
+    ``server.offload``).
+
+    Raises:
+        APIError: another model (404), or as ``translate`` and ``JobBuilder.prompt_ids``.
+    """
+    _check_model(jobs, req.model)
+    translated = translate(req, jobs.chat.reasoning is not None)
+    try:
+        ids = jobs.prompt_ids(translated.chat, continuation=translated.prefill)
+    except APIError as err:
+        raise as_messages_error(err) from None
+    return len(ids)
 
 
 def _job(jobs: JobBuilder, req: MessagesRequest, request_id: str | None) -> tuple[Job, Answer]:
     """The job of ``req``: the chat path's, with the stop sequences and ``max_tokens`` (capped
-    by the context window's room) applied.
+    by the context window's room) applied (blocking: run it through ``server.offload``).
 
     Raises:
         APIError: another model (404), or as ``translate`` and ``JobBuilder.chat_job``.
@@ -103,10 +120,10 @@ def _check_model(jobs: JobBuilder, model: str) -> None:
                        param="model", status_code=404)
 
 
-async def _parse(request: Request, model_cls: type[BaseModel],
-                 fields: Any = None) -> Any:
-    """The body checked against the field tables, then parsed; any bad input is a 400."""
-    body = await request.body()
+def parse_body(body: bytes, model_cls: type[BaseModel], fields: Any = None) -> Any:
+    """The body checked against the field tables (``fields``: another table than the create
+    request's), then parsed; any bad input is a 400 (blocking: run it through
+    ``server.offload``)."""
     try:
         decoded = from_json(body)
     except ValueError:

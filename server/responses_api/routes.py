@@ -4,7 +4,8 @@
 A create request is checked (``field_check``, then ``protocol``), its conversation assembled
 (the stored response it continues, then its own input, ``item_reference`` s resolved from the
 store), translated into the chat request (``translate``) and built into the chat path's job by
-the same ``JobBuilder``, under the same tenancy (cache namespace, rate limits); its pieces come
+the same ``JobBuilder`` (parsing, translating, the chat template and tokenizing off the event
+loop, through the chat path's ``server.offload``), under the same tenancy (cache namespace, rate limits); its pieces come
 from the same ``stream_text`` the chat routes use (``pieces``). Every stored response is
 looked up by the request's tenant: another tenant's id is a 404, as an unknown one.
 """
@@ -26,6 +27,7 @@ from splitserve.server.errors import APIError, from_validation_errors
 from splitserve.server.generation import Piece
 from splitserve.server.job import Job
 from splitserve.server.job_builder import JobBuilder
+from splitserve.server.offload import Offload
 from splitserve.server.responses_api import items
 from splitserve.server.responses_api.background import BackgroundRuns
 from splitserve.server.responses_api.envelope import TERMINAL, Envelope
@@ -49,7 +51,8 @@ MAX_LIST = 100  # items per input_items page, as OpenAI
 
 def install_responses_routes(app: FastAPI, jobs: JobBuilder, tenancy: Tenancy,
                              store: AsyncResponseStore, speller: TokenSpeller,
-                             pieces: Callable[[Job], AsyncIterator[Piece]]) -> BackgroundRuns:
+                             pieces: Callable[[Job], AsyncIterator[Piece]],
+                             offload: Offload) -> BackgroundRuns:
     """Add the Responses API to ``app``.
 
     Args:
@@ -59,6 +62,8 @@ def install_responses_routes(app: FastAPI, jobs: JobBuilder, tenancy: Tenancy,
         speller: spells tokens for logprobs.
         pieces: a job's pieces (the chat routes' own: ``stream_text`` under the json_schema
             safety net).
+        offload: where parsing, translating, the chat template and tokenizing run (the chat
+            routes' own threads; 503 when its queue is full).
 
     Returns:
         The app's background responses (for tests and shutdown).
@@ -67,7 +72,7 @@ def install_responses_routes(app: FastAPI, jobs: JobBuilder, tenancy: Tenancy,
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        req = await _parse(request)
+        req: ResponsesRequest = await offload.run(parse_body, await request.body())
         tenant = request_tenant(request.scope) or ""
         if req.background and not req.stores:
             raise APIError("background: a background response must be stored; remove "
@@ -76,12 +81,9 @@ def install_responses_routes(app: FastAPI, jobs: JobBuilder, tenancy: Tenancy,
             raise APIError("stream: streaming a background response is not supported here; "
                            "poll GET /v1/responses/{id} instead", param="stream",
                            code="unsupported_parameter")
-        conversation = await _conversation(req, tenant, store)
-        try:
-            job = jobs.chat_job(chat_request(req, conversation, jobs.chat.reasoning is not None),
-                                request.state.request_id)
-        except APIError as err:
-            raise as_responses_error(err) from None
+        context, found = await _stored_context(req, tenant, store)
+        conversation, job = await offload.run(_prepare, jobs, req, context, found,
+                                              request.state.request_id)
         envelope = Envelope.new(items.new_id("resp"), req)
         if req.background:
             background.check_room()
@@ -143,8 +145,9 @@ def install_responses_routes(app: FastAPI, jobs: JobBuilder, tenancy: Tenancy,
     return background
 
 
-async def _parse(request: Request) -> ResponsesRequest:
-    body = await request.body()
+def parse_body(body: bytes) -> ResponsesRequest:
+    """The body checked against the field tables, then parsed; any bad input is a 400
+    (blocking: run it through ``server.offload``)."""
     try:
         decoded = from_json(body)
     except ValueError:
@@ -156,10 +159,10 @@ async def _parse(request: Request) -> ResponsesRequest:
         raise from_validation_errors(exc.errors(), decoded) from None
 
 
-async def _conversation(req: ResponsesRequest, tenant: str,
-                        store: AsyncResponseStore) -> list[dict[str, Any]]:
-    """The items the answer continues: the previous response's conversation, then this
-    request's input (references resolved), in their stored shape.
+async def _stored_context(req: ResponsesRequest, tenant: str, store: AsyncResponseStore
+                          ) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
+    """What the store holds for ``req``: the previous response's conversation, and each
+    ``item_reference`` of its input resolved (by its index in the input).
 
     Raises:
         APIError: an unknown (or unfinished) ``previous_response_id``, an unknown
@@ -177,21 +180,45 @@ async def _conversation(req: ResponsesRequest, tenant: str,
                            f"{prev.body['status']}; wait for it to finish",
                            param="previous_response_id")
         context = prev.conversation
+    found: dict[int, dict[str, Any]] = {}
+    for i, item in enumerate([] if isinstance(req.input, str) else req.input):
+        if isinstance(item, ItemReference):
+            stored = await store.item(tenant, item.id)
+            if stored is None:
+                raise APIError(f"input[{i}].id: no stored item {item.id!r}",
+                               param=f"input[{i}].id", code="item_not_found")
+            found[i] = stored
+    return context, found
+
+
+def _prepare(jobs: JobBuilder, req: ResponsesRequest, context: list[dict[str, Any]],
+             found: dict[int, dict[str, Any]], request_id: str | None
+             ) -> tuple[list[dict[str, Any]], Job]:
+    """The conversation the answer continues (``context``, then ``req``'s input in its stored
+    shape, references taken from ``found``) and its chat job (blocking: run it through
+    ``server.offload``).
+
+    Raises:
+        APIError: a call's arguments that are not a JSON object, or as ``chat_request`` and
+            ``JobBuilder.chat_job``, in Responses' terms.
+    """
     given = ([MessageItem(role="user", content=req.input)] if isinstance(req.input, str)
              else req.input)
     own = []
     for i, item in enumerate(given):
-        if isinstance(item, ItemReference):
-            found = await store.item(tenant, item.id)
-            if found is None:
-                raise APIError(f"input[{i}].id: no stored item {item.id!r}",
-                               param=f"input[{i}].id", code="item_not_found")
-            own.append(found)
+        if i in found:
+            own.append(found[i])
         else:
             if isinstance(item, FunctionCallItem):
                 _check_arguments(item.arguments, f"input[{i}].arguments")
             own.append(items.input_item(item))
-    return context + own
+    conversation = context + own
+    try:
+        job = jobs.chat_job(chat_request(req, conversation, jobs.chat.reasoning is not None),
+                            request_id)
+    except APIError as err:
+        raise as_responses_error(err) from None
+    return conversation, job
 
 
 def _check_arguments(arguments: str, param: str) -> None:
