@@ -141,8 +141,18 @@ class Cluster:
             except OSError:
                 pass
             time.sleep(0.25)
+        seen = self._workers_seen()
         self.stop()
-        raise ClusterError(f"cluster not healthy within {timeout_s:g} s")
+        raise ClusterError(f"cluster not healthy within {timeout_s:g} s; {seen}")
+
+    def _workers_seen(self) -> str:
+        """What the API server knows of its workers (``GET /workers``), for the error of a
+        cluster that did not become healthy: which one never said it was ready."""
+        try:
+            with urllib.request.urlopen(self.config.url + "/workers", timeout=5) as r:  # open path
+                return f"workers: {r.read().decode(errors='replace')[:2000]}"
+        except OSError as exc:
+            return f"GET /workers failed: {exc}"
 
     def check_alive(self) -> None:
         """Raises ClusterError (after stopping the rest) if any process has exited."""
