@@ -59,6 +59,9 @@ class FakeEngineClient(BaseEngineClient):
         self.error: tuple[str, int] | None = None
         self.error_after_events = 0
         self.stall_after_events: int | None = None
+        # Set: every request's first event waits until it is set (a slow prefill, for tests
+        # that must see what a stream does meanwhile); a threading.Event, the test's thread sets it.
+        self.hold_first: threading.Event | None = None
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
         self.aborted: set[str] = set()
         self.finished: set[str] = set()
@@ -118,6 +121,8 @@ class FakeEngineClient(BaseEngineClient):
         done = False
         try:
             for num_events, start in enumerate(range(0, len(out), self.tokens_per_event)):
+                if num_events == 0 and self.hold_first is not None:
+                    await asyncio.to_thread(self.hold_first.wait)
                 if self.stall_after_events is not None and num_events >= self.stall_after_events:
                     await asyncio.Event().wait()  # until cancelled or closed: the abort
                 if self.delay_s:

@@ -5,7 +5,12 @@ block's ``content_block_start`` / ``content_block_delta`` ... / ``content_block_
 (``messages_api.blocks``), ``message_delta`` (``stop_reason``, ``stop_sequence``, the final
 ``usage``) and ``message_stop``; each SSE event is named by its ``type``. As on the chat path,
 the headers wait for the first piece, so an error before it is a plain JSON error with its
-status; an error after it is an ``error`` event, and the stream ends there.
+status; an error after it is an ``error`` event, and the stream ends there. The wait is bounded
+(:data:`FIRST_PIECE_WAIT_S`): a first piece that takes longer (an agent's 18k-token prompt
+prefilled on a CPU takes minutes) starts the stream without it, and a ``ping`` goes out every
+:data:`PING_S` until it comes, as Anthropic's API keeps a slow stream alive; a client that hears
+nothing for minutes gives up and sends the request again (Claude Code did, at 303 s). An error
+while waiting is then an ``error`` event.
 
 ``stop_reason``: ``end_turn`` (the model ended its turn), ``stop_sequence`` (with the one
 matched), ``tool_use`` (the answer holds calls and ended by itself), ``max_tokens``, or
@@ -14,6 +19,7 @@ matched), ``tool_use`` (the answer holds calls and ended by itself), ``max_token
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -27,6 +33,9 @@ from splitserve.server.generation import Piece
 from splitserve.server.job import Job
 from splitserve.server.messages_api.blocks import BlockStream, gather_blocks
 from splitserve.server.messages_api.errors import error_body
+
+FIRST_PIECE_WAIT_S = 5.0  # the headers wait this long for the first piece, then go without it
+PING_S = 10.0  # while the first piece is still coming, a ping this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,37 +129,60 @@ async def full_message(job: Job, answer: Answer, pieces: AsyncIterator[Piece]) -
     return message(answer, gather_blocks(events), reason, stop_sequence, usage(job, answer))
 
 
-async def streaming_message(job: Job, answer: Answer, pieces: AsyncIterator[Piece]) -> SSEResponse:
-    """The streamed answer, returned once the first piece is in.
+async def streaming_message(job: Job, answer: Answer, pieces: AsyncIterator[Piece],
+                            first_wait_s: float | None = None,
+                            ping_s: float | None = None) -> SSEResponse:
+    """The streamed answer, returned once the first piece is in or ``first_wait_s`` passed
+    (then the stream pings every ``ping_s`` seconds until the first piece; defaults
+    :data:`FIRST_PIECE_WAIT_S`, :data:`PING_S`).
 
     Raises:
-        APIError: the worker failed the request before its first piece.
+        APIError: the worker failed the request before its first piece, within
+            ``first_wait_s``.
     """
+    first_wait_s = FIRST_PIECE_WAIT_S if first_wait_s is None else first_wait_s
+    ping_s = PING_S if ping_s is None else ping_s
+    first = asyncio.ensure_future(anext(pieces))
     try:
-        first = await anext(pieces)
+        await asyncio.wait_for(asyncio.shield(first), first_wait_s)
+    except TimeoutError:
+        pass  # still coming: the stream starts without it
     except BaseException:
-        await pieces.aclose()  # type: ignore[attr-defined]
+        await _close(first, pieces)
         raise
-    return SSEResponse(_events(job, answer, first, pieces))
+    return SSEResponse(_events(job, answer, first, pieces, ping_s))
 
 
-async def _events(job: Job, answer: Answer, first: Piece,
-                  pieces: AsyncIterator[Piece]) -> AsyncIterator[str]:
+async def _close(first: asyncio.Future[Piece], pieces: AsyncIterator[Piece]) -> None:
+    """Stop waiting for the first piece, then close ``pieces`` (ends the request if running):
+    a generator cannot be closed while a task still runs it."""
+    if not first.done():
+        first.cancel()
+    with contextlib.suppress(BaseException):
+        await first
+    await pieces.aclose()  # type: ignore[attr-defined]
+
+
+async def _events(job: Job, answer: Answer, first: asyncio.Future[Piece],
+                  pieces: AsyncIterator[Piece], ping_s: float) -> AsyncIterator[str]:
     blocks, split = BlockStream(job.tool_format), ThinkingSplit(job)
     start = message(answer, [], None, None, {**usage(job, answer), "output_tokens": 0})
     yield encode({"type": "message_start", "message": start})
     yield encode({"type": "ping"})
-    piece: Piece | None = first
     try:
-        async with contextlib.aclosing(pieces):  # type: ignore[type-var]
-            while piece is not None:
-                if not answer.warm_only:
-                    for event in blocks.feed(*split.feed(piece.text)):
-                        yield encode(event)
-                last, piece = piece, await anext(pieces, None)
+        while not (await asyncio.wait({first}, timeout=ping_s))[0]:
+            yield encode({"type": "ping"})
+        piece: Piece | None = first.result()
+        while piece is not None:
+            if not answer.warm_only:
+                for event in blocks.feed(*split.feed(piece.text)):
+                    yield encode(event)
+            last, piece = piece, await anext(pieces, None)
     except APIError as err:
         yield encode(error_body(err.status_code, err.message))
         return
+    finally:
+        await _close(first, pieces)
     tail = blocks.feed(*split.finish()) if not answer.warm_only else []
     for event in tail + blocks.finish():
         yield encode(event)
