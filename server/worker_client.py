@@ -165,8 +165,9 @@ class ZmqEngineClient(BaseEngineClient):
     async def _admitted(self, tenant: str | None,
                         events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
         """``events``, started once the gate admits the request (at once while slots are
-        free); its slot is given back when the stream ends, however it ends. A full queue
-        yields the one 429 event that refuses it, with ``retry_after_s``."""
+        free); its slot is given back with its last event (a reader need not close a
+        finished stream), or when the stream is closed before. A full queue yields the one
+        429 event that refuses it, with ``retry_after_s``."""
         woken = asyncio.get_running_loop().create_future()
         ticket = self.gate.enter(tenant, lambda: woken.done() or woken.set_result(None))
         if isinstance(ticket, Overload):
@@ -178,6 +179,8 @@ class ZmqEngineClient(BaseEngineClient):
             if not ticket.admitted:
                 await woken
             async for event in events:
+                if event.finish_reason is not None or event.error is not None:
+                    self.gate.leave(ticket)  # the request is over on the workers
                 yield event
         finally:
             self.gate.leave(ticket)

@@ -173,11 +173,14 @@ def test_client_waits_in_the_gate_and_refuses_past_it(tmp_path) -> None:
             assert started == ["r0"]  # the refused one never started
             release["r0"].set()
             assert (await t1).finish_reason == "stop"
-            await first.aclose()  # the stream ends: its slot goes to the waiting one
+            # Its last event gave its slot to the waiting one (no aclose needed).
+            assert client.gate.in_use == 1 and client.gate.waiting == 0
             release["r1"].set()
             assert (await t2).finish_reason == "stop" and started == ["r0", "r1"]
-            await second.aclose()
             assert client.gate.in_use == 0 and client.gate.waiting == 0
+            await first.aclose()
+            await second.aclose()
+            assert client.gate.num_admitted == 2 and client.gate.num_refused == 1
         finally:
             await client.close()
 
