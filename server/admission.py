@@ -5,8 +5,11 @@ A request takes one of ``slots()`` (``--max-inflight-per-worker`` times the work
 take one more request each: :func:`lanes`) from its start on the workers to its end. With every
 slot taken, it waits in a :class:`~splitserve.server.fair_queue.FairQueue` by its tenant (its
 API key), so a tenant's burst waits behind its own requests, not in front of everyone's. At most
-``max_waiting()`` wait (``--max-queued-per-worker`` per lane); past that it is refused, and the
-API answers 429 with ``Retry-After`` (:attr:`Overload.retry_after_s`).
+``max_waiting()`` wait (``--max-queued-per-worker`` per lane); past that, a request of a tenant
+with less waiting (for its weight) than the heaviest takes the place of that tenant's newest
+waiting request (longest queue drop, ``FairQueue.heaviest``), which is refused; otherwise the
+arriving request is. A refused request is answered 429 with ``Retry-After``
+(:attr:`Overload.retry_after_s`).
 
 Events in, actions out: :meth:`AdmissionGate.enter` and :meth:`AdmissionGate.leave` are the
 events, the ``wake`` callback each ticket carries is the action (the ZeroMQ client resolves a
@@ -33,7 +36,8 @@ HOLD_EWMA = 0.2  # weight of the newest slot hold time in the running mean
 @dataclass(eq=False, slots=True)
 class Ticket:
     """One request at the gate: ``admitted`` once it holds a slot; ``wake`` is called (once)
-    when a waiting ticket is admitted. ``entered_s``/``admitted_s``: clock readings."""
+    when a waiting ticket is admitted, or pushed out of a full queue (``refusal`` set then).
+    ``entered_s``/``admitted_s``: clock readings."""
 
     tenant: Hashable
     wake: Callable[[], None]
@@ -41,6 +45,7 @@ class Ticket:
     admitted: bool = False
     admitted_s: float = 0.0
     left: bool = False
+    refusal: Overload | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +86,8 @@ class AdmissionGate:
     def enter(self, tenant: Hashable, wake: Callable[[], None]) -> Ticket | Overload:
         """A request of ``tenant`` arrives. Returns its ticket, admitted at once when a slot is
         free and nobody waits (``wake`` is not called then), else waiting (``wake`` is called
-        when it is admitted); or the :class:`Overload` that refuses it (nothing held)."""
+        when it is admitted, or when a lighter tenant's request pushes it out of the full
+        queue: ``refusal`` set); or the :class:`Overload` that refuses it (nothing held)."""
         if self.queue:
             self.dispatch()  # slots may have grown since the last leave (a worker joined)
         now = self.clock()
@@ -92,11 +98,17 @@ class AdmissionGate:
             return ticket
         limit = self.max_waiting()
         if len(self.queue) >= limit:
+            refusal = self._overload(slots, limit)
+            heaviest = self.queue.heaviest()
+            if limit == 0 or heaviest is None or not (
+                    self.queue.backlog(tenant, 1) < heaviest[1]):
+                self.num_refused += 1
+                return refusal
+            pushed_out = self.queue.pop_newest(heaviest[0])
+            assert pushed_out is not None
             self.num_refused += 1
-            wait = self.retry_after_s(slots)
-            return Overload(f"server overloaded: {self.in_use} requests running on "
-                            f"{slots} slots and {len(self.queue)} waiting (limit {limit}); "
-                            f"retry after {wait:.0f} s", wait)
+            pushed_out.left, pushed_out.refusal = True, refusal
+            pushed_out.wake()
         self.queue.push(tenant, ticket)
         return ticket
 
@@ -131,6 +143,12 @@ class AdmissionGate:
             admitted.append(ticket)
             ticket.wake()
         return admitted
+
+    def _overload(self, slots: int, limit: int) -> Overload:
+        wait = self.retry_after_s(slots)
+        return Overload(f"server overloaded: {self.in_use} requests running on {slots} slots "
+                        f"and {len(self.queue)} waiting (limit {limit}); retry after "
+                        f"{wait:.0f} s", wait)
 
     def retry_after_s(self, slots: int | None = None) -> float:
         """Seconds until the requests waiting now are likely admitted: each of the ``slots``

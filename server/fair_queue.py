@@ -11,6 +11,12 @@ waiting, the costs served to each differ from their weights' ratio by at most on
 plus one quantum (the paper's Theorem 1): a tenant that floods the queue with 50 requests
 delays a tenant that sends one by at most one item per other tenant ahead of it in the ring.
 
+When the queue is bounded, fairness must hold for its places too, or a tenant that keeps it
+full shuts the others out before any scheduling happens: :meth:`FairQueue.heaviest` names the
+tenant with the longest queue for its weight, whose newest item a full queue drops to make room
+for a lighter tenant's (longest queue drop: B. Suter, T. V. Lakshman, D. Stiliadis and A. K.
+Choudhury, "Design Considerations for Supporting TCP with Per-flow Queueing", INFOCOM 1998).
+
 ``fair=False`` puts every item in one queue, whatever its tenant: first come, first served
 (the baseline ``bench/overload.py`` measures against).
 
@@ -59,6 +65,34 @@ class FairQueue(Generic[T]):
     def queued(self, tenant: Hashable) -> int:
         """Items ``tenant`` has waiting."""
         return len(self._queues.get(self._key(tenant), ()))
+
+    def heaviest(self) -> tuple[Hashable, float] | None:
+        """The tenant with the most items waiting per unit of weight, and that backlog
+        (items / weight); None when empty. Ties: the one longest in the ring."""
+        best = None
+        for key in self._ring:
+            weight = self.weight(key) if self.fair else 1.0
+            load = len(self._queues[key]) / weight
+            if best is None or load > best[1]:
+                best = (key, load)
+        return best
+
+    def backlog(self, tenant: Hashable, extra: int = 0) -> float:
+        """``tenant``'s items waiting (plus ``extra``) per unit of its weight."""
+        weight = self.weight(tenant) if self.fair else 1.0
+        return (self.queued(tenant) + extra) / weight
+
+    def pop_newest(self, tenant: Hashable) -> T | None:
+        """Take ``tenant``'s most recently pushed item out (None if it has none)."""
+        key = self._key(tenant)
+        queue = self._queues.get(key)
+        if not queue:
+            return None
+        item, _ = queue.pop()
+        self._len -= 1
+        if not queue:
+            self._drop(key)
+        return item
 
     def push(self, tenant: Hashable, item: T, cost: float = 1.0) -> None:
         """Queue ``item`` behind ``tenant``'s others; a tenant with none joins the ring's tail.

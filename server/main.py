@@ -78,6 +78,7 @@ def run_api_server(
         tenant_weights=keys.weights() if keys is not None else None,
     )
     metrics.attach(client.pool)
+    metrics.attach_gate(client.gate)
     warning = exposure_warning(s.host, keys)
     if warning:
         logger.warning(warning)

@@ -138,6 +138,28 @@ class ServerMetrics:
         self.pool = pool
         self.registry.register(_WorkerCollector(pool))
 
+    def attach_gate(self, gate: Any) -> None:
+        """Report the router's admission gate (a ``server.admission.AdmissionGate``) at scrape
+        time: slots in use, requests waiting, and how many waited or were refused (429)."""
+        self.registry.register(_GateCollector(gate))
+
+
+class _GateCollector:
+    def __init__(self, gate: Any) -> None:
+        self.gate = gate
+
+    def collect(self):
+        g = self.gate
+        yield GaugeMetricFamily("splitserve_router_slots_in_use", "Requests the router runs on "
+                                "its workers (each holds a slot of --max-inflight-per-worker)",
+                                value=g.in_use)
+        yield GaugeMetricFamily("splitserve_router_queue_waiting", "Requests waiting at the "
+                                "router for a slot (fair queue over tenants)", value=g.waiting)
+        yield CounterMetricFamily("splitserve_router_queued", "Requests admitted after waiting "
+                                  "for a slot", value=g.num_queued)
+        yield CounterMetricFamily("splitserve_router_queue_refused", "Requests refused with 429 "
+                                  "because the router's queue was full", value=g.num_refused)
+
 
 _GAUGES = {
     "pages_used": "KV pages in use",

@@ -167,17 +167,20 @@ class ZmqEngineClient(BaseEngineClient):
         """``events``, started once the gate admits the request (at once while slots are
         free); its slot is given back with its last event (a reader need not close a
         finished stream), or when the stream is closed before. A full queue yields the one
-        429 event that refuses it, with ``retry_after_s``."""
+        429 event that refuses it, with ``retry_after_s`` (at once, or after waiting when a
+        lighter tenant's request takes its place)."""
         woken = asyncio.get_running_loop().create_future()
         ticket = self.gate.enter(tenant, lambda: woken.done() or woken.set_result(None))
         if isinstance(ticket, Overload):
             await events.aclose()  # never started: nothing was sent
-            yield TokenEvent([], [], error=ticket.message, error_code=429,
-                             retry_after_s=ticket.retry_after_s)
+            yield _overloaded(ticket)
             return
         try:
             if not ticket.admitted:
                 await woken
+            if ticket.refusal is not None:  # pushed out of the full queue by a lighter tenant
+                yield _overloaded(ticket.refusal)
+                return
             async for event in events:
                 if event.finish_reason is not None or event.error is not None:
                     self.gate.leave(ticket)  # the request is over on the workers
@@ -378,6 +381,12 @@ class ZmqEngineClient(BaseEngineClient):
             self.pool.on_reply(msg.query_id, msg)
         elif isinstance(msg, KVEvents):
             self.pool.on_kv_events(msg)
+
+
+def _overloaded(refusal: Overload) -> TokenEvent:
+    """The 429 event of a request the admission gate refused."""
+    return TokenEvent([], [], error=refusal.message, error_code=429,
+                      retry_after_s=refusal.retry_after_s)
 
 
 def _lora_row(w: WorkerHandle, reply: LoraReply | None) -> dict:

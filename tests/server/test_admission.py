@@ -73,7 +73,7 @@ def test_queue_cap_refuses_with_a_retry_after_from_the_hold_time() -> None:
     assert gate.hold_s == pytest.approx(10.0)
     enter(gate, "A", "R2", woken)
     waiting = [enter(gate, "A", f"W{i}", woken) for i in range(4)]
-    refusal = gate.enter("B", lambda: woken.append("never"))
+    refusal = gate.enter("A", lambda: woken.append("never"))  # A has the longest queue
     assert isinstance(refusal, Overload) and "4 waiting (limit 4)" in refusal.message
     # 4 waiting, 10 s per request, 2 slots: through in about 20 s.
     assert refusal.retry_after_s == pytest.approx(20.0) and gate.num_refused == 1
@@ -85,6 +85,28 @@ def test_queue_cap_refuses_with_a_retry_after_from_the_hold_time() -> None:
     assert gate.retry_after_s() == 1.0
     assert retry_headers(20.0) == {"Retry-After": "20", "retry-after-ms": "20000"}
     assert retry_headers(0.2) == {"Retry-After": "1", "retry-after-ms": "200"}
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_full_queue_drops_the_heaviest_tenants_newest(fair) -> None:
+    gate = gate_with(slots=1, waiting=4, fair=fair)
+    woken: list[str] = []
+    enter(gate, "A", "A0", woken)
+    a = [enter(gate, "A", f"A{i}", woken) for i in range(1, 5)]  # the flood fills the queue
+    b = gate.enter("B", lambda: woken.append("B1"))
+    if not fair:  # one queue: the newcomer is refused (tail drop)
+        assert isinstance(b, Overload) and woken == [] and gate.waiting == 4
+        return
+    # B waits in place of A's newest, which is woken with a refusal; then B is served next.
+    assert isinstance(b, Ticket) and not b.admitted and gate.waiting == 4
+    assert woken == ["A4"] and a[3].refusal is not None and a[3].left and not a[3].admitted
+    assert gate.num_refused == 1
+    gate.leave(a[3])  # its stream ends: nothing more to free
+    assert gate.waiting == 4
+    b2 = gate.enter("B", lambda: woken.append("B2"))  # B: 2 < A's 3: A3 goes too
+    assert isinstance(b2, Ticket) and woken == ["A4", "A3"]
+    refused = gate.enter("B", lambda: woken.append("B3"))  # B: 3 is not < A's 2
+    assert isinstance(refused, Overload) and gate.num_refused == 3
 
 
 def test_no_queue_means_refused_at_once_past_the_slots() -> None:
@@ -126,6 +148,24 @@ def test_capacity_that_grows_is_used_by_the_next_arrival() -> None:
     gate.box["slots"] = 3  # a worker joined
     late = enter(gate, "B", "B0", woken)
     assert woken == ["A1"] and late.admitted and gate.in_use == 3
+
+
+def test_metrics_read_the_gate() -> None:
+    from prometheus_client.exposition import generate_latest
+
+    from splitserve.server.metrics import ServerMetrics
+
+    gate = gate_with(slots=1, waiting=1)
+    woken: list[str] = []
+    enter(gate, "A", "A0", woken)
+    enter(gate, "A", "A1", woken)
+    assert isinstance(gate.enter("B", lambda: None), Overload)
+    metrics = ServerMetrics()
+    metrics.attach_gate(gate)
+    text = generate_latest(metrics.registry).decode()
+    for line in ("splitserve_router_slots_in_use 1.0", "splitserve_router_queue_waiting 1.0",
+                 "splitserve_router_queued_total 0.0", "splitserve_router_queue_refused_total 1.0"):
+        assert line in text, text
 
 
 @dataclass
@@ -181,6 +221,44 @@ def test_client_waits_in_the_gate_and_refuses_past_it(tmp_path) -> None:
             await first.aclose()
             await second.aclose()
             assert client.gate.num_admitted == 2 and client.gate.num_refused == 1
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_client_answers_429_to_a_waiting_request_pushed_out(tmp_path) -> None:
+    from splitserve.server.worker_client import ZmqEngineClient
+
+    async def main() -> None:
+        client = ZmqEngineClient(f"ipc://{tmp_path}/inbox")
+        client.gate = AdmissionGate(lambda: 1, lambda: 2)
+        started: list[str] = []
+
+        async def inner(name: str):
+            started.append(name)
+            yield TokenEvent([1], [0.0], "stop")
+
+        try:
+            running = client.gate.enter("A", lambda: None)  # holds the only slot
+            streams = {n: client._admitted(t, inner(n)) for t, n in
+                       (("A", "a1"), ("A", "a2"), ("B", "b1"))}
+            nexts = {}
+            for name in ("a1", "a2", "b1"):  # each reaches the gate before the next starts
+                nexts[name] = asyncio.ensure_future(streams[name].__anext__())
+                for _ in range(100):  # event-loop turns, no time passes
+                    if client.gate.num_admitted + client.gate.waiting == len(nexts) + 1:
+                        break
+                    await asyncio.sleep(0)
+            refused = await nexts["a2"]  # b1 took the place of A's newest in the full queue
+            assert refused.error_code == 429 and refused.retry_after_s >= 1.0
+            assert client.gate.waiting == 2 and started == []
+            client.gate.leave(running)  # DRR: a1 (A's turn), then b1
+            assert (await nexts["a1"]).finish_reason == "stop"
+            assert (await nexts["b1"]).finish_reason == "stop" and started == ["a1", "b1"]
+            for stream in streams.values():
+                await stream.aclose()
+            assert client.gate.in_use == 0 and client.gate.waiting == 0
         finally:
             await client.close()
 

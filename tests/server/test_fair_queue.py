@@ -62,6 +62,20 @@ def test_remove_and_an_idle_tenant_loses_its_credit() -> None:
     assert drain(q) == ["A0", "A1", "A2", "B0", "B1", "B2"]
 
 
+def test_heaviest_is_by_weight_and_pop_newest() -> None:
+    q: FairQueue[str] = FairQueue(weight={"A": 4.0, "B": 1.0}.__getitem__)
+    assert q.heaviest() is None and q.pop_newest("A") is None
+    for i in range(6):
+        q.push("A", f"A{i}")
+    q.push("B", "B0")
+    q.push("B", "B1")
+    assert q.heaviest() == ("B", 2.0)  # 2 / 1 against A's 6 / 4
+    assert q.backlog("A") == 1.5 and q.backlog("B", 1) == 3.0
+    assert q.pop_newest("B") == "B1" and q.pop_newest("B") == "B0" and q.queued("B") == 0
+    assert q.heaviest() == ("A", 1.5) and len(q) == 6
+    assert drain(q) == [f"A{i}" for i in range(6)]
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError):
         FairQueue(quantum=0)
