@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 import tempfile
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import cpu_line, percentile, resolve_model
+from common import cpu_line, resolve_model
 
 from splitserve.server.sse import DONE, aiter_events
 
@@ -137,13 +138,26 @@ def run_mode(fair: bool, model_path: str, keyfile: str, args: argparse.Namespace
     return result
 
 
+def rank_percentile(values: list[float], q: float) -> float:
+    """The nearest-rank percentile ``q`` (0..100) of ``values``, which may hold ``inf`` (a
+    request that never got in); NaN for none."""
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    return xs[max(0, math.ceil(q / 100 * len(xs)) - 1)]
+
+
+def ms(seconds: float) -> str:
+    return "never" if seconds == float("inf") else f"{seconds * 1e3:.0f} ms"
+
+
 def summary(result: dict) -> str:
     ttft = result["trickle_ttft_s"]
     t = result["tenants"]
     retry = t["flood"]["retry_after"]
     retry_text = (f"Retry-After {min(retry):.1f}..{max(retry):.1f} s" if retry else "none")
     return (f"{'fair (DRR)' if result['fair'] else 'FIFO      '} | trickle TTFT p50 "
-            f"{percentile(ttft, 50) * 1e3:8.0f} ms  p99 {percentile(ttft, 99) * 1e3:8.0f} ms "
+            f"{ms(rank_percentile(ttft, 50))}, p99 {ms(rank_percentile(ttft, 99))} "
             f"({sum(x != float('inf') for x in ttft)} of {len(ttft)} got in) | 429s: flood {t['flood']['429']} of "
             f"{t['flood']['429'] + t['flood']['ok'] + t['flood']['other']} ({retry_text}), "
             f"trickle {t['trickle']['429']} | other errors {t['flood']['other'] + t['trickle']['other']}")
@@ -188,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         results = [run_mode(fair, model_path, keyfile, args) for fair in (False, True)]
     fifo, fair = (r["trickle_ttft_s"] for r in results)
     print("trickle TTFT, FIFO / fair: " + ", ".join(
-        f"p{q} {percentile(fifo, q) / percentile(fair, q):.1f}x" for q in (50, 99)))
+        f"p{q} {rank_percentile(fifo, q) / rank_percentile(fair, q):.1f}x" for q in (50, 99)))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

@@ -79,8 +79,8 @@ class ServerMetrics:
         self.e2e = Histogram("splitserve_e2e_request_latency_seconds",
                              "Time from arrival to the last token of finished requests",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("splitserve_requests", "Requests by outcome "
-                                "(finished, error, rejected = 503 before start)", ["outcome"],
+        self.requests = Counter("splitserve_requests", "Requests by outcome (finished, error, "
+                                "rejected = refused before start: 503 or 429)", ["outcome"],
                                 registry=r)
         self.worker_failures = Counter("splitserve_worker_failures",
                                        "Workers declared dead (connection lost or silent)", ["role"],
