@@ -41,8 +41,9 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
 
     Closing the iterator early (``aclose``, or cancelling the task that iterates it) aborts the
     request on the workers, freeing its KV pages. Each event's new tokens go to
-    ``job.on_tokens`` as they come (the rate limiter charges its tenant there). A sibling choice of ``n`` > 1 waits until
-    its lead's first event before it starts (``server.choices``).
+    ``job.on_tokens`` as they come (the rate limiter charges its tenant there). A sibling
+    choice of ``n`` > 1 waits until its lead's first event before it starts
+    (``server.choices``).
 
     Raises:
         APIError: the worker failed the request (status from ``TokenEvent.error_code``; 429
