@@ -218,8 +218,8 @@ SECURITY_FLAGS = (
     Flag("--curve-keys", "security.curve_keys", "CURVE key file (splitserve keygen): encrypt "
          "and authenticate worker links", parse=str),
     Flag("--api-key-file", "security.api_key_file", "file of API keys, one a line (optionally "
-         "'KEY NAME'): each key is a tenant with its own prefix-cache namespace and rate "
-         "limits", parse=str),
+         "'KEY NAME [WEIGHT]'): each key is a tenant with its own prefix-cache namespace, rate "
+         "limits and fair-queueing weight (default 1)", parse=str),
 )
 SERVER_FLAGS = (
     Flag("--host", "server.host", "address the HTTP API listens on"),
@@ -228,8 +228,14 @@ SERVER_FLAGS = (
          "worker", choices=ROUTING.names),
     Flag("--max-body-bytes", "server.max_body_bytes", "larger request bodies get 413 (0: no "
          "limit)"),
-    Flag("--max-inflight-per-worker", "server.max_inflight_per_worker", "past this many "
-         "requests on a worker, new ones get 503 + Retry-After"),
+    Flag("--max-inflight-per-worker", "server.max_inflight_per_worker", "requests running at "
+         "once per worker (lane); past it, new ones wait at the router"),
+    Flag("--max-queued-per-worker", "server.max_queued_per_worker", "requests that may wait "
+         "at the router per worker (lane) for a free slot; past it, 429 + Retry-After "
+         "(0: none wait)"),
+    Flag("--no-fair-queueing", "server.fair_queueing", "serve waiting requests first come, "
+         "first served instead of tenant by tenant (deficit round robin by API key)",
+         const=False),
     Flag("--prepare-threads", "server.prepare_threads", "threads that parse, render the chat "
          "template, tokenize and validate requests off the event loop (16 requests per thread "
          "may wait; more get 503 + Retry-After)"),

@@ -228,7 +228,13 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     inbox: str | None = None  # ZeroMQ inbox workers reply to (None: a free port on host)
     routing: str = ROUTING.default  # how a prefill (or colocated) worker is picked
     max_body_bytes: int = 4 * 2**20  # larger request bodies get 413 (0: no limit)
-    max_inflight_per_worker: int = 256  # past this, new requests get 503 + Retry-After
+    # Requests running at once per worker lane (server.admission.lanes); past it, new ones wait
+    # at the router, at most max_queued_per_worker per lane, then 429 + Retry-After.
+    max_inflight_per_worker: int = 256
+    max_queued_per_worker: int = 256
+    # Waiting requests are served tenant by tenant (API key), deficit round robin weighted by
+    # the key file's weights (server.fair_queue); False: first come, first served.
+    fair_queueing: bool = True
     # Threads that parse, render, tokenize and validate requests off the event loop
     # (server.offload); 16 per thread may wait, more get 503 + Retry-After.
     prepare_threads: int = 2
@@ -269,6 +275,12 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"chat_template: no such file {self.chat_template!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} is not a TCP port")
+        if self.max_inflight_per_worker < 1:
+            raise ValueError(f"max_inflight_per_worker must be at least 1, not "
+                             f"{self.max_inflight_per_worker}")
+        if self.max_queued_per_worker < 0:
+            raise ValueError(f"max_queued_per_worker must be >= 0, not "
+                             f"{self.max_queued_per_worker}")
         if self.prepare_threads < 1:
             raise ValueError(f"prepare_threads must be at least 1, not {self.prepare_threads}")
         for field in ("rate_limit_rps", "rate_limit_tps"):

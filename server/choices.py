@@ -74,8 +74,8 @@ def fork_choices(job: Job, n: int, prompt_index: int) -> list[Job]:
     """The ``n`` choice jobs of ``job`` (a prompt's job, built and put in its tenant's namespace),
     with ``index`` ``prompt_index * n + i`` (OpenAI's order for several prompts). ``n`` = 1:
     ``job`` alone. Choice ``i`` has rid ``<job.rid>-<i>``, its own seed (:func:`choice_seed`),
-    fresh output state, and ``job``'s namespace and ``on_done`` (the rate limiter admitted the
-    prompt once and charges each choice's generated tokens)."""
+    fresh output state, and ``job``'s tenant, namespace and ``on_tokens`` (the rate limiter
+    admitted the prompt once and charges each choice's generated tokens)."""
     if n == 1:
         job.index = prompt_index
         return [job]

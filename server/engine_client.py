@@ -40,6 +40,8 @@ class TokenEvent:
     prompt_top_logprobs: list[list[float]] | None = None
     # A worker's stage stamps (``messages.StageStamps``), on the first and the last event.
     stamps: Any = None
+    # On a refusal for overload (429): seconds until a retry likely gets in (``Retry-After``).
+    retry_after_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -63,6 +65,7 @@ class BaseEngineClient(abc.ABC):
         self, rid: str, input_ids: list[int], sampling: SamplingParams,
         cache_namespace: str | None = None, affinity: PromptAffinity | None = None,
         lora: LoraRef | None = None, timing: Any = None, trace: Any = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Start ``rid`` and yield its :class:`TokenEvent` s until one has ``finish_reason`` or
         ``error``. Closing the iterator early (``aclose``) aborts the request on the workers.
@@ -73,7 +76,10 @@ class BaseEngineClient(abc.ABC):
         ``timing``: its ``observe.timing.RequestTiming``, whose router and worker boundaries
         the client fills; ``trace``: its ``server.request_trace.RequestTrace`` (None: not
         traced), under which each attempt's span goes. Clients without workers may ignore
-        both."""
+        both. ``tenant``: who sent it (``server.tenancy``), whose fair share of the workers it
+        waits for when they are busy; the caller passes it only for a named tenant. A request
+        the client cannot queue ends with an error event with ``error_code`` 429 and
+        ``retry_after_s``."""
 
     @abc.abstractmethod
     async def abort(self, rid: str) -> None:

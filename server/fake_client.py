@@ -51,6 +51,7 @@ class FakeEngineClient(BaseEngineClient):
         self.tokenizer = tokenizer
         self.reply_for = reply_for
         self.affinities: list[PromptAffinity | None] = []
+        self.tenants: list[str | None] = []  # each request's tenant, in arrival order
         self.reply_ids: list[int] = tokenizer.encode(reply, add_special_tokens=False)
         self.eos_token_id = eos_token_id
         self.tokens_per_event = tokens_per_event
@@ -58,6 +59,7 @@ class FakeEngineClient(BaseEngineClient):
         self.ready = True
         self.error: tuple[str, int] | None = None
         self.error_after_events = 0
+        self.error_retry_after_s: float | None = None  # the error event's (an overload's 429)
         self.stall_after_events: int | None = None
         # Set: every request's first event waits until it is set (a slow prefill, for tests
         # that must see what a stream does meanwhile); a threading.Event, the test's thread sets it.
@@ -107,9 +109,11 @@ class FakeEngineClient(BaseEngineClient):
         self, rid: str, input_ids: list[int], sampling: SamplingParams,
         cache_namespace: str | None = None, affinity: PromptAffinity | None = None,
         lora: LoraRef | None = None, timing: Any = None, trace: Any = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
         with self._recording():
             self.requests.append((rid, list(input_ids), sampling))
+            self.tenants.append(tenant)
             self.affinities.append(affinity)
             self.loras.append(lora)
         # A cache that, like the workers' radix cache, shares only within one namespace.
@@ -129,7 +133,8 @@ class FakeEngineClient(BaseEngineClient):
                     await asyncio.sleep(self.delay_s)
                 if self.error is not None and num_events >= self.error_after_events:
                     done = True
-                    yield TokenEvent([], [], error=self.error[0], error_code=self.error[1])
+                    yield TokenEvent([], [], error=self.error[0], error_code=self.error[1],
+                                     retry_after_s=self.error_retry_after_s)
                     return
                 ids = out[start : start + self.tokens_per_event]
                 is_last = start + len(ids) >= len(out)

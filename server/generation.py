@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio
 
+from splitserve.server.admission import retry_headers
 from splitserve.server.detokenizer import IncrementalDetokenizer
 from splitserve.server.engine_client import BaseEngineClient, TokenEvent
 from splitserve.server.errors import APIError
@@ -39,12 +40,15 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
     """One piece per engine event (text may be empty); the last has ``finish_reason``.
 
     Closing the iterator early (``aclose``, or cancelling the task that iterates it) aborts the
-    request on the workers, freeing its KV pages. A sibling choice of ``n`` > 1 waits until
-    its lead's first event before it starts (``server.choices``).
+    request on the workers, freeing its KV pages. Each event's new tokens go to
+    ``job.on_tokens`` as they come (the rate limiter charges its tenant there). A sibling
+    choice of ``n`` > 1 waits until its lead's first event before it starts
+    (``server.choices``).
 
     Raises:
-        APIError: the worker failed the request (status from ``TokenEvent.error_code``), or the
-            engine ended it without a finish reason (500).
+        APIError: the worker failed the request (status from ``TokenEvent.error_code``; 429
+            with ``Retry-After`` when the router's queue is full), or the engine ended it
+            without a finish reason (500).
     """
     detok = IncrementalDetokenizer(tokenizer, keep_tokens=job.keep_tokens)
     stops = StopStringMatcher(job.stop)
@@ -60,6 +64,8 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
         extra["timing"] = job.timing
     if job.trace is not None:
         extra["trace"] = job.trace
+    if job.tenant is not None:
+        extra["tenant"] = job.tenant
     events = client.generate(job.rid, job.input_ids, job.sampling,
                              cache_namespace=job.cache_namespace, **extra)
     engine_done = False
@@ -69,10 +75,12 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
                 share.ready.set()  # the prompt is in the worker's cache: the siblings go
             if ev.error is not None:
                 engine_done = True
-                raise APIError(ev.error, status_code=ev.error_code)
+                raise event_error(ev)
             start = len(job.output_ids)
             record(job, ev)
             end = len(job.output_ids)
+            if job.on_tokens is not None and end > start:
+                job.on_tokens(end - start)
             job.usage.prompt_tokens = ev.prompt_len or job.usage.prompt_tokens
             job.usage.cached_tokens = max(job.usage.cached_tokens, ev.cached_len)
             if ev.cached_by_tier:  # on the first output only (the worker that matched it)
@@ -101,6 +109,15 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
                 await client.abort(job.rid)  # idempotent; covers a cancelled aclose
         if job.on_done is not None:
             job.on_done(job)
+
+
+def event_error(ev: TokenEvent) -> APIError:
+    """The API error of an error event: its status, and for an overload refusal (429) a rate
+    limit error with ``Retry-After`` (``server.admission.retry_headers``)."""
+    if ev.retry_after_s is None:
+        return APIError(ev.error or "", status_code=ev.error_code)
+    return APIError(ev.error or "", status_code=ev.error_code, type="rate_limit_error",
+                    code="server_overloaded", headers=retry_headers(ev.retry_after_s))
 
 
 def record(job: Job, ev: TokenEvent) -> None:

@@ -68,10 +68,14 @@ class Job:
     output_top_logprobs: list[list[float]] = field(default_factory=list)
     prompt_top_ids: list[list[int]] | None = None
     prompt_top_logprobs: list[list[float]] | None = None
-    # Tenancy (set by ``server.tenancy`` after the job is built): the prefix-cache namespace the
-    # engine matches in (None: the shared one), and what to call once the engine is done with
-    # the job, however it ended (the rate limiter charges the generated tokens there).
+    # Tenancy (set by ``server.tenancy`` after the job is built): the tenant (its API key's
+    # name; None: shared), whose fair share of the workers the job waits for when they are
+    # busy; the prefix-cache namespace the engine matches in (None: the shared one); what to
+    # call with the count of each event's generated tokens as they come (the rate limiter
+    # charges them there), and once the engine is done with the job, however it ended.
+    tenant: str | None = None
     cache_namespace: str | None = None
+    on_tokens: Callable[[int], None] | None = None
     on_done: Callable[[Job], None] | None = None
     # The answer's choices (``server.choices``): this job's ``choices[].index``, and, for ``n``
     # > 1, the prompt it shares with its siblings (None: it is its prompt's only choice).

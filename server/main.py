@@ -69,13 +69,16 @@ def run_api_server(
         curve = CurveKeys.load(config.security.curve_keys)
     metrics = ServerMetrics()
     assert s.inbox is not None
+    keys = KeyRing.from_config(config.security.api_key, config.security.api_key_file)
     client = ZmqEngineClient(
         s.inbox, prefill=prefill, decode=decode, colocated=colocated, routing=s.routing,
         dead_after_s=s.dead_after_s,
         max_inflight_per_worker=s.max_inflight_per_worker, curve=curve, metrics=metrics,
+        max_queued_per_worker=s.max_queued_per_worker, fair_queueing=s.fair_queueing,
+        tenant_weights=keys.weights() if keys is not None else None,
     )
     metrics.attach(client.pool)
-    keys = KeyRing.from_config(config.security.api_key, config.security.api_key_file)
+    metrics.attach_gate(client.gate)
     warning = exposure_warning(s.host, keys)
     if warning:
         logger.warning(warning)

@@ -79,8 +79,8 @@ class ServerMetrics:
         self.e2e = Histogram("splitserve_e2e_request_latency_seconds",
                              "Time from arrival to the last token of finished requests",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("splitserve_requests", "Requests by outcome "
-                                "(finished, error, rejected = 503 before start)", ["outcome"],
+        self.requests = Counter("splitserve_requests", "Requests by outcome (finished, error, "
+                                "rejected = refused before start: 503 or 429)", ["outcome"],
                                 registry=r)
         self.worker_failures = Counter("splitserve_worker_failures",
                                        "Workers declared dead (connection lost or silent)", ["role"],
@@ -137,6 +137,28 @@ class ServerMetrics:
         """Report the workers of ``pool`` (a ``server.worker_pool.WorkerPool``) at scrape time."""
         self.pool = pool
         self.registry.register(_WorkerCollector(pool))
+
+    def attach_gate(self, gate: Any) -> None:
+        """Report the router's admission gate (a ``server.admission.AdmissionGate``) at scrape
+        time: slots in use, requests waiting, and how many waited or were refused (429)."""
+        self.registry.register(_GateCollector(gate))
+
+
+class _GateCollector:
+    def __init__(self, gate: Any) -> None:
+        self.gate = gate
+
+    def collect(self):
+        g = self.gate
+        yield GaugeMetricFamily("splitserve_router_slots_in_use", "Requests the router runs on "
+                                "its workers (each holds a slot of --max-inflight-per-worker)",
+                                value=g.in_use)
+        yield GaugeMetricFamily("splitserve_router_queue_waiting", "Requests waiting at the "
+                                "router for a slot (fair queue over tenants)", value=g.waiting)
+        yield CounterMetricFamily("splitserve_router_queued", "Requests admitted after waiting "
+                                  "for a slot", value=g.num_queued)
+        yield CounterMetricFamily("splitserve_router_queue_refused", "Requests refused with 429 "
+                                  "because the router's queue was full", value=g.num_refused)
 
 
 _GAUGES = {

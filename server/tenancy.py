@@ -42,6 +42,7 @@ class ApiKey:
 
     secret: bytes  # b"Bearer <key>", as the Authorization header carries it
     tenant: str | None
+    weight: float = 1.0  # its tenant's share of the workers when requests wait (fair queueing)
 
 
 class KeyRing:
@@ -57,12 +58,15 @@ class KeyRing:
         """The keys of ``--api-key`` (shared tenant) and ``--api-key-file`` (one tenant each);
         None when neither is set (no key needed).
 
-        The file has one key per line, optionally followed by whitespace and a tenant name;
-        blank lines and lines starting with ``#`` are skipped. A key without a name is its own
-        tenant, named by a hash of the key (never the key itself).
+        The file has one key per line, optionally followed by whitespace and a tenant name,
+        and after it a weight (a positive number, default 1: the tenant's share of the workers
+        while requests wait, ``server.fair_queue``); blank lines and lines starting with ``#``
+        are skipped. A key without a name is its own tenant, named by a hash of the key (never
+        the key itself).
 
         Raises:
-            ValueError: the file is missing, unreadable, lists no key, or lists a key twice.
+            ValueError: the file is missing, unreadable, lists no key, lists a key twice, has
+                a weight that is not a positive number, or two weights for one tenant.
         """
         keys = [ApiKey(f"Bearer {api_key}".encode(), None)] if api_key else []
         if api_key_file:
@@ -73,6 +77,10 @@ class KeyRing:
                 raise ValueError(f"{api_key_file}: the same API key is listed twice")
             seen.add(key.secret)
         return cls(keys) if keys else None
+
+    def weights(self) -> dict[str | None, float]:
+        """Tenant -> fair-queueing weight, for every tenant with a weight other than 1."""
+        return {key.tenant: key.weight for key in self.keys if key.weight != 1.0}
 
     def match(self, authorization: bytes) -> ApiKey | None:
         """The key ``authorization`` (the header's value) names, or None. Compares against every
@@ -88,24 +96,46 @@ def read_key_file(path: str) -> list[ApiKey]:
     """The keys of an ``--api-key-file`` (format: :meth:`KeyRing.from_config`).
 
     Raises:
-        ValueError: missing or unreadable file, or no key in it.
+        ValueError: missing or unreadable file, no key in it, a bad weight, or two weights for
+            one tenant.
     """
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise ValueError(f"--api-key-file {path}: {exc.strerror or exc}") from exc
     keys = []
-    for line in text.splitlines():
+    weights: dict[str, float] = {}
+    for number, line in enumerate(text.splitlines(), 1):
         parts = line.split()
         if not parts or parts[0].startswith("#"):
             continue
         secret = parts[0]
         tenant = parts[1] if len(parts) > 1 else "key-" + hashlib.sha256(
             secret.encode()).hexdigest()[:12]
+        weight = _weight(parts[2], path, number) if len(parts) > 2 else None
+        if weight is not None and weights.setdefault(tenant, weight) != weight:
+            raise ValueError(f"--api-key-file {path}, line {number}: tenant {tenant} has "
+                             f"weight {weights[tenant]:g} on an earlier line")
         keys.append(ApiKey(f"Bearer {secret}".encode(), tenant))
     if not keys:
         raise ValueError(f"--api-key-file {path}: no key in it")
-    return keys
+    return [ApiKey(k.secret, k.tenant, weights.get(k.tenant, 1.0)) for k in keys]
+
+
+def _weight(text: str, path: str, number: int) -> float:
+    """The weight written on line ``number`` of the key file.
+
+    Raises:
+        ValueError: not a finite positive number.
+    """
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = float("nan")
+    if not (weight > 0 and weight != float("inf")):
+        raise ValueError(f"--api-key-file {path}, line {number}: the weight {text!r} is not a "
+                         "positive number")
+    return weight
 
 
 def cache_namespace(tenant: str | None, cache_salt: str | None) -> str | None:
@@ -152,13 +182,16 @@ class Tenancy:
         self.limiter = limiter if limiter is not None and limiter.enabled else None
 
     def apply(self, scope: dict[str, Any], job: Job, cache_salt: str | None) -> Job:
-        """Set ``job.cache_namespace``; take the request and its prompt tokens from the tenant's
-        buckets, and charge its generated tokens when it ends (``job.on_done``).
+        """Set ``job.tenant`` and ``job.cache_namespace``; take the request and its prompt
+        tokens from the tenant's buckets, and charge its generated tokens as they are produced
+        (``job.on_tokens``, per event), so a long answer's tokens count against its tenant's
+        next requests while it still streams, not only once it ends.
 
         Raises:
             APIError: 429 (``rate_limit_exceeded``, with ``Retry-After``) when a limit is reached.
         """
         tenant = request_tenant(scope)
+        job.tenant = tenant
         job.cache_namespace = cache_namespace(tenant, cache_salt)
         if self.limiter is None:
             return job
@@ -169,5 +202,5 @@ class Tenancy:
                 f"{refusal.message} for this API key; retry after {refusal.retry_after_s:.1f} s",
                 status_code=429, type="rate_limit_error", code="rate_limit_exceeded",
                 headers={"Retry-After": refusal.retry_after_header})
-        job.on_done = lambda j: limiter.charge(tenant, j.usage.completion_tokens)
+        job.on_tokens = lambda count: limiter.charge(tenant, count)
         return job

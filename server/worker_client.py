@@ -8,8 +8,10 @@ retries and aborts. This client is what those requests do to the world (their
 - Targets: a colocated worker, else a prefill (by the routing policy) and a decode worker (the
   least loaded), each live and not draining (``server.worker_pool``, which also keeps
   membership and health).
-- Overload: at most ``max_inflight_per_worker`` requests per worker; past that, 503 (the HTTP
-  layer adds ``Retry-After``) instead of unbounded queues.
+- Overload: at most ``max_inflight_per_worker`` requests per worker lane run at once; the rest
+  wait in the admission gate (``server.admission``), tenant by tenant in deficit round robin
+  (``server.fair_queue``), at most ``max_queued_per_worker`` per lane; past that, 429 with
+  ``Retry-After`` instead of unbounded queues.
 - Replies: the event loop's reader callback on the inbox socket hands each worker message to
   the request whose current attempt has its rid (:class:`RequestTable`), or to the pool.
 """
@@ -41,9 +43,11 @@ from splitserve.ipc.messages import (
     decode,
     encode,
 )
+from splitserve.server.admission import AdmissionGate, Overload, lanes
 from splitserve.server.disagg_request import DisaggRequest, RequestTable
 from splitserve.server.engine_client import BaseEngineClient, PromptAffinity, TokenEvent
 from splitserve.server.errors import APIError
+from splitserve.server.fair_queue import FairQueue
 from splitserve.server.worker_pool import WorkerHandle, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -61,8 +65,12 @@ class ZmqEngineClient(BaseEngineClient):
     run time, through :attr:`pool`). ``dead_after_s``: a worker silent that long is declared dead
     and its requests end. ``routing``: how a prefill (or colocated) worker is picked
     (``server.routing``); decode workers go to the least loaded. ``max_inflight_per_worker``:
-    past it, new requests get 503. ``curve``: optional :class:`splitserve.ipc.security.CurveKeys`
-    for authenticated, encrypted worker links. ``metrics``: optional ``ServerMetrics``."""
+    requests running per worker lane (``server.admission.lanes``); past it new ones wait, at
+    most ``max_queued_per_worker`` per lane (then 429 + Retry-After), served tenant by tenant
+    in deficit round robin weighted by ``tenant_weights`` (tenant -> weight, default 1;
+    ``fair_queueing`` False: first come, first served). ``curve``: optional
+    :class:`splitserve.ipc.security.CurveKeys` for authenticated, encrypted worker links.
+    ``metrics``: optional ``ServerMetrics``."""
 
     def __init__(
         self,
@@ -75,6 +83,9 @@ class ZmqEngineClient(BaseEngineClient):
         max_inflight_per_worker: int = 256,
         curve: Any = None,
         metrics: Any = None,
+        max_queued_per_worker: int = 256,
+        fair_queueing: bool = True,
+        tenant_weights: dict[str | None, float] | None = None,
     ) -> None:
         self.inbox_addr = inbox_addr
         self.ctx = zmq.asyncio.Context()
@@ -95,6 +106,11 @@ class ZmqEngineClient(BaseEngineClient):
             for addr in addrs:
                 self.pool.connect(role, addr)
         self.max_inflight_per_worker = max_inflight_per_worker
+        weights = dict(tenant_weights or {})
+        self.gate = AdmissionGate(
+            lambda: max_inflight_per_worker * lanes(self.pool.workers),
+            lambda: max_queued_per_worker * lanes(self.pool.workers),
+            FairQueue(lambda tenant: weights.get(tenant, 1.0), fair=fair_queueing))
         self.metrics = metrics
         self.requests = RequestTable()
         # LoRA adapter -> requests accepted under it whose tasks may not be out yet.
@@ -133,15 +149,45 @@ class ZmqEngineClient(BaseEngineClient):
         self, rid: str, input_ids: list[int], sampling: SamplingParams,
         cache_namespace: str | None = None, affinity: PromptAffinity | None = None,
         lora: LoraRef | None = None, timing: Any = None, trace: Any = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """``rid``'s events (``BaseEngineClient.generate``), run by its own
-        :class:`DisaggRequest`."""
+        :class:`DisaggRequest` once the admission gate lets it in (``tenant``: whose queue it
+        waits in)."""
         req = DisaggRequest(rid, input_ids, sampling, self, self.requests,
                             cache_namespace=cache_namespace, affinity=affinity,
                             metrics=self.metrics, lora=lora, timing=timing, trace=trace)
+        events = self._admitted(tenant, req.events())
         if lora is None:
-            return req.events()
-        return self._sending_under(lora.name, req.events())
+            return events
+        return self._sending_under(lora.name, events)
+
+    async def _admitted(self, tenant: str | None,
+                        events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
+        """``events``, started once the gate admits the request (at once while slots are
+        free); its slot is given back with its last event (a reader need not close a
+        finished stream), or when the stream is closed before. A full queue yields the one
+        429 event that refuses it, with ``retry_after_s`` (at once, or after waiting when a
+        lighter tenant's request takes its place)."""
+        woken = asyncio.get_running_loop().create_future()
+        ticket = self.gate.enter(tenant, lambda: woken.done() or woken.set_result(None))
+        if isinstance(ticket, Overload):
+            await events.aclose()  # never started: nothing was sent
+            yield _overloaded(ticket)
+            return
+        try:
+            if not ticket.admitted:
+                await woken
+            if ticket.refusal is not None:  # pushed out of the full queue by a lighter tenant
+                yield _overloaded(ticket.refusal)
+                return
+            async for event in events:
+                if event.finish_reason is not None or event.error is not None:
+                    self.gate.leave(ticket)  # the request is over on the workers
+                yield event
+        finally:
+            self.gate.leave(ticket)
+            await events.aclose()
 
     async def _sending_under(self, adapter: str,
                              events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
@@ -228,11 +274,12 @@ class ZmqEngineClient(BaseEngineClient):
         namespace: str | None = None, adapter: str | None = None,
     ) -> list[tuple[WorkerHandle, str | None]] | TokenEvent:
         """``(worker, prefill_addr)`` pairs to send the task to, decode first (it starts
-        reserving pages), or the 503 event that refuses it (no healthy worker, or one of them
-        full). With ``affinity``, the worker that computes the prompt is the one its first
-        request went to, while that one is live. ``namespace``: the request's prefix-cache
-        namespace, the only one the routing policy matches it in; ``adapter``: its LoRA
-        adapter, preferably run where it is resident (``WorkerPool.pick``)."""
+        reserving pages), or the event that refuses it (503: no healthy worker; 429 with
+        ``retry_after_s``: one of them full). With ``affinity``, the worker that computes the
+        prompt is the one its first request went to, while that one is live. ``namespace``:
+        the request's prefix-cache namespace, the only one the routing policy matches it in;
+        ``adapter``: its LoRA adapter, preferably run where it is resident
+        (``WorkerPool.pick``)."""
         colocated = self._prompt_worker("colocated", input_ids, affinity, namespace, adapter)
         if colocated is not None:
             targets = [(colocated, None)]
@@ -243,11 +290,12 @@ class ZmqEngineClient(BaseEngineClient):
                 return TokenEvent([], [], error="no healthy prefill/decode worker", error_code=503)
             targets = [(d, p.addr), (p, None)]
         full = [w for w, _ in targets if w.in_flight >= self.max_inflight_per_worker]
-        if full:
-            return TokenEvent([], [], error_code=503, error=(
-                f"server overloaded: {full[0].role} worker {full[0].worker_id} has "
-                f"{full[0].in_flight} requests in flight (limit {self.max_inflight_per_worker}); "
-                "retry later"))
+        if full:  # the gate admitted it, but routing picked a worker at its limit
+            return TokenEvent([], [], error_code=429, retry_after_s=self.gate.retry_after_s(),
+                              error=(f"server overloaded: {full[0].role} worker "
+                                     f"{full[0].worker_id} has {full[0].in_flight} requests in "
+                                     f"flight (limit {self.max_inflight_per_worker}); retry "
+                                     "later"))
         return targets
 
     def _prompt_worker(
@@ -327,12 +375,19 @@ class ZmqEngineClient(BaseEngineClient):
                 req.on_error(msg)
         elif isinstance(msg, WorkerReady):
             self.pool.on_ready(msg)
+            self.gate.dispatch()  # one more lane: waiting requests may start
         elif isinstance(msg, WorkerStats):
             self.pool.on_stats(msg)
         elif isinstance(msg, LoraReply):
             self.pool.on_reply(msg.query_id, msg)
         elif isinstance(msg, KVEvents):
             self.pool.on_kv_events(msg)
+
+
+def _overloaded(refusal: Overload) -> TokenEvent:
+    """The 429 event of a request the admission gate refused."""
+    return TokenEvent([], [], error=refusal.message, error_code=429,
+                      retry_after_s=refusal.retry_after_s)
 
 
 def _lora_row(w: WorkerHandle, reply: LoraReply | None) -> dict:

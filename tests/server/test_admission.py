@@ -1,0 +1,265 @@
+"""The router's admission gate (``server.admission``) on a fake clock, with no event loop and no
+workers: slots, the fair queue in front of them, the 429 past the queue's cap and its
+``Retry-After`` estimate, the pass-through when no worker is left; and the ZeroMQ client's
+wrapper that waits on it (``ZmqEngineClient._admitted``), driven by events only."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from splitserve.server.admission import (
+    MAX_RETRY_AFTER_S,
+    AdmissionGate,
+    Overload,
+    Ticket,
+    lanes,
+    retry_headers,
+)
+from splitserve.server.engine_client import TokenEvent
+from splitserve.server.fair_queue import FairQueue
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gate_with(slots: int, waiting: int, fair: bool = True, clock=None) -> AdmissionGate:
+    box = {"slots": slots, "waiting": waiting}
+    gate = AdmissionGate(lambda: box["slots"], lambda: box["waiting"], FairQueue(fair=fair),
+                         clock or Clock())
+    gate.box = box  # type: ignore[attr-defined]  # the test changes capacity through it
+    return gate
+
+
+def enter(gate: AdmissionGate, tenant: str, name: str, woken: list[str]) -> Ticket:
+    ticket = gate.enter(tenant, lambda: woken.append(name))
+    assert isinstance(ticket, Ticket)
+    return ticket
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_tenant_b_is_served_within_two_dispatches_of_a_burst(fair) -> None:
+    gate = gate_with(slots=1, waiting=1000, fair=fair)
+    woken: list[str] = []
+    running = enter(gate, "X", "X0", woken)  # holds the only slot
+    assert running.admitted and woken == []
+    tickets = {f"A{i}": enter(gate, "A", f"A{i}", woken) for i in range(50)}
+    tickets["B0"] = enter(gate, "B", "B0", woken)
+    assert gate.waiting == 51 and not any(t.admitted for t in tickets.values())
+    order = []
+    current = running
+    while gate.waiting:  # one dispatch per request that ends
+        gate.leave(current)
+        order.append(woken[-1])
+        current = tickets[woken[-1]]
+    assert order.index("B0") == (1 if fair else 50)
+    assert gate.in_use == 1 and gate.num_queued == 51
+
+
+def test_queue_cap_refuses_with_a_retry_after_from_the_hold_time() -> None:
+    clock = Clock()
+    gate = gate_with(slots=2, waiting=4, clock=clock)
+    woken: list[str] = []
+    first = [enter(gate, "A", f"R{i}", woken) for i in range(2)]
+    clock.now += 10.0
+    gate.leave(first[0])  # held 10 s: the first hold time measured
+    assert gate.hold_s == pytest.approx(10.0)
+    enter(gate, "A", "R2", woken)
+    waiting = [enter(gate, "A", f"W{i}", woken) for i in range(4)]
+    refusal = gate.enter("A", lambda: woken.append("never"))  # A has the longest queue
+    assert isinstance(refusal, Overload) and "4 waiting (limit 4)" in refusal.message
+    # 4 waiting, 10 s per request, 2 slots: through in about 20 s.
+    assert refusal.retry_after_s == pytest.approx(20.0) and gate.num_refused == 1
+    assert gate.waiting == 4 and not any(t.admitted for t in waiting)
+    # A refusal holds nothing, and the estimate stays within what clients honour.
+    gate.hold_s = 1e6
+    assert gate.retry_after_s() == MAX_RETRY_AFTER_S
+    gate.hold_s = 0.0
+    assert gate.retry_after_s() == 1.0
+    assert retry_headers(20.0) == {"Retry-After": "20", "retry-after-ms": "20000"}
+    assert retry_headers(0.2) == {"Retry-After": "1", "retry-after-ms": "200"}
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_full_queue_drops_the_heaviest_tenants_newest(fair) -> None:
+    gate = gate_with(slots=1, waiting=4, fair=fair)
+    woken: list[str] = []
+    enter(gate, "A", "A0", woken)
+    a = [enter(gate, "A", f"A{i}", woken) for i in range(1, 5)]  # the flood fills the queue
+    b = gate.enter("B", lambda: woken.append("B1"))
+    if not fair:  # one queue: the newcomer is refused (tail drop)
+        assert isinstance(b, Overload) and woken == [] and gate.waiting == 4
+        return
+    # B waits in place of A's newest, which is woken with a refusal; then B is served next.
+    assert isinstance(b, Ticket) and not b.admitted and gate.waiting == 4
+    assert woken == ["A4"] and a[3].refusal is not None and a[3].left and not a[3].admitted
+    assert gate.num_refused == 1
+    gate.leave(a[3])  # its stream ends: nothing more to free
+    assert gate.waiting == 4
+    b2 = gate.enter("B", lambda: woken.append("B2"))  # B: 2 < A's 3: A3 goes too
+    assert isinstance(b2, Ticket) and woken == ["A4", "A3"]
+    refused = gate.enter("B", lambda: woken.append("B3"))  # B: 3 is not < A's 2
+    assert isinstance(refused, Overload) and gate.num_refused == 3
+
+
+def test_no_queue_means_refused_at_once_past_the_slots() -> None:
+    gate = gate_with(slots=1, waiting=0)
+    woken: list[str] = []
+    enter(gate, "A", "A0", woken)
+    assert isinstance(gate.enter("A", lambda: None), Overload)
+
+
+def test_leaving_while_waiting_gives_the_place_back_and_leave_is_idempotent() -> None:
+    gate = gate_with(slots=1, waiting=10)
+    woken: list[str] = []
+    running = enter(gate, "A", "A0", woken)
+    gone = enter(gate, "B", "B0", woken)
+    stays = enter(gate, "C", "C0", woken)
+    gate.leave(gone)  # its client left while it waited
+    gate.leave(gone)
+    assert gate.waiting == 1 and gate.in_use == 1
+    gate.leave(running)
+    gate.leave(running)  # a second leave frees nothing more
+    assert woken == ["C0"] and stays.admitted and gate.in_use == 1
+
+
+def test_no_worker_left_lets_everyone_through_to_their_503() -> None:
+    gate = gate_with(slots=1, waiting=10)
+    woken: list[str] = []
+    enter(gate, "A", "A0", woken)
+    waiters = [enter(gate, "A", f"A{i}", woken) for i in range(1, 4)]
+    gate.box["slots"] = 0  # every worker died: no slot will ever free
+    assert gate.dispatch() == waiters and woken == ["A1", "A2", "A3"]
+    assert enter(gate, "B", "B0", woken).admitted  # a new one goes straight on, too
+
+
+def test_capacity_that_grows_is_used_by_the_next_arrival() -> None:
+    gate = gate_with(slots=1, waiting=10)
+    woken: list[str] = []
+    enter(gate, "A", "A0", woken)
+    enter(gate, "A", "A1", woken)
+    gate.box["slots"] = 3  # a worker joined
+    late = enter(gate, "B", "B0", woken)
+    assert woken == ["A1"] and late.admitted and gate.in_use == 3
+
+
+def test_metrics_read_the_gate() -> None:
+    from prometheus_client.exposition import generate_latest
+
+    from splitserve.server.metrics import ServerMetrics
+
+    gate = gate_with(slots=1, waiting=1)
+    woken: list[str] = []
+    enter(gate, "A", "A0", woken)
+    enter(gate, "A", "A1", woken)
+    assert isinstance(gate.enter("B", lambda: None), Overload)
+    metrics = ServerMetrics()
+    metrics.attach_gate(gate)
+    text = generate_latest(metrics.registry).decode()
+    for line in ("splitserve_router_slots_in_use 1.0", "splitserve_router_queue_waiting 1.0",
+                 "splitserve_router_queued_total 0.0", "splitserve_router_queue_refused_total 1.0"):
+        assert line in text, text
+
+
+@dataclass
+class W:
+    role: str
+    ready: bool = True
+    draining: bool = False
+
+
+def test_lanes() -> None:
+    assert lanes([]) == 0
+    assert lanes([W("colocated"), W("colocated", ready=False)]) == 1
+    assert lanes([W("prefill"), W("decode"), W("decode")]) == 1
+    assert lanes([W("prefill"), W("prefill"), W("decode"), W("decode", draining=True)]) == 1
+    assert lanes([W("prefill"), W("decode", ready=False)]) == 0
+
+
+def test_client_waits_in_the_gate_and_refuses_past_it(tmp_path) -> None:
+    from splitserve.server.worker_client import ZmqEngineClient
+
+    async def main() -> None:
+        client = ZmqEngineClient(f"ipc://{tmp_path}/inbox")
+        client.gate = AdmissionGate(lambda: 1, lambda: 1)
+        started: list[str] = []
+        release = {name: asyncio.Event() for name in ("r0", "r1")}
+
+        async def inner(name: str):
+            started.append(name)
+            await release[name].wait()
+            yield TokenEvent([1], [0.0], "stop")
+
+        try:
+            first = client._admitted("A", inner("r0"))
+            second = client._admitted("B", inner("r1"))
+            third = client._admitted("C", inner("r2"))
+            t1 = asyncio.ensure_future(first.__anext__())
+            t2 = asyncio.ensure_future(second.__anext__())
+            for _ in range(100):  # event-loop turns (no time passes) until both reached it
+                if client.gate.waiting and started:
+                    break
+                await asyncio.sleep(0)
+            assert started == ["r0"] and client.gate.in_use == 1 and client.gate.waiting == 1
+            refused = await third.__anext__()  # one running, one waiting: the queue is full
+            assert refused.error_code == 429 and refused.retry_after_s >= 1.0
+            assert started == ["r0"]  # the refused one never started
+            release["r0"].set()
+            assert (await t1).finish_reason == "stop"
+            # Its last event gave its slot to the waiting one (no aclose needed).
+            assert client.gate.in_use == 1 and client.gate.waiting == 0
+            release["r1"].set()
+            assert (await t2).finish_reason == "stop" and started == ["r0", "r1"]
+            assert client.gate.in_use == 0 and client.gate.waiting == 0
+            await first.aclose()
+            await second.aclose()
+            assert client.gate.num_admitted == 2 and client.gate.num_refused == 1
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_client_answers_429_to_a_waiting_request_pushed_out(tmp_path) -> None:
+    from splitserve.server.worker_client import ZmqEngineClient
+
+    async def main() -> None:
+        client = ZmqEngineClient(f"ipc://{tmp_path}/inbox")
+        client.gate = AdmissionGate(lambda: 1, lambda: 2)
+        started: list[str] = []
+
+        async def inner(name: str):
+            started.append(name)
+            yield TokenEvent([1], [0.0], "stop")
+
+        try:
+            running = client.gate.enter("A", lambda: None)  # holds the only slot
+            streams = {n: client._admitted(t, inner(n)) for t, n in
+                       (("A", "a1"), ("A", "a2"), ("B", "b1"))}
+            nexts = {}
+            for name in ("a1", "a2", "b1"):  # each reaches the gate before the next starts
+                nexts[name] = asyncio.ensure_future(streams[name].__anext__())
+                for _ in range(100):  # event-loop turns, no time passes
+                    if client.gate.num_admitted + client.gate.waiting == len(nexts) + 1:
+                        break
+                    await asyncio.sleep(0)
+            refused = await nexts["a2"]  # b1 took the place of A's newest in the full queue
+            assert refused.error_code == 429 and refused.retry_after_s >= 1.0
+            assert client.gate.waiting == 2 and started == []
+            client.gate.leave(running)  # DRR: a1 (A's turn), then b1
+            assert (await nexts["a1"]).finish_reason == "stop"
+            assert (await nexts["b1"]).finish_reason == "stop" and started == ["a1", "b1"]
+            for stream in streams.values():
+                await stream.aclose()
+            assert client.gate.in_use == 0 and client.gate.waiting == 0
+        finally:
+            await client.close()
+
+    asyncio.run(main())
