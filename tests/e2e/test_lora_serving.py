@@ -209,6 +209,13 @@ def test_speculative_greedy_under_adapters_equals_peft(spec_disagg, model_path, 
         assert_greedy_matches(want[name][i], tokens)
     drafted, accepted = (a - b for a, b in zip(_spec_counters(spec_disagg), before))
     assert accepted > 0 and drafted >= accepted, (drafted, accepted)
+    # Adapter rows alone: their drafts were verified under their adapters, and some kept.
+    before = _spec_counters(spec_disagg)
+    for i, name in [(i, n) for i in range(len(prompts)) for n in names]:
+        tokens = complete_ids(spec_disagg, prompts[i], 24, model=name)["choices"][0]["token_ids"]
+        assert_greedy_matches(want[name][i], tokens)
+    drafted, accepted = (a - b for a, b in zip(_spec_counters(spec_disagg), before))
+    assert accepted > 0 and drafted >= accepted, (drafted, accepted)
 
 
 def test_load_and_unload_while_requests_stream(disagg, prompts, lora_root) -> None:
