@@ -423,6 +423,10 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     # router prefers a worker where a request's adapter is resident).
     loras: list[str] = []
     loras_resident: list[str] = []
+    # Name -> digest of each loaded adapter's files (engine.lora.peft.adapter_digest): what this
+    # worker folds into a request's prefix-cache namespace, hence into its blocks' keys; the
+    # router folds the same into the namespace it matches KV events in (server.worker_pool).
+    lora_digests: dict[str, str] = {}
     tokens_generated: int = 0  # output tokens this worker sent to routers since start
     # KV cache tiers under the prefix cache (radix_cache.tiers), one row each ("l1" first: the
     # pool's cached pages), and the measured prefill rate their loads are weighed against.

@@ -3,8 +3,9 @@ folded in, so a prefix computed under one adapter is never a hit under another o
 model (their K/V differ from the first adapted layer on).
 
 Pure Python, no torch: workers fold the adapter's digest into each request's namespace
-(``worker.tasks``), the router its name into the namespace its cache-aware routing matches in
-(``server.routing``); each side only compares with itself.
+(``worker.tasks``), hence into the block keys their KV events carry; the router folds in the
+same digest, as the workers report it (``server.worker_pool.WorkerPool.adapter_key``), so its
+cache-aware routing matches those events under the adapter.
 """
 
 from __future__ import annotations

@@ -44,7 +44,6 @@ from splitserve.ipc.messages import (
     encode,
 )
 from splitserve.kv_transfer.session import IllegalTransition
-from splitserve.radix_cache.namespace import adapter_namespace
 from splitserve.server.disagg_transitions import DISAGG_TRANSITIONS, DisaggEvent, DisaggState
 from splitserve.server.engine_client import PromptAffinity, TokenEvent
 from splitserve.server.replies import Replies
@@ -72,9 +71,10 @@ class DisaggPort(Protocol):
     ) -> list[tuple[Any, str | None]] | TokenEvent:
         """One attempt's workers in sending order, each with the prefill worker's inbox its task
         names (None: it computes the prompt itself); or the 503 event that refuses the request
-        (no healthy worker, or one at its in-flight limit). ``namespace``: the prefix-cache
-        namespace cache-aware routing matches in (the LoRA adapter folded in); ``adapter``: the
-        request's LoRA adapter, whose workers it prefers."""
+        (no healthy worker, or one at its in-flight limit). ``namespace``: the request's
+        prefix-cache namespace (its tenant's); ``adapter``: the name of its LoRA adapter, whose
+        workers it prefers and whose identity the port folds into ``namespace`` before
+        cache-aware routing matches in it (``WorkerPool.adapter_key``)."""
 
     def send_task(self, worker: Any, frame: bytes) -> Awaitable[Any]:
         """Send an encoded ``GenerateTask``; awaiting it waits while the link is full.
@@ -238,8 +238,7 @@ class DisaggRequest:
         if lora is None:
             targets = self._port.targets(self._input_ids, self._affinity, self._namespace)
         else:  # routed in the adapter's own namespace, to the workers that hold it
-            targets = self._port.targets(self._input_ids, self._affinity,
-                                         adapter_namespace(self._namespace, lora.name),
+            targets = self._port.targets(self._input_ids, self._affinity, self._namespace,
                                          adapter=lora.name)
         if isinstance(targets, TokenEvent):
             return self._refuse(targets)

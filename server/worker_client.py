@@ -277,9 +277,9 @@ class ZmqEngineClient(BaseEngineClient):
         reserving pages), or the event that refuses it (503: no healthy worker; 429 with
         ``retry_after_s``: one of them full). With ``affinity``, the worker that computes the
         prompt is the one its first request went to, while that one is live. ``namespace``:
-        the request's prefix-cache namespace, the only one the routing policy matches it in;
-        ``adapter``: its LoRA adapter, preferably run where it is resident
-        (``WorkerPool.pick``)."""
+        the request's prefix-cache namespace, the only one the routing policy matches it in
+        (with ``adapter``, the adapter's within it); ``adapter``: its LoRA adapter's name,
+        preferably run where it is resident (``WorkerPool.pick``)."""
         colocated = self._prompt_worker("colocated", input_ids, affinity, namespace, adapter)
         if colocated is not None:
             targets = [(colocated, None)]

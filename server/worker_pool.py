@@ -46,6 +46,7 @@ from splitserve.ipc.messages import (
     WorkerStats,
     encode,
 )
+from splitserve.radix_cache.namespace import adapter_namespace
 from splitserve.server.routing import create_routing_policy
 
 logger = logging.getLogger(__name__)
@@ -183,17 +184,35 @@ class WorkerPool:
         """A live, not draining worker of ``role``: by the routing policy for the roles that
         cache prefixes (``input_ids`` given; matched in the request's prefix-cache
         ``namespace`` only), else the least loaded; None if there is none. With a LoRA
-        ``adapter``, among the workers that have it resident (their last stats) unless those
-        are ``ADAPTER_SLACK`` requests busier than the least loaded (Dynamo's adapter-aware
-        routing: a worker without it must first put it in a slot, maybe evicting another)."""
+        ``adapter`` (its name), among the workers that have it resident (their last stats)
+        unless those are ``ADAPTER_SLACK`` requests busier than the least loaded (Dynamo's
+        adapter-aware routing: a worker without it must first put it in a slot, maybe evicting
+        another), and matched in the adapter's namespace within ``namespace``
+        (:meth:`adapter_key`), the one the workers' KV events carry."""
         live = [w for w in self.workers if w.role == role and w.ready and not w.draining]
         if not live:
             return None
         if adapter is not None:
             live = _prefer_resident(live, adapter)
+            namespace = adapter_namespace(namespace, self.adapter_key(adapter))
         if input_ids is not None:
             return self.routing.pick(live, input_ids, namespace)  # type: ignore[return-value]
         return min(live, key=lambda w: w.in_flight)
+
+    def adapter_key(self, adapter: str) -> str:
+        """What identifies adapter ``adapter`` (its name) in a prefix-cache namespace: the
+        digest of its files that the live workers report (``WorkerStats.lora_digests``; every
+        worker read the same files, ``WorkerClient.load_lora`` checks), as each worker folds it
+        into its requests' namespaces, so the routing policy's match of the workers' KV events
+        finds their blocks. Until a worker has reported it (the first heartbeat after a load),
+        ``name:`` and the name: a namespace no KV event carries, so only the policy's own record
+        of what it sent matches there. A name reloaded from other files is stale for up to a
+        heartbeat: a worse placement, never a wrong block (each worker keys by its own)."""
+        for w in self.workers:
+            digest = w.last_stats.get("lora_digests", {}).get(adapter) if w.ready else None
+            if digest:
+                return digest
+        return f"name:{adapter}"
 
     # ---- membership ---------------------------------------------------------------------------
 

@@ -357,4 +357,5 @@ class Worker:
         lora = self.parts.lora
         if lora is not None:
             stats.loras, stats.loras_resident = lora.names(), lora.resident()
+            stats.lora_digests = lora.digests()
         return self.policy.fill_stats(stats)

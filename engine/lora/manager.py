@@ -151,3 +151,8 @@ class LoraManager:
     def names(self) -> list[str]:
         """Names of the loaded adapters."""
         return sorted(self.loaded)
+
+    def digests(self) -> dict[str, str]:
+        """Name -> digest of each loaded adapter's files (what its requests' prefix-cache
+        namespace carries)."""
+        return {name: a.digest for name, a in self.loaded.items()}

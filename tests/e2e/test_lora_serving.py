@@ -7,7 +7,10 @@ adapter), with adapters trained by ``peft`` in the session (``tests.lora_adapter
   unchanged; disaggregated equals colocated for a burst mixing adapters and the base (the
   disaggregated cluster has one slot, ``--max-loras 1``, so its adapters alternate);
 - a prefix cached under one adapter is no hit under another or the base;
-- structured output, ``n`` and logprobs under an adapter as without;
+- structured output, ``n`` and logprobs under an adapter as without; a required tool call
+  under an adapter is a call whose arguments validate against its function's parameters;
+- ``--speculative ngram`` under adapters (a disaggregated cluster, mixed adapters and the base
+  in one burst): greedy tokens equal ``transformers`` + ``peft``, and drafts were kept;
 - an adapter loaded and another unloaded at run time while requests stream: none fails, no
   page leaks;
 - bad adapters (a wrong hidden size, a missing file, a rank above ``--max-lora-rank``, a path
@@ -31,6 +34,8 @@ from openai import OpenAI
 from safetensors.torch import load_file, save_file
 
 from tests.e2e.conftest import _launch, complete_ids, worker_pages_used
+from tests.e2e.test_speculative import PROMPTS as SPEC_PROMPTS
+from tests.e2e.test_tool_calls import ADD
 from tests.lora_adapters import assert_greedy_matches, peft_greedy
 
 pytestmark = pytest.mark.slow
@@ -152,6 +157,65 @@ def test_structured_output_n_and_logprobs_under_an_adapter(cluster) -> None:
     for choice in r.choices:
         jsonschema.validate(json.loads(choice.message.content), schema)
         assert choice.logprobs.content and len(choice.logprobs.content[0].top_logprobs) == 2
+
+
+def test_required_tool_call_under_an_adapter(cluster) -> None:
+    """The call grammar holds under an adapter's weights: a call of the one tool, arguments
+    that validate against its parameters (on the disaggregated cluster the first token is the
+    prefill worker's and the rest the decode worker's, both under the adapter)."""
+    client = OpenAI(base_url=cluster.config.url + "/v1", api_key="none", max_retries=0,
+                    timeout=300)
+    for model in ("sql", "pirate"):
+        r = client.chat.completions.create(
+            model=model, max_tokens=96, temperature=0, tools=[ADD], tool_choice="required",
+            parallel_tool_calls=False,
+            messages=[{"role": "user", "content": "What is 17 plus 25?"}])
+        choice = r.choices[0]
+        assert r.model == model and choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id and call.function.name == "add"
+        jsonschema.validate(json.loads(call.function.arguments), ADD["function"]["parameters"])
+
+
+@pytest.fixture(scope="module")
+def spec_disagg(model_path, lora_root) -> Iterator:
+    yield from _cluster(model_path, lora_root, num_prefill=1, num_decode=1, kv_cache_mb=64,
+                        speculative="ngram", num_speculative_tokens=4,
+                        speculative_max_running=16)  # the whole burst drafts
+
+
+def _spec_counters(cluster) -> tuple[int, int]:
+    rows = httpx.get(cluster.config.url + "/workers", timeout=10).json()
+    (row,) = [r for r in rows if r["role"] == "decode"]
+    return row["spec_draft_tokens"], row["spec_accepted_tokens"]
+
+
+@pytest.mark.timeout(1200)  # 391 s on 2 shared cores at a load average of 30 (peft's reference)
+def test_speculative_greedy_under_adapters_equals_peft(spec_disagg, model_path, lora_adapters,
+                                                       tokenizer) -> None:
+    """N-gram drafts verified under each row's adapter: on prompts that repeat themselves
+    (drafts found and kept), base and adapter rows in one burst give ``peft``'s float32 greedy
+    tokens (up to a near-tie, as ``assert_greedy_matches`` allows)."""
+    prompts = [tokenizer.encode(p) for p in SPEC_PROMPTS]
+    names = ("sql", "pirate")
+    want = peft_greedy(model_path, {n: lora_adapters[n] for n in names}, prompts, 24)
+    before = _spec_counters(spec_disagg)
+    jobs = [(i, name) for i in range(len(prompts)) for name in (None, *names)]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda job: complete_ids(
+            spec_disagg, prompts[job[0]], 24, model=job[1] or "default")["choices"][0]["token_ids"],
+            jobs))
+    for (i, name), tokens in zip(jobs, got, strict=True):
+        assert_greedy_matches(want[name][i], tokens)
+    drafted, accepted = (a - b for a, b in zip(_spec_counters(spec_disagg), before))
+    assert accepted > 0 and drafted >= accepted, (drafted, accepted)
+    # Adapter rows alone: their drafts were verified under their adapters, and some kept.
+    before = _spec_counters(spec_disagg)
+    for i, name in [(i, n) for i in range(len(prompts)) for n in names]:
+        tokens = complete_ids(spec_disagg, prompts[i], 24, model=name)["choices"][0]["token_ids"]
+        assert_greedy_matches(want[name][i], tokens)
+    drafted, accepted = (a - b for a, b in zip(_spec_counters(spec_disagg), before))
+    assert accepted > 0 and drafted >= accepted, (drafted, accepted)
 
 
 def test_load_and_unload_while_requests_stream(disagg, prompts, lora_root) -> None:
