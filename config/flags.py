@@ -169,6 +169,8 @@ ENGINE_FLAGS = (
          "compile may run (from its start) before it is killed"),
     Flag("--grammar-compile-queue", "engine.grammar_compile_queue", "grammar compiles that may "
          "wait; more get 503 + Retry-After"),
+    Flag("--grammar-cache-mb", "engine.grammar_cache_mb", "MiB of compiled grammars a worker "
+         "caches, by their size estimates (least recently used evicted; 0: no byte bound)"),
     Flag("--attention", "engine.attention", "attention backend (auto: torch on CPU, triton on "
          "CUDA; $SPLITSERVE_ATTENTION sets the default)", choices=ATTENTION_CHOICES),
     Flag("--disable-jump-forward", "engine.jump_forward", "sample every token of constrained "

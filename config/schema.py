@@ -63,6 +63,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     grammar_compile_procs: int = 2
     grammar_compile_timeout_s: float = 30.0
     grammar_compile_queue: int = 256
+    # Compiled grammars a worker caches: at most this many MiB by their size estimates
+    # (engine.grammar.service; 0: bounded by count only).
+    grammar_cache_mb: int = 512
     grammar_test_slow: str = ""  # tests only: "MARKER=SECONDS" delays compiles of such texts
     overlap_grammar_mask: bool = True  # fill grammar masks on a thread during the forward pass
     cuda_graph: bool = True  # on CUDA, replay captured graphs for decode steps
@@ -136,6 +139,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"kernels: {self.kernels!r} is not auto, c, torch or a plan file")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be positive, not {self.transfer_timeout_s}")
+        if self.grammar_cache_mb < 0:
+            raise ValueError(f"grammar_cache_mb must be >= 0, not {self.grammar_cache_mb}")
         self._check_lora()
         self.check_tiers()
 

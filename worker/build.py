@@ -89,6 +89,7 @@ def build_parts(config: WorkerConfig, role: WorkerRole) -> WorkerParts:
         jump_forward=e.jump_forward and role.decodes, default_backend=e.grammar_backend,
         compile_procs=e.grammar_compile_procs, compile_timeout_s=e.grammar_compile_timeout_s,
         compile_queue=e.grammar_compile_queue, test_slow=e.grammar_test_slow,
+        cache_bytes=e.grammar_cache_mb * 2**20,
     )
     links = open_links(config, watch_links=role.receives_kv)
     port = OutboxPort(links.outbox)

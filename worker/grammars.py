@@ -165,6 +165,7 @@ def create_worker_grammars(
     compile_timeout_s: float = 30.0,
     compile_queue: int = 256,
     test_slow: str = "",
+    cache_bytes: int = 512 * 2**20,
 ) -> WorkerGrammars:
     """Load the model's tokenizer and build the compile service (``default_backend`` first,
     then the other registered backends).
@@ -180,6 +181,7 @@ def create_worker_grammars(
         compile_timeout_s: each backend's deadline for one compile, from its start.
         compile_queue: compiles that may wait for a process; more get 503.
         test_slow: ``"MARKER=SECONDS"``: tests only (``CompilePool``'s slow hook).
+        cache_bytes: the compiled-grammar cache's bound, bytes of size estimates (0: none).
     """
     from transformers import AutoTokenizer
 
@@ -187,7 +189,7 @@ def create_worker_grammars(
     stops = list(dict.fromkeys([*eos_token_ids, *_tokenizer_eos(tokenizer)]))
     service = create_grammar_service(
         tokenizer, vocab_size, default_backend=default_backend, stop_token_ids=stops,
-        timeout_s=compile_timeout_s,
+        timeout_s=compile_timeout_s, max_cache_bytes=cache_bytes,
     )
     if compile_procs:
         marker, _, seconds = test_slow.partition("=")

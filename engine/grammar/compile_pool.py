@@ -13,10 +13,12 @@ that cannot be interrupted: run it where it can be killed.
   the worker turns into 503 + ``Retry-After``), not queued.
 - A queued compile whose requests all went is removed from the queue (:meth:`CompilePool.cancel`).
 - The child sends back what the backend can ship across a process boundary
-  (``BaseGrammarBackend.export``): xgrammar's ``CompiledGrammar.serialize_json()``,
-  outlines-core's ``Index`` (picklable); llguidance's matcher cannot be shipped, so the child
-  only proves that its compile finishes in time and the worker builds it again
-  (``BaseGrammarBackend.restore``; llguidance builds its parser lazily, so that costs ms).
+  (``BaseGrammarBackend.export``): outlines-core's ``Index`` (picklable). For llguidance (its
+  matcher cannot be shipped; it builds its parser lazily, so compiling again costs ms) and
+  xgrammar (its ``serialize_json`` is 1 to 60 times the grammar's memory as JSON text, and took
+  GBs of transient memory and longer than the compile to write and read back) the child only
+  proves that the compile finishes in time and the worker compiles it again
+  (``BaseGrammarBackend.restore``).
 
 Test hook: ``slow_marker``/``slow_s`` make a child sleep ``slow_s`` before compiling a
 constraint whose text contains the marker (a compile that only a kill ends), set through

@@ -7,6 +7,7 @@ schemas are unrolled to a fixed depth), and EBNF grammars are refused.
 from __future__ import annotations
 
 import copy
+import pickle
 from typing import Any
 
 import outlines_core
@@ -103,17 +104,29 @@ class OutlinesMatcher(BaseMatcher):
 
 
 class OutlinesCompiled(CompiledGrammar):
-    """An outlines-core ``Index`` (token-level DFA) plus the regex it came from."""
+    """An outlines-core ``Index`` (token-level DFA) plus the regex it came from.
+
+    ``size``: the Index's size in bytes if known (a compile process measured it); else it is
+    measured at the first :meth:`size_bytes`.
+    """
 
     backend_name = "outlines"
 
     def __init__(
-        self, index: outlines_core.Index, regex: str, vocab_size: int, stop_token_ids: list[int]
+        self, index: outlines_core.Index, regex: str, vocab_size: int, stop_token_ids: list[int],
+        size: int | None = None,
     ) -> None:
         self._index = index
         self.regex = regex
         self.vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
+        self._size = size
+
+    def size_bytes(self) -> int:
+        """The pickled Index's length (its transition table, which is what it holds)."""
+        if self._size is None:
+            self._size = len(pickle.dumps(self._index)) + len(self.regex)
+        return self._size
 
     def create_matcher(self, max_rollback_tokens: int = 0) -> OutlinesMatcher:
         # Guide keeps max_rollback past states; it needs room for at least one.
@@ -177,17 +190,18 @@ class OutlinesBackend(BaseGrammarBackend):
             raise GrammarError(_describe(kind, text, str(exc))) from exc
         return OutlinesCompiled(index, regex, self.vocab_size, self._stop_token_ids)
 
-    def export(self, compiled: CompiledGrammar) -> tuple[Any, str]:
-        """The ``Index`` (outlines-core pickles it) and its regex."""
-        return compiled._index, compiled.regex  # type: ignore[attr-defined]
+    def export(self, compiled: CompiledGrammar) -> tuple[Any, str, int]:
+        """The ``Index`` (outlines-core pickles it), its regex and its size."""
+        return (compiled._index, compiled.regex,  # type: ignore[attr-defined]
+                compiled.size_bytes())
 
     def restore(
         self, kind: GrammarKind, text: str, options: CompileOptions, exported: Any
     ) -> OutlinesCompiled:
         """The shipped ``Index``, unpickled (no compile)."""
         del kind, text, options
-        index, regex = exported
-        return OutlinesCompiled(index, regex, self.vocab_size, self._stop_token_ids)
+        index, regex, size = exported
+        return OutlinesCompiled(index, regex, self.vocab_size, self._stop_token_ids, size)
 
     def _to_regex(self, kind: GrammarKind, text: str, options: CompileOptions) -> str:
         """Returns: the regex for a constraint. Raises: GrammarError if it has none."""

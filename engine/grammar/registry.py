@@ -45,6 +45,7 @@ def create_grammar_service(
     timeout_s: float = 30.0,
     num_threads: int = 2,
     stop_token_ids: list[int] | None = None,
+    max_cache_bytes: int = 0,
 ) -> GrammarService:
     """Build the service with the default backend first and (if ``fallback``) the others after.
 
@@ -57,6 +58,8 @@ def create_grammar_service(
         num_threads: compile threads.
         stop_token_ids: tokens that end the output (the model's EOS ids); defaults to the
             tokenizer's EOS.
+        max_cache_bytes: the compiled-grammar cache's bound in bytes of size estimates (0: by
+            count only; ``GrammarService``).
 
     Returns:
         The service. Backends whose package is missing are skipped (the default must exist).
@@ -71,4 +74,5 @@ def create_grammar_service(
         except ImportError:
             if name == default_backend:
                 raise
-    return GrammarService(backends, timeout_s=timeout_s, num_threads=num_threads)
+    return GrammarService(backends, timeout_s=timeout_s, num_threads=num_threads,
+                          max_cache_bytes=max_cache_bytes)

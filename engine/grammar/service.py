@@ -79,6 +79,10 @@ class GrammarService:
         num_threads: threads that compile (without ``pool``) or rebuild shipped grammars.
         max_cache_entries: compiled grammars kept (least recently used evicted); failures are
             cached too, so a bad schema sent repeatedly costs one compile.
+        max_cache_bytes: the cached grammars' summed ``CompiledGrammar.size_bytes`` estimate
+            stays at most this (bytes; least recently used evicted, a grammar larger than it
+            alone is not kept); 0: no byte bound. Requests holding an evicted grammar keep it
+            until they end.
         pool: compile in these child processes (its own deadline replaces ``timeout_s``).
         remember_timeouts_s: how long a constraint that timed out on every backend it was
             tried on keeps failing at once (0: not remembered).
@@ -92,6 +96,7 @@ class GrammarService:
         max_cache_entries: int = 1024,
         pool: CompilePool | None = None,
         remember_timeouts_s: float = 600.0,
+        max_cache_bytes: int = 0,
     ) -> None:
         if not backends:
             raise ValueError("GrammarService needs at least one backend")
@@ -104,6 +109,10 @@ class GrammarService:
         self._attempts: dict[CacheKey, _Attempt] = {}  # compiles in progress
         self._waiters: dict[CacheKey, int] = {}  # requests waiting on each of them
         self.max_cache_entries = max_cache_entries
+        self.max_cache_bytes = max_cache_bytes
+        self._sizes: dict[CacheKey, int] = {}  # compiled grammars in the cache -> size_bytes
+        self._cached_bytes = 0
+        self.evicted_for_bytes = 0  # grammars evicted by the byte bound (a counter for tests)
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[CacheKey, Future[CompiledGrammar]] = OrderedDict()
         self._cache_lock = threading.Lock()
@@ -143,6 +152,7 @@ class GrammarService:
             while len(self._cache) > self.max_cache_entries:
                 evicted, _ = self._cache.popitem(last=False)
                 self._timed_out.pop(evicted, None)
+                self._cached_bytes -= self._sizes.pop(evicted, 0)
         if kind not in GRAMMAR_KINDS:
             result.set_exception(
                 GrammarError(f"unknown constraint kind {kind!r}; expected one of {GRAMMAR_KINDS}")
@@ -209,6 +219,33 @@ class GrammarService:
             GrammarError: if no backend can compile the constraint in time.
         """
         return self.submit(kind, text, options).result()
+
+    def cached_bytes(self) -> int:
+        """Returns: the summed ``size_bytes`` estimate of the compiled grammars cached now."""
+        with self._cache_lock:
+            return self._cached_bytes
+
+    def _account(self, key: CacheKey, future: Future[CompiledGrammar], size: int) -> None:
+        """Count a compiled grammar's ``size`` in the cache, then evict the least recently used
+        compiled grammars until the cache is within ``max_cache_bytes`` (a grammar over the
+        bound by itself is not kept, and evicts nothing)."""
+        with self._cache_lock:
+            if self._cache.get(key) is not future:
+                return  # evicted (or replaced) while it compiled
+            if self.max_cache_bytes and size > self.max_cache_bytes:
+                del self._cache[key]  # alone over the bound: served, not kept
+                self.evicted_for_bytes += 1
+                return
+            self._cached_bytes += size - self._sizes.get(key, 0)
+            self._sizes[key] = size
+            if not self.max_cache_bytes:
+                return
+            for old in [k for k in self._cache if k in self._sizes and k != key]:
+                if self._cached_bytes <= self.max_cache_bytes:
+                    break
+                del self._cache[old]
+                self._cached_bytes -= self._sizes.pop(old)
+                self.evicted_for_bytes += 1
 
     def is_cached(
         self, kind: GrammarKind, text: str, options: CompileOptions = DEFAULT_OPTIONS
@@ -318,6 +355,12 @@ class GrammarService:
                     compiled.ignored = ignored
                     logger.warning("%s compiled %s with keywords not enforced: %s",
                                    backend.name, kind_of(attempt), "; ".join(ignored))
+                try:
+                    size = compiled.size_bytes()
+                except Exception:  # an estimate must not fail the request
+                    logger.exception("size of a %s grammar", backend.name)
+                    size = 0
+                self._account(attempt.key, attempt.result, size)
                 attempt.result.set_result(compiled)
                 return
             attempt.errors.append(f"{backend.name}: {_reason(error)}")

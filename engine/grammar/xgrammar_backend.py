@@ -81,9 +81,22 @@ class XGrammarCompiled(CompiledGrammar):
         del max_rollback_tokens
         return XGrammarMatcher(xgr.GrammarMatcher(self._compiled))
 
+    def size_bytes(self) -> int:
+        """xgrammar's own estimate of the grammar and its token masks (bytes)."""
+        return int(self._compiled.memory_size_bytes)
+
 
 class XGrammarBackend(BaseGrammarBackend):
-    """Compiles every kind with xgrammar's ``GrammarCompiler`` (which keeps its own cache).
+    """Compiles every kind with xgrammar's ``GrammarCompiler``.
+
+    The compiler's own cache is off: the compile service caches compiled grammars, bounded by
+    count and bytes (``service.GrammarService``); a second, unbounded copy here kept every
+    grammar ever compiled. A grammar compiled in a compile process is not shipped back
+    (``export`` is None, so the worker compiles it again): ``serialize_json`` writes 1 to 60
+    times the grammar's ``memory_size_bytes`` as JSON text (230 MiB for a 3.7 MiB grammar of
+    JSONSchemaStore's project-1.0.0-rc1 on SmolLM2's vocabulary), and serializing and reading it
+    back took GBs of transient memory and longer than the compile itself
+    (``bench/grammar_memory.py``).
 
     Args:
         tokenizer: the Hugging Face tokenizer the model samples with.
@@ -121,7 +134,8 @@ class XGrammarBackend(BaseGrammarBackend):
             vocab_size=self.vocab_size,
             stop_token_ids=stops,
         )
-        self._compiler = xgr.GrammarCompiler(self._info, max_threads=max_threads)
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=max_threads,
+                                             cache_enabled=False)
         # A structural tag may name special tokens as tokens (a tool-call marker such as
         # Mistral's [TOOL_CALLS] or DeepSeek's <｜tool▁calls▁begin｜>): xgrammar accepts no token
         # whose text is empty, so those compile against a vocabulary where exactly they have
@@ -143,18 +157,6 @@ class XGrammarBackend(BaseGrammarBackend):
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with C++ context
             raise GrammarError(_describe(kind, text, clean_backend_message(str(exc)))) from exc
         return XGrammarCompiled(compiled, self.vocab_size)
-
-    def export(self, compiled: CompiledGrammar) -> str:
-        """xgrammar's own serialization of the compiled grammar (its token masks included)."""
-        return compiled._compiled.serialize_json()  # type: ignore[attr-defined]
-
-    def restore(
-        self, kind: GrammarKind, text: str, options: CompileOptions, exported: Any
-    ) -> XGrammarCompiled:
-        """Deserialized against this process's ``TokenizerInfo`` (no compile)."""
-        del kind, text, options
-        return XGrammarCompiled(xgr.CompiledGrammar.deserialize_json(exported, self._info),
-                                self.vocab_size)
 
     def _json_options(self, options: CompileOptions) -> dict[str, Any]:
         if options.whitespace_flexible:
@@ -204,7 +206,8 @@ class XGrammarBackend(BaseGrammarBackend):
                     encoded[token_id] = self._tokenizer.decode([token_id]).encode()
                 info = xgr.TokenizerInfo(encoded, vocab_type=xgr.VocabType.RAW,
                                          vocab_size=self.vocab_size, stop_token_ids=self._stops)
-                compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
+                compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads,
+                                               cache_enabled=False)
                 self._marker_compilers[markers] = compiler
         return compiler
 

@@ -48,7 +48,7 @@ def test_a_compile_past_its_deadline_is_killed_and_remembered(tokenizer, backend
                        max_queued=1)
     pool = service.compile_pool
     try:
-        # Shipped across the process boundary: xgrammar's serialized grammar, rebuilt here.
+        # Proven in a child (it finished in time), compiled again here (xgrammar ships nothing).
         warm = service.compile("json_schema", _schema("warm"))
         assert warm.backend_name == "xgrammar" and pool.started == 1
         direct = backends["xgrammar"].compile("json_schema", _schema("warm"))
