@@ -1,5 +1,5 @@
 """The cluster spec YAML, and a 1 prefill + 1 decode launch on a local Ray instance serving a
-completion and a Responses request (skipped without Ray: ``pip install 'splitserve[ray]'``)."""
+completion, a Responses and a Messages request (skipped without Ray: ``pip install 'splitserve[ray]'``)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,14 @@ def test_launch_on_local_ray(model_path: Path) -> None:
         text = "".join(part["text"] for item in made.json()["output"]
                        for part in item.get("content", ()))
         assert "Paris" in text
+        # The Messages API (Anthropic's shape) through the same router and workers.
+        said = httpx.post(url + "/v1/messages", timeout=120, json={
+            "model": "default", "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert said.status_code == 200, said.text
+        body = said.json()
+        assert body["type"] == "message" and body["stop_reason"] in ("end_turn", "max_tokens")
+        assert "Paris" in "".join(b["text"] for b in body["content"] if b["type"] == "text")
     finally:
         if handles:
             ray.get([h.stop.remote() for h in reversed(handles)])
