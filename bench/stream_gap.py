@@ -13,6 +13,7 @@ bodies of ~3.96 MB are posted back to back (each refused with 400 from its byte 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import socket
 import statistics
@@ -82,7 +83,7 @@ def largest_gap(url: str, bodies: int, idle_s: float) -> float:
     window = [t for t in arrivals if t <= end]
     before = [t for t in window if t < begin]
     during = ([before[-1]] if before else []) + [t for t in window if t >= begin] + [end]
-    return max(b - a for a, b in zip(during, during[1:]))
+    return max(b - a for a, b in itertools.pairwise(during))
 
 
 def main() -> None:

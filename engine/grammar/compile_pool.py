@@ -302,7 +302,7 @@ def _child_main(conn: Connection, spec: BackendSpec) -> None:
             conn.send(("ok", backend.export(backend.compile(kind, text, options))))
         except GrammarError as exc:
             conn.send(("error", str(exc)))
-        except Exception as exc:  # a backend bug: the message, not the worker's crash
+        except Exception as exc:  # noqa: BLE001 -- a backend bug: its message, not a dead child
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 

@@ -322,7 +322,7 @@ class GrammarService:
             source = attempt.steps[index].source or attempt.source
             try:
                 done.set_result(backend.restore(kind, source, options, job.result()))  # type: ignore[arg-type]
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 -- handed to the request, whatever it is
                 done.set_exception(exc)
         else:
             done.set_exception(error)

@@ -10,7 +10,6 @@ while all 4 pathological ones were still compiling."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator

@@ -16,8 +16,12 @@ from concurrent.futures import wait
 import pytest
 
 from splitserve.engine.grammar import GrammarError, GrammarService
-from splitserve.engine.grammar.compile_pool import BackendSpec, CompileBusy, CompilePool
-from splitserve.engine.grammar.compile_pool import CompileTimeout  # noqa: F401 (documented type)
+from splitserve.engine.grammar.compile_pool import (
+    BackendSpec,
+    CompileBusy,
+    CompilePool,
+    CompileTimeout,  # noqa: F401 (documented type)
+)
 
 pytestmark = pytest.mark.slow  # starts compile processes (5 in the last test)
 

@@ -67,9 +67,9 @@ def test_refused_where_it_cannot_work() -> None:
     def plain(s):
         s += "Q: " + lang.gen("a", reasoning=True)
 
-    with fake_openai_server(_respond) as server:
-        with pytest.raises(lang.ProgramError, match="role program"):
-            plain.run(backend=lang.OpenAICompatible(server.url + "/v1", "m"))
+    with fake_openai_server(_respond) as server, pytest.raises(lang.ProgramError,
+                                                                match="role program"):
+        plain.run(backend=lang.OpenAICompatible(server.url + "/v1", "m"))
     with pytest.raises(lang.ProgramError, match="reasoning_content"):
         think_twice.run("x", backend=FakeBackend())
 

@@ -7,8 +7,8 @@ import typing
 
 import anthropic.types as at
 import pytest
-from anthropic.types import message_count_tokens_params, message_create_params
 from anthropic.types import beta as bt
+from anthropic.types import message_count_tokens_params, message_create_params
 from anthropic.types.beta import message_count_tokens_params as beta_count_tokens_params
 from anthropic.types.beta import message_create_params as beta_create_params
 

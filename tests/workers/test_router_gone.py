@@ -8,8 +8,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
-
 from splitserve.ipc.messages import (
     AbortTask,
     GenerateTask,
