@@ -10,6 +10,7 @@ import pytest
 
 from splitserve.launch.ray import RayClusterSpec, launch_on_ray, wait_healthy
 from tests.e2e.conftest import free_port
+from tests.faults.local_ray import local_ray
 
 SPEC = """
 model: {model}
@@ -49,36 +50,33 @@ def test_spec_takes_the_tracing_settings_of_every_process() -> None:
 
 @pytest.mark.slow
 def test_launch_on_local_ray(model_path: Path) -> None:
-    ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'ray>=2.9'")
-    # A local instance owned by this process: ray.shutdown() stops exactly what it started.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    handles = []
-    try:
-        spec = RayClusterSpec.from_yaml(SPEC.format(model=model_path, port=free_port()))
-        url, handles = launch_on_ray(None, spec)
-        wait_healthy(url, 2, timeout_s=300)
-        body = {"model": "default", "prompt": "The capital of France is", "max_tokens": 8,
-                "temperature": 0}
-        out = httpx.post(url + "/v1/completions", json=body, timeout=120)
-        assert out.status_code == 200 and "Paris" in out.json()["choices"][0]["text"]
-        # The Responses API through the same router and workers (store: false, so nothing is
-        # written to the cache folder's store).
-        made = httpx.post(url + "/v1/responses", timeout=120, json={
-            "model": "default", "input": "What is the capital of France?", "temperature": 0,
-            "max_output_tokens": 16, "store": False})
-        assert made.status_code == 200, made.text
-        text = "".join(part["text"] for item in made.json()["output"]
-                       for part in item.get("content", ()))
-        assert "Paris" in text
-        # The Messages API (Anthropic's shape) through the same router and workers.
-        said = httpx.post(url + "/v1/messages", timeout=120, json={
-            "model": "default", "max_tokens": 16, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-        assert said.status_code == 200, said.text
-        body = said.json()
-        assert body["type"] == "message" and body["stop_reason"] in ("end_turn", "max_tokens")
-        assert "Paris" in "".join(b["text"] for b in body["content"] if b["type"] == "text")
-    finally:
-        if handles:
-            ray.get([h.stop.remote() for h in reversed(handles)])
-        ray.shutdown()
+    with local_ray(num_cpus=4) as ray:
+        handles = []
+        try:
+            spec = RayClusterSpec.from_yaml(SPEC.format(model=model_path, port=free_port()))
+            url, handles = launch_on_ray(None, spec)
+            wait_healthy(url, 2, timeout_s=300)
+            body = {"model": "default", "prompt": "The capital of France is", "max_tokens": 8,
+                    "temperature": 0}
+            out = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            assert out.status_code == 200 and "Paris" in out.json()["choices"][0]["text"]
+            # The Responses API through the same router and workers (store: false, so nothing is
+            # written to the cache folder's store).
+            made = httpx.post(url + "/v1/responses", timeout=120, json={
+                "model": "default", "input": "What is the capital of France?", "temperature": 0,
+                "max_output_tokens": 16, "store": False})
+            assert made.status_code == 200, made.text
+            text = "".join(part["text"] for item in made.json()["output"]
+                           for part in item.get("content", ()))
+            assert "Paris" in text
+            # The Messages API (Anthropic's shape) through the same router and workers.
+            said = httpx.post(url + "/v1/messages", timeout=120, json={
+                "model": "default", "max_tokens": 16, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+            assert said.status_code == 200, said.text
+            body = said.json()
+            assert body["type"] == "message" and body["stop_reason"] in ("end_turn", "max_tokens")
+            assert "Paris" in "".join(b["text"] for b in body["content"] if b["type"] == "text")
+        finally:
+            if handles:
+                ray.get([h.stop.remote() for h in reversed(handles)])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.launch.ray import RayClusterSpec
+from splitserve.launch.ray import RayClusterSpec, launch_on_ray
 from splitserve.launch.ray_placement import (
     Ask,
     RayPlacementError,
@@ -19,6 +19,7 @@ from splitserve.launch.ray_placement import (
     wait_placed,
 )
 from tests.e2e.conftest import free_port
+from tests.faults.local_ray import local_ray
 
 HEAD = {"NodeID": "h", "NodeManagerAddress": "10.0.0.1", "Alive": True,
         "Resources": {"CPU": 1.0, "node:10.0.0.1": 1.0}}
@@ -97,11 +98,7 @@ def test_spec_takes_the_routers_cpus_and_a_placement_bound() -> None:
 
 @pytest.mark.slow
 def test_launch_on_ray_says_what_cannot_be_placed(model_path: Path) -> None:
-    ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'ray>=2.9'")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        from splitserve.launch.ray import launch_on_ray
-
+    with local_ray(num_cpus=2) as ray:
         too_big = RayClusterSpec.from_yaml(
             f"model: {model_path}\nrouter: {{port: {free_port()}}}\n"
             "prefill: {count: 1, num_cpus: 16}\nhost: 127.0.0.1\n")
@@ -122,5 +119,3 @@ def test_launch_on_ray_says_what_cannot_be_placed(model_path: Path) -> None:
         while ray.available_resources().get("CPU") != 2.0:  # the started ones were stopped
             assert time.monotonic() - t0 < 60, ray.available_resources()
             time.sleep(0.5)
-    finally:
-        ray.shutdown()

@@ -5,7 +5,9 @@ times its grammar, and cost GBs to write and read; ``bench/grammar_memory.py``).
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+from collections.abc import Iterator
 from typing import Any
 
 from splitserve.engine.grammar import (
@@ -50,10 +52,19 @@ class _SizedBackend(BaseGrammarBackend):
         return _SizedGrammar(int(text.split(":")[0]) * MIB)
 
 
+@contextlib.contextmanager
+def sized_service(backend: Any = None, **bounds: Any) -> Iterator[GrammarService]:
+    """A compile service over ``backend`` (a fresh sized fake by default), shut down after."""
+    service = GrammarService([backend or _SizedBackend()], **bounds)
+    try:
+        yield service
+    finally:
+        service.shutdown()
+
+
 def test_the_cache_stays_within_its_byte_bound_least_recent_first() -> None:
     backend = _SizedBackend()
-    service = GrammarService([backend], max_cache_bytes=32 * MIB)
-    try:
+    with sized_service(backend, max_cache_bytes=32 * MIB) as service:
         for n in range(20):  # 20 distinct grammars of 10 MiB: at most 3 fit
             service.compile("regex", f"10:{n}")
             if n == 1:
@@ -66,42 +77,31 @@ def test_the_cache_stays_within_its_byte_bound_least_recent_first() -> None:
         compiles = backend.compiles
         service.compile("regex", "10:19")  # a hit: no compile
         assert backend.compiles == compiles
-    finally:
-        service.shutdown()
 
 
 def test_least_recently_used_goes_first() -> None:
-    service = GrammarService([_SizedBackend()], max_cache_bytes=25 * MIB)
-    try:
+    with sized_service(max_cache_bytes=25 * MIB) as service:
         service.compile("regex", "10:a")
         service.compile("regex", "10:b")
         service.compile("regex", "10:a")  # a is now the more recent
         service.compile("regex", "10:c")
         assert service.is_cached("regex", "10:a") and not service.is_cached("regex", "10:b")
-    finally:
-        service.shutdown()
 
 
 def test_a_grammar_bigger_than_the_bound_is_served_but_not_kept() -> None:
-    service = GrammarService([_SizedBackend()], max_cache_bytes=8 * MIB)
-    try:
+    with sized_service(max_cache_bytes=8 * MIB) as service:
         service.compile("regex", "1:small")
         big = service.compile("regex", "9:big")
         assert big.size_bytes() == 9 * MIB  # its request got it
         assert not service.is_cached("regex", "9:big")
         assert service.is_cached("regex", "1:small") and service.cached_bytes() == MIB
-    finally:
-        service.shutdown()
 
 
 def test_no_byte_bound_counts_bytes_only() -> None:
-    service = GrammarService([_SizedBackend()])
-    try:
+    with sized_service() as service:
         for n in range(5):
             service.compile("regex", f"100:{n}")
         assert service.cached_bytes() == 500 * MIB and service.evicted_for_bytes == 0
-    finally:
-        service.shutdown()
 
 
 def test_xgrammar_ships_nothing_bigger_than_its_grammar(xgrammar_backend) -> None:
