@@ -210,6 +210,10 @@ class DecodePolicy:
         held.update((x.rid, x.reply_addr) for x in self.sessions if x.state is not T.FENCED)
         return held
 
+    def step_keepalives(self) -> list[tuple[str, Message]]:
+        """None: no peer waits on this worker's steps."""
+        return []
+
     def num_transferring(self) -> int:
         """Requests whose pages are reserved and whose KV is arriving."""
         return len(self.sessions.by_state(T.WAITING_FOR_PAGES))

@@ -143,6 +143,14 @@ class SendSession(BaseSession):
         if now - self.last_progress > self._ctx.timeout_s / 3:
             self._keepalive(now)
 
+    def step_keepalive(self) -> tuple[str, Message] | None:
+        """Bootstrapped and still computing: ``(the decode worker's inbox, KVKeepalive)`` for
+        the worker to repeat while one long step runs (``worker.step_keepalive``); None in
+        other states."""
+        if self.state not in (T.WAITING_FOR_TASK, T.TRANSFERRING) or self.bootstrap is None:
+            return None
+        return self.bootstrap.dst_addr, KVKeepalive(self.rid)
+
     def poll(self) -> None:
         """``DRAINING`` / ``RELEASING``: act once the backend is done with the request's pages
         (free them; answer ``KVReleased``)."""

@@ -196,6 +196,12 @@ class PrefillPolicy:
         for session in self.sessions.by_state(T.WAITING_FOR_TASK, T.TRANSFERRING):
             session.keep_alive(now)
 
+    def step_keepalives(self) -> list[tuple[str, Message]]:
+        """A ``KVKeepalive`` for each bootstrapped request still computing here."""
+        found = (s.step_keepalive() for s in self.sessions.by_state(T.WAITING_FOR_TASK,
+                                                                    T.TRANSFERRING))
+        return [m for m in found if m is not None]
+
     # ---- what the worker reports ----------------------------------------------------------------
 
     def held(self) -> dict[str, str]:

@@ -83,6 +83,10 @@ class ColocatedPolicy:
         s = self.scheduler
         return {r.rid: r.reply_addr for r in (*s.waiting, *s.running, *self.prompts.compiling())}
 
+    def step_keepalives(self) -> list[tuple[str, Message]]:
+        """None: no peer waits on this worker's steps."""
+        return []
+
     def num_transferring(self) -> int:
         """None: nothing is transferred."""
         return 0

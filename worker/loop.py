@@ -45,6 +45,7 @@ from splitserve.worker.heartbeat import Heartbeat, rejoin_router
 from splitserve.worker.parts import WorkerParts
 from splitserve.worker.role import WorkerRole
 from splitserve.worker.routers import CHECK_S, RouterWatch
+from splitserve.worker.step_keepalive import StepKeepalive
 from splitserve.worker.tracing import stamp_step
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,11 @@ class Worker:
         # KV events go to the routers this worker reports to (serve_forever sets them).
         self.event_addrs: list[str] = []
         self.kv_seq = 0
+        # The handoff's keepalives while one step runs longer than a third of the timeout
+        # (worker.step_keepalive); its thread starts with the first step that has any.
+        timeout_s = self.config.engine.transfer_timeout_s
+        self.step_keepalive = StepKeepalive(self.ctx, timeout_s / 3, 10 * timeout_s,
+                                            configure=parts.links.configure_client)
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -128,15 +134,24 @@ class Worker:
         finally:
             beat.stop()
             beat.join()
-            self.grammars.close()
-            self.adapters.close()
-            self.core.close()
-            if self.tracer is not None:
-                self.tracer.close()
-            # Backend threads (mooncake/nixl writers, nixl's progress thread) stop before the
-            # interpreter exits: a nixl thread still inside UCX at exit crashed the process.
-            self.policy.close()
-            self.parts.links.close()
+            self.close()
+
+    def close(self) -> None:
+        """Release what the worker holds, threads with sockets before the context ends: the
+        step keepalive, grammar compiles, adapter loads, the engine, the tracer, the role's
+        transfer backend, the links. (In tests: end an in-process worker with this; a worker
+        dropped in a reference cycle would end its ZeroMQ context before its sockets, which
+        blocks.)"""
+        self.step_keepalive.close()
+        self.grammars.close()
+        self.adapters.close()
+        self.core.close()
+        if self.tracer is not None:
+            self.tracer.close()
+        # Backend threads (mooncake/nixl writers, nixl's progress thread) stop before the
+        # interpreter exits: a nixl thread still inside UCX at exit crashed the process.
+        self.policy.close()
+        self.parts.links.close()
 
     def run_once(self, idle_wait_ms: int = 0) -> None:
         """One iteration: messages, compiles, ticks, routers, then one step if there is work."""
@@ -175,7 +190,11 @@ class Worker:
         """One engine step; its stage stamps (``worker.tracing.stamp_step``); its outputs to
         the policy; the traces of the requests it finished here ended."""
         start = time.time()
-        outputs = self.core.step()
+        self.step_keepalive.begin(self.policy.step_keepalives())
+        try:
+            outputs = self.core.step()
+        finally:
+            self.step_keepalive.end()
         batch = self.core.last_batch
         if batch is not None:
             tracer = self.tracer

@@ -51,6 +51,11 @@ class RolePolicy(Protocol):
     def on_tick(self, now: float) -> None:
         """Once per loop iteration: deadlines and keepalives at ``now`` (the worker's clock)."""
 
+    def step_keepalives(self) -> list[tuple[str, Message]]:
+        """``(peer inbox, message)`` to repeat while the next engine step runs, should it take
+        longer than a third of ``transfer_timeout_s`` (``worker.step_keepalive``): a prefill
+        worker's ``KVKeepalive`` for each request a decode worker waits for; none elsewhere."""
+
     def held(self) -> dict[str, str]:
         """``rid -> reply_addr`` of every request held here for a router (queued, compiling,
         running, in a KV handoff that still answers to it)."""

@@ -6,6 +6,7 @@ segments are gone afterwards."""
 from __future__ import annotations
 
 import importlib.util
+import threading
 import time
 from pathlib import Path
 
@@ -219,3 +220,65 @@ def test_nixl_over_tcp_equals_colocated(ctx, model_path, colocated_tokens, monke
     assert tokens(got) == colocated_tokens
     assert decode.receiver.metrics.pages_received == -(-len(PROMPT) // 16)
     _drain_and_close(server, prefill, decode)
+
+
+def test_a_step_longer_than_the_timeout_keeps_the_transfer(ctx, model_path,
+                                                           colocated_tokens) -> None:
+    """One prefill step outlasts the decode worker's transfer timeout (its fake clock moves two
+    timeouts while the step is held): the prefill worker's keepalives go out during the step
+    (``worker.step_keepalive``), so the transfer lives on and the tokens equal colocated. Before,
+    keepalives went out only between steps and such a request failed with a 504."""
+    server = Inbox(ctx, free_tcp_addr())
+    prefill = make_worker(model_path, "prefill", server.addr, "zmq")
+    decode = make_worker(model_path, "decode", server.addr, "zmq", transfer_timeout_s=1.0)
+    clock = FakeClock(decode.now())
+    decode.clock = clock
+    prefill.step_keepalive.interval_s = 0.02  # wall clock: the thread's
+    t = task(server, None)
+    decode.dispatch(msgspec.structs.replace(t, prefill_addr=prefill.config.addr), [])
+    while decode.sessions.get("r1").state is not TransferState.WAITING_FOR_PAGES:
+        decode.run_once(idle_wait_ms=2)  # pages reserved, bootstrap sent
+    held, release = threading.Event(), threading.Event()
+    step = prefill.core.step
+
+    def held_step():
+        s = prefill.sessions.get("r1")
+        if s is not None and s.state is TransferState.TRANSFERRING and not held.is_set():
+            held.set()
+            release.wait(120)
+        return step()
+
+    prefill.core.step = held_step
+    prefill.dispatch(t, [])
+
+    def run_prefill() -> None:
+        while not held.is_set() and not release.is_set():
+            prefill.run_once(idle_wait_ms=2)
+
+    runner = threading.Thread(target=run_prefill, daemon=True)
+    runner.start()
+    try:
+        assert held.wait(60), "no step ran with the transfer bootstrapped"
+        session = decode.sessions.get("r1")
+        for _ in range(4):  # 2 s on the decode worker's clock, twice its timeout
+            clock.advance(0.5)
+            deadline = time.monotonic() + 20
+            while session.deadline < clock.t + 1.0 and time.monotonic() < deadline:
+                decode.run_once(idle_wait_ms=5)  # until a keepalive restarted the deadline
+            assert decode.sessions.get("r1") is session, "the transfer timed out mid-step"
+            assert session.deadline >= clock.t + 1.0, "no keepalive during the step"
+        release.set()
+        runner.join(60)
+        got = run_until([prefill, decode], server, finished)
+        assert not any(isinstance(m, RequestError) for m in got), got
+        assert tokens(got) == colocated_tokens
+        assert prefill.step_keepalive.num_sent >= 4
+        run_until([prefill, decode], server,
+                  lambda _: not prefill.sessions.by_state(TransferState.DRAINING), timeout_s=10)
+        assert prefill.pool.allocator.num_used == 0 and decode.pool.allocator.num_used == 0
+    finally:
+        release.set()
+        runner.join(60)
+        prefill.core.step = step
+        prefill.close()
+        decode.close()
