@@ -2,12 +2,14 @@
 
 :func:`stream_text` owns the request's life in the engine: it detokenizes incrementally
 (``server.detokenizer``), applies the stop strings (``server.stop_strings``), records on the job
-what came back (ids, logprobs, usage), and whenever the stream stops before the engine finished
-(a stop string, a client gone, an error here) it aborts the request on the workers.
+what came back (ids, logprobs, usage, the grammar the workers report they compiled), and
+whenever the stream stops before the engine finished (a stop string, a client gone, an error
+here) it aborts the request on the workers.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,8 @@ from splitserve.server.engine_client import BaseEngineClient, TokenEvent
 from splitserve.server.errors import APIError
 from splitserve.server.job import Job
 from splitserve.server.stop_strings import StopStringMatcher
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -75,6 +79,9 @@ async def stream_text(client: BaseEngineClient, tokenizer: Any, job: Job) -> Asy
                 share.ready.set()  # the prompt is in the worker's cache: the siblings go
             if ev.error is not None:
                 engine_done = True
+                if ev.retry_after_s is not None and job.on_refused is not None and (
+                        job.leads_prompt and not job.output_ids):
+                    job.on_refused()  # the router's queue refused it: it never ran
                 raise event_error(ev)
             start = len(job.output_ids)
             record(job, ev)
@@ -131,6 +138,20 @@ def record(job: Job, ev: TokenEvent) -> None:
         job.prompt_logprobs = ev.prompt_logprobs
     if ev.prompt_top_ids is not None:
         job.prompt_top_ids, job.prompt_top_logprobs = ev.prompt_top_ids, ev.prompt_top_logprobs
+    if ev.grammar_backend:
+        record_grammar(job, ev.grammar_backend, ev.grammar_ignored)
+
+
+def record_grammar(job: Job, backend: str, ignored: list[str]) -> None:
+    """A worker reported the grammar compile it samples ``job`` under: ``backend`` replaces an
+    earlier report's (the decode worker's comes after the prefill worker's and constrains every
+    token but the first); ``ignored`` (``"keyword at /pointer"``) adds to the earlier ones (the
+    output was held to a keyword only where every reporter enforced it)."""
+    if job.grammar_backend and job.grammar_backend != backend:
+        logger.warning("request %s: grammar compiled by %s on one worker, %s on the next",
+                       job.rid, job.grammar_backend, backend)
+    job.grammar_backend = backend
+    job.grammar_ignored = list(dict.fromkeys([*job.grammar_ignored, *ignored]))
 
 
 async def aclose(iterator: AsyncIterator[Any]) -> None:

@@ -68,6 +68,11 @@ class Job:
     output_top_logprobs: list[list[float]] = field(default_factory=list)
     prompt_top_ids: list[list[int]] | None = None
     prompt_top_logprobs: list[list[float]] | None = None
+    # The grammar the workers report they compiled (``TokenEvent.grammar_backend``): the last
+    # reporter's backend (disaggregated: the decode worker's, which constrains every token but
+    # the first) and the keywords any reporter's backend ignores; "" until a report came.
+    grammar_backend: str = ""
+    grammar_ignored: list[str] = field(default_factory=list)
     # Tenancy (set by ``server.tenancy`` after the job is built): the tenant (its API key's
     # name; None: shared), whose fair share of the workers the job waits for when they are
     # busy; the prefix-cache namespace the engine matches in (None: the shared one); what to
@@ -76,6 +81,9 @@ class Job:
     tenant: str | None = None
     cache_namespace: str | None = None
     on_tokens: Callable[[int], None] | None = None
+    # Called when the router's full queue refused the job (429) before it ran: the rate limiter
+    # gives back what its admission took (once per prompt: only the job leading it calls it).
+    on_refused: Callable[[], None] | None = None
     on_done: Callable[[Job], None] | None = None
     # The answer's choices (``server.choices``): this job's ``choices[].index``, and, for ``n``
     # > 1, the prompt it shares with its siblings (None: it is its prompt's only choice).

@@ -185,7 +185,8 @@ class Tenancy:
         """Set ``job.tenant`` and ``job.cache_namespace``; take the request and its prompt
         tokens from the tenant's buckets, and charge its generated tokens as they are produced
         (``job.on_tokens``, per event), so a long answer's tokens count against its tenant's
-        next requests while it still streams, not only once it ends.
+        next requests while it still streams, not only once it ends. A request the router's
+        full queue then refuses gets its admission back (``job.on_refused``).
 
         Raises:
             APIError: 429 (``rate_limit_exceeded``, with ``Retry-After``) when a limit is reached.
@@ -203,4 +204,6 @@ class Tenancy:
                 status_code=429, type="rate_limit_error", code="rate_limit_exceeded",
                 headers={"Retry-After": refusal.retry_after_header})
         job.on_tokens = lambda count: limiter.charge(tenant, count)
+        prompt_len = len(job.input_ids)
+        job.on_refused = lambda: limiter.refund(tenant, prompt_len)
         return job

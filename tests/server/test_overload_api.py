@@ -61,6 +61,31 @@ def test_full_queue_is_429_in_anthropics_shape(overloaded, stream) -> None:
     assert check_anthropic_error(429, r.text)["message"] == FULL
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/messages",
+                                  "/v1/responses"])
+def test_a_queue_refusal_gives_the_rate_limit_back(tokenizer, path) -> None:
+    """The rate limiter admits a request (one of 1 request/s, its prompt of 40 tokens/s), then
+    the router's full queue refuses it: it never ran, so its admission is given back and the
+    tenant's retries keep getting the queue's 429, not its own rate limit's. The clock never
+    moves: without the refund the second request is ``rate_limit_exceeded``."""
+    fake = FakeEngineClient(tokenizer, tokenizer.eos_token_id)
+    fake.error, fake.error_retry_after_s = (FULL, 429), 2.4
+    limiter = RateLimiter(requests_per_s=1, tokens_per_s=40, clock=lambda: 100.0)
+    app = create_app(fake, tokenizer, "m", 2048, [tokenizer.eos_token_id],
+                     tenancy=Tenancy(limiter))
+    client = TestClient(app)
+    body = {"model": "m", "max_tokens": 4, "stream": False}
+    body.update({"/v1/completions": {"prompt": "hi"}, "/v1/responses": {"input": "hi",
+                 "max_output_tokens": 16, "store": False}}.get(path, {"messages": USER}))
+    if path == "/v1/responses":
+        del body["max_tokens"]
+    for _ in range(3):
+        r = client.post(path, json=body)
+        assert r.status_code == 429, r.text
+        assert FULL in r.text and "rate limit of" not in r.text
+    assert limiter._requests[None].level == 1.0
+
+
 def test_requests_reach_the_engine_under_their_tenant(tokenizer, tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("sk-a alice 3\nsk-b bob\n")

@@ -75,3 +75,14 @@ def test_unlimited_and_bad_rates() -> None:
     assert all(rl.admit("a", 10**6) is None for _ in range(100))
     with pytest.raises(ValueError):
         RateLimiter(requests_per_s=-1)
+
+
+def test_refund_gives_back_an_admission_up_to_capacity() -> None:
+    clock = Clock()
+    rl = RateLimiter(requests_per_s=1, tokens_per_s=10, clock=clock)
+    assert rl.admit("a", 30) is None  # tokens now -20, requests 0
+    rl.refund("a", 30)
+    assert rl._requests["a"].level == 1.0 and rl._tokens["a"].level == 10.0
+    rl.refund("a", 30)  # never above one second's worth
+    assert rl._requests["a"].level == 1.0 and rl._tokens["a"].level == 10.0
+    assert rl.admit("a", 1) is None
