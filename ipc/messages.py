@@ -327,6 +327,12 @@ class TokenOutput(msgspec.Struct, kw_only=True):
     # The worker's stage stamps: on the first output (index 0) and on the last (finish_reason
     # set), None on the others.
     stamps: StageStamps | None = None
+    # On the first output a worker sends for a constrained request (the prefill or colocated
+    # worker's: index 0; the decode worker's: its first own): the grammar backend whose compile
+    # it uses and the schema keywords that backend ignores (``"keyword at /pointer"``); ""/[]
+    # on the others and for free text. The API server's partial header and violation label.
+    grammar_backend: str = ""
+    grammar_ignored: list[str] = []
 
 
 class TokenBatch(msgspec.Struct, tag="tokens"):

@@ -3,7 +3,8 @@
 as the spec has it) before it reaches the client.
 
 A violation means a backend let through what it should have refused: it is logged with the
-schema's hash, counted in ``splitserve_constraint_violations_total{backend}``, and under
+schema's hash, counted in ``splitserve_constraint_violations_total{backend}`` (the backend the
+workers report they compiled it with, ``messages.TokenOutput.grammar_backend``), and under
 ``strict`` the request fails (500, ``constraint_violation``) instead of answering a
 valid-looking 200. Outputs cut by ``max_tokens`` are not finished, so they are not checked.
 A reasoning model's output is checked after its thinking, where its grammar starts
@@ -37,13 +38,22 @@ def schema_hash(text: str) -> str:
 
 
 def partial_header(job: Job) -> dict[str, str]:
-    """Returns: ``{PARTIAL_HEADER: "partial; ignored=..."}`` when no backend enforces the whole
-    of ``job``'s non-strict schema (the keywords its backend ignores, ``keyword@/pointer``,
-    comma-separated), else ``{}``."""
+    """The partial-constraint header of ``job``'s ``json_schema`` answer.
+
+    What the workers reported they compiled (``Job.grammar_backend``, ``Job.grammar_ignored``:
+    recorded with the first token), when a report came; before one (a header that must go out
+    before the first token, a worker that predates the report) the plan's prediction
+    (``constraint_plan(...).best_partial()``).
+
+    Returns:
+        ``{PARTIAL_HEADER: "partial; ignored=..."}`` (the ignored keywords, ``keyword@/pointer``,
+        comma-separated) when some keyword is not enforced, else ``{}``.
+    """
     constraint = job.sampling.constraint
     if constraint is None or constraint.kind != "json_schema":
         return {}
-    ignored = constraint_plan(constraint).best_partial()
+    ignored = (job.grammar_ignored if job.grammar_backend else
+               constraint_plan(constraint).best_partial())
     if not ignored:
         return {}
     names = ",".join(item.replace(" at ", "@") for item in ignored)
@@ -114,17 +124,24 @@ async def _validated(
         await pieces.aclose()  # type: ignore[attr-defined]
 
 
-def _check(job: Job, constraint: Any, problem: str | None, violations: Any | None) -> None:
-    if problem is None:
-        return
-    plan = constraint_plan(constraint)
-    # The backend the plan expects to compile it: the first sound step, or, for a partial plan,
-    # the step whose ignored keywords the response header named (the worker does not report
-    # which backend compiled, so a sound step that failed to compile is not told apart).
+def violating_backend(job: Job) -> str:
+    """The backend a violation of ``job``'s schema is counted under: the one the workers
+    reported compiling it (``Job.grammar_backend``); without a report, the one the plan
+    expects (the first sound step, or for a partial plan the step that ignores keywords;
+    "none" when the plan has no step)."""
+    if job.grammar_backend:
+        return job.grammar_backend
+    plan = constraint_plan(job.sampling.constraint)
     partial = next((step for step in plan.steps if step.ignored), None)
     chosen = partial if not plan.sound and partial is not None else (
         plan.steps[0] if plan.steps else None)
-    backend = chosen.backend if chosen is not None else "none"
+    return chosen.backend if chosen is not None else "none"
+
+
+def _check(job: Job, constraint: Any, problem: str | None, violations: Any | None) -> None:
+    if problem is None:
+        return
+    backend = violating_backend(job)
     logger.error("constraint violation: request %s, schema %s, backend %s: %s",
                  job.rid, schema_hash(constraint.text), backend, problem)
     if violations is not None:

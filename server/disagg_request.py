@@ -416,7 +416,8 @@ def _event(o: TokenOutput) -> TokenEvent:
                       prompt_logprobs=o.prompt_logprobs,
                       top_ids=o.top_ids, top_logprobs=o.top_logprobs,
                       prompt_top_ids=o.prompt_top_ids, prompt_top_logprobs=o.prompt_top_logprobs,
-                      stamps=o.stamps)
+                      stamps=o.stamps, grammar_backend=o.grammar_backend,
+                      grammar_ignored=o.grammar_ignored)
 
 
 def _record(timing: Any, ev: TokenEvent) -> None:

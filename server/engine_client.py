@@ -42,6 +42,10 @@ class TokenEvent:
     stamps: Any = None
     # On a refusal for overload (429): seconds until a retry likely gets in (``Retry-After``).
     retry_after_s: float | None = None
+    # A worker's report of the grammar compile it uses (``messages.TokenOutput``): on the first
+    # event of each worker that samples a constrained request; "" / [] on the others.
+    grammar_backend: str = ""
+    grammar_ignored: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -36,7 +36,8 @@ class FakeEngineClient(BaseEngineClient):
     seed, to tell choices apart). The ``affinity`` of each request is recorded (``affinities``),
     and its LoRA adapter (``loras``). Adapter loads succeed for a folder with an
     ``adapter_config.json`` (recorded in ``loaded_loras``) and fail as a worker's would
-    otherwise.
+    otherwise. ``grammar_report``: ``(backend, ignored keywords)`` its first event reports as
+    the grammar compile a worker used (None: no report, as for free text).
     """
 
     def __init__(
@@ -61,6 +62,7 @@ class FakeEngineClient(BaseEngineClient):
         self.error_after_events = 0
         self.error_retry_after_s: float | None = None  # the error event's (an overload's 429)
         self.stall_after_events: int | None = None
+        self.grammar_report: tuple[str, list[str]] | None = None
         # Set: every request's first event waits until it is set (a slow prefill, for tests
         # that must see what a stream does meanwhile); a threading.Event, the test's thread sets it.
         self.hold_first: threading.Event | None = None
@@ -145,12 +147,16 @@ class FakeEngineClient(BaseEngineClient):
                     done = True
                     with self._recording():
                         self.finished.add(rid)
+                backend, ignored = (self.grammar_report if num_events == 0 and
+                                    self.grammar_report is not None else ("", []))
                 yield TokenEvent(
                     ids,
                     [0.0] * len(ids),
                     finish_reason=finish,
                     prompt_len=len(input_ids),
                     cached_len=cached_len,
+                    grammar_backend=backend,
+                    grammar_ignored=list(ignored),
                 )
         finally:
             if not done:  # closed early: what the real client does on aclose

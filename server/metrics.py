@@ -90,7 +90,8 @@ class ServerMetrics:
         # A finished json_schema output that jsonschema refuses (server.constraint_check).
         self.constraint_violations = Counter(
             "splitserve_constraint_violations", "Finished json_schema outputs that broke their "
-            "schema, by the grammar backend the chain chose", ["backend"], registry=r)
+            "schema, by the grammar backend the worker reported compiling it", ["backend"],
+            registry=r)
         # The timing breakdown's stages (observe.timing), per finished request.
         self.stage = Histogram("splitserve_request_stage_seconds", "Time of each request stage "
                                "(server, queue, prefill, transfer, decode, deliver), finished "

@@ -135,18 +135,20 @@ def create_app(
                         request.url.path, len(job.input_ids), request.state.request_id)
         # stream_text runs inside the watched work: a disconnect cancels it there, and its
         # finally aborts the request on the workers.
-        headers = partial_header(batch[0])  # every choice has the same constraint
         if stream:
             sse = await unless_disconnected(
                 request,
                 lambda: streaming_response(batch, [pieces(job) for job in batch], speller),
             )
-            if sse is not None:  # the lead's first piece is in: its prompt was matched
-                sse.headers.update({**headers, **cache_header(summed_usage(batch))})
+            if sse is not None:  # the lead's first piece is in: its prompt was matched, and
+                # its worker reported the grammar it compiled (every choice has the same one)
+                sse.headers.update({**partial_header(batch[0]),
+                                    **cache_header(summed_usage(batch))})
             return client_gone() if sse is None else sse
         body = await unless_disconnected(request, lambda: _run_all(batch))
         if body is None:
             return client_gone()
+        headers = partial_header(batch[0])  # the lead's workers' report
         timing = batch[0].timing
         if timing is not None and timing.wanted:  # the lead choice's breakdown
             end = time.time()

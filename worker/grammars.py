@@ -141,6 +141,8 @@ class WorkerGrammars:
             req.grammar = RequestGrammar(
                 matcher, self.vocab_size, self.stop_token_ids, self._encode
             )
+            if compiled is not None:  # what this worker compiled, for its first output
+                req.grammar_report = (compiled.backend_name, tuple(compiled.ignored))
             done.append(CompileDone(req))
         return done
 

@@ -12,8 +12,14 @@ from splitserve.ipc.messages import TokenOutput
 
 def token_output(req: Req, index: int) -> TokenOutput:
     """``req``'s output tokens from output position ``index`` to the end, with their logprobs
-    and alternatives; the first output (``index`` 0) also carries the prompt's logprobs."""
+    and alternatives; the first output (``index`` 0) also carries the prompt's logprobs.
+
+    The first output made here for ``req`` after its grammar compiled also carries which
+    backend compiled it and what that backend ignores (``Req.grammar_report``, cleared: each
+    worker reports its own compile once), so make one only to send it."""
     wants_prompt_top = req.sampling.wants_prompt_logprobs and req.sampling.top_logprobs > 0
+    report, req.grammar_report = req.grammar_report, None
+    backend, ignored = report if report is not None else ("", ())
     return TokenOutput(
         rid=req.rid,
         index=index,
@@ -33,6 +39,8 @@ def token_output(req: Req, index: int) -> TokenOutput:
         prompt_top_logprobs=req.prompt_top_logprobs if index == 0 and wants_prompt_top else None,
         # The stage stamps go with the first and the last output (observe.timing).
         stamps=req.stamps if index == 0 or req.finish_reason is not None else None,
+        grammar_backend=backend,
+        grammar_ignored=list(ignored),
     )
 
 

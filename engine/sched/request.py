@@ -60,6 +60,9 @@ class Req:
     prompt_top_ids: list[list[int]] = field(default_factory=list)
     prompt_top_logprobs: list[list[float]] = field(default_factory=list)
     grammar: RequestGrammar | None = None  # set once its constraint compiled (None: free text)
+    # (backend, ignored keywords) of the compile ``grammar`` came from, until this worker's first
+    # output for the request reports it (``worker.outputs.token_output``); None: nothing to report.
+    grammar_report: tuple[str, tuple[str, ...]] | None = None
     uid: int = field(default_factory=lambda: next(_uids))  # keys per-sequence engine caches
     ngrams: NgramIndex | None = None  # speculative drafts' index, made at its first decode step
     lora_slot: int | None = None  # its adapter's slot while admitted (engine.lora.slots)
