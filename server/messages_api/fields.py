@@ -36,7 +36,8 @@ MESSAGES_FIELDS: dict[str, FieldRule] = {
         "model_context_window_exceeded`", minimum=0),
     "messages": implemented("`user`, `assistant` and `system` turns of content blocks; a final "
                             "`assistant` turn is continued (prefill); see the sub-fields"),
-    "system": implemented("a string or text blocks (joined), the first system message"),
+    "system": implemented("a string or text blocks (joined), the first system message; Claude "
+                          "Code's `x-anthropic-billing-header: ...` block is dropped"),
     "stop_sequences": implemented("strings that end the answer; `stop_reason: stop_sequence` "
                                   "and `stop_sequence` name the one matched"),
     "stream": implemented("server-sent events in Anthropic's order, with `ping`"),

@@ -9,11 +9,15 @@ models here ignore what they do not read. A content block is one of the block mo
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from splitserve.server.protocol import TOOL_NAME_PATTERN
+
+BILLING_HEADER = "x-anthropic-billing-header:"
+_BILLING_LINE = re.compile(r"\A" + re.escape(BILLING_HEADER) + r"[^\n]*(\n|\Z)")
 
 
 class _Model(BaseModel):
@@ -137,10 +141,24 @@ class CountTokensRequest(_Model):
 
     @property
     def system_text(self) -> str | None:
-        """The system prompt's text (blocks joined), or None."""
-        if self.system is None or isinstance(self.system, str):
-            return self.system
-        return "".join(block.text for block in self.system)
+        """The system prompt's text (blocks joined), or None.
+
+        Claude Code puts an ``x-anthropic-billing-header: cc_version=...;`` line first in the
+        system prompt (a text block of its own), with a suffix that changes with the
+        conversation's first message. It is addressed to Anthropic's API, not to the model, and
+        left in, it would start every new conversation's prompt with different tokens, so that
+        the rest of the system prompt and the tools (about 18,000 tokens) could never come from
+        the prefix cache. Such a block (or such a first line of a string) is dropped; a system
+        prompt that held nothing else is no system prompt."""
+        if self.system is None:
+            return None
+        if isinstance(self.system, str):
+            text = _BILLING_LINE.sub("", self.system, count=1)
+            return text if text or not self.system else None
+        blocks = [b.text for b in self.system if not b.text.startswith(BILLING_HEADER)]
+        if self.system and not blocks:
+            return None
+        return "".join(blocks)
 
 
 class MessagesRequest(CountTokensRequest):

@@ -330,3 +330,41 @@ def test_claude_codes_thinking_and_context_management_are_served(tokenizer) -> N
     r = client.post(M + "/count_tokens", json={"model": MODEL, "messages": USER, **{
         k: v for k, v in fields.items() if k != "output_config"}})
     assert r.status_code == 200 and r.json()["input_tokens"] > 0, r.text
+
+
+def test_claude_code_billing_header_block_is_not_prompt(tokenizer) -> None:
+    """Claude Code's first system block is ``x-anthropic-billing-header: ...`` with a suffix
+    that changes with the conversation's first message: it never reaches the prompt, so two
+    conversations with the same system prompt and tools share that prefix in the cache."""
+    client, fake = _app(tokenizer)
+
+    def system(suffix: str) -> list[dict]:
+        return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{suffix};"
+                 " cc_entrypoint=sdk-cli;"},
+                {"type": "text", "text": "You are a coding agent.",
+                 "cache_control": {"type": "ephemeral"}}]
+
+    first = _post(client, system=system("6c5"))
+    _, ids, _ = fake.requests[-1]
+    prompt = tokenizer.decode(ids)
+    assert "You are a coding agent." in prompt and "billing" not in prompt
+    second = _post(client, system=system("3bb"),
+                   messages=[{"role": "user", "content": "Weather in Rome?"}])
+    _, ids2, _ = fake.requests[-1]
+    shared = next(i for i, (a, b) in enumerate(zip(ids, ids2)) if a != b)
+    assert "You are a coding agent." in tokenizer.decode(ids[:shared])  # system prompt shared
+    assert first["usage"]["cache_read_input_tokens"] == 0
+    assert second["usage"]["cache_read_input_tokens"] == shared
+    plain = _post(client, system="You are a coding agent.")
+    assert fake.requests[-1][1] == ids  # as if the header block were not there
+    assert plain["usage"]["cache_read_input_tokens"] == len(ids)
+    # The same line first in a string system prompt; a prompt that held only it is none.
+    _post(client, system="x-anthropic-billing-header: cc_version=1;\nYou are a coding agent.")
+    assert fake.requests[-1][1] == ids
+    r = client.post("/v1/messages/count_tokens",
+                    json={"model": MODEL, "messages": USER, "system": system("abc")})
+    assert r.json() == {"input_tokens": len(ids)}
+    _post(client, system=[system("6c5")[0]])
+    bare = fake.requests[-1][1]
+    _post(client)
+    assert fake.requests[-1][1] == bare
