@@ -59,16 +59,17 @@ def install_messages_routes(app: FastAPI, jobs: JobBuilder, tenancy: Tenancy,
         job = tenancy.apply(request.scope, job, None)
         logger.info("request %s: %s, %d prompt tokens, X-Request-Id %s", job.rid,
                     request.url.path, len(job.input_ids), request.state.request_id)
-        headers = partial_header(job)
         if req.stream:
             sse = await unless_disconnected(
                 request, lambda: streaming_message(job, answer, pieces(job)))
             if sse is None:
                 return client_gone()
-            sse.headers.update(headers)
+            # The worker's report when the first piece came within FIRST_PIECE_WAIT_S; a
+            # stream that started without it says what the plan predicts.
+            sse.headers.update(partial_header(job))
             return sse
         body = await unless_disconnected(request, lambda: full_message(job, answer, pieces(job)))
-        return client_gone() if body is None else JSONResponse(body, headers=headers)
+        return client_gone() if body is None else JSONResponse(body, headers=partial_header(job))
 
     @app.post(MESSAGES_PATH + "/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
