@@ -66,12 +66,17 @@ class BackgroundRuns:
 
     async def cancel(self, tenant: str, response_id: str) -> bool:
         """Cancel ``tenant``'s running response and wait until it is stored as cancelled;
-        False when none of that id runs here."""
+        False when none of that id runs here. A response whose answer is already whole
+        (``completed`` or ``incomplete``: only its store write is left) is not cancelled: this
+        waits for it to be stored as it is, as OpenAI answers a cancel of a finished response
+        with the response. (No await between the check and ``Task.cancel``: a run still
+        generating cannot finish in between.)"""
         entry = self._runs.get((tenant, response_id))
         if entry is None:
             return False
-        task, _ = entry
-        task.cancel()
+        task, run = entry
+        if run.status not in ("completed", "incomplete"):
+            task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return True
 

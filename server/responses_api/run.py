@@ -5,12 +5,18 @@ numbered events and the final response object.
 The same run serves the three ways a response is answered: streamed (:func:`sse_events`: the
 events as server-sent events, an error after the start as an ``error`` event and
 ``response.failed``), as one JSON body, and in the background (:meth:`ResponseRun.complete`).
-The stream starts only once the first piece is in, so an error before any token is still a
-plain HTTP error with its status, as on chat.
+The stream starts once the first piece is in, so an error before any token is still a plain
+HTTP error with its status, as on chat; but it waits at most :data:`FIRST_PIECE_WAIT_S`: a
+first piece that takes longer (an agent's long prompt prefilled on a CPU) starts the stream
+with ``response.created`` and ``response.in_progress``, and an SSE comment (``: keepalive``,
+which SSE clients skip) goes out every :data:`KEEPALIVE_S` until it comes, so a client's idle
+timeout (Codex: 300 s) does not end a healthy request. An error while waiting is then an
+``error`` event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -27,6 +33,10 @@ from splitserve.server.responses_api.translate import FunctionNames
 from splitserve.server.token_text import TokenSpeller
 
 logger = logging.getLogger(__name__)
+
+FIRST_PIECE_WAIT_S = 5.0  # the stream waits this long for the first piece, then starts without
+KEEPALIVE_S = 10.0  # while the first piece is still coming, an SSE comment this often
+KEEPALIVE = None  # what :meth:`ResponseRun.events` yields for one (no event: nothing numbered)
 
 
 class ReasoningSplit(Protocol):
@@ -92,19 +102,35 @@ class ResponseRun:
         self._seq += 1
         return event
 
-    async def events(self, pieces: AsyncIterator[Piece]) -> AsyncIterator[Event]:
+    async def events(self, pieces: AsyncIterator[Piece]) -> AsyncIterator[Event | None]:
         """The numbered events of the whole response, ``response.created`` first (once the
-        first piece is in) and ``response.completed`` (or ``.incomplete``) last. Closing the
-        iterator closes ``pieces``, which aborts the request on the workers.
+        first piece is in, or :data:`FIRST_PIECE_WAIT_S` passed) and ``response.completed``
+        (or ``.incomplete``) last; :data:`KEEPALIVE` (None) every :data:`KEEPALIVE_S` between
+        a ``response.created`` sent early and the first piece. Closing the iterator closes
+        ``pieces``, which aborts the request on the workers.
 
         Raises:
             APIError: the worker failed the request (before or after the first event), or
                 ``on_done`` did.
         """
         async with contextlib.aclosing(pieces):  # type: ignore[type-var]
-            piece = await anext(pieces, None)
-            for kind in ("response.created", "response.in_progress"):
-                yield self.numbered({"type": kind, "response": self.body("in_progress")})
+            first = asyncio.ensure_future(anext(pieces, None))
+            try:
+                started = bool((await asyncio.wait({first}, timeout=FIRST_PIECE_WAIT_S))[0])
+                if not started:  # a slow first piece: start now, keep the stream alive
+                    for event in self._start_events():
+                        yield event
+                    while not (await asyncio.wait({first}, timeout=KEEPALIVE_S))[0]:
+                        yield KEEPALIVE
+                piece = first.result()
+            finally:  # a generator cannot be closed while the task still runs it
+                if not first.done():
+                    first.cancel()
+                    with contextlib.suppress(BaseException):
+                        await first
+            if started:
+                for event in self._start_events():
+                    yield event
             finish = "stop"
             while piece is not None:
                 for event in self._piece_events(piece):
@@ -123,6 +149,11 @@ class ResponseRun:
         if self.on_done is not None:
             await self.on_done(body)
         yield self.numbered({"type": f"response.{self.status}", "response": body})
+
+    def _start_events(self) -> list[Event]:
+        """``response.created`` and ``response.in_progress``, numbered."""
+        return [self.numbered({"type": kind, "response": self.body("in_progress")})
+                for kind in ("response.created", "response.in_progress")]
 
     async def complete(self, pieces: AsyncIterator[Piece]) -> dict[str, Any]:
         """Run to the end without streaming; the final response object.
@@ -165,7 +196,7 @@ async def sse_events(run: ResponseRun, pieces: AsyncIterator[Piece]) -> AsyncIte
         try:
             async for event in events:
                 started = True
-                yield encode(event)
+                yield ": keepalive\n\n" if event is KEEPALIVE else encode(event)
         except APIError as err:
             if not started:
                 raise
