@@ -37,7 +37,8 @@ def answer_parts(job: Job, text: str, engine_reason: str) -> AnswerParts:
         reasoning, text = job.reasoning.split(text)
     if job.tool_format is None:
         return AnswerParts(reasoning, text, None, engine_reason)
-    text, calls = parse_tool_calls(text, job.tool_format, functions=job.tool_functions)
+    text, calls = parse_tool_calls(text, job.tool_format, functions=job.tool_functions,
+                                   cut=engine_reason == "length")
     return AnswerParts(reasoning, text, [c.as_openai() for c in calls],
                        finish_reason(engine_reason, bool(calls)))
 
@@ -59,14 +60,14 @@ class AnswerStream:
         reasoning, content = self.reasoning.feed(text)
         return self._reasoning(reasoning) + self._content(content)
 
-    def finish(self) -> list[dict[str, Any]]:
-        """Deltas for what was held back at the end."""
+    def finish(self, cut: bool = False) -> list[dict[str, Any]]:
+        """Deltas for what was held back at the end (``cut``: ``max_tokens`` ended it)."""
         out: list[dict[str, Any]] = []
         if self.reasoning is not None:
             reasoning, content = self.reasoning.finish()
             out = self._reasoning(reasoning) + self._content(content)
         if self.tools is not None:
-            out += self.tools.finish()
+            out += self.tools.finish(cut)
         return out
 
     def finish_reason(self, engine_reason: str) -> str:

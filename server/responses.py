@@ -238,7 +238,7 @@ async def _choice_chunks(job: Job, first: Piece | None, pieces: AsyncIterator[Pi
                 held = _join_logprobs(held, chunk_logprobs.of(piece))
                 deltas = parts.feed(piece.text)
                 if piece.finish_reason:
-                    deltas += parts.finish()
+                    deltas += parts.finish(cut=piece.finish_reason == "length")
                 for delta in deltas:
                     yield encode_event(fmt.chunk(
                         delta.get("content"), index=index, usage=usage, logprobs=held,

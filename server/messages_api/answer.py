@@ -123,7 +123,7 @@ async def full_message(job: Job, answer: Answer, pieces: AsyncIterator[Piece]) -
             last = piece
     if not answer.warm_only:
         events += blocks.feed(*split.finish())
-    events += blocks.finish()
+    events += blocks.finish(cut=last.finish_reason == "length")
     reason = stop_reason(answer, job, last, blocks.made_calls)
     stop_sequence = last.stop_string if reason == "stop_sequence" else None
     return message(answer, gather_blocks(events), reason, stop_sequence, usage(job, answer))
@@ -184,7 +184,7 @@ async def _events(job: Job, answer: Answer, first: asyncio.Future[Piece],
     finally:
         await _close(first, pieces)
     tail = blocks.feed(*split.finish()) if not answer.warm_only else []
-    for event in tail + blocks.finish():
+    for event in tail + blocks.finish(cut=last.finish_reason == "length"):
         yield encode(event)
     reason = stop_reason(answer, job, last, blocks.made_calls)
     stop_sequence = last.stop_string if reason == "stop_sequence" else None

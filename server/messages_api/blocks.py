@@ -61,11 +61,12 @@ class BlockStream:
                     self._tool_event(ev, events)
         return events
 
-    def finish(self) -> list[dict[str, Any]]:
-        """The events of what the parser held back, and the last block's stop."""
+    def finish(self, cut: bool = False) -> list[dict[str, Any]]:
+        """The events of what the parser held back (``cut``: ``max_tokens`` ended the answer;
+        a call's cut-off start is dropped), and the last block's stop."""
         events: list[dict[str, Any]] = []
         if self.calls is not None:
-            for ev in self.calls.finish():
+            for ev in self.calls.finish(cut):
                 self._tool_event(ev, events)
         self._close(events)
         return events

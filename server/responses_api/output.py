@@ -96,7 +96,7 @@ class OutputBuilder:
         item at all gets an empty message, so ``output`` always says what was answered."""
         events: list[Event] = []
         if self._calls is not None:
-            for ev in self._calls.finish():
+            for ev in self._calls.finish(cut=truncated):
                 events += self._tool_event(ev)
         if not self.items and self._open is None:
             events += self._start("message")

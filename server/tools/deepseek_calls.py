@@ -116,7 +116,7 @@ class DeepSeekCallParser(MarkupCallParser):
 
     def _finish_call(self, events: list[ToolEvent]) -> None:
         if self._in_block == 0:
-            self._give_back(events)
+            super()._finish_call(events)
             return
         self._buf = ""  # cut inside a call: its arguments stay as far as they came
         self._to_text()

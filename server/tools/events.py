@@ -43,10 +43,12 @@ class BaseToolCallParser(ABC):
         """Events for ``text`` (appended to what came before)."""
 
     @abstractmethod
-    def finish(self) -> list[ToolEvent]:
+    def finish(self, cut: bool = False) -> list[ToolEvent]:
         """Events for what is still held at the end of the answer: markup whose call never got
-        its name is content; a call cut off in its arguments stays a call (its arguments
-        truncated, as OpenAI's are at ``finish_reason: length``)."""
+        its name is content when the answer ended by itself (a model writing text that looks
+        like a marker), and dropped when ``cut`` (``max_tokens`` ended the answer inside the
+        start of a call: no markup reaches content); a call cut off in its arguments stays a
+        call (its arguments truncated, as OpenAI's are at ``finish_reason: length``)."""
 
 
 def merge_events(events: list[ToolEvent]) -> list[ToolEvent]:

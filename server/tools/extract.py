@@ -80,15 +80,20 @@ class ToolCallExtractor(BaseToolCallParser):
             pass
         return _merge(events)
 
-    def finish(self) -> list[ToolEvent]:
+    def finish(self, cut: bool = False) -> list[ToolEvent]:
         """Events for what is still held at the end of the answer. An envelope whose name never
-        completed is given back as content; a call cut off in its arguments stays a call (its
-        arguments truncated, as OpenAI's are at ``finish_reason: length``)."""
+        completed, or a marker's first characters, are given back as content, or dropped when
+        ``cut`` (the start of a call ``max_tokens`` cut off); a call cut off in its arguments
+        stays a call (its arguments truncated, as OpenAI's are at ``finish_reason: length``)."""
         events: list[ToolEvent] = []
         if self._state in (_State.LIST_OPEN, _State.HEADER):
-            self._give_back(events)
+            if cut:
+                self._state, self._start, self._buf = _State.TEXT, "", ""
+            else:
+                self._give_back(events)
         if self._state is _State.TEXT:
-            self._emit_text(self._buf, events)
+            held = _partial_suffix(self._buf, self._triggers) if cut else 0
+            self._emit_text(self._buf[: len(self._buf) - held], events)
             if not self.calls:  # trailing whitespace is content only in an answer with no call
                 events.append(ToolEvent(content=self._gap))
         self._buf, self._gap = "", ""

@@ -38,6 +38,7 @@ class MarkupCallParser(BaseToolCallParser):
         self._gap = ""  # whitespace / separators held in text
         self._start = ""  # the markup so far of a call whose name is not complete yet
         self._in_text = True
+        self._cut = False  # finish(cut=True): the answer was cut, held markup is dropped
 
     # ---- the subclass's part -------------------------------------------------------------------
 
@@ -52,8 +53,12 @@ class MarkupCallParser(BaseToolCallParser):
 
     def _finish_call(self, events: list[ToolEvent]) -> None:
         """The answer ended inside a call's markup (default: before its name was complete, so
-        it is given back as text)."""
-        self._give_back(events)
+        it is given back as text, or dropped when the answer was cut: :meth:`finish`)."""
+        if self._cut:
+            self._to_text()
+            self._buf = ""
+        else:
+            self._give_back(events)
 
     # ---- BaseToolCallParser --------------------------------------------------------------------
 
@@ -64,13 +69,15 @@ class MarkupCallParser(BaseToolCallParser):
             pass
         return merge_events(events)
 
-    def finish(self) -> list[ToolEvent]:
+    def finish(self, cut: bool = False) -> list[ToolEvent]:
+        self._cut = cut
         events: list[ToolEvent] = []
         while not self._in_text:
             self._finish_call(events)
             while self._step(events):
                 pass
-        self._emit_text(self._buf, events)
+        held = partial_suffix(self._buf, self._triggers) if cut else 0  # a cut marker's start
+        self._emit_text(self._buf[: len(self._buf) - held], events)
         if not self.calls:  # trailing whitespace is content only in an answer with no call
             events.append(ToolEvent(content=self._gap))
         self._buf, self._gap = "", ""

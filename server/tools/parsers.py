@@ -49,9 +49,10 @@ def create_parser(fmt: ToolCallFormat, functions: dict[str, dict[str, Any]] | No
 def parse_tool_calls(text: str, fmt: ToolCallFormat,
                      call_ids: Callable[[], str] | None = None,
                      functions: dict[str, dict[str, Any]] | None = None,
-                     ) -> tuple[str, list[ToolCall]]:
-    """The whole answer's ``(content, calls)``, exactly what streaming it would deliver."""
+                     cut: bool = False) -> tuple[str, list[ToolCall]]:
+    """The whole answer's ``(content, calls)``, exactly what streaming it would deliver
+    (``cut``: ``max_tokens`` ended it, see ``BaseToolCallParser.finish``)."""
     parser = create_parser(fmt, functions, call_ids)
-    events = parser.feed(text) + parser.finish()
+    events = parser.feed(text) + parser.finish(cut)
     content = "".join(e.content for e in events if e.content is not None)
     return content, parser.calls

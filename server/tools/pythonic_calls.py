@@ -103,7 +103,7 @@ class PythonicCallParser(MarkupCallParser):
 
     def _finish_call(self, events: list[ToolEvent]) -> None:
         if self._in_list == 0:
-            self._give_back(events)
+            super()._finish_call(events)  # given back, or dropped when the answer was cut
         else:
             self._buf = ""  # cut inside the list: the calls made stay
             self._to_text()

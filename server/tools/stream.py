@@ -28,9 +28,10 @@ class ToolCallStream:
         """Deltas for the next piece of text."""
         return [_delta(e) for e in self.extractor.feed(text)] if text else []
 
-    def finish(self) -> list[dict[str, Any]]:
-        """Deltas for what was held back at the end."""
-        return [_delta(e) for e in self.extractor.finish()]
+    def finish(self, cut: bool = False) -> list[dict[str, Any]]:
+        """Deltas for what was held back at the end (``cut``: ``max_tokens`` ended the answer;
+        a call's cut-off start is dropped)."""
+        return [_delta(e) for e in self.extractor.finish(cut)]
 
     def finish_reason(self, engine_reason: str) -> str:
         """``tool_calls`` for an answer with calls that ended by itself, else the engine's."""

@@ -157,7 +157,7 @@ class XmlCallParser(MarkupCallParser):
 
     def _finish_call(self, events: list[ToolEvent]) -> None:
         if self._state in ("open", "name"):
-            self._give_back(events)
+            super()._finish_call(events)
             return
         self._buf = ""  # cut inside the call: its arguments stay as far as they came
         self._to_text()

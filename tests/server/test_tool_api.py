@@ -215,3 +215,37 @@ def test_server_reads_the_family_format_from_config(model_path, tmp_path) -> Non
     for arch, expected in (("Qwen2ForCausalLM", "hermes"), ("Phi3ForCausalLM", None)):
         (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": [arch]}))
         assert read_model_facts(str(tmp_path))[2] == expected, arch
+
+
+CUT_REPLY = CALL_REPLY + '\n<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+
+
+@pytest.mark.parametrize("cut_at", ['\n<', '\n<tool_call>\n{"na', '\n<tool_call>\n{"name": "get'])
+def test_a_call_cut_by_max_tokens_leaks_no_markup_on_any_endpoint(tokenizer, cut_at) -> None:
+    """``max_tokens`` ends the answer inside the start of a second call (its marker, or before
+    its name is complete): the first call is whole, and no markup reaches the text of chat
+    (whole and streamed), Messages or Responses."""
+    reply = CALL_REPLY + cut_at
+    client, _ = _app(tokenizer, reply=reply + " and more")
+    limit = len(tokenizer.encode(reply, add_special_tokens=False))
+    assert tokenizer.decode(tokenizer.encode(reply, add_special_tokens=False)) == reply
+    whole = _post(client, tools=[WEATHER], max_tokens=limit)["choices"][0]
+    assert whole["finish_reason"] == "length" and "<" not in (whole["message"]["content"] or "")
+    assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather"]
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": USER, "stream": True,
+                                                  "tools": [WEATHER], "max_tokens": limit})
+    chunks = [e for e in iter_events(r.text.splitlines()) if e != "[DONE]"]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert "<" not in text
+    anthropic_tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    r = client.post("/v1/messages", json={"model": MODEL, "max_tokens": limit, "messages": USER,
+                                          "tools": [anthropic_tool]})
+    blocks = r.json()["content"]
+    assert [b["type"] for b in blocks] == ["text", "tool_use"], blocks
+    assert r.json()["stop_reason"] == "max_tokens" and "<" not in blocks[0]["text"]
+    r = client.post("/v1/responses", json={"model": MODEL, "input": "Weather in Paris?",
+                                           "max_output_tokens": max(limit, 16), "store": False,
+                                           "tools": [{"type": "function", **WEATHER["function"]}]})
+    items = r.json()["output"]
+    texts = [p["text"] for i in items if i["type"] == "message" for p in i["content"]]
+    assert "function_call" in [i["type"] for i in items] and not any("<" in t for t in texts)

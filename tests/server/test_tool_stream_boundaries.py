@@ -139,3 +139,21 @@ def test_thinking_first_at_every_split(fmt, text: str, content: str, calls: list
         assert got_content == content
         assert [(n, json.loads(a)) for n, a in got_calls] == calls
         assert stream.finish_reason("stop") == "tool_calls"
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL, QWEN3_CODER, PYTHONIC,
+                                 DEEPSEEK_V3], ids=lambda f: f.name)
+def test_an_answer_cut_anywhere_by_max_tokens_leaks_no_markup(fmt) -> None:
+    """``max_tokens`` may end an answer anywhere inside its calls: cut at every position of two
+    rendered calls, the content is empty (the start of a call whose name never came is
+    dropped, never given out as text), the calls made so far keep their names in order, and
+    streamed equals whole."""
+    full = fmt.render_calls(CALLS)
+    for p in range(len(full) + 1):
+        text = full[:p]
+        content, calls = parse_tool_calls(text, fmt, functions=FUNCTIONS, cut=True)
+        assert content.strip() == "", (text, content)
+        assert [c.name for c in calls] == [name for name, _ in CALLS][:len(calls)], text
+        stream = ToolCallStream(fmt, FUNCTIONS)
+        deltas = stream.feed(text) + stream.finish(cut=True)
+        assert _gather(deltas) == (content, [(c.name, c.arguments) for c in calls]), text
