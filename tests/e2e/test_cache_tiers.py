@@ -195,9 +195,6 @@ def shared_store(model_path: Path, small_disk: Path) -> Iterator[Cluster]:
         yield cluster
 
 
-@pytest.mark.xfail(strict=False, reason="open: on a loaded 2-core machine the second prefill "
-                   "worker's read of the other's segment took ~19 s for 6 blocks and the request "
-                   "hit the 30 s KV transfer timeout (504); not yet explained")
 class TestSharedStore:
     """Two prefill workers (round robin), one decode worker, a local mooncake_master and a
     small disk: the store shares a prefix; then the master is killed."""
