@@ -21,6 +21,10 @@ Quick run (a few minutes on two cores)::
 
     python bench/agent_sessions.py --sessions 6 --turns 3
 
+The defaults give a working set of only ~2× the pool; the README's run (4.3×, ~15 minutes)::
+
+    python bench/agent_sessions.py --sessions 11 --turns 12 --pool-mb 160
+
 ``--json FILE`` writes the figures.
 """
 
