@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from pydantic_core import from_json
 
+from splitserve.server.constraint_check import partial_header
 from splitserve.server.disconnect import SSEResponse, client_gone, unless_disconnected
 from splitserve.server.errors import APIError, from_validation_errors
 from splitserve.server.generation import Piece
@@ -104,7 +105,8 @@ def install_responses_routes(app: FastAPI, jobs: JobBuilder, tenancy: Tenancy,
         if req.stream:
             return await _streamed(request, run, pieces(job))
         body = await unless_disconnected(request, lambda: run.complete(pieces(job)))
-        return client_gone() if body is None else JSONResponse(body)
+        # The workers' report of the grammar they compiled (recorded with the first token).
+        return client_gone() if body is None else JSONResponse(body, headers=partial_header(job))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(request: Request, response_id: str) -> dict[str, Any]:
@@ -254,7 +256,11 @@ async def _streamed(request: Request, run: ResponseRun, pieces: AsyncIterator[Pi
         async for event in events:
             yield event
 
-    return SSEResponse(body())
+    sse = SSEResponse(body())
+    # The worker's report when the first piece came before the first event; a stream that
+    # started without it (after FIRST_PIECE_WAIT_S) says what the plan predicts.
+    sse.headers.update(partial_header(run.job))
+    return sse
 
 
 async def _stored(store: AsyncResponseStore, tenant: str, response_id: str) -> StoredResponse:

@@ -85,3 +85,22 @@ def test_the_decode_workers_report_follows_the_prefill_workers(tokenizer) -> Non
     record_grammar(job, "xgrammar", ["uniqueItems at /"])
     assert partial_header(job) == {"x-splitserve-constraint": "partial; ignored=uniqueItems@/"}
     assert violating_backend(job) == "xgrammar"
+
+
+def _respond(client: TestClient, schema: dict, stream: bool):
+    body = {"model": MODEL, "input": "hi", "stream": stream, "store": False,
+            "text": {"format": {"type": "json_schema", "name": "t", "schema": schema}}}
+    r = client.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    return r
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_carry_the_reported_header(tokenizer, stream: bool) -> None:
+    """``/v1/responses`` sends the same header as chat, from the same report."""
+    client, metrics = _app(tokenizer, '{"n": 12}', ("outlines", ["maximum at /properties/n"]))
+    r = _respond(client, SOUND, stream)
+    assert r.headers["x-splitserve-constraint"] == "partial; ignored=maximum@/properties/n"
+    assert _violations(metrics, "outlines") == 1
+    client, _ = _app(tokenizer, "[1, 2]", ("llguidance", []))
+    assert "x-splitserve-constraint" not in _respond(client, UNIQUE, stream).headers
