@@ -1,17 +1,21 @@
 """What the HTTP API tests on the fake engine share (tests/server, with the fixtures in
 tests/server/conftest.py): the served model's name and context, a chat prompt, the two paths,
-a patient timeout, SSE parsing, and an app served for real on a free port."""
+a patient timeout, SSE parsing, an app served for real on a free port, and an app whose first
+token is held (a slow prefill)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
+from splitserve.server.fake_client import FakeEngineClient
 from splitserve.server.main import create_server
+from splitserve.server.routes import create_app
 from splitserve.server.sse import iter_events
 
 MODEL = "smol-test"
@@ -58,3 +62,29 @@ def streamed_text(events: list[dict | str], is_chat: bool) -> str:
             choice = ev["choices"][0]
             out += (choice["delta"].get("content") or "") if is_chat else choice["text"]
     return out
+
+
+@contextlib.contextmanager
+def held_first_app(tokenizer: Any, reply: str) -> Iterator[tuple[FakeEngineClient, Any]]:
+    """An app on the fake engine whose first event waits for ``fake.hold_first`` (a prefill
+    that takes minutes, without the minutes); yields ``(fake, app)`` and releases the event
+    at exit, so nothing stays blocked after a failing test."""
+    fake = FakeEngineClient(tokenizer, eos_token_id=tokenizer.eos_token_id, reply=reply)
+    fake.hold_first = threading.Event()
+    try:
+        yield fake, create_app(fake, tokenizer, MODEL, 2048, [tokenizer.eos_token_id])
+    finally:
+        fake.hold_first.set()
+
+
+def sse_blocks(lines: Iterable[str]) -> Iterator[tuple[str | None, Any]]:
+    """A live stream's SSE blocks as they are read: ``("comment", line)`` for a comment, else
+    ``(event name or None, data as JSON)``."""
+    name = None
+    for line in lines:
+        if line.startswith(":"):
+            yield "comment", line
+        elif line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            yield name, json.loads(line[len("data: "):])

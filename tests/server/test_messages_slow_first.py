@@ -6,19 +6,13 @@ first event held until the test has seen the pings."""
 
 from __future__ import annotations
 
-import json
-import threading
-
 import httpx
 import pytest
 
-from splitserve.server.fake_client import FakeEngineClient
 from splitserve.server.messages_api import answer
 from splitserve.server.messages_api.errors import error_body
-from splitserve.server.routes import create_app
-from tests.http_api import served
+from tests.http_api import MODEL, held_first_app, served, sse_blocks
 
-MODEL = "smol-test"
 BODY = {"model": MODEL, "max_tokens": 16, "stream": True,
         "messages": [{"role": "user", "content": "Say hi."}]}
 
@@ -27,17 +21,12 @@ BODY = {"model": MODEL, "max_tokens": 16, "stream": True,
 def fake_app(tokenizer, monkeypatch):
     monkeypatch.setattr(answer, "FIRST_PIECE_WAIT_S", 0.0)
     monkeypatch.setattr(answer, "PING_S", 0.02)
-    fake = FakeEngineClient(tokenizer, eos_token_id=tokenizer.eos_token_id, reply="Hello there.")
-    fake.hold_first = threading.Event()
-    app = create_app(fake, tokenizer, MODEL, 2048, [tokenizer.eos_token_id])
-    yield fake, app
-    fake.hold_first.set()
+    with held_first_app(tokenizer, "Hello there.") as fake_and_app:
+        yield fake_and_app
 
 
 def _events(lines):
-    for line in lines:
-        if line.startswith("data: "):
-            yield json.loads(line[len("data: "):])
+    return (data for _, data in sse_blocks(lines))
 
 
 def test_stream_starts_and_pings_while_the_first_token_is_slow(fake_app) -> None:

@@ -6,20 +6,16 @@ events are read as they are sent; the slow prefill is the fake engine's first ev
 
 from __future__ import annotations
 
-import json
 import threading
 
 import httpx
 import openai
 import pytest
 
-from splitserve.server.fake_client import FakeEngineClient
 from splitserve.server.responses_api import routes as responses_routes
 from splitserve.server.responses_api import run
-from splitserve.server.routes import create_app
-from tests.http_api import served
+from tests.http_api import MODEL, held_first_app, served, sse_blocks
 
-MODEL = "smol-test"
 BODY = {"model": MODEL, "input": "Say hi.", "max_output_tokens": 16, "stream": True,
         "store": False}
 
@@ -28,23 +24,8 @@ BODY = {"model": MODEL, "input": "Say hi.", "max_output_tokens": 16, "stream": T
 def fake_app(tokenizer, monkeypatch):
     monkeypatch.setattr(run, "FIRST_PIECE_WAIT_S", 0.0)
     monkeypatch.setattr(run, "KEEPALIVE_S", 0.02)
-    fake = FakeEngineClient(tokenizer, eos_token_id=tokenizer.eos_token_id, reply="Hello there.")
-    fake.hold_first = threading.Event()
-    app = create_app(fake, tokenizer, MODEL, 2048, [tokenizer.eos_token_id])
-    yield fake, app
-    fake.hold_first.set()
-
-
-def _blocks(lines):
-    """Each SSE block: ``("comment", text)`` or ``(event name, data as JSON)``."""
-    name = None
-    for line in lines:
-        if line.startswith(":"):
-            yield "comment", line
-        elif line.startswith("event: "):
-            name = line[len("event: "):]
-        elif line.startswith("data: "):
-            yield name, json.loads(line[len("data: "):])
+    with held_first_app(tokenizer, "Hello there.") as fake_and_app:
+        yield fake_and_app
 
 
 def test_stream_starts_and_keeps_alive_while_the_first_token_is_slow(fake_app) -> None:
@@ -52,7 +33,7 @@ def test_stream_starts_and_keeps_alive_while_the_first_token_is_slow(fake_app) -
     with served(app) as url, httpx.stream("POST", url + "/v1/responses", json=BODY,
                                           timeout=60) as r:
         assert r.status_code == 200
-        blocks = _blocks(r.iter_lines())
+        blocks = sse_blocks(r.iter_lines())
         seen = [next(blocks)[0] for _ in range(5)]
         assert seen == ["response.created", "response.in_progress", "comment", "comment",
                         "comment"]
@@ -73,7 +54,7 @@ def test_an_error_while_waiting_is_an_error_event_and_a_fast_one_a_status(
     with served(app) as url:
         with httpx.stream("POST", url + "/v1/responses", json=BODY, timeout=60) as r:
             assert r.status_code == 200  # the stream had started before the error
-            blocks = _blocks(r.iter_lines())
+            blocks = sse_blocks(r.iter_lines())
             assert next(blocks)[0] == "response.created"
             fake.hold_first.set()
             last = [name for name, _ in blocks if name != "comment"]
@@ -88,7 +69,7 @@ def test_a_client_leaving_while_waiting_aborts_the_request(fake_app) -> None:
     fake, app = fake_app
     with served(app) as url:
         with httpx.stream("POST", url + "/v1/responses", json=BODY, timeout=60) as r:
-            blocks = _blocks(r.iter_lines())
+            blocks = sse_blocks(r.iter_lines())
             assert next(blocks)[0] == "response.created"
             assert next(blocks)[0] == "response.in_progress"
         assert fake.wait_until(lambda: len(fake.aborted) == 1, timeout_s=30), fake.aborted
