@@ -66,7 +66,7 @@ class StepKeepalive:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None  # None: none running
         self._step = 0  # counts the steps begun; the thread repeats the latest one's messages
-        self._messages: list[tuple[str, bytes]] = []  # empty: no step to keep alive
+        self._messages: list[tuple[str, Message]] = []  # empty: no step to keep alive
         self._started_at = 0.0
         self._closed = False
         self.num_sent = 0  # messages sent
@@ -88,7 +88,7 @@ class StepKeepalive:
             if self._closed:
                 return
             self._step += 1
-            self._messages = [(addr, encode(msg)) for addr, msg in messages]
+            self._messages = messages  # encoded only if the step outlasts interval_s
             self._started_at = self.clock()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="step-keepalive",
@@ -151,10 +151,10 @@ class StepKeepalive:
                 self.num_past_limit += 1
             due += self.interval_s
 
-    def _send(self, socks: dict[str, zmq.Socket], messages: list[tuple[str, bytes]]) -> None:
+    def _send(self, socks: dict[str, zmq.Socket], messages: list[tuple[str, Message]]) -> None:
         """Under the lock, so that :meth:`end` returns only once no send of the step is on the
         way. Never blocks: a peer that is not reading just misses a keepalive."""
-        for addr, payload in messages:
+        for addr, msg in messages:
             sock = socks.get(addr)
             if sock is None:
                 sock = socks[addr] = self.ctx.socket(zmq.PUSH)
@@ -164,7 +164,7 @@ class StepKeepalive:
                     self.configure(sock)
                 sock.connect(addr)
             try:
-                sock.send(payload, zmq.NOBLOCK)
+                sock.send(encode(msg), zmq.NOBLOCK)
                 self.num_sent += 1
             except zmq.ZMQError as exc:  # the peer's own deadline covers it
                 logger.warning("keepalive to %s during a step not sent: %s", addr, exc)
