@@ -235,6 +235,8 @@ SERVER_FLAGS = (
     Flag("--max-queued-per-worker", "server.max_queued_per_worker", "requests that may wait "
          "at the router per worker (lane) for a free slot; past it, 429 + Retry-After "
          "(0: none wait)"),
+    Flag("--max-queue-wait", "server.max_queue_wait_s", "seconds a request may wait at the "
+         "router for a slot; past it, 429 + Retry-After (0: no limit)"),
     Flag("--no-fair-queueing", "server.fair_queueing", "serve waiting requests first come, "
          "first served instead of tenant by tenant (deficit round robin by API key)",
          const=False),

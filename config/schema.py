@@ -237,6 +237,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # at the router, at most max_queued_per_worker per lane, then 429 + Retry-After.
     max_inflight_per_worker: int = 256
     max_queued_per_worker: int = 256
+    # Seconds a request may wait at the router for a slot; past it, 429 + Retry-After
+    # (0: no limit; it waits until admitted or its client leaves).
+    max_queue_wait_s: float = 600.0
     # Waiting requests are served tenant by tenant (API key), deficit round robin weighted by
     # the key file's weights (server.fair_queue); False: first come, first served.
     fair_queueing: bool = True
@@ -286,6 +289,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.max_queued_per_worker < 0:
             raise ValueError(f"max_queued_per_worker must be >= 0, not "
                              f"{self.max_queued_per_worker}")
+        if not self.max_queue_wait_s >= 0:
+            raise ValueError(f"max_queue_wait_s must be >= 0, not {self.max_queue_wait_s}")
         if self.prepare_threads < 1:
             raise ValueError(f"prepare_threads must be at least 1, not {self.prepare_threads}")
         for field in ("rate_limit_rps", "rate_limit_tps"):

@@ -9,7 +9,9 @@ API key), so a tenant's burst waits behind its own requests, not in front of eve
 with less waiting (for its weight) than the heaviest takes the place of that tenant's newest
 waiting request (longest queue drop, ``FairQueue.heaviest``), which is refused; otherwise the
 arriving request is. A refused request is answered 429 with ``Retry-After``
-(:attr:`Overload.retry_after_s`).
+(:attr:`Overload.retry_after_s`). A request that waits past the router's deadline
+(``--max-queue-wait``) is refused the same way (:meth:`AdmissionGate.expire`); the client's
+timer calls it.
 
 Events in, actions out: :meth:`AdmissionGate.enter` and :meth:`AdmissionGate.leave` are the
 events, the ``wake`` callback each ticket carries is the action (the ZeroMQ client resolves a
@@ -77,7 +79,8 @@ class AdmissionGate:
         self.hold_s = 0.0  # running mean of how long a request holds its slot (0: none yet)
         self.num_admitted = 0
         self.num_queued = 0  # admitted after waiting
-        self.num_refused = 0
+        self.num_refused = 0  # refused at arrival or pushed out of the full queue
+        self.num_expired = 0  # refused after waiting past the deadline
 
     @property
     def waiting(self) -> int:
@@ -125,6 +128,22 @@ class AdmissionGate:
         held = self.clock() - ticket.admitted_s
         self.hold_s = held if not self.hold_s else (1 - HOLD_EWMA) * self.hold_s + HOLD_EWMA * held
         self.dispatch()
+
+    def expire(self, ticket: Ticket, limit_s: float) -> Overload | None:
+        """``ticket`` has waited ``limit_s`` seconds (the router's ``--max-queue-wait``): it
+        leaves the queue and this returns the refusal to answer it with (429, ``Retry-After``
+        as for a full queue). None, and nothing changes, if it is no longer waiting (admitted
+        or gone in the meantime)."""
+        if ticket.admitted or ticket.left:
+            return None
+        self.leave(ticket)
+        self.num_expired += 1
+        waited = self.clock() - ticket.entered_s
+        slots = self.slots()
+        wait = self.retry_after_s(slots)
+        return Overload(f"server overloaded: waited {waited:.1f} s for one of {slots} slots "
+                        f"(limit {limit_s:g} s, --max-queue-wait) with {len(self.queue)} "
+                        f"others waiting; retry after {wait:.0f} s", wait)
 
     def dispatch(self) -> list[Ticket]:
         """Admit waiting tickets while slots are free (all of them when ``slots()`` is 0: no

@@ -75,6 +75,7 @@ def run_api_server(
         dead_after_s=s.dead_after_s,
         max_inflight_per_worker=s.max_inflight_per_worker, curve=curve, metrics=metrics,
         max_queued_per_worker=s.max_queued_per_worker, fair_queueing=s.fair_queueing,
+        max_queue_wait_s=s.max_queue_wait_s,
         tenant_weights=keys.weights() if keys is not None else None,
     )
     metrics.attach(client.pool)

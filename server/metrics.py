@@ -160,6 +160,9 @@ class _GateCollector:
                                   "for a slot", value=g.num_queued)
         yield CounterMetricFamily("splitserve_router_queue_refused", "Requests refused with 429 "
                                   "because the router's queue was full", value=g.num_refused)
+        yield CounterMetricFamily("splitserve_router_queue_expired", "Requests refused with 429 "
+                                  "after waiting --max-queue-wait for a slot",
+                                  value=g.num_expired)
 
 
 _GAUGES = {

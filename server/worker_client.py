@@ -43,7 +43,7 @@ from splitserve.ipc.messages import (
     decode,
     encode,
 )
-from splitserve.server.admission import AdmissionGate, Overload, lanes
+from splitserve.server.admission import AdmissionGate, Overload, Ticket, lanes
 from splitserve.server.disagg_request import DisaggRequest, RequestTable
 from splitserve.server.engine_client import BaseEngineClient, PromptAffinity, TokenEvent
 from splitserve.server.errors import APIError
@@ -68,7 +68,8 @@ class ZmqEngineClient(BaseEngineClient):
     requests running per worker lane (``server.admission.lanes``); past it new ones wait, at
     most ``max_queued_per_worker`` per lane (then 429 + Retry-After), served tenant by tenant
     in deficit round robin weighted by ``tenant_weights`` (tenant -> weight, default 1;
-    ``fair_queueing`` False: first come, first served). ``curve``: optional
+    ``fair_queueing`` False: first come, first served); one that waits ``max_queue_wait_s``
+    seconds (0: no limit) gets the same 429. ``curve``: optional
     :class:`splitserve.ipc.security.CurveKeys` for authenticated, encrypted worker links.
     ``metrics``: optional ``ServerMetrics``."""
 
@@ -86,6 +87,7 @@ class ZmqEngineClient(BaseEngineClient):
         max_queued_per_worker: int = 256,
         fair_queueing: bool = True,
         tenant_weights: dict[str | None, float] | None = None,
+        max_queue_wait_s: float = 0.0,
     ) -> None:
         self.inbox_addr = inbox_addr
         self.ctx = zmq.asyncio.Context()
@@ -106,6 +108,7 @@ class ZmqEngineClient(BaseEngineClient):
             for addr in addrs:
                 self.pool.connect(role, addr)
         self.max_inflight_per_worker = max_inflight_per_worker
+        self.max_queue_wait_s = max_queue_wait_s
         weights = dict(tenant_weights or {})
         self.gate = AdmissionGate(
             lambda: max_inflight_per_worker * lanes(self.pool.workers),
@@ -168,7 +171,8 @@ class ZmqEngineClient(BaseEngineClient):
         free); its slot is given back with its last event (a reader need not close a
         finished stream), or when the stream is closed before. A full queue yields the one
         429 event that refuses it, with ``retry_after_s`` (at once, or after waiting when a
-        lighter tenant's request takes its place)."""
+        lighter tenant's request takes its place), as does a wait past
+        ``max_queue_wait_s``."""
         woken = asyncio.get_running_loop().create_future()
         ticket = self.gate.enter(tenant, lambda: woken.done() or woken.set_result(None))
         if isinstance(ticket, Overload):
@@ -177,7 +181,10 @@ class ZmqEngineClient(BaseEngineClient):
             return
         try:
             if not ticket.admitted:
-                await woken
+                expired = await self._wait_admitted(ticket, woken)
+                if expired is not None:
+                    yield _overloaded(expired)
+                    return
             if ticket.refusal is not None:  # pushed out of the full queue by a lighter tenant
                 yield _overloaded(ticket.refusal)
                 return
@@ -188,6 +195,19 @@ class ZmqEngineClient(BaseEngineClient):
         finally:
             self.gate.leave(ticket)
             await events.aclose()
+
+    async def _wait_admitted(self, ticket: Ticket, woken: asyncio.Future) -> Overload | None:
+        """Wait until the gate wakes ``ticket`` (admitted or pushed out), at most
+        ``max_queue_wait_s`` (0: no limit); past it, the ticket leaves the queue and this
+        returns its refusal (None when woken in time)."""
+        if not self.max_queue_wait_s:
+            await woken
+            return None
+        try:
+            await asyncio.wait_for(asyncio.shield(woken), self.max_queue_wait_s)
+        except TimeoutError:
+            return self.gate.expire(ticket, self.max_queue_wait_s)  # None: woken meanwhile
+        return None
 
     async def _sending_under(self, adapter: str,
                              events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:

@@ -130,6 +130,26 @@ def test_leaving_while_waiting_gives_the_place_back_and_leave_is_idempotent() ->
     assert woken == ["C0"] and stays.admitted and gate.in_use == 1
 
 
+def test_a_request_waiting_past_the_deadline_is_refused_once() -> None:
+    clock = Clock()
+    gate = gate_with(slots=1, waiting=10, clock=clock)
+    woken: list[str] = []
+    running = enter(gate, "A", "A0", woken)
+    late = enter(gate, "B", "B0", woken)
+    keeps = enter(gate, "C", "C0", woken)
+    clock.now += 30.0
+    refusal = gate.expire(late, 30.0)
+    assert isinstance(refusal, Overload) and refusal.retry_after_s >= 1.0
+    assert refusal.message.startswith("server overloaded: waited 30.0 s for one of 1 slots "
+                                      "(limit 30 s, --max-queue-wait)"), refusal.message
+    assert gate.waiting == 1 and gate.num_expired == 1 and gate.num_refused == 0
+    assert gate.expire(late, 30.0) is None and gate.num_expired == 1  # once only
+    assert gate.expire(running, 30.0) is None  # running: not waiting, nothing changes
+    gate.leave(running)
+    assert woken == ["C0"] and keeps.admitted and not late.admitted
+    assert gate.expire(keeps, 30.0) is None and gate.in_use == 1  # admitted in the meantime
+
+
 def test_no_worker_left_lets_everyone_through_to_their_503() -> None:
     gate = gate_with(slots=1, waiting=10)
     woken: list[str] = []
@@ -158,13 +178,15 @@ def test_metrics_read_the_gate() -> None:
     gate = gate_with(slots=1, waiting=1)
     woken: list[str] = []
     enter(gate, "A", "A0", woken)
-    enter(gate, "A", "A1", woken)
+    waiting = enter(gate, "A", "A1", woken)
     assert isinstance(gate.enter("B", lambda: None), Overload)
+    assert isinstance(gate.expire(waiting, 1.0), Overload)
     metrics = ServerMetrics()
     metrics.attach_gate(gate)
     text = generate_latest(metrics.registry).decode()
-    for line in ("splitserve_router_slots_in_use 1.0", "splitserve_router_queue_waiting 1.0",
-                 "splitserve_router_queued_total 0.0", "splitserve_router_queue_refused_total 1.0"):
+    for line in ("splitserve_router_slots_in_use 1.0", "splitserve_router_queue_waiting 0.0",
+                 "splitserve_router_queued_total 0.0", "splitserve_router_queue_refused_total 1.0",
+                 "splitserve_router_queue_expired_total 1.0"):
         assert line in text, text
 
 
@@ -263,3 +285,52 @@ def test_client_answers_429_to_a_waiting_request_pushed_out(tmp_path) -> None:
             await client.close()
 
     asyncio.run(main())
+
+
+def test_client_refuses_a_request_that_waits_past_max_queue_wait(tmp_path) -> None:
+    """``max_queue_wait_s``: a request still waiting for a slot when it runs out is answered
+    429 (never started, its place given back); one admitted before it runs out is not
+    touched. The deadline is the only timer; the assertions wait on the events it ends."""
+    from splitserve.server.worker_client import ZmqEngineClient
+
+    async def main() -> None:
+        client = ZmqEngineClient(f"ipc://{tmp_path}/inbox", max_queue_wait_s=0.05)
+        client.gate = AdmissionGate(lambda: 1, lambda: 4)
+        started: list[str] = []
+
+        async def inner(name: str):
+            started.append(name)
+            yield TokenEvent([1], [0.0], "stop")
+
+        try:
+            running = client.gate.enter("A", lambda: None)  # holds the only slot
+            late = client._admitted("B", inner("late"))
+            refused = await late.__anext__()
+            assert refused.error_code == 429 and "--max-queue-wait" in refused.error
+            assert refused.retry_after_s >= 1.0 and started == []
+            assert client.gate.waiting == 0 and client.gate.num_expired == 1
+            await late.aclose()
+            client.max_queue_wait_s = 30.0
+            on_time = client._admitted("C", inner("on_time"))
+            event = asyncio.ensure_future(on_time.__anext__())
+            for _ in range(100):  # event-loop turns, no time passes
+                if client.gate.waiting:
+                    break
+                await asyncio.sleep(0)
+            client.gate.leave(running)  # admitted long before its deadline
+            assert (await event).finish_reason == "stop" and started == ["on_time"]
+            await on_time.aclose()
+            assert client.gate.in_use == 0 and client.gate.num_expired == 1
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_max_queue_wait_flag() -> None:
+    from tests.server.test_small_endpoints import parse_server_flags
+
+    assert parse_server_flags([]).server.max_queue_wait_s == 600.0
+    assert parse_server_flags(["--max-queue-wait", "2.5"]).server.max_queue_wait_s == 2.5
+    with pytest.raises(ValueError, match="max_queue_wait_s"):
+        parse_server_flags(["--max-queue-wait", "-1"]).server.check()
