@@ -138,9 +138,16 @@ class DecoderLM(nn.Module):
         if not can_pack(self.head.weight):
             return False
         for module in self.modules():
-            if isinstance(module, Linear):
+            # An untied lm_head is served by self.head, which packs its weight once, below.
+            if isinstance(module, Linear) and module is not self.lm_head:
                 module.pack(use_cpu_kernels)
+                # Every product now reads a packed copy: the plain weight would be a third.
+                module.drop_plain_weight()
         self.kernels = self.head.pack(use_cpu_kernels)
+        if self.head.packed is not None:
+            self.head.drop_plain_weight()  # int8's de-quantized copy
+            if self.lm_head is not None:  # untied: no product reads the parameter now
+                release(self.lm_head.weight)
         # Until a kernel plan lowers them: the C products up to the kernels' limit, for the
         # layers wherever their projections packed (the head's may not have: a vocab that is
         # not a multiple of 16).
@@ -221,7 +228,8 @@ class DecoderLM(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of the parameters plus the packed copies :meth:`pack_weights` made (oneDNN's
-        blocked layout and the C kernels' layout: up to 3x the parameters on CPU bfloat16)."""
+        blocked layout and the C kernels' layout, in place of the projections' plain weights,
+        which it releases: about 2x the parameters on CPU bfloat16, plus the head's copies)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         return total + sum(m.packed_bytes() for m in linears) + self.head.packed_bytes()

@@ -228,13 +228,14 @@ def _cache_key(model: torch.nn.Module, max_rows: int) -> str:
     except OSError:
         pass
     # The shapes, and whether the C products read int8 weights (--quantization int8).
-    shapes = [(tuple(m.weight.shape), m.int8 is not None, m.int4 is not None)
+    shapes = [((m.out_features, m.in_features), m.int8 is not None, m.int4 is not None)
               for m in model.layers[0].modules() if isinstance(m, Linear)]  # type: ignore[attr-defined]
     head = model.head  # type: ignore[attr-defined]
-    shapes.append((tuple(head.weight.shape), head.int8 is not None))
+    shapes.append(((head.out_features, head.in_features), head.int8 is not None))
     parts = [cpu.decode(errors="replace"), torch.__version__, str(torch.get_num_threads()),
              str(getattr(model.head.kernels, "library_path", "")), str(shapes),  # type: ignore[attr-defined]
-             str(tuple(model.head.weight.shape)), str(model.head.int8 is not None),  # type: ignore[attr-defined]
+             str((model.head.out_features, model.head.in_features)),  # type: ignore[attr-defined]
+             str(model.head.int8 is not None),  # type: ignore[attr-defined]
              str(len(model.layers)), str(max_rows)]  # type: ignore[attr-defined]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 

@@ -161,14 +161,25 @@ class Linear(nn.Module):
         else:
             self.kernels, self.decode_packed = pack_decode(self.weight, use_cpu_kernels)
 
+    def drop_plain_weight(self) -> int:
+        """After :meth:`pack`, where oneDNN's packed copy exists: release the plain weight's
+        storage (``quant_gpu.release``: a ``[0, in]`` tensor), which no product reads then
+        (:meth:`forward` takes the C kernels' copy or oneDNN's, never ``F.linear``). Returns the
+        bytes freed (0: nothing packed, nothing dropped)."""
+        if self.packed is None or self.weight.numel() == 0:
+            return 0
+        freed = _bytes(self.weight)
+        release(self.weight)
+        return freed
+
     def packed_bytes(self) -> int:
-        """Bytes of the packed copies (a oneDNN copy counted as the weight's size: its storage
-        is opaque to torch) and of the int8 or int4 weight."""
+        """Bytes of the packed copies (a oneDNN copy counted as the weight's size, ``[out,
+        in]`` bfloat16: its storage is opaque to torch) and of the int8 or int4 weight."""
         int8 = self.int8.nbytes if self.int8 is not None else 0
         int8 += self.int4.nbytes if self.int4 is not None else 0
         int8 += self.gpu_weight.nbytes if self.gpu_weight is not None else 0
-        return (_bytes(self.weight) if self.packed is not None else 0) + _bytes(
-            self.decode_packed) + int8
+        onednn = self.out_features * self.in_features * 2 if self.packed is not None else 0
+        return onednn + _bytes(self.decode_packed) + int8
 
     def c_product(self, x: torch.Tensor, product: Product = Product.C) -> torch.Tensor:
         """The C decode product on ``x [T, in]`` bfloat16 (``kernels`` set by :meth:`pack`):
@@ -207,6 +218,7 @@ class LMHead:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
+        self.out_features, self.in_features = weight.shape  # vocab, hidden
         self.packed: torch.Tensor | None = None
         self.kernels: CpuKernels | None = None
         self.decode_packed: torch.Tensor | None = None
@@ -236,12 +248,23 @@ class LMHead:
             self.kernels, self.decode_packed = pack_decode(self.weight, use_cpu_kernels)
         return self.kernels
 
+    def drop_plain_weight(self) -> int:
+        """After :meth:`pack`, under int8 with oneDNN's packed copy: release the head's own
+        de-quantized copy (:meth:`quantize_int8`'s; never the tied embedding table), which no
+        product reads then. Returns the bytes freed."""
+        if self.int8 is None or self.packed is None or self.weight.numel() == 0:
+            return 0
+        freed = _bytes(self.weight)
+        release(self.weight)
+        return freed
+
     def packed_bytes(self) -> int:
-        # After quantize_int8 the weight is a copy too (the parameter it came from stays).
+        # After quantize_int8 the weight is a copy too (the parameter it came from stays),
+        # until drop_plain_weight releases it.
         int8 = self.int8.nbytes + _bytes(self.weight) if self.int8 is not None else 0
         int8 += self.gpu_weight.nbytes if self.gpu_weight is not None else 0
-        return (_bytes(self.weight) if self.packed is not None else 0) + _bytes(
-            self.decode_packed) + int8
+        onednn = self.out_features * self.in_features * 2 if self.packed is not None else 0
+        return onednn + _bytes(self.decode_packed) + int8
 
     def c_product(self, h: torch.Tensor) -> torch.Tensor:
         """The C decode product on ``h [T, hidden]`` bfloat16 (``kernels`` set by :meth:`pack`):
@@ -257,7 +280,7 @@ class LMHead:
         if self.gpu_weight is not None:
             return self.gpu_weight(h).float()
         if h.shape[0] == 0:  # a step of prompt chunks that finish no prompt samples nothing
-            return h.new_empty(0, self.weight.shape[0], dtype=torch.float32)
+            return h.new_empty(0, self.out_features, dtype=torch.float32)
         if product is not Product.TORCH and self.kernels is not None:
             return self.c_product(h.contiguous()).float()
         if self.packed is not None:

@@ -74,16 +74,56 @@ def test_fused_decode_layers_equal_the_per_op_path(
 
 def test_weight_bytes_count_the_packed_copies(model_path, monkeypatch) -> None:
     """``/workers``' weight_bytes: the parameters, plus oneDNN's and the C kernels' copies of
-    every projection and the LM head once packed (CPU bfloat16)."""
+    every projection and the LM head once packed (CPU bfloat16), which stand in for the
+    projections' plain weights: those are released (two copies of each, not three)."""
     from splitserve.engine.model.layers import Linear
     from splitserve.engine.model.loader import load_model
 
     model, _ = load_model(model_path, dtype=torch.bfloat16)
+    projections = [m for m in model.modules() if isinstance(m, Linear)]
+    assert projections and all(m.packed is not None and m.weight.numel() == 0
+                               for m in projections)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    linear = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, Linear))
-    head = model.embed_tokens.weight.numel() * 2  # tied
+    linear = sum(m.out_features * m.in_features * 2 for m in projections)
+    head = model.embed_tokens.weight.numel() * 2  # tied: the table stays (lookups read it)
     assert model.head.packed is not None and model.head.decode_packed is not None
     assert model.weight_bytes() == params + 2 * (linear + head)
     monkeypatch.setenv("SPLITSERVE_PACK_WEIGHTS", "0")
     plain, _ = load_model(model_path, dtype=torch.bfloat16)
-    assert plain.weight_bytes() == params
+    assert plain.weight_bytes() == params + linear  # the plain weights stay unpacked
+    assert model.weight_bytes() == plain.weight_bytes() + linear + 2 * head
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_packing_keeps_one_copy_per_path_and_an_untied_head_once(tmp_path, quantization) -> None:
+    """After ``pack_weights`` no projection keeps its plain weight (the packed copies serve
+    every product: oneDNN's gives ``F.linear``'s values bit for bit), and an untied LM head is
+    packed once, by the head, its parameter released (it was packed a second time as a
+    projection); under int8 the head's de-quantized copy is released too."""
+    import torch.nn.functional as F
+    import transformers
+
+    from splitserve.engine.model.layers import Linear
+    from splitserve.engine.model.loader import load_model
+    from splitserve.engine.step_plan import Product
+    from tests.engine.test_model_vs_hf import COMMON
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**COMMON, "tie_word_embeddings": False})
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    engine = EngineConfig(pack_weights=False, quantization=quantization)
+    model, _ = load_model(tmp_path, torch.bfloat16, engine=engine)
+    assert model.lm_head is not None and model.head.weight is not model.embed_tokens.weight
+    head_w = model.head.weight.detach().clone()
+    projections = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    plain = [m.weight.detach().clone() for m in projections]
+    assert model.pack_weights()
+    assert model.lm_head.packed is None and model.lm_head.decode_packed is None
+    assert model.lm_head.weight.numel() == 0 and model.head.weight.numel() == 0
+    h = torch.randn(6, COMMON["hidden_size"]).bfloat16()
+    assert torch.equal(model.head(h, Product.TORCH), F.linear(h, head_w).float())
+    assert model.head(h[:0], Product.TORCH).shape == (0, COMMON["vocab_size"])
+    for m, w in zip(projections, plain, strict=True):
+        assert m.packed is not None and m.weight.numel() == 0
+        x = torch.randn(6, m.in_features).bfloat16()
+        assert torch.equal(m(x, Product.TORCH), F.linear(x, w, m.bias))
