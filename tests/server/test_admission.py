@@ -249,6 +249,17 @@ def test_client_waits_in_the_gate_and_refuses_past_it(tmp_path) -> None:
     asyncio.run(main())
 
 
+def one_event_streams(started: list[str]):
+    """A request's stream by name: it records the name when it starts, then ends with one
+    event."""
+
+    async def inner(name: str):
+        started.append(name)
+        yield TokenEvent([1], [0.0], "stop")
+
+    return inner
+
+
 def test_client_answers_429_to_a_waiting_request_pushed_out(tmp_path) -> None:
     from splitserve.server.worker_client import ZmqEngineClient
 
@@ -256,10 +267,7 @@ def test_client_answers_429_to_a_waiting_request_pushed_out(tmp_path) -> None:
         client = ZmqEngineClient(f"ipc://{tmp_path}/inbox")
         client.gate = AdmissionGate(lambda: 1, lambda: 2)
         started: list[str] = []
-
-        async def inner(name: str):
-            started.append(name)
-            yield TokenEvent([1], [0.0], "stop")
+        inner = one_event_streams(started)
 
         try:
             running = client.gate.enter("A", lambda: None)  # holds the only slot
@@ -297,10 +305,7 @@ def test_client_refuses_a_request_that_waits_past_max_queue_wait(tmp_path) -> No
         client = ZmqEngineClient(f"ipc://{tmp_path}/inbox", max_queue_wait_s=0.05)
         client.gate = AdmissionGate(lambda: 1, lambda: 4)
         started: list[str] = []
-
-        async def inner(name: str):
-            started.append(name)
-            yield TokenEvent([1], [0.0], "stop")
+        inner = one_event_streams(started)
 
         try:
             running = client.gate.enter("A", lambda: None)  # holds the only slot
