@@ -69,17 +69,22 @@ class StepTargets(NamedTuple):
     """Where a decode-only step's rows live in the cache, for a caller that appends every
     layer's K/V and reads them itself (the fused decode layers, ``engine.model.fused_decode``).
 
+    Over an 8-bit pool read in place there is no cache: ``kt``, ``v``, ``slots`` and
+    ``positions`` are None and ``pages`` says where each row's K/V are.
+
     Attributes:
         kt: ``[L, slots, Hkv, D, cap]`` keys, transposed; v: ``[L, slots, Hkv, cap, D]``.
         slots: ``[M]`` int64 slot of each row; positions: ``[M]`` int64 its new token's
             position; lens: ``[M]`` int64 its KV length after the step.
+        pages: ``[M, P]`` int64 page ids of each row's sequence (pool read in place), or None.
     """
 
-    kt: torch.Tensor
-    v: torch.Tensor
-    slots: torch.Tensor
-    positions: torch.Tensor
+    kt: torch.Tensor | None
+    v: torch.Tensor | None
+    slots: torch.Tensor | None
+    positions: torch.Tensor | None
     lens: torch.Tensor
+    pages: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -65,8 +65,11 @@ class TorchAttentionMetadata:
     # Head-major path (bfloat16): the step's masks, and the decode cache's plan when it serves.
     decode_biases: dict[int | None, torch.Tensor] | None = None  # [Bd * Hkv, 1, P * ps] (gather)
     decode_plan: DecodePlan | None = None
-    # The C decode kernel (gather path): each row's KV length.
+    # The C decode kernel (gather path, or an 8-bit pool read in place): each row's KV length.
     decode_lens: torch.Tensor | None = None  # [Bd] int64
+    # Decode rows read the 8-bit pool where it is (``decode_attention_q8.c``): no decode cache,
+    # no gather, no masks.
+    decode_in_pool: bool = False
 
 
 def _joining(batch: ForwardBatch) -> list[tuple[int, int]]:
@@ -163,7 +166,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
             )
         if self.kernels_for(pool) is not None:
             meta.decode_lens = torch.tensor(lens, dtype=torch.long, device=device)
-        if meta.decode_plan is None:
+        meta.decode_in_pool = self.reads_pool_in_place(pool)
+        if meta.decode_plan is None and not meta.decode_in_pool:
             meta.decode_biases = {
                 w: decode_bias(
                     lens, num_pages * ps, pool.layout.num_kv_heads, w, pool.dtype, device
@@ -176,16 +180,30 @@ class TorchAttentionBackend(BaseAttentionBackend):
         cache = self.decode_cache
         return 0 if cache is None else cache.nbytes
 
+    def reads_pool_in_place(self, pool: KVPool, num_heads: int | None = None) -> bool:
+        """Whether decode rows over ``pool`` attend straight from its pages: an 8-bit pool the
+        C kernels serve (``decode_attention_q8.c``), for which no decode cache is kept (a
+        bfloat16 copy would spend the memory the 8 bits save)."""
+        return (pool.layout.is_quantized and pool.buffer.is_contiguous()
+                and self.kernels_for(pool, num_heads) is not None)
+
     def serves_fused_decode(self, pool: KVPool, num_heads: int) -> bool:
         """The fused C decode layers read and append this backend's decode cache (so it must be
-        on) and write the pool as its KV append does (bfloat16 or 8-bit, contiguous)."""
+        on) or, over an 8-bit pool, read the pool in place (:meth:`reads_pool_in_place`); and
+        they write the pool as its KV append does (bfloat16 or 8-bit, contiguous)."""
+        if self.reads_pool_in_place(pool, num_heads):
+            return True
         return (self.use_decode_cache and self.kernels_for(pool, num_heads) is not None
                 and pool.buffer.is_contiguous())
 
     def fused_decode_targets(self, meta: TorchAttentionMetadata) -> StepTargets | None:
         """The decode cache's slots for ``meta``'s rows (``DecodeKVCache.append_all_targets``),
-        or None where the cache did not plan the step (off, no sequence ids, over its memory
-        bound) or the step is not decode-only."""
+        or, over an 8-bit pool read in place, the rows' page table and lengths; None where the
+        cache did not plan the step (off, no sequence ids, over its memory bound) or the step
+        is not decode-only."""
+        if meta.decode_in_pool and meta.is_decode_only:
+            assert meta.decode_pages is not None and meta.decode_lens is not None
+            return StepTargets(None, None, None, None, meta.decode_lens, meta.decode_pages)
         plan, cache = meta.decode_plan, self.decode_cache
         if (not meta.is_decode_only or plan is None or cache is None or cache.kt is None
                 or cache.v is None):
@@ -196,9 +214,10 @@ class TorchAttentionBackend(BaseAttentionBackend):
         """The C decode kernel when it serves ``pool`` (CPU, read back in bfloat16, supported
         heads; ``num_heads`` query heads, unchecked when None), else None. Built on the first
         call (about half a second), then cached. Its decode attention reads the decode cache or
-        a gathered copy, never the pool, so it serves an 8-bit pool too (over the de-quantized
-        copy), and so do the KV append and the fused decode layers (``kv_quant.c`` quantizes
-        as the pool does) and the extend attention (it de-quantizes pages as it reads them)."""
+        a gathered copy of a bfloat16 pool, and an 8-bit pool in place
+        (:meth:`reads_pool_in_place`, de-quantizing in registers); the KV append and the fused
+        decode layers write 8-bit pages as the pool does (``kv_quant.c``) and the extend
+        attention de-quantizes pages as it reads them."""
         if pool.buffer.device.type != "cpu" or pool.dtype != torch.bfloat16:
             return None
         hkv = pool.layout.num_kv_heads
@@ -212,7 +231,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
     def _decode_cache_for(self, pool: KVPool, batch: ForwardBatch) -> DecodeKVCache | None:
         """The decode cache of ``pool`` (made on first use), or None when off or when the batch
         has no sequence ids to key it by."""
-        if not self.use_decode_cache or batch.seq_ids is None or pool.buffer.device.type != "cpu":
+        if (not self.use_decode_cache or batch.seq_ids is None or pool.buffer.device.type != "cpu"
+                or self.reads_pool_in_place(pool)):
             return None
         if self.decode_cache is None or self.decode_cache.pool is not pool:
             # Never more than the pool's own bytes: an 8-bit pool's cache (in the model's
@@ -323,6 +343,13 @@ class TorchAttentionBackend(BaseAttentionBackend):
         kern = self.kernels_for(pool, q.shape[1])
         if kern is not None and (qc.stride(2) != 1 or qc.stride(1) != qc.shape[2]):
             qc = qc.contiguous()
+        if meta.decode_in_pool and kern is not None:
+            assert meta.decode_pages is not None and meta.decode_lens is not None
+            out = torch.empty(qc.shape, dtype=dtype, device=qc.device)
+            kern.decode_attention_q8(
+                qc, pool, layer, meta.decode_pages, meta.decode_lens, window, scale, out
+            )
+            return out.to(q.dtype)
         if plan is None or cache is None:
             assert meta.decode_pages is not None and meta.decode_biases is not None
             kt, vv = gather_head_major(pool, layer, meta.decode_pages, self.workspace, dtype)

@@ -139,7 +139,7 @@ class FusedDecodeLayers:
         rc = self.kernels.decode_layers(
             self.ptrs, x, self.config, self.rope, batch.positions, pool, batch.out_page_ids,
             batch.out_offsets, targets.kt, targets.v, targets.slots, targets.positions,
-            targets.lens, self.window, lora,
+            targets.lens, self.window, lora, targets.pages,
         )
         if rc != 0:
             raise RuntimeError(f"fused decode layers failed (code {rc})")

@@ -304,7 +304,8 @@ def test_verify_rows_on_the_decode_path_equal_the_extend_path(bf16_model, tokeni
     and the logits at every drafted position agree within bfloat16 rounding (different
     attention kernels and product shapes), with the same argmax. Then a plain decode step
     after a partial acceptance reads the slot as is: its logits equal those of the same step
-    over a fresh copy of the sequence from the pool."""
+    over a fresh copy of the sequence from the pool (bfloat16; an int8 pool is read in place,
+    with no decode cache)."""
     from splitserve.engine.attention.decode_kv_cache import DecodeKVCache
     from splitserve.engine.forward_batch import build_forward_batch
     from splitserve.engine.kv_pool import pages_for
@@ -342,6 +343,9 @@ def test_verify_rows_on_the_decode_path_equal_the_extend_path(bf16_model, tokeni
     bonus = chunk[3] + 1
     after = step([bonus], len(prefix) + 3)
     assert calls[-1] == (True, [7]) and copies == []
+    if kv_cache_dtype == "int8":  # read in place (decode_attention_q8.c): there is no slot
+        assert net.attn_backend.decode_cache is None
+        return
     net.attn_backend.decode_cache = None  # the same step over a fresh copy from the pool
     fresh = step([bonus], len(prefix) + 3)
     assert copies == [len(prefix) + 3]

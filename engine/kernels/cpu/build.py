@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = (
     "decode_attention.c",
+    "decode_attention_q8.c",
     "extend_attention.c",
     "gemv.c",
     "gemm_bf16.c",
@@ -49,7 +50,7 @@ SOURCES = (
     "kv_quant.c",
     "lora.c",
 )
-HEADERS = ("bf16.h", "fast_exp.h", "kernels.h", "x_quant.h")
+HEADERS = ("bf16.h", "fast_exp.h", "kernels.h", "softmax.h", "x_quant.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-std=c11")
 LINK_FLAGS = ("-shared", "-fopenmp")
 # One compile or the link, in seconds. The slowest file takes ~10 s on a quiet core; a

@@ -52,6 +52,10 @@ class PoolKernels:
         self._extend_q8.restype = ctypes.c_int
         self._extend_q8.argtypes = [_ptr, _i64, _i64, _ptr] + [_i64] * 6 + [_ptr] + [_i64] * 5
         self._extend_q8.argtypes += [_f32, _ptr]
+        self._decode_q8 = lib.decode_attention_q8
+        self._decode_q8.restype = ctypes.c_int
+        self._decode_q8.argtypes = [_ptr, _i64, _ptr] + [_i64] * 6 + [_ptr, _i64, _ptr]
+        self._decode_q8.argtypes += [_i64] * 5 + [_f32, _ptr]
         self._quantize = lib.kv_quantize_bf16
         self._quantize.restype = None
         self._quantize.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr]
@@ -59,7 +63,7 @@ class PoolKernels:
         self._layers.restype = ctypes.c_int
         self._layers.argtypes = [_i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _f32, _i64]
         self._layers.argtypes += [_ptr] * 4 + [_i64] * 3 + [_ptr] * 4 + [_i64] * 2 + [_ptr] * 3
-        self._layers.argtypes += [_i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
+        self._layers.argtypes += [_i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
 
     def kv_quantize(
         self, x: torch.Tensor, kind: str
@@ -162,13 +166,14 @@ class PoolKernels:
         pool: KVPool,
         page_ids: torch.Tensor,
         offsets: torch.Tensor,
-        kt: torch.Tensor,
-        v: torch.Tensor,
-        slots: torch.Tensor,
-        cache_positions: torch.Tensor,
+        kt: torch.Tensor | None,
+        v: torch.Tensor | None,
+        slots: torch.Tensor | None,
+        cache_positions: torch.Tensor | None,
         lens: torch.Tensor,
         window: int | None,
         lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        pages: torch.Tensor | None = None,
     ) -> int:
         """Every decoder layer of a decode-only step in one call (``decode_layers.c``); the
         caller (:mod:`splitserve.engine.model.fused_decode`) runs it where the step plan says it
@@ -182,23 +187,29 @@ class PoolKernels:
             positions: ``[M]`` int64 token positions.
             pool: the KV pool, bfloat16 or 8-bit (new K/V written as :meth:`kv_append` does).
             page_ids: ``[M]`` int64 page of each new token; offsets: ``[M]`` its slot there.
-            kt: ``[L, slots, Hkv, D, cap]`` decode-cache keys; v: ``[L, slots, Hkv, cap, D]``.
+            kt: ``[L, slots, Hkv, D, cap]`` decode-cache keys; v: ``[L, slots, Hkv, cap, D]``;
+                None (with ``slots`` and ``cache_positions``): no cache, an 8-bit pool read in
+                place through ``pages`` (``decode_attention_q8.c``).
             slots: ``[M]`` int64 cache slot of each row; cache_positions: ``[M]`` its position.
             lens: ``[M]`` int64 KV length after the step.
             window: sliding window, or None.
             lora: ``(table, rows, segments)``: the LoRA slot table (``[slots, L * 4, LORA_F]``
                 int64, ``engine.lora.adapters``) and the step's adapted rows by slot
                 (``forward_batch.AdapterRows``); None: no row has an adapter.
+            pages: ``[M, P]`` int64 page ids of each row's sequence (last dimension
+                contiguous), read where ``kt`` is None.
 
         Returns:
             0, or the failing kernel's error code (-1: out of memory, -2: a LoRA rank above
-            the C kernel's).
+            the C kernel's, or no cache over a bfloat16 pool).
 
         Raises:
             ValueError: a pool the kernels cannot write.
         """
         m, hid = x.shape
         kind, kv = _pool_kind(pool), pool.kv
+        if kt is None and pages is None:
+            raise ValueError("decode_layers: neither a decode cache nor a page table")
         return self._layers(
             ptrs.numel() // 15,
             ptrs.data_ptr(),
@@ -221,15 +232,18 @@ class PoolKernels:
             kv.stride(0),
             page_ids.data_ptr(),
             offsets.data_ptr(),
-            kt.data_ptr(),
-            v.data_ptr(),
-            kt.stride(0),
-            kt.shape[4],
-            slots.data_ptr(),
-            cache_positions.data_ptr(),
+            None if kt is None else kt.data_ptr(),
+            None if v is None else v.data_ptr(),
+            0 if kt is None else kt.stride(0),
+            0 if kt is None else kt.shape[4],
+            None if slots is None else slots.data_ptr(),
+            None if cache_positions is None else cache_positions.data_ptr(),
             lens.data_ptr(),
             kind,
             pool.layout.value_bytes if kind else 0,
+            None if pages is None else pages.data_ptr(),
+            0 if pages is None else pages.stride(0),
+            pool.page_size,
             *_lora_args(lora),
         )
 
@@ -294,6 +308,60 @@ class PoolKernels:
         if rc == -1:
             raise MemoryError("extend attention kernel: out of memory")
         return out if rc == 0 else None
+
+
+    def decode_attention_q8(
+        self,
+        q: torch.Tensor,
+        pool: KVPool,
+        layer: int,
+        pages: torch.Tensor,
+        lens: torch.Tensor,
+        window: int | None,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """One query token per row against its sequence's K/V read where an 8-bit pool keeps
+        them (``decode_attention_q8.c``): each value de-quantized in registers, no bfloat16
+        copy of the sequence. Scores, softmax and the value sum run in float32 over the values
+        exactly as stored (``float(code) * scale``, not rounded to bfloat16 first, unlike
+        :meth:`KVPool.gather`); the output is rounded to nearest even.
+
+        Args:
+            q: ``[R, Hq, D]`` bfloat16; each row's heads contiguous (rows may be strided).
+            pool: an int8 or fp8_e4m3 pool, buffer contiguous.
+            layer: layer index.
+            pages: ``[R, P]`` int64 page ids of each row's sequence (``P >= ceil(lens[r] /
+                page_size)``), last dimension contiguous (rows may be strided, as page-table
+                slices are).
+            lens: ``[R]`` int64: row ``r`` attends to positions ``0 .. lens[r] - 1`` (the last
+                ``window`` of them with a sliding window); 0 leaves its output untouched.
+            window: sliding window, or None.
+            scale: softmax scale.
+            out: ``[R, Hq, D]`` bfloat16, contiguous; written and returned.
+
+        Raises:
+            MemoryError: the kernel could not allocate its score buffers.
+            ValueError: a bfloat16 pool, or a shape the kernel does not take
+                (:meth:`CpuKernels.supports`).
+        """
+        kind, kv = _pool_kind(pool), pool.kv
+        if kind == 0:
+            raise ValueError("decode_attention_q8 reads 8-bit pools; use decode_attention")
+        r, hq, d = q.shape
+        hkv = kv.shape[4]
+        k_off = layer * kv.stride(1)
+        rc = self._decode_q8(
+            q.data_ptr(), q.stride(0), pool.buffer.data_ptr(), k_off, k_off + kv.stride(2),
+            kv.stride(0), pool.layout.value_bytes, kind, pool.page_size, pages.data_ptr(),
+            pages.stride(0), lens.data_ptr(), r, hkv, hq // hkv, d, window or 0, scale,
+            out.data_ptr(),
+        )
+        if rc == -1:
+            raise MemoryError("decode attention kernel: out of memory")
+        if rc != 0:
+            raise ValueError(f"decode attention kernel: unsupported shape q {tuple(q.shape)}")
+        return out
 
 
 def _lora_args(lora: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> tuple:

@@ -19,7 +19,7 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "fast_exp.h"
+#include "softmax.h"
 
 #define KB 32 /* keys per register block of the score loop: two vectors of 16 */
 #define GMAX 8 /* query heads per KV head that the register-blocked loops take */
@@ -135,31 +135,6 @@ ALWAYS_INLINE void score_keys(const uint16_t *q, const uint16_t *kt, int64_t g_n
             memset(tile + d * KB + rest, 0, sizeof(uint16_t) * (size_t)(KB - rest));
         }
         score_any(q, qs, tile, KB, g_n, d_n, scale, scores, n, j, rest);
-    }
-}
-
-/* scores[g] <- softmax(scores[g]) over n keys, in place. */
-ALWAYS_INLINE void softmax_rows(float *scores, int64_t g_n, int64_t n) {
-    for (int64_t g = 0; g < g_n; g++) {
-        float *s = scores + g * n;
-        /* 16 independent lanes, so that max and sum vectorize without reassociation flags */
-        float lane[16];
-        for (int e = 0; e < 16; e++) lane[e] = s[0];
-        int64_t j = 0;
-        for (; j + 16 <= n; j += 16)
-            for (int e = 0; e < 16; e++) lane[e] = s[j + e] > lane[e] ? s[j + e] : lane[e];
-        for (; j < n; j++) lane[0] = s[j] > lane[0] ? s[j] : lane[0];
-        float m = lane[0];
-        for (int e = 1; e < 16; e++) m = lane[e] > m ? lane[e] : m;
-        for (j = 0; j < n; j++) s[j] = exp_approx(s[j] - m);
-        for (int e = 0; e < 16; e++) lane[e] = 0.0f;
-        for (j = 0; j + 16 <= n; j += 16)
-            for (int e = 0; e < 16; e++) lane[e] += s[j + e];
-        for (; j < n; j++) lane[0] += s[j];
-        float sum = 0.0f;
-        for (int e = 0; e < 16; e++) sum += lane[e];
-        float inv = 1.0f / sum;
-        for (j = 0; j < n; j++) s[j] *= inv;
     }
 }
 

@@ -49,7 +49,9 @@ static int project(const int64_t *ptrs, int64_t l, int w, const uint16_t *x, int
  * layers layer_stride elements apart, V at + v_offset, pages page_stride apart; kv_kind: the
  * pool's values (KV_BF16: bfloat16 elements; KV_INT8 / KV_FP8_E4M3: bytes, the strides in bytes
  * and each page's scales from byte value_bytes, kv_quant.c); cache: kt / cv of layer 0, layers
- * cache_stride apart (NULL kt: no cache, attention not supported then). lora_tab: the LoRA
+ * cache_stride apart; NULL kt: no cache, and then an 8-bit pool is read in place
+ * (decode_attention_q8.c) through page_table [m, >= ceil(len / ps)] (rows pt_stride apart),
+ * while a bfloat16 pool is refused (-2). lora_tab: the LoRA
  * entries of slot 0, LORA_F int64s per projection, four projections per layer (qkv, o,
  * gate_up, down), slots lora_slot_stride apart; lora_rows / lora_segs / lora_nsegs: the
  * adapted rows by slot (lora_sgmv_bf16); lora_nsegs 0: no LoRA this step.
@@ -62,8 +64,10 @@ int decode_layers_bf16(int64_t n_layers, const int64_t *ptrs, uint16_t *x, int64
                        const int64_t *page_ids, const int64_t *offsets, uint16_t *ckt,
                        uint16_t *cv, int64_t cache_stride, int64_t cap, const int64_t *slots,
                        const int64_t *pos, const int64_t *lens, int64_t kv_kind,
-                       int64_t value_bytes, const int64_t *lora_tab, int64_t lora_slot_stride,
+                       int64_t value_bytes, const int64_t *page_table, int64_t pt_stride,
+                       int64_t ps, const int64_t *lora_tab, int64_t lora_slot_stride,
                        const int64_t *lora_rows, const int64_t *lora_segs, int64_t lora_nsegs) {
+    if (!ckt && kv_kind == KV_BF16) return -2;
     int64_t nqkv = (hq + 2 * hkv) * d;
     size_t need = (size_t)m * (size_t)(hid + nqkv + hq * d + hid + 2 * inter + inter + hid);
     uint16_t *buf = malloc(sizeof(uint16_t) * need);
@@ -85,11 +89,17 @@ int decode_layers_bf16(int64_t n_layers, const int64_t *ptrs, uint16_t *x, int64
         } else {
             kv_append_q8(qkv + hq * d, nqkv, qkv + (hq + hkv) * d, nqkv, m, hkv, d, pool,
                          l * layer_stride, l * layer_stride + v_offset, page_stride,
-                         value_bytes, kv_kind, page_ids, offsets, ckt + l * cache_stride,
-                         cv + l * cache_stride, cap, slots, pos);
+                         value_bytes, kv_kind, page_ids, offsets,
+                         ckt ? ckt + l * cache_stride : NULL, ckt ? cv + l * cache_stride : NULL,
+                         cap, slots, pos);
         }
-        rc = decode_attention_bf16(qkv, nqkv, ckt + l * cache_stride, cv + l * cache_stride,
-                                   slots, lens, m, hkv, hq / hkv, d, cap, window, scale, att);
+        if (ckt)
+            rc = decode_attention_bf16(qkv, nqkv, ckt + l * cache_stride, cv + l * cache_stride,
+                                       slots, lens, m, hkv, hq / hkv, d, cap, window, scale, att);
+        else
+            rc = decode_attention_q8(qkv, nqkv, pool, l * layer_stride, l * layer_stride + v_offset,
+                                     page_stride, value_bytes, kv_kind, ps, page_table, pt_stride,
+                                     lens, m, hkv, hq / hkv, d, window, scale, att);
         if (rc) break;
         rc = project(ptrs, l, O_W, att, m, hid, hq * d, o);
         LORA(1, att, hq * d, o, hid, hq * d);

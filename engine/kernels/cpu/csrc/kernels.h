@@ -43,6 +43,11 @@ static inline float fp8_e4m3_to_f32(uint8_t c) {
     f = (float)m * 0x1p-9f;
     return (c & 0x80) ? -f : f;
 }
+int decode_attention_q8(const uint16_t *q, int64_t q_stride, const uint8_t *pool, int64_t k_off,
+                        int64_t v_off, int64_t page_stride, int64_t value_bytes, int64_t kind,
+                        int64_t ps, const int64_t *pages, int64_t pt_stride, const int64_t *lens,
+                        int64_t rows, int64_t hkv, int64_t g_n, int64_t d_n, int64_t window,
+                        float scale, uint16_t *out);
 void kv_append_q8(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
                   int64_t t, int64_t hkv, int64_t d, uint8_t *pool, int64_t k_off, int64_t v_off,
                   int64_t page_stride, int64_t value_bytes, int64_t kind,
