@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.host_memory import huge_page_zeros
 from splitserve.engine.kv_quant import (
     QUANTIZED_KV,
     SCALE_BYTES,
@@ -144,7 +145,8 @@ class KVPool:
         num_pages: pages in the pool, including the reserved scratch page 0.
         device: torch device of the buffer.
         memory: optional uint8 tensor of at least ``num_pages * layout.page_bytes`` bytes to use
-            as the buffer (not zeroed) instead of a fresh allocation.
+            as the buffer (not zeroed) instead of a fresh allocation. A fresh CPU buffer sits on
+            transparent huge pages where the OS grants them (:mod:`~splitserve.engine.host_memory`).
 
     Attributes:
         buffer: the pool's storage, one row per page, each page's bytes contiguous (what KV
@@ -169,6 +171,8 @@ class KVPool:
         self.dtype = getattr(torch, layout.dtype)
         shape = (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
         self.scales: torch.Tensor | None = None
+        if memory is None and torch.device(device).type == "cpu":
+            memory = huge_page_zeros(num_pages * layout.page_bytes)
         if not layout.is_quantized:
             if memory is None:
                 self.buffer = torch.zeros(shape, dtype=self.dtype, device=device)
