@@ -9,10 +9,11 @@ each, one thread: 3.6 ms per layer over huge pages against 5.0 over 4 KiB pages
 
 Linux grants them per range on request (``madvise(MADV_HUGEPAGE)``, honoured in the default
 ``madvise`` mode of ``/sys/kernel/mm/transparent_hugepage/enabled``) to memory not yet touched.
-So the buffer is a fresh anonymous mapping of its own (zero-filled by the kernel, faulted in
-as it is first written), not memory from the allocator's heap, which a long-lived process may
-have touched already. Where the advice is refused (another OS, THP off) the buffer is the same,
-on small pages.
+So the buffer is a fresh anonymous mapping of its own, not memory from the allocator's heap,
+which a long-lived process may have touched already; it is advised, then written once, so all
+of it is committed at start as ``torch.zeros`` did (a pool larger than the memory there is
+fails at start, not under load later). Where the advice is refused (another OS, THP off) the
+buffer is the same, on small pages.
 """
 
 from __future__ import annotations
@@ -37,13 +38,16 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor:
     4 KiB pages.
 
     Raises:
-        OSError: the mapping itself failed (out of address space or memory).
+        MemoryError: the mapping failed (out of address space or memory), naming the size.
     """
     if nbytes < HUGE_PAGE:
         return torch.zeros(nbytes, dtype=torch.uint8)
     # Private (Python's default for an anonymous map is shared: shmem, whose huge pages are
     # another setting, usually off), anonymous, zero-filled.
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:
+        raise MemoryError(f"cannot map {nbytes / 2**20:,.0f} MiB of host memory: {e}") from e
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to the mapping
     base = raw.data_ptr()
     start = (base + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE - base
@@ -53,4 +57,4 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor:
             region.madvise(advice, start, nbytes // HUGE_PAGE * HUGE_PAGE)
         except OSError as e:
             log.debug("madvise(MADV_HUGEPAGE) refused: %s", e)
-    return raw[start : start + nbytes]
+    return raw[start : start + nbytes].zero_()  # commit it now, on huge pages where granted

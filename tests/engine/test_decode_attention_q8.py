@@ -98,6 +98,13 @@ def test_kernel_refuses_what_it_cannot_read():
     out = torch.empty_like(q)
     with pytest.raises(ValueError, match="unsupported shape"):
         kernels.decode_attention_q8(q, pool, 0, table, torch.tensor(LENS), None, 0.1, out)
+    q5 = torch.randn(len(LENS), 5, 64).bfloat16()  # 5 query heads over 2 KV heads
+    with pytest.raises(ValueError, match="unsupported shape"):
+        kernels.decode_attention_q8(q5, pool, 0, table, torch.tensor(LENS), None, 0.1,
+                                    torch.empty_like(q5))
+    with pytest.raises(ValueError, match="unsupported shape"):  # int32 page ids
+        kernels.decode_attention_q8(q[:, :4], pool, 0, table.int(), torch.tensor(LENS), None,
+                                    0.1, out[:, :4])
     bf16 = KVPool(KVLayout(1, 2, 64, PAGE, "bfloat16"), 4)
     with pytest.raises(ValueError, match="8-bit"):
         kernels.decode_attention_q8(q[:, :4], bf16, 0, table, torch.tensor(LENS), None, 0.1,

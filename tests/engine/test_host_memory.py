@@ -46,3 +46,8 @@ def test_a_cpu_pool_sits_on_huge_pages() -> None:
         pool = KVPool(layout, (16 << 20) // layout.page_bytes)
         pool.buffer.view(torch.uint8).view(-1)[::4096] = 1  # fault every page in, as writes do
         assert _anon_huge_kib(pool.buffer.data_ptr()) >= 2048, kind
+
+
+def test_a_pool_larger_than_the_address_space_fails_at_start_naming_its_size() -> None:
+    with pytest.raises(MemoryError, match="cannot map 1,073,741,824 MiB"):
+        huge_page_zeros(2**50)

@@ -350,6 +350,15 @@ class PoolKernels:
             raise ValueError("decode_attention_q8 reads 8-bit pools; use decode_attention")
         r, hq, d = q.shape
         hkv = kv.shape[4]
+        if (hq % hkv or d != kv.shape[5] or out.shape != q.shape or out.dtype != torch.bfloat16
+                or not out.is_contiguous() or q.dtype != torch.bfloat16 or q.stride(2) != 1
+                or q.stride(1) != d or pages.dtype != torch.int64 or pages.stride(1) != 1
+                or lens.dtype != torch.int64 or lens.shape != (r,) or pages.shape[0] != r):
+            raise ValueError(
+                f"decode attention kernel: unsupported shape q {tuple(q.shape)} over "
+                f"{hkv} KV heads of {kv.shape[5]}, out {tuple(out.shape)}, pages "
+                f"{tuple(pages.shape)} {pages.dtype}, lens {tuple(lens.shape)} {lens.dtype}"
+            )
         k_off = layer * kv.stride(1)
         rc = self._decode_q8(
             q.data_ptr(), q.stride(0), pool.buffer.data_ptr(), k_off, k_off + kv.stride(2),
