@@ -229,8 +229,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
         return self.kernels
 
     def _decode_cache_for(self, pool: KVPool, batch: ForwardBatch) -> DecodeKVCache | None:
-        """The decode cache of ``pool`` (made on first use), or None when off or when the batch
-        has no sequence ids to key it by."""
+        """The decode cache of ``pool`` (made on first use), or None when off, when the batch
+        has no sequence ids to key it by, or for an 8-bit pool read in place."""
         if (not self.use_decode_cache or batch.seq_ids is None or pool.buffer.device.type != "cpu"
                 or self.reads_pool_in_place(pool)):
             return None
@@ -351,7 +351,14 @@ class TorchAttentionBackend(BaseAttentionBackend):
             )
             return out.to(q.dtype)
         if plan is None or cache is None:
-            assert meta.decode_pages is not None and meta.decode_biases is not None
+            assert meta.decode_pages is not None
+            if meta.decode_biases is None:  # an 8-bit pool, heads the C kernel does not take
+                assert meta.decode_lens is not None
+                lens, keys = meta.decode_lens.tolist(), meta.decode_pages.shape[1] * pool.page_size
+                hkv = pool.layout.num_kv_heads
+                meta.decode_biases = {
+                    w: decode_bias(lens, keys, hkv, w, dtype, qc.device) for w in set(meta.windows)
+                }
             kt, vv = gather_head_major(pool, layer, meta.decode_pages, self.workspace, dtype)
             if kern is not None:
                 assert meta.decode_lens is not None

@@ -205,3 +205,29 @@ def test_the_paths_other_cpus_take(tmp_path, march):
             ref = _reference(q[r], pool, 1, table[r], n, 7, 0.125)
             err = (out[r].double() - ref).abs().max().item()
             assert err <= 2.0**-8 * max(1.0, ref.abs().max().item()) + 1e-6, (kind, r, err)
+
+
+def test_heads_the_kernel_does_not_take_gather_from_the_8bit_pool():
+    """16 query heads per KV head (over the C kernel's 8): decode rows over an int8 pool fall
+    back to the gather path with its masks, built for the step when first needed, and agree
+    with float64 attention over the stored values (bfloat16 scores there: 3e-2)."""
+    from splitserve.engine.attention.torch_backend import TorchAttentionBackend
+    from splitserve.engine.forward_batch import build_forward_batch
+
+    hkv, hq, d = 2, 32, 16
+    pool, table = _filled("int8", hkv, d, layers=1)
+    rows = [1, 4]  # lengths 5 and 40: each row's new token is its last stored one
+    backend = TorchAttentionBackend()
+    lens = [LENS[r] - 1 for r in rows]
+    pages = [table[r, : pages_for(LENS[r], PAGE)].tolist() for r in rows]
+    batch = build_forward_batch([[1]] * len(rows), lens, pages, PAGE, [], "cpu", seq_ids=rows)
+    meta = backend.prepare(batch, pool, None)
+    assert meta.decode_in_pool and meta.decode_biases is None
+    q = torch.randn(len(rows), hq, d).bfloat16()
+    # the new tokens' K/V: what the pool holds at their position (the step writes them again)
+    k = torch.stack([_stored(pool, 0, 0, table[r], LENS[r])[-1] for r in rows]).bfloat16()
+    v = torch.stack([_stored(pool, 0, 1, table[r], LENS[r])[-1] for r in rows]).bfloat16()
+    out = backend.forward(q, k, v, 0, meta, pool, d**-0.5)
+    for i, r in enumerate(rows):
+        ref = _reference(q[i], pool, 0, table[r], LENS[r], None, d**-0.5)
+        assert torch.allclose(out[i].double(), ref, atol=3e-2, rtol=3e-2), r
