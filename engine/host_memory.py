@@ -11,7 +11,7 @@ Linux grants them per range on request (``madvise(MADV_HUGEPAGE)``, honoured in 
 ``madvise`` mode of ``/sys/kernel/mm/transparent_hugepage/enabled``) to memory not yet touched.
 So the buffer is a fresh anonymous mapping of its own, not memory from the allocator's heap,
 which a long-lived process may have touched already; it is advised, then written once, so all
-of it is committed at start as ``torch.zeros`` did (a pool larger than the memory there is
+of it is committed at start as ``torch.zeros`` did (a pool larger than the memory available
 fails at start, not under load later). Where the advice is refused (another OS, THP off) the
 buffer is the same, on small pages.
 """
