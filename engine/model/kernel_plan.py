@@ -1,11 +1,15 @@
 """Which kernel runs a decode step's matrix products, chosen by timing them on this machine.
 
 Our C products (``gemv.c`` at 1-2 rows, the AVX512-BF16 register tiles of ``gemm_bf16.c`` from
-3 rows) beat oneDNN on CPUs without AMX (Zen 4: 1.7-2x at 4-8 rows, 1.2x at 32), and lose to
-oneDNN's AMX kernels on Sapphire/Emerald Rapids from a few rows on (measured here: 3.7x slower
-at 32 rows). Nothing but a measurement tells which machine one is on, so at start-up the worker
-times both on the model's own packed weights, at the row counts a decode step can have, and
-keeps the C products for steps of at most :attr:`ProductPlan.layer_rows` rows (the decoder
+3 rows, the AMX tiles of ``gemm_amx.c`` at every row count where the CPU has them; int8 weights:
+``gemm_w8.c``) beat oneDNN on CPUs without AMX (Zen 4: 1.7-2x at 4-8 rows, 1.2x at 32); on
+Sapphire/Emerald Rapids the AVX-512 tiles lost to oneDNN's AMX kernels from a few rows on
+(3.7x slower at 32 rows) until ours ran on AMX too. Nothing but a measurement tells which
+machine one is on, so at start-up the worker times both on the model's own packed weights,
+every layer's in turn as a step reads them (one layer's timed again and again sits in the
+cache, which flatters the kernel that reads more bytes: oneDNN's bfloat16 copy against the int8
+weights, measured 1.4x off at 32 rows on the AMX Xeon), at the row counts a decode step can
+have, and keeps the C products for steps of at most :attr:`ProductPlan.layer_rows` rows (the decoder
 layers' products, and the fused one-call decode path, which uses them) and
 :attr:`ProductPlan.head_rows` rows (the vocab projection): the row limits
 (:meth:`ProductPlan.limits`) by which the step planner, ``engine.step_plan``, picks each step's
@@ -56,7 +60,8 @@ logger = logging.getLogger(__name__)
 
 # Row counts a decode step is timed at (the scheduler's steps have any count up to max_running).
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-REPEATS = 7  # timed calls per (bucket, kernel); the fastest is kept
+REPEATS = 5  # timed calls per (bucket, kernel), each a whole step's products; the fastest is kept
+PLAN_VERSION = 2  # in the cache key: 2 times every layer's weights and credits the fused path
 KERNEL_CHOICES = ("auto", "c", "torch")  # or a plan file's path
 
 
@@ -65,7 +70,9 @@ class ProductPlan:
     """C products for decode steps of at most ``layer_rows`` rows in the decoder layers and
     ``head_rows`` in the vocab projection; oneDNN above (0: never C). ``table``: the timings
     it came from, ``(rows, layers C, layers oneDNN, head C, head oneDNN)`` in microseconds per
-    step (every layer's products), empty when forced. ``source`` says where it came from."""
+    step (every layer's products), empty when forced. ``fused_credit_us``: what C products
+    were credited per step against oneDNN in the layers' comparison (:data:`FUSED_CREDIT_US`
+    per layer where the model has fused decode layers). ``source`` says where it came from."""
 
     layer_rows: int
     head_rows: int
@@ -76,6 +83,7 @@ class ProductPlan:
     w4_layer_rows: int = NO_LIMIT
     w4_table: tuple[tuple[int, float, float], ...] = ()
     load: float = 0.0  # 1-minute load average per usable core when timed (0: not timed)
+    fused_credit_us: float = 0.0
 
     @property
     def disturbed(self) -> bool:
@@ -122,12 +130,21 @@ class ProductPlan:
             w4 = tuple(tuple(row[:3]) for row in d.get("w4_table", ()))
             return cls(int(d["layer_rows"]), int(d["head_rows"]), source, table,  # type: ignore[arg-type]
                        int(d.get("w4_layer_rows", NO_LIMIT)), w4,  # type: ignore[arg-type]
-                       load=float(d.get("load", 0.0)))
+                       load=float(d.get("load", 0.0)),
+                       fused_credit_us=float(d.get("fused_credit_us", 0.0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a kernel plan: {exc}") from exc
 
 
 TIE = 1.05  # C within 5% of oneDNN counts as a win: the fused one-call path needs C products
+# What the fused one-call decode layers save per layer and step against the per-op path (its
+# ~10 Python-level calls, allocations and ctypes calls per layer), credited to the C column of
+# the decoder layers when the model has fused layers: measured on the AMX Xeon (family 6
+# model 167, 2 threads) as 210-250 us per layer at batch 32-48 (``bench/quant_decode_step.py
+# --configs int8 int8:unfused``: 31.9 vs 38.3 ms over 30 layers); taken lower so that only a
+# near tie tips. With it the plan's crossovers there match the whole step's (C up to ~12 rows
+# in bfloat16, ~32-48 with int8 weights).
+FUSED_CREDIT_US = 150.0
 # Load average per core above which a timing is not trusted from the cache. Plans timed at 5-14
 # per core (eight jobs on two cores) were off by 100x; the load a launch itself makes (its other
 # workers starting) stays near 1 per core.
@@ -170,53 +187,72 @@ def _best_pair_us(a: Callable[[], object], b: Callable[[], object]) -> tuple[flo
 
 
 def measure(model: torch.nn.Module, max_rows: int) -> ProductPlan:
-    """Time one decoder layer's products (scaled to every layer) and the LM head, C against
-    oneDNN, at each bucket up to ``max_rows``, on the model's packed weights, with the current
-    torch thread count. Stops once C has lost at two buckets in a row for both groups."""
-    layer = [m for m in model.layers[0].modules() if isinstance(m, Linear)]  # type: ignore[attr-defined]
-    num_layers = len(model.layers)  # type: ignore[attr-defined]
+    """Time every decoder layer's products (each layer's own weights, in order, as a step
+    reads them) and the LM head, C against oneDNN, at each bucket up to ``max_rows``, on the
+    model's packed weights, with the current torch thread count; the C column of the layers is
+    credited :data:`FUSED_CREDIT_US` per layer where the model has fused decode layers (which
+    run only on C products). Stops once C has lost at two buckets in a row for both groups."""
+    layers = [[m for m in layer.modules() if isinstance(m, Linear)]
+              for layer in model.layers]  # type: ignore[attr-defined]
+    credit = FUSED_CREDIT_US * len(layers) if _has_fused_layers(model) else 0.0
     head = model.head  # type: ignore[attr-defined]
     buckets = tuple(b for b in BUCKETS if b <= max_rows)
     gen = torch.Generator().manual_seed(0)
-    int4 = all(m.int4 is not None and m.int4.torch_packed is not None for m in layer)
-    table, w4_table = [], []
+    int4 = all(m.int4 is not None and m.int4.torch_packed is not None for m in layers[0])
+    table, w4_table, fairs = [], [], []
     losses = 0
     for rows in buckets:
-        xs = [torch.randn(rows, m.weight.shape[1], generator=gen).bfloat16() for m in layer]
+        xs = [torch.randn(rows, m.weight.shape[1], generator=gen).bfloat16() for m in layers[0]]
         h = torch.randn(rows, head.weight.shape[1], generator=gen).bfloat16()
 
         def layer_c(xs=xs) -> None:
-            for m, x in zip(layer, xs):
-                m.c_product(x)  # bfloat16 or int8 weights (--quantization)
+            for layer in layers:
+                for m, x in zip(layer, xs):
+                    m.c_product(x)  # bfloat16 or int8 weights (--quantization)
 
         def layer_onednn(xs=xs) -> None:
-            for m, x in zip(layer, xs):
-                packed_linear(x, m.packed, m.bias)
+            for layer in layers:
+                for m, x in zip(layer, xs):
+                    packed_linear(x, m.packed, m.bias)
 
-        lc, lo = (t * num_layers for t in _best_pair_us(layer_c, layer_onednn))
+        lc, lo = _best_pair_us(layer_c, layer_onednn)
+        fair = lc - credit  # what C costs the step against oneDNN's per-op path
         hc, ho = _best_pair_us(lambda h=h: head.c_product(h),
                                lambda h=h: packed_linear(h, head.packed, None))
         if int4:  # c_product ran ours (Product.C); now ours against torch's int4 kernel
 
             def layer_t4(xs=xs) -> None:
-                for m, x in zip(layer, xs):
-                    torch_int4_mm(x, m.int4.torch_packed, m.int4.torch_sz, m.bias)
+                for layer in layers:
+                    for m, x in zip(layer, xs):
+                        torch_int4_mm(x, m.int4.torch_packed, m.int4.torch_sz, m.bias)
 
-            l4, lt = (t * num_layers for t in _best_pair_us(layer_c, layer_t4))
+            l4, lt = _best_pair_us(layer_c, layer_t4)  # ours fuses, torch's int4 kernel not
             w4_table.append((rows, l4, lt))
             lc = min(lc, lt)  # the layers' C column: the faster int4 kernel (the head is int8)
+            fair = min(l4 - credit, lt)  # ours fuses, torch's int4 kernel does not
         table.append((rows, lc, lo, hc, ho))
-        losses = losses + 1 if (lc > lo * TIE and hc > ho * TIE) else 0
+        fairs.append(fair)
+        losses = losses + 1 if (fair > lo * TIE and hc > ho * TIE) else 0
         if losses == 2:
             break
     timed = tuple(r for r, *_ in table)
-    layer_rows = crossover([t[1] for t in table], [t[2] for t in table], timed)
+    layer_rows = crossover(fairs, [t[2] for t in table], timed)
     head_rows = crossover([t[3] for t in table], [t[4] for t in table], timed)
     if not int4:
-        return ProductPlan(layer_rows, head_rows, "measured", tuple(table))
-    w4_layer = crossover([t[1] for t in w4_table], [t[2] for t in w4_table], timed)
+        return ProductPlan(layer_rows, head_rows, "measured", tuple(table),
+                           fused_credit_us=credit)
+    # Ours fuses, torch's int4 kernel does not: ours is credited against it as well.
+    w4_layer = crossover([t[1] - credit for t in w4_table], [t[2] for t in w4_table], timed)
     return ProductPlan(layer_rows, head_rows, "measured", tuple(table),
-                       NO_LIMIT if w4_layer == timed[-1] else w4_layer, tuple(w4_table))
+                       NO_LIMIT if w4_layer == timed[-1] else w4_layer, tuple(w4_table),
+                       fused_credit_us=credit)
+
+
+def _has_fused_layers(model: torch.nn.Module) -> bool:
+    """Whether C products bring the fused one-call decode layers with them: switched on and
+    offered by the family (built once packed); the attention backend is not known here."""
+    return bool(getattr(model, "fused_decode", False)) and \
+        getattr(model, "fused_layers", None) is not None
 
 
 def _cache_key(model: torch.nn.Module, max_rows: int) -> str:
@@ -236,7 +272,8 @@ def _cache_key(model: torch.nn.Module, max_rows: int) -> str:
              str(getattr(model.head.kernels, "library_path", "")), str(shapes),  # type: ignore[attr-defined]
              str((model.head.out_features, model.head.in_features)),  # type: ignore[attr-defined]
              str(model.head.int8 is not None),  # type: ignore[attr-defined]
-             str(len(model.layers)), str(max_rows)]  # type: ignore[attr-defined]
+             str(len(model.layers)), str(max_rows), f"plan v{PLAN_VERSION}",
+             str(_has_fused_layers(model))]  # type: ignore[attr-defined]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
