@@ -29,6 +29,7 @@ def load_or_fail() -> CpuKernels | None:
 # The CPU flags each C kernel is compiled for (``-march=native``; the ``#if`` of its source).
 BF16_KERNEL_FLAGS = ("avx512_bf16",)  # gemm_bf16.c, extend_attention.c, decode_attention.c
 VNNI_KERNEL_FLAGS = ("avx512_vnni", "avx512bw")  # gemm_w8.c, gemm_w4.c
+AMX_KERNEL_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")  # gemm_amx.c
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:

@@ -12,7 +12,13 @@ import torch
 from splitserve.engine.kernels.cpu.bindings import SKINNY_MAX_ROWS, CpuKernels
 from splitserve.engine.model.layers import Linear, can_pack
 from splitserve.engine.step_plan import product_for
-from tests.cpu_kernels import BF16_KERNEL_FLAGS, cpu_flags, load_or_fail, require_kernel
+from tests.cpu_kernels import (
+    AMX_KERNEL_FLAGS,
+    BF16_KERNEL_FLAGS,
+    cpu_flags,
+    load_or_fail,
+    require_kernel,
+)
 
 kernels = load_or_fail()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the kernel is off")
@@ -162,6 +168,55 @@ def test_gemm_tiles_match_float32_reference(n, k, bias) -> None:
             assert all(torch.equal(o, outs[0]) for o in outs)
     finally:
         torch.set_num_threads(before)
+
+
+@require_kernel(kernels, kernels is not None and kernels.has_amx, AMX_KERNEL_FLAGS,
+                "AMX bfloat16 tiles (gemm_amx.c)")
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 64), (960, 576), (576, 1536), (4112, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_tiles_match_float32_reference(n, k, bias) -> None:
+    """``gemm_amx.c`` on ``gemm_bf16.c``'s packed weight: every row count that fills one or
+    two row tiles, or leaves a tail (1-16, 17-32, 33+), an odd count of column blocks (its
+    last pair has one), strided rows; within one bfloat16 rounding of the float32 reference,
+    the same bits at 1 and 2 threads, and the decode product (``decode_linear_bf16``, which
+    the fused layers call too) is this kernel wherever it runs."""
+    torch.manual_seed(n * 5 + k)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    packed = CpuKernels.pack_decode(w)
+    assert kernels is not None
+    before = torch.get_num_threads()
+    try:
+        for rows in (1, 2, 3, 15, 16, 17, 31, 32, 33, 48, 64, 100, 128):
+            x = torch.randn(rows, k + 5).to(torch.bfloat16)[:, 3 : 3 + k]  # strided rows
+            ref = x.float() @ w.float().T + (0 if b is None else b.float())
+            outs = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                out = kernels.linear_amx(x, packed, b)
+                assert out is not None
+                assert bool(((out.float() - ref).abs() <= tile_tolerance(x, w, ref)).all()), rows
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1])
+            assert torch.equal(kernels.linear_decode(x, packed, b), outs[0])
+    finally:
+        torch.set_num_threads(before)
+
+
+@require_kernel(kernels, kernels is not None and kernels.has_amx, AMX_KERNEL_FLAGS,
+                "AMX bfloat16 tiles (gemm_amx.c)")
+def test_amx_refuses_k_not_a_multiple_of_32_and_the_decode_product_falls_back() -> None:
+    """K = 37 does not fill an AMX tile row: the kernel refuses it (None) and the decode
+    product takes the AVX512_BF16 tiles (from 3 rows) or the skinny stream, bit for bit."""
+    w = torch.randn(80, 37).to(torch.bfloat16)
+    packed = CpuKernels.pack_decode(w)
+    assert kernels is not None
+    for rows in (1, 2, 3, 8):
+        x = torch.randn(rows, 37).to(torch.bfloat16)
+        assert kernels.linear_amx(x, packed, None) is None
+        fallback = (kernels.linear_skinny(x, packed, None) if rows <= 2
+                    else kernels.linear_gemm(x, packed, None))
+        assert torch.equal(kernels.linear_decode(x, packed, None), fallback)
 
 
 @pytest.mark.skipif(kernels is None or set(BF16_KERNEL_FLAGS) <= cpu_flags(),

@@ -57,12 +57,19 @@ class CpuKernels(PoolKernels):
         self._gemm = lib.gemm_packed_bf16_blocked
         self._gemm.restype = ctypes.c_int
         self._gemm.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, ctypes.c_int]
+        self._amx = lib.gemm_amx_bf16
+        self._amx.restype = ctypes.c_int
+        self._amx.argtypes = list(self._gemv.argtypes)
+        self.has_amx = bool(lib.gemm_amx_bf16_available())  # AMX-BF16 tiles, granted by Linux
         self._decode_linear = lib.decode_linear_bf16
         self._decode_linear.restype = ctypes.c_int
         self._decode_linear.argtypes = list(self._gemv.argtypes)
         self._w8 = lib.gemm_w8_bf16
         self._w8.restype = ctypes.c_int
         self._w8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr]
+        self._w8_vnni = lib.gemm_w8_bf16_vnni
+        self._w8_vnni.restype = ctypes.c_int
+        self._w8_vnni.argtypes = list(self._w8.argtypes)
         self.has_w8 = bool(lib.gemm_w8_available())  # AVX512-VNNI int8 weight products
         self._w4 = lib.gemm_w4_bf16
         self._w4.restype = ctypes.c_int
@@ -169,8 +176,10 @@ class CpuKernels(PoolKernels):
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """``x @ W.T + bias`` for a decode step of at most :attr:`decode_max_rows` rows: the
-        skinny stream at 1-2 rows, the AVX512_BF16 tiles from 3 (``decode_linear_bf16``, which
-        the fused decode path calls too, so both paths give the same bits).
+        AMX tiles at any row count where the CPU has them and K is a multiple of 32
+        (:meth:`linear_amx`), else the skinny stream at 1-2 rows and the AVX512_BF16 tiles from
+        3 (``decode_linear_bf16``, which the fused decode path calls too, so both paths give the
+        same bits).
 
         Args:
             x: ``[M, K]`` bfloat16, ``1 <= M <= decode_max_rows``, last dim contiguous.
@@ -187,13 +196,14 @@ class CpuKernels(PoolKernels):
 
     def linear_w8(
         self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-        bias: torch.Tensor | None,
+        bias: torch.Tensor | None, vnni_only: bool = False,
     ) -> torch.Tensor:
         """``x @ (s * Q).T + bias`` on int8 weights with a scale per row and block of 32
-        (``gemm_w8.c``, AVX512-VNNI;
-        check :attr:`has_w8`): ``x`` is quantized per row and group of 32 to int8 inside
-        (``x_quant.h``), each group's sum is an exact integer, scaled and added in float32,
-        rounded to bfloat16 once.
+        (``gemm_w8.c``, AVX512-VNNI, or AMX-INT8 tiles where the CPU has them, ``gemm_amx.c``,
+        with the same bits; check :attr:`has_w8`): ``x`` is quantized per row and group of 32
+        to int8 inside (``x_quant.h``), each group's sum is an exact integer, scaled and added
+        in float32, rounded to bfloat16 once. ``vnni_only``: never the AMX tiles (the
+        reference the tests hold them to).
 
         Args:
             x: ``[M, K]`` bfloat16, ``M >= 1``, last dim contiguous (rows may be strided).
@@ -213,7 +223,7 @@ class CpuKernels(PoolKernels):
         m, k = x.shape
         n = packed.shape[0] * 16
         y = torch.empty(m, n, dtype=torch.bfloat16)
-        rc = self._w8(
+        rc = (self._w8_vnni if vnni_only else self._w8)(
             x.data_ptr(), x.stride(0), m, packed.data_ptr(), scales.data_ptr(),
             None if bias is None else bias.data_ptr(), n, k, y.data_ptr(),
         )
@@ -303,6 +313,28 @@ class CpuKernels(PoolKernels):
             x.data_ptr(), x.stride(0), m, packed.data_ptr(),
             None if bias is None else bias.data_ptr(), n, k, y.data_ptr(), blocking,
         )
+        return y if rc == 0 else None
+
+    def linear_amx(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """``x @ W.T + bias`` on AMX tiles (``gemm_amx.c``; check :attr:`has_amx`), on the
+        same packed weight as :meth:`linear_gemm`, K a multiple of 32.
+
+        Args:
+            x: ``[M, K]`` bfloat16, ``M >= 1``, last dim contiguous (rows may be strided).
+            packed: ``W`` from :meth:`pack_decode`.
+            bias: ``[N]`` bfloat16 or None.
+
+        Returns:
+            ``[M, N]`` bfloat16: float32 sums in K order (plus the bias) rounded to nearest
+            even once; None where the kernel does not run (no AMX, or K not a multiple of 32).
+        """
+        m, k = x.shape
+        n = packed.shape[0] * 16
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        rc = self._amx(x.data_ptr(), x.stride(0), m, packed.data_ptr(),
+                       None if bias is None else bias.data_ptr(), n, k, y.data_ptr())
         return y if rc == 0 else None
 
     def lora_sgmv(

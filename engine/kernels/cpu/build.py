@@ -41,6 +41,7 @@ SOURCES = (
     "extend_attention.c",
     "gemv.c",
     "gemm_bf16.c",
+    "gemm_amx.c",
     "kv_append.c",
     "elementwise.c",
     "greedy.c",

@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #include "x_quant.h"
 
 /* Tile shape measured on Zen 5 (one core, SmolLM2's gate_up at 32 rows; bench/quant_matmul.py):
@@ -39,6 +40,7 @@
  * stream, the hardware prefetcher does better alone: a step's products 2.9 against 3.35 ms
  * (bench/quant_matmul.py, Zen 5). */
 #define W8_PF_LINES 16
+#define W8_AMX_MIN_ROWS 16 /* below, the VNNI tiles win (memory-bound rows; the AMX epilogue per group costs) */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -125,8 +127,9 @@ static void block_w8(int nv, const int8_t *xq, int64_t xs, const float *xscale,
  * 16, 4] uint8 and ws [n_out / 16, ceil(k / 32), 16] float32 scales (see above); bias [n_out]
  * bfloat16 or NULL; y [m, n_out] bfloat16 contiguous. Returns 0, -1 out of memory, -2 for n_out
  * not a multiple of 16 or a build without AVX512-VNNI (callers keep their torch path). */
-int gemm_w8_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *wq,
-                 const float *ws, const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y) {
+static int w8_products(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *wq,
+                       const float *ws, const uint16_t *bias, int64_t n_out, int64_t k,
+                       uint16_t *y, int amx) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (n_out % 16 != 0 || m < 1 || k < 1) return -2;
     int64_t groups = (k + XQ_GROUP - 1) / XQ_GROUP, xs = groups * XQ_GROUP;
@@ -139,6 +142,13 @@ int gemm_w8_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *
     }
     quantize_x_groups(x, x_stride, m, k, groups, xq, xscale, xoff);
     for (int64_t i = 0; i < m * groups; i++) xoff[i] *= -128; /* the U = Q + 128 offset */
+    /* From W8_AMX_MIN_ROWS rows, AMX-INT8 tiles where the CPU has them (gemm_amx.c: the same
+     * integer sums and float operations, so the same bits). */
+    if (amx && m >= W8_AMX_MIN_ROWS &&
+        gemm_amx_w8(xq, xs, xscale, xoff, groups, m, wq, ws, bias, n_out, y) == 0) {
+        free(xq), free(xscale), free(xoff);
+        return 0;
+    }
     int64_t ps = xs * 16; /* bytes per 16-column block */
     /* One row reads the weights once and multiplies little: a tile of one 16-column vector
      * makes each thread one sequential stream (a SmolLM2 step's products, two threads, Zen 5:
@@ -159,9 +169,22 @@ int gemm_w8_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *
     return 0;
 #else
     (void)x, (void)x_stride, (void)m, (void)wq, (void)ws, (void)bias, (void)n_out, (void)k;
-    (void)y;
+    (void)y, (void)amx;
     return -2;
 #endif
+}
+
+int gemm_w8_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *wq,
+                 const float *ws, const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y) {
+    return w8_products(x, x_stride, m, wq, ws, bias, n_out, k, y, 1);
+}
+
+/* gemm_w8_bf16 on the AVX512-VNNI tiles only (never AMX): the reference the AMX path's bits
+ * are tested against, and a benchmark's baseline. */
+int gemm_w8_bf16_vnni(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *wq,
+                      const float *ws, const uint16_t *bias, int64_t n_out, int64_t k,
+                      uint16_t *y) {
+    return w8_products(x, x_stride, m, wq, ws, bias, n_out, k, y, 0);
 }
 
 /* 1 when this build has the kernel (AVX512-VNNI), else 0. */

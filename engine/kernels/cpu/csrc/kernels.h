@@ -14,6 +14,12 @@ int gemv_packed_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint1
 int gemm_packed_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *wp,
                      const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y);
 int gemm_packed_bf16_available(void);
+int gemm_amx_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *wp,
+                  const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y);
+int gemm_amx_bf16_available(void);
+int gemm_amx_w8(const int8_t *xq, int64_t xs, const float *xscale, const int32_t *xoff,
+                int64_t groups, int64_t m, const uint8_t *wq, const float *ws,
+                const uint16_t *bias, int64_t n_out, uint16_t *y);
 int decode_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *wp,
                        const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y);
 int gemm_w8_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *wq,
