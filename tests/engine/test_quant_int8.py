@@ -18,7 +18,7 @@ from splitserve.engine.model.quant import (
     quantize_int8,
     quantize_int8_groups,
 )
-from tests.cpu_kernels import VNNI_KERNEL_FLAGS, load_or_fail, require_kernel
+from tests.cpu_kernels import AMX_KERNEL_FLAGS, VNNI_KERNEL_FLAGS, load_or_fail, require_kernel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -126,6 +126,29 @@ def test_w8_rows_are_independent_of_the_batch() -> None:
     for r in range(9):
         alone = KERNELS.linear_w8(x[r : r + 1], packed.packed, packed.scales, None)
         assert torch.equal(batch[r : r + 1], alone)
+
+
+@require_kernel(KERNELS, KERNELS is not None and KERNELS.has_amx and KERNELS.has_w8,
+                AMX_KERNEL_FLAGS + VNNI_KERNEL_FLAGS, "AMX-INT8 weight products (gemm_amx.c)")
+@pytest.mark.parametrize("n,k", [(48, 96), (3072, 576), (576, 1536), (80, 37)])
+def test_w8_on_amx_tiles_has_the_vnni_bits(n, k) -> None:
+    """From 16 rows the int8 product runs on AMX-INT8 tiles: the same exact group sums and
+    float operations as the VNNI tiles, so the same bits, at row counts that fill one or two
+    row tiles or leave a tail, an odd count of column blocks, K not a multiple of 32, strided
+    rows, a bias; and every row equals itself computed alone (one row: the VNNI tiles)."""
+    gen = torch.Generator().manual_seed(n + k)
+    q, s = quantize_int8_groups(torch.randn(n, k, generator=gen) * 0.05)
+    packed = Int8Weight(q, s)
+    b = torch.randn(n, generator=gen).bfloat16()
+    for m in (16, 17, 31, 32, 33, 64, 100):
+        x = (torch.randn(m, k + 5, generator=gen) * 3).bfloat16()[:, 2 : 2 + k]
+        x[m // 2] *= 100
+        amx = KERNELS.linear_w8(x, packed.packed, packed.scales, b)
+        vnni = KERNELS.linear_w8(x, packed.packed, packed.scales, b, vnni_only=True)
+        assert torch.equal(amx, vnni), m
+        for r in (0, m // 2, m - 1):
+            alone = KERNELS.linear_w8(x[r : r + 1], packed.packed, packed.scales, b)
+            assert torch.equal(amx[r : r + 1], alone), (m, r)
 
 
 # --- the model: float32 int8 equals transformers with the de-quantized weights --------------
