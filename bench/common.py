@@ -156,20 +156,23 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def launch_fields(value: str, num_speculative_tokens: int) -> tuple[str, str, dict[str, Any]]:
-    """``MODE[:int8|:int4][:ngram]`` -> ``(mode, target name, config fields)``: the weights'
-    ``quantization`` and, with ``:ngram``, n-gram speculative decoding of
+    """``MODE[:int8|:int4][:kv8][:ngram]`` -> ``(mode, target name, config fields)``: the
+    weights' ``quantization``; with ``:kv8``, the KV cache in int8 (``kv_cache_dtype``, as
+    OpenVINO keeps it on the CPU by default); with ``:ngram``, n-gram speculative decoding of
     ``num_speculative_tokens`` drafts.
 
     Raises:
         ValueError: an option other than those.
     """
     mode, *options = value.split(":")
-    unknown = set(options) - {"int8", "int4", "ngram"}
+    unknown = set(options) - {"int8", "int4", "kv8", "ngram"}
     if unknown:
         raise ValueError(f"--launch {value}: unknown option(s) {sorted(unknown)}")
     fields: dict[str, Any] = {
         "quantization": next((o for o in options if o in ("int8", "int4")), "none")
     }
+    if "kv8" in options:
+        fields["kv_cache_dtype"] = "int8"
     if "ngram" in options:
         fields["speculative"] = "ngram"
         fields["num_speculative_tokens"] = num_speculative_tokens

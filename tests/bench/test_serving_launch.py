@@ -1,4 +1,4 @@
-"""bench/serving.py's ``--launch MODE[:int8|:int4][:ngram]`` becomes the cluster's config fields."""
+"""bench/serving.py's ``--launch MODE[:int8|:int4][:kv8][:ngram]`` becomes the cluster's config fields."""
 
 from __future__ import annotations
 
@@ -26,6 +26,13 @@ def test_quantization_and_ngram_options_become_config_fields():
     config = ServeConfig.from_fields(model="m", colocated=False, **fields)
     assert config.engine.speculative == "ngram"
     assert config.engine.num_speculative_tokens == 3
+
+
+def test_kv8_option_is_an_int8_kv_cache():
+    mode, name, fields = launch_fields("colocated:int8:kv8", 4)
+    assert (mode, name) == ("colocated", "splitserve colocated int8 kv8")
+    assert fields == {"quantization": "int8", "kv_cache_dtype": "int8"}
+    assert ServeConfig.from_fields(model="m", **fields).engine.kv_cache_dtype == "int8"
 
 
 def test_unknown_option_is_refused():
