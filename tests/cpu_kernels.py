@@ -30,6 +30,8 @@ def load_or_fail() -> CpuKernels | None:
 BF16_KERNEL_FLAGS = ("avx512_bf16",)  # gemm_bf16.c, extend_attention.c, decode_attention.c
 VNNI_KERNEL_FLAGS = ("avx512_vnni", "avx512bw")  # gemm_w8.c, gemm_w4.c
 AMX_KERNEL_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")  # gemm_amx.c
+# oneDNN's packed bfloat16 linear (``layers.can_pack``): either set (not on AVX2-only CPUs).
+ONEDNN_PACK_FLAG_SETS = (("avx512bw", "avx512vl", "avx512dq"), ("avx_ne_convert",))
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -44,6 +46,34 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+def onednn_packs_bf16() -> bool:
+    """Whether this CPU's flags (read here) let oneDNN pack bfloat16 weights; where they do,
+    ``layers.can_pack`` must say so too (the tests that use this assert it)."""
+    flags = cpu_flags()
+    return any(all(f in flags for f in needed) for needed in ONEDNN_PACK_FLAG_SETS)
+
+
+def require_onednn_pack() -> pytest.MarkDecorator:
+    """A mark for tests of oneDNN's packed bfloat16 copies: skip only where the CPU lacks the
+    flags (:data:`ONEDNN_PACK_FLAG_SETS`, e.g. AVX2-only AMD Zen 3); where it has them,
+    ``layers.can_pack`` must agree, else the module fails at collection.
+
+    Raises:
+        pytest.fail.Exception: the CPU has the flags but ``can_pack`` says no.
+    """
+    import torch
+
+    from splitserve.engine.model.layers import can_pack
+
+    if not onednn_packs_bf16():
+        return pytest.mark.skip(reason="this CPU lacks AVX-512 BW/VL/DQ and AVX-NE-CONVERT "
+                                "(oneDNN packs no bfloat16 weight)")
+    if not can_pack(torch.empty(1, 1, dtype=torch.bfloat16)):
+        pytest.fail("the CPU's flags allow oneDNN's bfloat16 packing but can_pack says no",
+                    pytrace=False)
+    return pytest.mark.skipif(False, reason="")
 
 
 def require_kernel(kernels: CpuKernels | None, available: bool, flags: tuple[str, ...],

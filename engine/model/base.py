@@ -26,7 +26,7 @@ from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.model.config import ModelConfig
 from splitserve.engine.model.fused_decode import FusedDecodeLayers
 from splitserve.engine.model.kernel_plan import ProductPlan
-from splitserve.engine.model.layers import Embedding, GatedMLP, Linear, LMHead, RMSNorm, can_pack
+from splitserve.engine.model.layers import Embedding, GatedMLP, Linear, LMHead, RMSNorm, is_cpu_bf16
 from splitserve.engine.model.quant_gpu import release
 from splitserve.engine.model.rope import RotaryEmbedding, StepRope
 from splitserve.engine.step_plan import Product, ProductLimits, StepPlan, StepShape, plan_step
@@ -131,11 +131,12 @@ class DecoderLM(nn.Module):
         raise NotImplementedError
 
     def pack_weights(self, use_cpu_kernels: bool = True) -> bool:
-        """Pre-pack every projection for oneDNN (CPU bfloat16 only; see ``layers.pack_weight``)
+        """Pre-pack every projection for oneDNN (CPU bfloat16 where oneDNN packs it; see
+        ``layers.can_pack``)
         and, with ``use_cpu_kernels``, for the C kernels, which then also serve the norms, RoPE
         and SiLU-multiply (``engine.kernels.cpu``). Call after the weights are loaded and the
         model is on its device. Returns whether it packed."""
-        if not can_pack(self.head.weight):
+        if not is_cpu_bf16(self.head.weight):
             return False
         for module in self.modules():
             # An untied lm_head is served by self.head, which packs its weight once, below.

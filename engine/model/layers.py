@@ -14,6 +14,7 @@ from torch import nn
 
 from splitserve.engine.kernels.cpu.bindings import CpuKernels
 from splitserve.engine.kernels.cpu.build import load_cpu_kernels
+from splitserve.engine.kernels.cpu.features import onednn_packs_bf16
 from splitserve.engine.model.quant import Int8Weight, quantize_weight_int8
 from splitserve.engine.model.quant_gpu import gpu_int4, gpu_int8, on_cuda, release
 from splitserve.engine.model.quant_int4 import Int4Weight, quantize_weight_int4, torch_int4_mm
@@ -38,12 +39,19 @@ def empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def is_cpu_bf16(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a bfloat16 tensor on the CPU: what our C decode kernels take (they
+    build on any x86-64 CPU, with AVX-512 paths where the CPU has them)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether :func:`pack_weight` applies: a bfloat16 weight on a CPU with oneDNN."""
+    """Whether :func:`pack_weight` applies: a bfloat16 weight on a CPU whose oneDNN packs it
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not on AVX2-only CPUs)."""
     return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
+        is_cpu_bf16(weight)
         and torch.backends.mkldnn.is_available()
+        and onednn_packs_bf16()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
 
@@ -62,7 +70,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 def int8_kernels(weight: torch.Tensor, use_cpu_kernels: bool = True) -> CpuKernels | None:
     """The C kernels for int8 decode products of a weight served in bfloat16 on CPU, or None
     (kernels off, not built, or no AVX512-VNNI: the de-quantized weight serves then)."""
-    if not use_cpu_kernels or not can_pack(weight):
+    if not use_cpu_kernels or not is_cpu_bf16(weight):
         return None
     kernels = load_cpu_kernels()
     return kernels if kernels is not None and kernels.has_w8 else None
@@ -70,7 +78,7 @@ def int8_kernels(weight: torch.Tensor, use_cpu_kernels: bool = True) -> CpuKerne
 
 def int4_kernels(weight: torch.Tensor, use_cpu_kernels: bool = True) -> CpuKernels | None:
     """Like :func:`int8_kernels`, for the int4 products (``gemm_w4.c``, AVX512-VNNI)."""
-    if not use_cpu_kernels or not can_pack(weight):
+    if not use_cpu_kernels or not is_cpu_bf16(weight):
         return None
     kernels = load_cpu_kernels()
     return kernels if kernels is not None and kernels.has_w4 else None
@@ -97,9 +105,9 @@ def pack_decode(
     weight: torch.Tensor, use_cpu_kernels: bool = True
 ) -> tuple[CpuKernels | None, torch.Tensor | None]:
     """The C kernels and ``weight`` packed for their decode-step products (CPU bfloat16 only,
-    where :func:`can_pack`), or ``(None, None)`` (also when ``use_cpu_kernels`` is off or the
+    where :func:`is_cpu_bf16`), or ``(None, None)`` (also when ``use_cpu_kernels`` is off or the
     kernels do not build)."""
-    if not use_cpu_kernels or not can_pack(weight) or not CpuKernels.can_pack_decode(weight):
+    if not use_cpu_kernels or not is_cpu_bf16(weight) or not CpuKernels.can_pack_decode(weight):
         return None, None
     kernels = load_cpu_kernels()
     if kernels is None:

@@ -11,7 +11,7 @@ import torch
 
 from splitserve.config import EngineConfig
 from splitserve.engine.kv_pool import KVPool
-from tests.cpu_kernels import load_or_fail
+from tests.cpu_kernels import VNNI_KERNEL_FLAGS, check_kernel, load_or_fail, require_onednn_pack
 
 pytestmark = pytest.mark.skipif(load_or_fail() is None, reason="no C compiler")
 
@@ -27,6 +27,10 @@ def test_fused_decode_layers_equal_the_per_op_path(
     from splitserve.ipc.messages import SamplingParams
     from tests.engine_core import make_core
 
+    if quantization != "none":  # without VNNI the int8/int4 weights serve de-quantized
+        kernels = load_or_fail()
+        check_kernel(kernels, kernels is not None and kernels.has_w8 and kernels.has_w4,
+                     VNNI_KERNEL_FLAGS, "int8/int4 products")
     # C products at every step size this test runs (the fused path needs them).
     # int8: the fused path calls gemm_w8.c as the per-op path does (--quantization int8).
     engine = EngineConfig(kernels="c", quantization=quantization)
@@ -72,6 +76,7 @@ def test_fused_decode_layers_equal_the_per_op_path(
     assert fused == per_op  # same tokens, bit-identical logprobs
 
 
+@require_onednn_pack()
 def test_weight_bytes_count_the_packed_copies(model_path, monkeypatch) -> None:
     """``/workers``' weight_bytes: the parameters, plus oneDNN's and the C kernels' copies of
     every projection and the LM head once packed (CPU bfloat16), which stand in for the
@@ -94,6 +99,7 @@ def test_weight_bytes_count_the_packed_copies(model_path, monkeypatch) -> None:
     assert model.weight_bytes() == plain.weight_bytes() + linear + 2 * head
 
 
+@require_onednn_pack()
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_packing_keeps_one_copy_per_path_and_an_untied_head_once(tmp_path, quantization) -> None:
     """After ``pack_weights`` no projection keeps its plain weight (the packed copies serve

@@ -259,13 +259,15 @@ def test_constrained_output_with_drafts_is_plain_constrained_output(model, token
 @pytest.fixture(scope="module")
 def bf16_model(model_path):
     """The default model in bfloat16 with the C products at every step size (``--kernels c``:
-    the fused decode layers need them), or a skip without a C compiler."""
+    the fused decode layers need them, and a verify step's rows need the AVX512_BF16 tiles
+    beyond the skinny kernel's 2 rows), or a skip without a C compiler or those CPU flags."""
     from splitserve.config import EngineConfig
     from splitserve.engine.model.loader import load_model
-    from tests.cpu_kernels import load_or_fail
+    from tests.cpu_kernels import BF16_KERNEL_FLAGS, check_kernel, load_or_fail
 
-    if load_or_fail() is None:
-        pytest.skip("no C compiler")
+    kernels = load_or_fail()
+    check_kernel(kernels, kernels is not None and kernels.has_gemm, BF16_KERNEL_FLAGS,
+                 "bfloat16 decode tiles (verify rows)")
     return load_model(model_path, dtype=torch.bfloat16, engine=EngineConfig(kernels="c"))
 
 

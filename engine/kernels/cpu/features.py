@@ -13,6 +13,13 @@ from pathlib import Path
 from splitserve.config.schema import DTYPES
 
 BF16_FLAGS = frozenset({"amx_bf16", "amx_tile", "avx512_bf16"})
+# oneDNN's packed bfloat16 linear (``mkldnn._reorder_linear_weight``) refuses CPUs without these
+# ("bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"), e.g.
+# AVX2-only AMD Zen 3.
+ONEDNN_BF16_PACK_FLAGS = (
+    frozenset({"avx512bw", "avx512vl", "avx512dq"}),
+    frozenset({"avx_ne_convert"}),
+)
 
 
 @cache
@@ -26,6 +33,13 @@ def cpu_flags() -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN's packed bfloat16 linear runs on this CPU (see ``ONEDNN_BF16_PACK_FLAGS``);
+    where it does not, bfloat16 products go through plain ``F.linear``."""
+    flags = cpu_flags()
+    return any(needed <= flags for needed in ONEDNN_BF16_PACK_FLAGS)
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> tuple[str, str]:
