@@ -318,6 +318,9 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # (config.flags.parse_cpu_affinity reads the CLI's "prefill=0 decode=1").
     cpu_affinity: dict[str, list[int]] = {}
     extra_env: dict[str, str] = {}  # added to every child's environment
+    # Workers on this host take the cores the idle ones leave, step by step (worker.core_share);
+    # only where the cores are split (no threads_per_worker, no cpu_affinity).
+    share_cores: bool = True
 
     @property
     def roles(self) -> list[str]:
@@ -390,6 +393,11 @@ class WorkerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     log_level: str = "warning"
     node: str = ""  # the node it runs on, for GET /workers (Ray: the node id; "": the hostname)
+    # The host's core-share file and this worker's byte in it (worker.core_share; "": none),
+    # and the threads the host's workers may use in all.
+    core_share: str = ""
+    core_share_slot: int = 0
+    host_threads: int = 0
 
     def check(self) -> None:
         _choice("role", self.role, WORKER_ROLE.names)

@@ -12,9 +12,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Self
 
 import msgspec
@@ -22,8 +24,15 @@ import msgspec
 from splitserve.config import ServeConfig, WorkerConfig, env
 from splitserve.config.schema import to_json
 from splitserve.ipc.sockets import free_tcp_addr
+from splitserve.worker.core_share import create_core_share
 
 logger = logging.getLogger(__name__)
+
+
+def _shm_dir() -> str | None:
+    """``/dev/shm`` where it exists (the core-share file then never touches a disk), else the
+    default temporary folder (None)."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 class ClusterError(RuntimeError):
@@ -45,6 +54,7 @@ class Cluster:
         # exits, so a restart from a short-lived thread (a supervisor, a test's fault schedule)
         # would be SIGTERMed as soon as that thread ended.
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="cluster-spawner")
+        self.core_share: Path | None = None  # the workers' core-share file (worker.core_share)
 
     def _popen(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
         return self._spawner.submit(subprocess.Popen, cmd, env=env,
@@ -104,7 +114,16 @@ class Cluster:
                 c, engine=msgspec.structs.replace(c.engine, kv_store=url))
         roles = c.cluster.roles
         per_worker = c.cluster.threads_per_worker
-        threads = per_worker or max(1, (os.cpu_count() or 1) // len(roles))
+        host_threads = os.cpu_count() or 1
+        threads = per_worker or max(1, host_threads // len(roles))
+        # Several workers splitting the cores between them: each step takes what the idle
+        # ones leave (worker.core_share). Not with fixed thread counts or pinned CPUs.
+        if (c.cluster.share_cores and not per_worker and not c.cluster.cpu_affinity
+                and len(roles) > 1 and host_threads > threads):
+            fd, name = tempfile.mkstemp(prefix="splitserve-cores-", dir=_shm_dir())
+            os.close(fd)
+            self.core_share = Path(name)
+            create_core_share(self.core_share, len(roles))
         server_inbox = free_tcp_addr()
         addrs: dict[str, list[str]] = {"prefill": [], "decode": [], "colocated": []}
         self.addrs, self.server_inbox = addrs, server_inbox
@@ -119,6 +138,10 @@ class Cluster:
                 num_threads=n, engine=c.engine, security=c.security, tracing=c.tracing,
                 log_level=c.log_level,
             )
+            if self.core_share is not None:
+                worker = msgspec.structs.replace(
+                    worker, core_share=str(self.core_share), core_share_slot=len(self.commands),
+                    host_threads=host_threads)
             self._spawn(f"{role}-{i}", ["worker", "--config-json", to_json(worker)], n)
         server = msgspec.structs.replace(c, server=msgspec.structs.replace(
             c.server, inbox=server_inbox))
@@ -204,6 +227,9 @@ class Cluster:
 
         sweep_stale_segments({proc.pid for _, proc in self.procs})
         self.procs.clear()
+        if self.core_share is not None:
+            self.core_share.unlink(missing_ok=True)
+            self.core_share = None
         if self.store is not None:  # after the workers, whose store clients leave it first
             self.store.terminate()
             try:

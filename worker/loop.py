@@ -41,6 +41,7 @@ from splitserve.ipc.sockets import PeerUnreachable
 from splitserve.kv_transfer.session import IllegalTransition
 from splitserve.worker.adapters import WorkerAdapters
 from splitserve.worker.build import kernel_report
+from splitserve.worker.core_share import CoreShare
 from splitserve.worker.heartbeat import Heartbeat, rejoin_router
 from splitserve.worker.parts import WorkerParts
 from splitserve.worker.role import WorkerRole
@@ -90,6 +91,10 @@ class Worker:
         timeout_s = self.config.engine.transfer_timeout_s
         self.step_keepalive = StepKeepalive(self.ctx, timeout_s / 3, 10 * timeout_s,
                                             configure=parts.links.configure_client)
+        # The host's cores shared step by step with its other workers (worker.core_share).
+        c = self.config
+        self.core_share = (CoreShare(c.core_share, c.core_share_slot, c.host_threads)
+                           if c.core_share else None)
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -143,6 +148,8 @@ class Worker:
         dropped in a reference cycle would end its ZeroMQ context before its sockets, which
         blocks.)"""
         self.step_keepalive.close()
+        if self.core_share is not None:
+            self.core_share.close()
         self.grammars.close()
         self.adapters.close()
         self.core.close()
@@ -185,16 +192,22 @@ class Worker:
         if self.scheduler.has_work:
             self._step()
             self.publish_kv_events()
+        elif self.core_share is not None:
+            self.core_share.idle()
 
     def _step(self) -> None:
         """One engine step; its stage stamps (``worker.tracing.stamp_step``); its outputs to
         the policy; the traces of the requests it finished here ended."""
         start = time.time()
+        if self.core_share is not None:
+            self.core_share.busy()
         self.step_keepalive.begin(self.policy.step_keepalives())
         try:
             outputs = self.core.step()
         finally:
             self.step_keepalive.end()
+        if self.core_share is not None and self.scheduler.last_num_scheduled == 0:
+            self.core_share.idle()  # waiting (for pages, for KV): leave the cores to others
         batch = self.core.last_batch
         if batch is not None:
             tracer = self.tracer

@@ -1,0 +1,110 @@
+"""The host's cores shared between its workers step by step (``worker.core_share``), and the
+launcher that sets the share up (no model, no worker process started)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from splitserve.launch.local import Cluster
+from splitserve.worker.core_share import CoreShare, create_core_share
+from tests.cluster_config import serve_config
+
+
+def _share(path: Path, slot: int, applied: list[int], host_threads: int = 2) -> CoreShare:
+    return CoreShare(path, slot, host_threads, set_threads=applied.append)
+
+
+def test_one_busy_worker_takes_every_core_and_busy_workers_split_them(tmp_path) -> None:
+    path = tmp_path / "cores"
+    create_core_share(path, 3)
+    prefill, decode, other = [], [], []
+    p, d, o = _share(path, 0, prefill), _share(path, 1, decode), _share(path, 2, other)
+    assert d.busy() == 2 and decode == [2]  # alone: both cores
+    assert d.busy() == 2 and decode == [2]  # unchanged: not applied again
+    assert p.busy() == 1 and prefill == [1]  # two busy: one core each
+    assert d.busy() == 1 and decode == [2, 1]  # decode sees it at its next step
+    assert o.busy() == 1 and p.busy_workers() == 3  # three on two cores: at least one each
+    p.idle()
+    o.idle()
+    assert d.busy() == 2 and decode == [2, 1, 2]  # the others idle again: all of them back
+    assert p.busy_workers() == 1
+    d.close()  # closing marks idle
+    assert _share(path, 0, []).busy_workers() == 0
+    p.close()
+    o.close()
+    o.close()  # twice is harmless
+
+
+def test_eight_threads_between_three_busy_workers(tmp_path) -> None:
+    path = tmp_path / "cores"
+    create_core_share(path, 3)
+    shares = [_share(path, i, [], host_threads=8) for i in range(3)]
+    assert [s.busy() for s in shares] == [8, 4, 2]  # each sees those busy before it
+    assert [s.busy() for s in shares] == [2, 2, 2]
+    for s in shares:
+        s.close()
+
+
+def test_a_slot_outside_the_file_or_no_threads_is_refused(tmp_path) -> None:
+    path = tmp_path / "cores"
+    create_core_share(path, 2)
+    with pytest.raises(ValueError, match="slot 2 outside a file of 2 slots"):
+        CoreShare(path, 2, 2)
+    with pytest.raises(ValueError, match="host_threads must be at least 1"):
+        CoreShare(path, 0, 0)
+    with pytest.raises(OSError):
+        CoreShare(tmp_path / "missing", 0, 2)
+
+
+class _Proc:
+    """A child that is already gone (the launcher's stop() only waits on it)."""
+
+    pid = 0
+
+    def poll(self) -> int:
+        return 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
+def _workers(monkeypatch, **fields) -> tuple[Cluster, dict[str, dict]]:
+    """Start a launcher that spawns nothing on a 2-core host; the worker configs it would pass."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(Cluster, "_popen", lambda self, cmd, env: _Proc())
+    monkeypatch.setattr(Cluster, "_wait_healthy", lambda self, timeout_s: None)
+    cluster = Cluster(serve_config("m", **fields)).start()
+    configs = {name: json.loads(cmd[cmd.index("--config-json") + 1])
+               for name, (cmd, _) in cluster.commands.items() if name != "api-server"}
+    return cluster, configs
+
+
+def test_the_launcher_gives_each_worker_of_a_split_host_a_slot(monkeypatch) -> None:
+    cluster, configs = _workers(monkeypatch, num_prefill=1, num_decode=2)
+    share = cluster.core_share
+    assert share is not None and share.read_bytes() == bytes(3)
+    assert {n: (c["core_share"], c["core_share_slot"], c["host_threads"], c["num_threads"])
+            for n, c in configs.items()} == {
+        "prefill-0": (str(share), 0, 2, 1),
+        "decode-0": (str(share), 1, 2, 1),
+        "decode-1": (str(share), 2, 2, 1),
+    }
+    cluster.stop()
+    assert not share.exists() and cluster.core_share is None
+
+
+@pytest.mark.parametrize("fields", [
+    {"colocated": True},  # one worker has every core already
+    {"threads_per_worker": 1},  # fixed thread counts
+    {"cpu_affinity": {"prefill": [0], "decode": [1]}},  # pinned CPUs
+    {"share_cores": False},  # --no-share-cores
+])
+def test_no_share_where_the_cores_are_not_split_or_it_is_off(monkeypatch, fields) -> None:
+    cluster, configs = _workers(monkeypatch, **fields)
+    assert cluster.core_share is None
+    assert all(c["core_share"] == "" for c in configs.values())
+    cluster.stop()
