@@ -24,7 +24,7 @@ import msgspec
 from splitserve.config import ServeConfig, WorkerConfig, env
 from splitserve.config.schema import to_json
 from splitserve.ipc.sockets import free_tcp_addr
-from splitserve.worker.core_share import create_core_share
+from splitserve.worker.core_share import clear_core_share_slot, create_core_share
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class Cluster:
         # would be SIGTERMed as soon as that thread ended.
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="cluster-spawner")
         self.core_share: Path | None = None  # the workers' core-share file (worker.core_share)
+        self.core_slots: dict[str, int] = {}  # worker name -> its byte in that file
 
     def _popen(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
         return self._spawner.submit(subprocess.Popen, cmd, env=env,
@@ -93,8 +94,13 @@ class Cluster:
         proc.wait()
 
     def restart(self, name: str) -> None:
-        """Start the process ``name`` again with its original command (same address)."""
+        """Start the process ``name`` again with its original command (same address). A worker
+        killed inside a step left its core-share byte marked busy: it is cleared first, so the
+        others do not keep running on fewer cores."""
         cmd, env = self.commands[name]
+        slot = self.core_slots.get(name)
+        if self.core_share is not None and slot is not None:
+            clear_core_share_slot(self.core_share, slot)
         new = self._popen(cmd, env)
         self.procs = [(n, new if n == name else p) for n, p in self.procs]
 
@@ -139,9 +145,10 @@ class Cluster:
                 log_level=c.log_level,
             )
             if self.core_share is not None:
+                self.core_slots[f"{role}-{i}"] = len(self.core_slots)
                 worker = msgspec.structs.replace(
-                    worker, core_share=str(self.core_share), core_share_slot=len(self.commands),
-                    host_threads=host_threads)
+                    worker, core_share=str(self.core_share),
+                    core_share_slot=self.core_slots[f"{role}-{i}"], host_threads=host_threads)
             self._spawn(f"{role}-{i}", ["worker", "--config-json", to_json(worker)], n)
         server = msgspec.structs.replace(c, server=msgspec.structs.replace(
             c.server, inbox=server_inbox))

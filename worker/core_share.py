@@ -10,7 +10,10 @@ by the workers busy at that moment (at least one). So one busy worker takes ever
 busy workers split them as before; between hosts nothing is shared.
 
 The count is read before each step, so a worker that turns busy during another's step shares
-the cores from its next step on: for at most one step the host runs more threads than cores.
+the cores from its next step on: for at most one step the host runs more threads than cores. A
+worker killed inside a step leaves its byte marked: the launcher clears it when it restarts the
+worker (and a worker that is not restarted keeps the others on their floor share, as before the
+core share).
 """
 
 from __future__ import annotations
@@ -26,6 +29,14 @@ import torch
 def create_core_share(path: Path, slots: int) -> None:
     """Create (or clear) the share file: ``slots`` zero bytes, one per worker of the host."""
     path.write_bytes(bytes(slots))
+
+
+def clear_core_share_slot(path: Path, slot: int) -> None:
+    """Mark worker ``slot`` idle from outside (the launcher, before it restarts a worker that was
+    killed inside a step and so never cleared its byte)."""
+    with open(path, "r+b") as f:
+        f.seek(slot)
+        f.write(b"\0")
 
 
 class CoreShare:

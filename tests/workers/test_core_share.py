@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.launch.local import Cluster
-from splitserve.worker.core_share import CoreShare, create_core_share
+from splitserve.worker.core_share import CoreShare, clear_core_share_slot, create_core_share
 from tests.cluster_config import serve_config
 
 
@@ -93,8 +93,25 @@ def test_the_launcher_gives_each_worker_of_a_split_host_a_slot(monkeypatch) -> N
         "decode-0": (str(share), 1, 2, 1),
         "decode-1": (str(share), 2, 2, 1),
     }
+    # decode-0 killed inside a step: its byte stays busy until the launcher restarts it.
+    survivor = CoreShare(share, 0, 2, set_threads=lambda n: None)
+    CoreShare(share, 1, 2, set_threads=lambda n: None).busy()
+    assert survivor.busy() == 1
+    cluster.restart("decode-0")
+    assert share.read_bytes() == bytes([1, 0, 0]) and survivor.busy() == 2
+    survivor.close()
     cluster.stop()
     assert not share.exists() and cluster.core_share is None
+
+
+def test_clearing_a_slot_from_outside(tmp_path) -> None:
+    path = tmp_path / "cores"
+    create_core_share(path, 2)
+    share = CoreShare(path, 1, 2, set_threads=lambda n: None)
+    share.busy()
+    clear_core_share_slot(path, 1)
+    assert share.busy_workers() == 0
+    share.close()
 
 
 @pytest.mark.parametrize("fields", [
