@@ -33,10 +33,12 @@ SEED = 0
 
 
 def default_dtype() -> tuple[str, str]:
-    """The default serving dtype on this machine and why (AMX/avx512_bf16 -> bfloat16)."""
+    """The default serving dtype on this machine and why (AMX/avx512_bf16, or avx2 with the C
+    kernels built -> bfloat16), as ``splitserve serve`` resolves it."""
+    from splitserve.engine.kernels.cpu.build import load_cpu_kernels
     from splitserve.engine.kernels.cpu.features import resolve_dtype
 
-    return resolve_dtype("auto")
+    return resolve_dtype("auto", c_kernels=load_cpu_kernels() is not None)
 
 
 def cpu_line() -> str:

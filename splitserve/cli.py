@@ -121,16 +121,19 @@ def _resolve_engine(config: ServeConfig | WorkerConfig, report: bool = False) ->
                 f"error: --device cuda, but torch {torch.__version__} sees no CUDA GPU "
                 "(a CPU build of torch, or no driver): use --device cpu"
             )
-    e.dtype, why = resolve_dtype(e.dtype, e.device)
-    if report:
-        print(f"splitserve: dtype {e.dtype} ({why})", file=sys.stderr, flush=True)
-    kernels_built = True
-    if report and e.device == "cpu" and e.cpu_kernels:
+    build = None
+    if e.device == "cpu" and e.cpu_kernels and (report or e.dtype == "auto"):
         from splitserve.engine.kernels.cpu.build import cpu_kernel_build
 
         # Built here once, before the workers start (they load the cached library): a
-        # failure is printed where the command was typed, not only in a worker's log.
+        # failure is printed where the command was typed, not only in a worker's log; and
+        # on an AVX2 CPU, dtype auto depends on it.
         build = cpu_kernel_build()
+    e.dtype, why = resolve_dtype(e.dtype, e.device, build is not None and build.kernels is not None)
+    if report:
+        print(f"splitserve: dtype {e.dtype} ({why})", file=sys.stderr, flush=True)
+    kernels_built = True
+    if report and build is not None:
         kernels_built = build.kernels is not None
         print(f"splitserve: {build.describe()}", file=sys.stderr, flush=True)
     if report and e.quantization != "none":

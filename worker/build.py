@@ -20,7 +20,7 @@ import torch
 
 from splitserve.config import EngineConfig, WorkerConfig
 from splitserve.engine.core import EngineCore
-from splitserve.engine.kernels.cpu.build import cpu_kernel_build
+from splitserve.engine.kernels.cpu.build import cpu_kernel_build, load_cpu_kernels
 from splitserve.engine.kernels.cpu.features import resolve_dtype
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.lora.manager import LoraManager
@@ -62,7 +62,9 @@ def build_parts(config: WorkerConfig, role: WorkerRole) -> WorkerParts:
     e = config.engine
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
-    dtype = resolve_dtype(e.dtype, e.device)[0]
+    c_kernels = (e.dtype == "auto" and e.device == "cpu" and e.cpu_kernels
+                 and load_cpu_kernels() is not None)  # auto on AVX2 asks (features.py)
+    dtype = resolve_dtype(e.dtype, e.device, c_kernels)[0]
     model, model_config = load_model(e.model, dtype=getattr(torch, dtype), device=e.device,
                                      engine=e)
     # What the KV handshake checks besides the pool layout (the prefill policy refuses a peer

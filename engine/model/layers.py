@@ -203,7 +203,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, product: Product) -> torch.Tensor:
         """``x [T, in]`` -> ``[T, out]`` by ``product``, the step plan's choice for the
         decoder layers (``engine.step_plan``): the C products where this module packed their
-        weight, else oneDNN's packed product, else ``F.linear`` (CUDA: the Triton kernel of a
+        weight, else oneDNN's packed product, else (no oneDNN copy: AVX2) the C product at any
+        row count, else ``F.linear`` (CUDA: the Triton kernel of a
         quantized weight, whatever ``product`` says); then the step's LoRA products, if any
         row runs under an adapter of this projection."""
         if self.gpu_weight is not None:
@@ -213,6 +214,10 @@ class Linear(nn.Module):
             y = self.c_product(x.contiguous(), product)
         elif self.packed is not None:
             y = packed_linear(x, self.packed, self.bias)
+        elif self.decode_packed is not None and self.kernels is not None and x.dim() == 2:
+            # bfloat16 where oneDNN packs nothing (AVX2): our product at any row count, 5-6x
+            # torch's emulated bfloat16 one at 32 rows (docs/performance.md, Zen 3).
+            y = self.kernels.linear_decode(x.contiguous(), self.decode_packed, self.bias)
         else:
             y = F.linear(x, self.weight, self.bias)
         return y if self.lora is None else self.lora.apply(x, y)
@@ -293,6 +298,8 @@ class LMHead:
             return self.c_product(h.contiguous()).float()
         if self.packed is not None:
             return packed_linear(h, self.packed, None).float()
+        if self.decode_packed is not None and self.kernels is not None:  # as Linear's (AVX2)
+            return self.kernels.linear_decode(h.contiguous(), self.decode_packed, None).float()
         return F.linear(h, self.weight).float()
 
 

@@ -17,6 +17,12 @@ def test_resolve_dtype(monkeypatch) -> None:
     assert cpu_features.resolve_dtype("auto") == ("bfloat16", "auto: CPU has avx512_bf16")
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2"}))
     assert cpu_features.resolve_dtype("auto")[0] == "float32"
+    # AVX2 and FMA: bfloat16 only where our C kernels serve it (gemv.c's AVX2 block).
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert cpu_features.resolve_dtype("auto")[0] == "float32"
+    assert cpu_features.resolve_dtype("auto", c_kernels=True) == (
+        "bfloat16", "auto: CPU has avx2 and fma, and the C kernels serve bfloat16 there")
+    assert cpu_features.resolve_dtype("float32", c_kernels=True)[0] == "float32"
     with pytest.raises(ValueError, match="unknown dtype"):
         cpu_features.resolve_dtype("float16")
 

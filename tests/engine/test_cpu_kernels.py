@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.kernels.cpu.bindings import SKINNY_MAX_ROWS, CpuKernels
+from splitserve.engine.kernels.cpu.bindings import GEMM_MAX_ROWS, SKINNY_MAX_ROWS, CpuKernels
 from splitserve.engine.model.layers import Linear, can_pack
 from splitserve.engine.step_plan import product_for
 from tests.cpu_kernels import (
@@ -124,7 +124,9 @@ def test_skinny_linear_matches_float32_reference(n, k, bias) -> None:
     b = torch.randn(n).to(torch.bfloat16) if bias else None
     packed = CpuKernels.pack_decode(w)
     assert kernels is not None
-    for rows in range(1, SKINNY_MAX_ROWS + 1):
+    # Up to the skinny limit, then the row groups of four (and their tails) that serve every
+    # decode step on CPUs without the AVX512_BF16 tiles.
+    for rows in [*range(1, SKINNY_MAX_ROWS + 1), 4, 5, 7, 8, 13, 32, 67]:
         x = torch.randn(rows, k + 5).to(torch.bfloat16)[:, 3 : 3 + k]  # strided rows
         out = kernels.linear_skinny(x, packed, b)
         ref = x.float() @ w.float().T + (0 if b is None else b.float())
@@ -224,7 +226,10 @@ def test_amx_refuses_k_not_a_multiple_of_32_and_the_decode_product_falls_back() 
 def test_gemm_refuses_without_avx512_bf16() -> None:
     w = CpuKernels.pack_decode(torch.randn(16, 8).to(torch.bfloat16))
     assert kernels is not None and kernels.linear_gemm(torch.ones(4, 8).bfloat16(), w, None) is None
-    assert kernels.decode_max_rows == SKINNY_MAX_ROWS
+    # Without the tiles every decode row count goes through gemv.c's row groups.
+    assert kernels.decode_max_rows == GEMM_MAX_ROWS
+    x = torch.randn(40, 8).to(torch.bfloat16)
+    assert torch.equal(kernels.linear_decode(x, w, None), kernels.linear_skinny(x, w, None))
 
 
 @pytest.mark.skipif(

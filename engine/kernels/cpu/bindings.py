@@ -79,8 +79,9 @@ class CpuKernels(PoolKernels):
         self._lora.restype = ctypes.c_int
         self._lora.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
         self.has_gemm = bool(lib.gemm_packed_bf16_available())
-        # Rows up to which linear_decode runs (beyond: oneDNN on its own packed copy).
-        self.decode_max_rows = GEMM_MAX_ROWS if self.has_gemm else SKINNY_MAX_ROWS
+        # Rows up to which linear_decode runs (beyond: oneDNN on its own packed copy, or
+        # F.linear): the tiles', or gemv.c's row groups where there are no tiles (AVX2).
+        self.decode_max_rows = GEMM_MAX_ROWS
         self.library_path = str(getattr(lib, "_name", ""))  # its build digest keys kernel plans
 
     def rms_norm(
@@ -271,10 +272,12 @@ class CpuKernels(PoolKernels):
     def linear_skinny(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """``x @ W.T + bias`` for at most :data:`SKINNY_MAX_ROWS` rows, reading ``W`` once.
+        """``x @ W.T + bias`` reading ``W`` once from memory (``gemv.c``; rows four at a time
+        per block of 16 columns): the decode product up to :data:`SKINNY_MAX_ROWS` rows, and at
+        every row count on CPUs without the AVX512_BF16 tiles.
 
         Args:
-            x: ``[M, K]`` bfloat16, ``1 <= M <= SKINNY_MAX_ROWS``, last dim contiguous.
+            x: ``[M, K]`` bfloat16, ``M >= 1``, last dim contiguous.
             packed: ``W`` from :meth:`pack_decode`.
             bias: ``[N]`` bfloat16 or None.
 

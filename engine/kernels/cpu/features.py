@@ -1,8 +1,9 @@
 """What the CPU can do fast, and the serving dtype that follows from it.
 
 ``auto`` serves in bfloat16 where ``/proc/cpuinfo`` lists AMX or AVX512-BF16 (oneDNN then runs
-bf16 matrix products natively, about twice the float32 rate for half the memory traffic), and in
-float32 elsewhere (bf16 without hardware support is emulated and slower than float32).
+bf16 matrix products natively, about twice the float32 rate for half the memory traffic), or
+AVX2 and FMA with our C kernels built (they serve every bf16 product there), and in float32
+elsewhere (torch's bf16 without hardware support is emulated and slower than float32).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from splitserve.config.schema import DTYPES
 
 BF16_FLAGS = frozenset({"amx_bf16", "amx_tile", "avx512_bf16"})
+AVX2_FLAGS = frozenset({"avx2", "fma"})  # gemv.c's AVX2 block (bfloat16 through our C kernels)
 # oneDNN's packed bfloat16 linear (``mkldnn._reorder_linear_weight``) refuses CPUs without these
 # ("bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"), e.g.
 # AVX2-only AMD Zen 3.
@@ -42,8 +44,12 @@ def onednn_packs_bf16() -> bool:
     return any(needed <= flags for needed in ONEDNN_BF16_PACK_FLAGS)
 
 
-def resolve_dtype(name: str, device: str = "cpu") -> tuple[str, str]:
-    """``(dtype, why)`` for a ``--dtype`` value: ``auto`` picks by device and CPU flags.
+def resolve_dtype(name: str, device: str = "cpu", c_kernels: bool = False) -> tuple[str, str]:
+    """``(dtype, why)`` for a ``--dtype`` value: ``auto`` picks by device and CPU flags, and on an
+    AVX2 CPU by whether our C kernels serve (``c_kernels``: on and built). There bfloat16 runs
+    through them at every step size (``gemv.c``'s AVX2 block: batch-1 decode 3.3x, 32 users 1.4x
+    float32 served on a Zen 3, docs/performance.md); without them torch emulates bfloat16 and
+    float32 is faster.
 
     Raises:
         ValueError: an unknown name.
@@ -54,7 +60,10 @@ def resolve_dtype(name: str, device: str = "cpu") -> tuple[str, str]:
         return name, "asked for"
     if device.startswith("cuda"):
         return "bfloat16", "auto: CUDA device"
-    found = sorted(cpu_flags() & BF16_FLAGS)
+    flags = cpu_flags()
+    found = sorted(flags & BF16_FLAGS)
     if found:
         return "bfloat16", f"auto: CPU has {', '.join(found)}"
-    return "float32", "auto: CPU lacks AMX/avx512_bf16"
+    if AVX2_FLAGS <= flags and c_kernels:
+        return "bfloat16", "auto: CPU has avx2 and fma, and the C kernels serve bfloat16 there"
+    return "float32", "auto: CPU lacks AMX/avx512_bf16 (and avx2 with the C kernels)"

@@ -181,12 +181,12 @@ int gemm_packed_bf16_available(void) {
  * choice, so both give the same bits): gemv.c's float32 FMA stream for 1-2 rows (memory-bound:
  * ~5-15% faster than the tiles there), from 3 rows the AMX tiles where the CPU has them and K
  * is a multiple of 32 (6-10x these tiles at 16-64 rows on Sapphire Rapids), else these tiles,
- * or gemv.c up to 3 rows without AVX512_BF16. Same arguments as gemm_packed_bf16; -2 where
- * none applies. */
+ * or gemv.c at any row count without AVX512_BF16 (AVX2 CPUs: four rows per pass over each
+ * block). Same arguments as gemm_packed_bf16; -2 where none applies. */
 int decode_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, const uint16_t *wp,
                        const uint16_t *bias, int64_t n_out, int64_t k, uint16_t *y) {
     if (m >= AMX_MIN_ROWS && gemm_amx_bf16(x, x_stride, m, wp, bias, n_out, k, y) == 0) return 0;
-    if (m <= 2 || (m == 3 && !gemm_packed_bf16_available()))
+    if (m <= 2 || !gemm_packed_bf16_available())
         return gemv_packed_bf16(x, x_stride, m, wp, bias, n_out, k, y);
     return gemm_packed_bf16(x, x_stride, m, wp, bias, n_out, k, y);
 }
