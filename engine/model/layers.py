@@ -214,8 +214,9 @@ class Linear(nn.Module):
             y = self.c_product(x.contiguous(), product)
         elif self.packed is not None:
             y = packed_linear(x, self.packed, self.bias)
-        elif self.decode_packed is not None and self.kernels is not None and x.dim() == 2:
-            # bfloat16 where oneDNN packs nothing (AVX2): our product at any row count, 5-6x
+        elif (self.decode_packed is not None and self.kernels is not None and x.dim() == 2
+              and x.shape[0] > 0):
+            # bfloat16 where oneDNN packs nothing (AVX2): our product at any row count, 5-7x
             # torch's emulated bfloat16 one at 32 rows (docs/performance.md, Zen 3).
             y = self.kernels.linear_decode(x.contiguous(), self.decode_packed, self.bias)
         else:

@@ -338,3 +338,29 @@ def test_greedy_kernel_equals_argmax_and_log_softmax() -> None:
     assert torch.allclose(logprobs, ref, atol=1e-5, rtol=1e-5)
     logits[2, 3] = float("nan")
     assert kernels.greedy(logits) is None  # the sampler keeps torch's NaN semantics
+
+
+def test_without_onednn_packing_every_row_count_takes_the_c_product(monkeypatch) -> None:
+    """Where oneDNN packs no bfloat16 weight (AVX2-only CPUs; forced here), a projection's
+    products at any row count, prefill included, go to the C kernel on its packed copy (torch's
+    emulated bfloat16 product is 5-7x slower there), and an empty step stays empty."""
+    from splitserve.engine.model import layers
+    from splitserve.engine.step_plan import Product
+
+    if kernels is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(layers, "onednn_packs_bf16", lambda: False)
+    torch.manual_seed(3)
+    lin = Linear(64, 96, True, torch.bfloat16)
+    lin.weight.data.copy_(torch.randn(96, 64))
+    lin.bias.data.copy_(torch.randn(96))
+    lin.pack()
+    assert lin.packed is None and lin.decode_packed is not None
+    for rows in (0, 1, 5, 200):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        out = lin(x, Product.TORCH)
+        assert out.shape == (rows, 96)
+        if rows:
+            assert torch.equal(out, kernels.linear_decode(x, lin.decode_packed, lin.bias))
+            ref = x.float() @ lin.weight.float().T + lin.bias.float()
+            assert torch.allclose(out.float(), ref, rtol=2**-7, atol=1e-2)
