@@ -2,8 +2,8 @@
 
 ``auto`` serves in bfloat16 where ``/proc/cpuinfo`` lists AMX or AVX512-BF16 (oneDNN then runs
 bf16 matrix products natively, about twice the float32 rate for half the memory traffic), or
-AVX2 and FMA with our C kernels built (they serve every bf16 product there), and in float32
-elsewhere (torch's bf16 without hardware support is emulated and slower than float32).
+AVX2 and FMA without AVX-512 with our C kernels built (they serve every bf16 product there), and
+in float32 elsewhere (torch's bf16 without hardware support is emulated and slower than float32).
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ def resolve_dtype(name: str, device: str = "cpu", c_kernels: bool = False) -> tu
     found = sorted(flags & BF16_FLAGS)
     if found:
         return "bfloat16", f"auto: CPU has {', '.join(found)}"
-    if AVX2_FLAGS <= flags and c_kernels:
+    # Measured on AVX2-only CPUs (every bf16 product ours there); AVX-512 CPUs without BF16
+    # (oneDNN packs and emulates bf16) have not been measured: float32 as before.
+    if AVX2_FLAGS <= flags and "avx512f" not in flags and c_kernels:
         return "bfloat16", "auto: CPU has avx2 and fma, and the C kernels serve bfloat16 there"
     return "float32", "auto: CPU lacks AMX/avx512_bf16 (and avx2 with the C kernels)"
