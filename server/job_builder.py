@@ -258,7 +258,7 @@ class JobBuilder:
         Raises:
             APIError: 400 naming ``param``.
         """
-        num_bytes = len(text.encode("utf-8", errors="surrogatepass"))
+        num_bytes = self.bound.counted_bytes(text.encode("utf-8", errors="surrogatepass"))
         at_least = self.bound.min_tokens(num_bytes)
         if at_least >= self.context_len:
             raise APIError(

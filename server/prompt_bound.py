@@ -22,9 +22,13 @@ tokenizer's own definition (its ``tokenizer.json``), step by step:
   ``Punctuation`` (unless their behaviour is ``removed``) only split or expand. Those that drop
   whitespace or delimiters (``Whitespace``, ``BertPreTokenizer``, ``CharDelimiterSplit``): no
   bound.
-- **model**: BPE or Unigram with byte fallback, or behind ``ByteLevel``, has a token for every
-  byte; otherwise unknown characters become one ``unk`` token however many there are (fused):
-  no bound. WordPiece and WordLevel map a whole word to ``unk``: no bound.
+- **model**: BPE or Unigram with byte fallback has a token for every byte; behind ``ByteLevel``
+  it has one for every byte whose character is in its vocabulary, and the others are dropped
+  without a token (SmolLM2's vocabulary lacks 0x04, 0x06, 0x13, 0x14, 0x16, 0x1d, ...: ``"a\x06b"``
+  is the tokens of ``"a"`` and ``"b"``), so those bytes are not counted (:attr:`PromptBound.dropped`,
+  :meth:`PromptBound.counted_bytes`). Otherwise unknown characters become one ``unk`` token
+  however many there are (fused), or nothing: no bound. WordPiece and WordLevel map a whole word
+  to ``unk``: no bound.
 
 Where there is no bound, nothing is refused early (the count after tokenizing still is).
 """
@@ -45,10 +49,17 @@ _SPLITTERS = {"Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation", "
 @dataclass(frozen=True, slots=True)
 class PromptBound:
     """``max_bytes_per_token``: the most input bytes one token may cover (None: no bound,
-    ``why`` says which part of the tokenizer prevents one)."""
+    ``why`` says which part of the tokenizer prevents one); ``dropped``: the byte values the
+    tokenizer drops without a token (not counted)."""
 
     max_bytes_per_token: float | None
     why: str = ""
+    dropped: bytes = b""
+
+    def counted_bytes(self, data: bytes) -> int:
+        """The bytes of ``data`` that :meth:`min_tokens` may count: all but the dropped ones
+        (one C pass over ``data``)."""
+        return len(data.translate(None, self.dropped)) if self.dropped else len(data)
 
     def min_tokens(self, num_bytes: int) -> int:
         """The fewest tokens a text of ``num_bytes`` UTF-8 bytes can have (0 without a bound)."""
@@ -88,17 +99,33 @@ def bound_from_spec(spec: dict[str, Any]) -> PromptBound:
     if kind not in ("BPE", "Unigram"):
         return PromptBound(None, f"{kind} model maps unknown words to one token")
     if not (byte_level or model.get("byte_fallback")):
-        has_unk = model.get("unk_token") is not None or model.get("unk_id") is not None
-        if has_unk:
-            return PromptBound(None, f"{kind} model without byte fallback: unknown text "
-                               "becomes one unk token")
+        return PromptBound(None, f"{kind} model without byte fallback: unknown text becomes "
+                           "one unk token, or none")
     tokens = _vocab_strings(model)
+    dropped = b""
+    if byte_level and not model.get("byte_fallback"):
+        vocab = set(tokens)
+        dropped = bytes(b for b, c in enumerate(_byte_level_chars()) if c not in vocab)
     # ByteLevel: one character per input byte; otherwise a token's UTF-8 length bounds the
     # normalized bytes it covers (Metaspace's 3-byte "▁" stands for a 1-byte space: looser).
     longest = max((len(t) if byte_level else len(t.encode()) for t in tokens), default=1)
     added = max((len(a.get("content", "").encode()) for a in spec.get("added_tokens") or ()),
                 default=0)
-    return PromptBound(max(longest * shrink, added, 1.0))
+    return PromptBound(max(longest * shrink, added, 1.0), dropped=dropped)
+
+
+def _byte_level_chars() -> list[str]:
+    """The character ``ByteLevel`` maps each byte value to (GPT-2's table: printable Latin-1
+    bytes stand for themselves, the others for U+0100 on, in byte order)."""
+    keep = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    chars, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(0x100 + extra))
+            extra += 1
+    return chars
 
 
 def _normalizer_shrink(node: dict[str, Any] | None) -> tuple[float | None, str]:

@@ -51,6 +51,7 @@ def test_shrink_factors_are_unicodes() -> None:
     ({"pre_tokenizer": {"type": "Whitespace"}, "model": BPE}, "Whitespace"),
     ({"pre_tokenizer": {"type": "Split", "behavior": "Removed"}, "model": BPE}, "removes"),
     ({"model": {**BPE, "unk_token": "<unk>"}}, "unk"),
+    ({"model": BPE}, "or none"),  # no unk, no byte fallback: unknown text is dropped
     ({"model": {"type": "WordPiece", "vocab": {}}}, "WordPiece"),
 ])
 def test_tokenizers_that_can_swallow_text_have_no_bound(spec, why) -> None:
@@ -81,7 +82,20 @@ def _adversarial(pieces: list[str]) -> st.SearchStrategy[str]:
 
 def _check_holds(tokenizer, bound: PromptBound, text: str) -> None:
     ids = tokenizer.encode(text, add_special_tokens=False)
-    assert len(ids) >= bound.min_tokens(len(text.encode("utf-8", "surrogatepass"))), text
+    counted = bound.counted_bytes(text.encode("utf-8", "surrogatepass"))
+    assert len(ids) >= bound.min_tokens(counted), text
+
+
+def test_bytes_the_default_tokenizer_drops_are_not_counted(tokenizer, smol_bound) -> None:
+    """SmolLM2's byte-level vocabulary lacks a few control bytes: BPE drops them without a token
+    (found by the property test below: ``'\x06'`` is no token at all)."""
+    for text in ("\x06", "a\x06b", "\x04\x06\x13\x14\x16\x1d" * 1000):
+        _check_holds(tokenizer, smol_bound, text)
+    assert smol_bound.counted_bytes(b"\x06" * 10**6) == 0
+    assert smol_bound.counted_bytes("a\x06b世".encode()) == 5
+    for b in range(128):  # exactly the ASCII bytes with no token are not counted
+        none = not tokenizer.encode(chr(b), add_special_tokens=False)
+        assert none == (b in smol_bound.dropped), b
 
 
 def test_the_default_models_bound_holds_on_its_longest_tokens(tokenizer) -> None:
