@@ -218,7 +218,7 @@ class Linear(nn.Module):
               and x.shape[0] > 0):
             # bfloat16 where oneDNN packs nothing (AVX2): our product at any row count, 5-7x
             # torch's emulated bfloat16 one at 32 rows (docs/performance.md, Zen 3).
-            y = self.kernels.linear_decode(x.contiguous(), self.decode_packed, self.bias)
+            y = self.c_product(x.contiguous())
         else:
             y = F.linear(x, self.weight, self.bias)
         return y if self.lora is None else self.lora.apply(x, y)
@@ -300,7 +300,7 @@ class LMHead:
         if self.packed is not None:
             return packed_linear(h, self.packed, None).float()
         if self.decode_packed is not None and self.kernels is not None:  # as Linear's (AVX2)
-            return self.kernels.linear_decode(h.contiguous(), self.decode_packed, None).float()
+            return self.c_product(h.contiguous()).float()
         return F.linear(h, self.weight).float()
 
 

@@ -55,44 +55,48 @@ static inline __attribute__((always_inline)) void block16(const float *xf, int64
  * pair's 64 bytes are columns 0-7 and 8-15, each 32-bit lane one column's (even K, odd K). At
  * 1-2 rows the even and odd K sum apart (more independent FMA chains); at 3-4 rows into one
  * register per row and half (8 registers of sums, 4 of weights, 2 of x). */
+/* One K pair of the pair layout as float32: e[0], e[1] the even K of columns 0-7 and 8-15, o[0],
+ * o[1] the odd K. */
+static inline __attribute__((always_inline)) void load_pair_avx2(const uint16_t *p, __m256 e[2],
+                                                                 __m256 o[2]) {
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    __m256i u0 = _mm256_loadu_si256((const __m256i *)p);
+    __m256i u1 = _mm256_loadu_si256((const __m256i *)(p + 16));
+    e[0] = _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16));
+    e[1] = _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16));
+    o[0] = _mm256_castsi256_ps(_mm256_and_si256(u0, hi));
+    o[1] = _mm256_castsi256_ps(_mm256_and_si256(u1, hi));
+}
+
 static inline __attribute__((always_inline)) void block16_avx2(const float *xf, int64_t m,
                                                                const uint16_t *wb, int64_t k,
                                                                v16f *sums) {
-    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
-    __m256 a[4][2], b[2][2];
+    __m256 a[4][2], b[2][2], e[2], o[2];
     for (int64_t r = 0; r < m; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
     for (int64_t r = 0; r < 2; r++) b[r][0] = b[r][1] = _mm256_setzero_ps();
     int64_t pairs = k / 2;
     for (int64_t p = 0; p < pairs; p++) {
-        __m256i u0 = _mm256_loadu_si256((const __m256i *)(wb + p * 32));
-        __m256i u1 = _mm256_loadu_si256((const __m256i *)(wb + p * 32 + 16));
-        __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16));
-        __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16));
-        __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(u0, hi));
-        __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(u1, hi));
+        load_pair_avx2(wb + p * 32, e, o);
         for (int64_t r = 0; r < m; r++) {
             __m256 xe = _mm256_broadcast_ss(xf + r * k + 2 * p);
             __m256 xo = _mm256_broadcast_ss(xf + r * k + 2 * p + 1);
-            a[r][0] = _mm256_fmadd_ps(xe, e0, a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(xe, e1, a[r][1]);
+            a[r][0] = _mm256_fmadd_ps(xe, e[0], a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(xe, e[1], a[r][1]);
             if (m <= 2) {
-                b[r][0] = _mm256_fmadd_ps(xo, o0, b[r][0]);
-                b[r][1] = _mm256_fmadd_ps(xo, o1, b[r][1]);
+                b[r][0] = _mm256_fmadd_ps(xo, o[0], b[r][0]);
+                b[r][1] = _mm256_fmadd_ps(xo, o[1], b[r][1]);
             } else {
-                a[r][0] = _mm256_fmadd_ps(xo, o0, a[r][0]);
-                a[r][1] = _mm256_fmadd_ps(xo, o1, a[r][1]);
+                a[r][0] = _mm256_fmadd_ps(xo, o[0], a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(xo, o[1], a[r][1]);
             }
         }
     }
-    if (k & 1) {
-        __m256i u0 = _mm256_loadu_si256((const __m256i *)(wb + pairs * 32));
-        __m256i u1 = _mm256_loadu_si256((const __m256i *)(wb + pairs * 32 + 16));
-        __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16));
-        __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16));
+    if (k & 1) {  /* the last pair's odd K is padding */
+        load_pair_avx2(wb + pairs * 32, e, o);
         for (int64_t r = 0; r < m; r++) {
             __m256 xe = _mm256_broadcast_ss(xf + r * k + k - 1);
-            a[r][0] = _mm256_fmadd_ps(xe, e0, a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(xe, e1, a[r][1]);
+            a[r][0] = _mm256_fmadd_ps(xe, e[0], a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(xe, e[1], a[r][1]);
         }
     }
     for (int64_t r = 0; r < m; r++) {
