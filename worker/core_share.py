@@ -9,6 +9,10 @@ step and clears it when it has no work left, and each step runs on the host's th
 by the workers busy at that moment (at least one). So one busy worker takes every core and two
 busy workers split them as before; between hosts nothing is shared.
 
+Off by default (``--share-cores`` turns it on): on a host busy with other work, a step's extra
+threads wait on each other at every barrier, and decode measured 3-6x slower than on the fixed
+split (docs/performance.md).
+
 The count is read before each step, so a worker that turns busy during another's step shares
 the cores from its next step on: for at most one step the host runs more threads than cores. A
 worker killed inside a step leaves its byte marked: the launcher clears it when it restarts the

@@ -84,7 +84,7 @@ def _workers(monkeypatch, **fields) -> tuple[Cluster, dict[str, dict]]:
 
 
 def test_the_launcher_gives_each_worker_of_a_split_host_a_slot(monkeypatch) -> None:
-    cluster, configs = _workers(monkeypatch, num_prefill=1, num_decode=2)
+    cluster, configs = _workers(monkeypatch, num_prefill=1, num_decode=2, share_cores=True)
     share = cluster.core_share
     assert share is not None and share.read_bytes() == bytes(3)
     assert {n: (c["core_share"], c["core_share_slot"], c["host_threads"], c["num_threads"])
@@ -115,10 +115,10 @@ def test_clearing_a_slot_from_outside(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("fields", [
-    {"colocated": True},  # one worker has every core already
-    {"threads_per_worker": 1},  # fixed thread counts
-    {"cpu_affinity": {"prefill": [0], "decode": [1]}},  # pinned CPUs
-    {"share_cores": False},  # --no-share-cores
+    {"colocated": True, "share_cores": True},  # one worker has every core already
+    {"threads_per_worker": 1, "share_cores": True},  # fixed thread counts
+    {"cpu_affinity": {"prefill": [0], "decode": [1]}, "share_cores": True},  # pinned CPUs
+    {},  # off by default (--share-cores turns it on)
 ])
 def test_no_share_where_the_cores_are_not_split_or_it_is_off(monkeypatch, fields) -> None:
     cluster, configs = _workers(monkeypatch, **fields)
