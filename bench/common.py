@@ -32,13 +32,18 @@ MAX_PROMPT_TOKENS = 256
 SEED = 0
 
 
-def default_dtype() -> tuple[str, str]:
-    """The default serving dtype on this machine and why (AMX/avx512_bf16, or avx2 with the C
-    kernels built -> bfloat16), as ``splitserve serve`` resolves it."""
+def resolve_bench_dtype(name: str) -> tuple[str, str]:
+    """``--dtype`` as ``splitserve serve`` resolves it, and why: ``auto`` is bfloat16 with
+    AMX/avx512_bf16, or with AVX2 where the C kernels build (so they are built first)."""
     from splitserve.engine.kernels.cpu.build import load_cpu_kernels
     from splitserve.engine.kernels.cpu.features import resolve_dtype
 
-    return resolve_dtype("auto", c_kernels=load_cpu_kernels() is not None)
+    return resolve_dtype(name, c_kernels=name == "auto" and load_cpu_kernels() is not None)
+
+
+def default_dtype() -> tuple[str, str]:
+    """The default serving dtype on this machine and why (:func:`resolve_bench_dtype`)."""
+    return resolve_bench_dtype("auto")
 
 
 def cpu_line() -> str:

@@ -114,7 +114,7 @@ def _cluster(args: argparse.Namespace, disable_radix_cache: bool) -> Iterator[st
 
 
 def main() -> None:
-    from splitserve.engine.kernels.cpu.features import resolve_dtype
+    from common import resolve_bench_dtype
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", help="a running splitserve server with the radix cache, for lang")
@@ -127,7 +127,7 @@ def main() -> None:
     args = p.parse_args()
     if (args.url is None) != (args.baseline_url is None):
         p.error("give both --url and --baseline-url, or neither (both clusters are launched)")
-    args.dtype, why = resolve_dtype(args.dtype)
+    args.dtype, why = resolve_bench_dtype(args.dtype)
     topics = [TOPICS[i % len(TOPICS)] + ("" if i < len(TOPICS) else f" #{i}")
               for i in range(args.num_inputs)]
     with contextlib.ExitStack() as stack:

@@ -186,10 +186,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from splitserve.engine.kernels.cpu.features import resolve_dtype
+    from common import resolve_bench_dtype
 
     model_path = resolve_model(args.model)
-    args.dtype, why = resolve_dtype(args.dtype)
+    args.dtype, why = resolve_bench_dtype(args.dtype)
     print(f"CPU: {cpu_line()} | {os.cpu_count()} CPUs | load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"{args.mode}, dtype {args.dtype} ({why}); {args.max_inflight} in flight + "

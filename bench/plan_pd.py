@@ -91,13 +91,13 @@ def load_overheads(path: Path) -> dict[str, ServingOverhead]:
 
 def cmd_measure(args: argparse.Namespace) -> int:
     import torch
+    from common import resolve_bench_dtype
     from pd_profile import profile
 
     from splitserve.config import EngineConfig
-    from splitserve.engine.kernels.cpu.features import resolve_dtype
     from splitserve.engine.model.loader import load_model
 
-    dtype = resolve_dtype(args.dtype)[0]
+    dtype = resolve_bench_dtype(args.dtype)[0]
     out: dict = {"cpu": cpu_line(), "dtype": dtype, "threads": {}}
     for threads in args.threads:
         torch.set_num_threads(threads)

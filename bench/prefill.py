@@ -144,12 +144,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from common import resolve_bench_dtype
     from transformers import AutoTokenizer
 
-    from splitserve.engine.kernels.cpu.features import resolve_dtype
-
     model_path = resolve_model(args.model)
-    dtype, why = resolve_dtype(args.dtype)
+    dtype, why = resolve_bench_dtype(args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # A seed per length: no two prompts of one run share a prefix beyond chance.
     prompts = {n: random_prompts(tokenizer, args.reps + 1, n, seed=n) for n in args.lengths}

@@ -491,12 +491,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from common import resolve_bench_dtype
     from transformers import AutoTokenizer
 
-    from splitserve.engine.kernels.cpu.features import resolve_dtype
-
     args.model_path = resolve_model(args.model)
-    args.dtype, why = resolve_dtype(args.dtype)
+    args.dtype, why = resolve_bench_dtype(args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model_path)
     slos = parse_slos(args.slo)
     works = build_workloads(args, tokenizer)

@@ -188,12 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-input-len", type=int, default=256)
     p.add_argument("--modes", nargs="+", choices=["stream", "full"], default=["stream", "full"])
     args = p.parse_args(argv)
+    from common import resolve_bench_dtype
     from transformers import AutoTokenizer
 
-    from splitserve.engine.kernels.cpu.features import resolve_dtype
-
     model = resolve_model(args.model)
-    dtype, _ = resolve_dtype(args.dtype)
+    dtype, _ = resolve_bench_dtype(args.dtype)
     prompts = load_prompts(AutoTokenizer.from_pretrained(model), args.num_prompts,
                            args.max_input_len)
     mode, _, quantization = args.launch.partition(":")
