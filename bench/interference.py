@@ -31,6 +31,7 @@ from common import (
     load_prompts,
     percentile,
     random_prompts,
+    resolve_bench_dtype,
     resolve_model,
 )
 from serving import Target, Workload, first_model, poisson_starts, send_request
@@ -249,7 +250,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from common import resolve_bench_dtype
     from transformers import AutoTokenizer
 
     args.model_path = resolve_model(args.model)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import cpu_line, resolve_model
+from common import cpu_line, resolve_bench_dtype, resolve_model
 
 from splitserve.server.sse import DONE, aiter_events
 
@@ -186,7 +186,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from common import resolve_bench_dtype
 
     model_path = resolve_model(args.model)
     args.dtype, why = resolve_bench_dtype(args.dtype)

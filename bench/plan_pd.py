@@ -35,7 +35,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from common import DATA_DIR, SEED, add_data_argument, cpu_line, load_prompts, resolve_model
+from common import (
+    DATA_DIR,
+    SEED,
+    add_data_argument,
+    cpu_line,
+    load_prompts,
+    resolve_bench_dtype,
+    resolve_model,
+)
 from pd_sim import NO_OVERHEAD, ClusterShape, ServingOverhead, StepModel, simulate
 from serving_metrics import meets_slos, parse_slos, summarize
 
@@ -91,7 +99,6 @@ def load_overheads(path: Path) -> dict[str, ServingOverhead]:
 
 def cmd_measure(args: argparse.Namespace) -> int:
     import torch
-    from common import resolve_bench_dtype
     from pd_profile import profile
 
     from splitserve.config import EngineConfig

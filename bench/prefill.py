@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import cpu_line, launch_cluster, random_prompts, resolve_model
+from common import cpu_line, launch_cluster, random_prompts, resolve_bench_dtype, resolve_model
 
 LAUNCH_MODES = ("colocated", "disaggregated")
 
@@ -144,7 +144,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from common import resolve_bench_dtype
     from transformers import AutoTokenizer
 
     model_path = resolve_model(args.model)

@@ -52,6 +52,7 @@ from common import (
     launch_fields,
     load_prompts,
     random_prompts,
+    resolve_bench_dtype,
     resolve_model,
 )
 from serving_metrics import (
@@ -491,7 +492,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from common import resolve_bench_dtype
     from transformers import AutoTokenizer
 
     args.model_path = resolve_model(args.model)

@@ -36,7 +36,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
-from common import cpu_line, launch_cluster, load_prompts, resolve_model
+from common import cpu_line, launch_cluster, load_prompts, resolve_bench_dtype, resolve_model
 from serving_cpu_probe import FIELDS as PROBE_FIELDS
 from serving_cpu_probe import FORMAT as PROBE
 
@@ -188,7 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-input-len", type=int, default=256)
     p.add_argument("--modes", nargs="+", choices=["stream", "full"], default=["stream", "full"])
     args = p.parse_args(argv)
-    from common import resolve_bench_dtype
     from transformers import AutoTokenizer
 
     model = resolve_model(args.model)
