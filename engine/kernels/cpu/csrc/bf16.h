@@ -82,4 +82,31 @@ static inline __m256i round_bf16x16(__m512 f) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+/* AVX2 (8-float registers): 8 bfloat16 -> float32. */
+static inline __attribute__((always_inline)) __m256 load_bf16x8(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* f32_to_bf16 on 8 lanes (nearest even, NaN kept quiet), as 32-bit lanes holding the 16 bits. */
+static inline __attribute__((always_inline)) __m256i round_bf16x8(__m256 f) {
+    __m256i u = _mm256_castps_si256(f);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(r, quiet, nan);
+}
+
+/* 8 float32 rounded to bfloat16 and stored at p. */
+static inline __attribute__((always_inline)) void store_bf16x8(uint16_t *p, __m256 f) {
+    __m256i r = round_bf16x8(f);
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+#endif
+
 #endif

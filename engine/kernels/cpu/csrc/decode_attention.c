@@ -111,11 +111,6 @@ ALWAYS_INLINE void score_block_dp(const uint16_t *q, const uint16_t *kt, int64_t
  * keys, one Zen 3 core), so the score and value loops are written with intrinsics, in blocks
  * that fit the registers: 16 keys or 16 value columns (two registers) for up to 4 query heads
  * (8 registers of sums), more heads in a second pass over the same K/V (in L1/L2 by then). */
-ALWAYS_INLINE __m256 load_bf16x8(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 /* Scores of 16 keys (k + 0..15 of each K row) for query heads g0 .. g0 + gc - 1. */
 ALWAYS_INLINE void score16_avx2(const float *qs, const uint16_t *kt, int64_t stride,
                                 int64_t g0, int64_t gc, int64_t d_n, float out[][16]) {
@@ -174,10 +169,8 @@ ALWAYS_INLINE void values16_avx2(const float *probs, const uint16_t *v, int64_t 
     }
 #pragma GCC unroll 4
     for (int64_t g = 0; g < gc; g++) {
-        float tmp[16];
-        _mm256_storeu_ps(tmp, acc[g][0]);
-        _mm256_storeu_ps(tmp + 8, acc[g][1]);
-        for (int e = 0; e < 16; e++) out[(g0 + g) * d_n + c0 + e] = f32_to_bf16(tmp[e]);
+        store_bf16x8(out + (g0 + g) * d_n + c0, acc[g][0]);
+        store_bf16x8(out + (g0 + g) * d_n + c0 + 8, acc[g][1]);
     }
 }
 

@@ -376,10 +376,8 @@ ALWAYS_INLINE void values16(const float *probs, const struct q8_rows *v, int fp8
     }
 #pragma GCC unroll 4
     for (int64_t g = 0; g < gc; g++) {
-        float tmp[16];
-        _mm256_storeu_ps(tmp, acc[g][0]);
-        _mm256_storeu_ps(tmp + 8, acc[g][1]);
-        for (int e = 0; e < 16; e++) out[(g0 + g) * d_n + c0 + e] = f32_to_bf16(tmp[e]);
+        store_bf16x8(out + (g0 + g) * d_n + c0, acc[g][0]);
+        store_bf16x8(out + (g0 + g) * d_n + c0 + 8, acc[g][1]);
     }
 }
 

@@ -76,31 +76,15 @@ void rope_bf16(uint16_t *qk, int64_t row_stride, int64_t t, int64_t heads, int64
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-/* f32_to_bf16 on 8 lanes (nearest even, NaN kept quiet), as 32-bit lanes holding the 16 bits. */
-static inline __attribute__((always_inline)) __m256i round_bf16x8(__m256 f) {
-    __m256i u = _mm256_castps_si256(f);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(
-        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
-    __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    return _mm256_blendv_epi8(r, quiet, nan);
-}
-
 /* 8 gate and up values -> 8 outputs, the scalar loop's steps (GCC leaves that loop scalar on
  * AVX2: its exp is not vectorized there). */
 static inline __attribute__((always_inline)) void silu_mul8(const uint16_t *g, const uint16_t *u,
                                                             uint16_t *out) {
-    __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)g)), 16));
-    __m256 up = _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)u)), 16));
+    __m256 x = load_bf16x8(g), up = load_bf16x8(u);
     __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f),
                                exp_approx8(_mm256_sub_ps(_mm256_setzero_ps(), x)));
     __m256 silu = _mm256_castsi256_ps(_mm256_slli_epi32(round_bf16x8(_mm256_div_ps(x, den)), 16));
-    __m256i r = round_bf16x8(_mm256_mul_ps(silu, up));
-    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    _mm_storeu_si128((__m128i *)out, _mm256_castsi256_si128(packed));
+    store_bf16x8(out, _mm256_mul_ps(silu, up));
 }
 #endif
 
