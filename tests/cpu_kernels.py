@@ -28,7 +28,8 @@ def load_or_fail() -> CpuKernels | None:
 
 # The CPU flags each C kernel is compiled for (``-march=native``; the ``#if`` of its source).
 BF16_KERNEL_FLAGS = ("avx512_bf16",)  # gemm_bf16.c, extend_attention.c, decode_attention.c
-VNNI_KERNEL_FLAGS = ("avx512_vnni", "avx512bw")  # gemm_w8.c, gemm_w4.c
+VNNI_KERNEL_FLAGS = ("avx512_vnni", "avx512bw")  # gemm_w4.c; gemm_w8.c on AVX-512
+AVX2_KERNEL_FLAGS = ("avx2", "fma")  # gemm_w8.c's AVX2 path, where the CPU has no AVX-512
 AMX_KERNEL_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16")  # gemm_amx.c
 # oneDNN's packed bfloat16 linear (``layers.can_pack``): either set (not on AVX2-only CPUs).
 ONEDNN_PACK_FLAG_SETS = (("avx512bw", "avx512vl", "avx512dq"), ("avx_ne_convert",))
@@ -46,6 +47,13 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+def w8_kernel_flags() -> tuple[str, ...]:
+    """The CPU flags ``gemm_w8.c`` (int8 weight products) needs on this machine: AVX512-VNNI
+    and BW where the CPU has AVX-512 (its AVX2 path is built only without it), else AVX2 and
+    FMA."""
+    return VNNI_KERNEL_FLAGS if "avx512f" in cpu_flags() else AVX2_KERNEL_FLAGS
 
 
 def onednn_packs_bf16() -> bool:

@@ -69,7 +69,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 def int8_kernels(weight: torch.Tensor, use_cpu_kernels: bool = True) -> CpuKernels | None:
     """The C kernels for int8 decode products of a weight served in bfloat16 on CPU, or None
-    (kernels off, not built, or no AVX512-VNNI: the de-quantized weight serves then)."""
+    (kernels off, not built, or neither AVX512-VNNI nor AVX2 without AVX-512: the de-quantized
+    weight serves then)."""
     if not use_cpu_kernels or not is_cpu_bf16(weight):
         return None
     kernels = load_cpu_kernels()

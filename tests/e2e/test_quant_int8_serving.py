@@ -89,7 +89,7 @@ def _in_process_greedy(model_path, tokenizer, quantization: str):
 
 
 @pytest.mark.skipif(load_or_fail() is None or not load_or_fail().has_w8,
-                    reason="no C compiler or no AVX512-VNNI")
+                    reason="no C compiler, or neither AVX512-VNNI nor AVX2")
 def test_bf16_int8_served_disaggregated_equals_in_process(model_path, tokenizer) -> None:
     got = served_greedy(model_path, tokenizer, with_logprobs=True, dtype="bfloat16",
                         num_prefill=1, num_decode=1)

@@ -2,7 +2,8 @@
 they replace: the default model in bfloat16 through the scheduler gives the same tokens and
 bit-identical logprobs with and without them, and they run when they should; 3 rows (the skinny
 kernel at 1-2 rows, the AVX512_BF16 tiles at 3) and 9 rows (the tiles down to 3); the same with
-int8 and int4 weights (``--quantization int8|int4``: the VNNI products in both paths)."""
+int8 and int4 weights (``--quantization int8|int4``: the VNNI products in both paths; int8 also
+on AVX2, ``gemm_w8.c``'s AVX2 path)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import torch
 
 from splitserve.config import EngineConfig
 from splitserve.engine.kv_pool import KVPool
-from tests.cpu_kernels import VNNI_KERNEL_FLAGS, check_kernel, load_or_fail, require_onednn_pack
+from tests.cpu_kernels import (
+    VNNI_KERNEL_FLAGS,
+    check_kernel,
+    load_or_fail,
+    require_onednn_pack,
+    w8_kernel_flags,
+)
 
 pytestmark = pytest.mark.skipif(load_or_fail() is None, reason="no C compiler")
 
@@ -27,10 +34,13 @@ def test_fused_decode_layers_equal_the_per_op_path(
     from splitserve.ipc.messages import SamplingParams
     from tests.engine_core import make_core
 
-    if quantization != "none":  # without VNNI the int8/int4 weights serve de-quantized
-        kernels = load_or_fail()
-        check_kernel(kernels, kernels is not None and kernels.has_w8 and kernels.has_w4,
-                     VNNI_KERNEL_FLAGS, "int8/int4 products")
+    kernels = load_or_fail()  # without their kernel the int8/int4 weights serve de-quantized
+    if quantization == "int8":  # AVX512-VNNI, or the AVX2 path where there is no AVX-512
+        check_kernel(kernels, kernels is not None and kernels.has_w8, w8_kernel_flags(),
+                     "int8 products")
+    if quantization == "int4":
+        check_kernel(kernels, kernels is not None and kernels.has_w4, VNNI_KERNEL_FLAGS,
+                     "int4 products")
     # C products at every step size this test runs (the fused path needs them).
     # int8: the fused path calls gemm_w8.c as the per-op path does (--quantization int8).
     engine = EngineConfig(kernels="c", quantization=quantization)

@@ -1,5 +1,5 @@
 """``--quantization int8``: the quantizers (per block of 32 on CPU, per row on CUDA), the
-AVX512-VNNI product against the de-quantized
+int8 product (AVX512-VNNI, or AVX2 without AVX-512) against the de-quantized
 float32 reference within a stated bound, and a float32 int8 model equal to ``transformers``
 loaded with the same de-quantized weights (an exact reference: the float32 path computes
 ``x @ W'.T`` with ``W' = s * Q`` materialized)."""
@@ -18,12 +18,18 @@ from splitserve.engine.model.quant import (
     quantize_int8,
     quantize_int8_groups,
 )
-from tests.cpu_kernels import AMX_KERNEL_FLAGS, VNNI_KERNEL_FLAGS, load_or_fail, require_kernel
+from tests.cpu_kernels import (
+    AMX_KERNEL_FLAGS,
+    VNNI_KERNEL_FLAGS,
+    load_or_fail,
+    require_kernel,
+    w8_kernel_flags,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 KERNELS = load_or_fail()
-needs_w8 = require_kernel(KERNELS, KERNELS is not None and KERNELS.has_w8, VNNI_KERNEL_FLAGS,
+needs_w8 = require_kernel(KERNELS, KERNELS is not None and KERNELS.has_w8, w8_kernel_flags(),
                           "int8 weight products (gemm_w8.c)")
 
 
@@ -126,6 +132,23 @@ def test_w8_rows_are_independent_of_the_batch() -> None:
     for r in range(9):
         alone = KERNELS.linear_w8(x[r : r + 1], packed.packed, packed.scales, None)
         assert torch.equal(batch[r : r + 1], alone)
+
+
+@needs_w8
+@pytest.mark.parametrize("k", [37, 96, 577])
+def test_w8_strided_rows_equal_their_contiguous_copy(k) -> None:
+    """Rows x_stride apart (a slice of wider rows, as the fused QKV output's views are) give
+    the bits of the same rows made contiguous, with K whole groups or a short last group (the
+    quantizer's zero padding must not read the next row's values)."""
+    gen = torch.Generator().manual_seed(k)
+    q, s = quantize_int8_groups(torch.randn(32, k, generator=gen) * 0.05)
+    packed = Int8Weight(q, s)
+    wide = (torch.randn(7, k + 40, generator=gen) * 3).bfloat16()
+    wide[:, k + 3 :] = 1e4  # values just past each row's K: a leak would show
+    x = wide[:, 3 : 3 + k]
+    got = KERNELS.linear_w8(x, packed.packed, packed.scales, None)
+    assert torch.equal(got, KERNELS.linear_w8(x.contiguous(), packed.packed, packed.scales,
+                                              None))
 
 
 @require_kernel(KERNELS, KERNELS is not None and KERNELS.has_amx and KERNELS.has_w8,

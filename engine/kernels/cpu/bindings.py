@@ -70,7 +70,7 @@ class CpuKernels(PoolKernels):
         self._w8_vnni = lib.gemm_w8_bf16_vnni
         self._w8_vnni.restype = ctypes.c_int
         self._w8_vnni.argtypes = list(self._w8.argtypes)
-        self.has_w8 = bool(lib.gemm_w8_available())  # AVX512-VNNI int8 weight products
+        self.has_w8 = bool(lib.gemm_w8_available())  # int8 weight products (VNNI or AVX2)
         self._w4 = lib.gemm_w4_bf16
         self._w4.restype = ctypes.c_int
         self._w4.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr]
@@ -201,8 +201,9 @@ class CpuKernels(PoolKernels):
     ) -> torch.Tensor:
         """``x @ (s * Q).T + bias`` on int8 weights with a scale per row and block of 32
         (``gemm_w8.c``, AVX512-VNNI, or AMX-INT8 tiles where the CPU has them, ``gemm_amx.c``,
-        with the same bits; check :attr:`has_w8`): ``x`` is quantized per row and group of 32
-        to int8 inside (``x_quant.h``), each group's sum is an exact integer, scaled and added
+        or its AVX2 path on CPUs without AVX-512, the same bits by construction; check
+        :attr:`has_w8`): ``x`` is quantized per row and group of 32 to int8 inside
+        (``x_quant.h``), each group's sum is an exact integer, scaled and added
         in float32, rounded to bfloat16 once. ``vnni_only``: never the AMX tiles (the
         reference the tests hold them to).
 

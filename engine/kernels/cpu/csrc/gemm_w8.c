@@ -22,6 +22,17 @@
  * output columns, each 4 consecutive K are one 64-byte vector (column c's 4 bytes at 4c); K is
  * padded to G * 32 with U = 128 (a zero weight). Scales ws [N / 16, G, 16] float32: per block
  * of 16 columns and group, the 16 columns' scales. Threads split the N blocks (NV vectors each).
+ *
+ * On AVX2 CPUs (no AVX-512; AMD Zen 3, Intel before Ice Lake's servers) the same layout serves
+ * an AVX2 path (w8_products_avx2): there is no vpdpbusd, and vpmaddubsw would saturate (two
+ * products of U <= 255 and |xq| <= 127 pass int16), so the weights are widened to int16
+ * (vpmovzxbw: 4 columns x 4 K of a quad vector in one register) and multiplied with vpmaddwd
+ * against x in int16 (4 K broadcast per 64-bit lane): 16 multiply-adds per instruction into
+ * int32 lanes that hold each column's two half-sums (K 0-1 and 2-3 of a quad), folded by one
+ * vphaddd per group. The group sums are the same exact integers and the float steps (convert,
+ * scale by x_scale * s, add, bias, round) the same operations in the same order, so both paths
+ * give the same bits by construction (no machine has both to compare them: the AVX2 path is
+ * built only without AVX-512).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -123,10 +134,106 @@ static void block_w8(int nv, const int8_t *xq, int64_t xs, const float *xscale,
 }
 #endif
 
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__)) && defined(__AVX2__) &&              \
+    defined(__FMA__) && !defined(__AVX512F__)
+#define W8_AVX2 1
+#include <immintrin.h>
+
+/* Rows per AVX2 register tile of 8 columns: 8 int32 sums, 2 weight registers, 4 float32 sums. */
+#define W8A_MR 4
+
+/* One mr-row tile of columns 8h..8h+7 of a 16-column block, over all groups (see the file's
+ * comment). xq: mr rows of groups * 32 int16 codes (xs apart); xscale, xoff: per row (groups
+ * apart) the group's x scale and -128 * its quantized sum; wb: the block's packed weights; ws:
+ * its scales [groups, 16]; bias: its 16 bfloat16 or NULL; y: the rows' outputs (ys apart). */
+static inline __attribute__((always_inline)) void tile_w8_avx2(
+    const int16_t *xq, int64_t xs, const float *xscale, const int32_t *xoff, int64_t groups,
+    int mr, const uint8_t *wb, int h, const float *ws, const uint16_t *bias, uint16_t *y,
+    int64_t ys) {
+    __m256 accf[W8A_MR];
+    for (int r = 0; r < mr; r++) accf[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i lo[W8A_MR], hi[W8A_MR]; /* columns 0-3 and 4-7: two half-sums each */
+        for (int r = 0; r < mr; r++) lo[r] = hi[r] = _mm256_setzero_si256();
+        const uint8_t *wg = wb + g * (XQ_GROUP / 4) * 64 + h * 32;
+        const int16_t *xg = xq + g * XQ_GROUP;
+#pragma GCC unroll 8
+        for (int o = 0; o < XQ_GROUP / 4; o++) {
+            __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg + o * 64)));
+            __m256i w1 =
+                _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg + o * 64 + 16)));
+            for (int r = 0; r < mr; r++) {
+                long long four;
+                memcpy(&four, xg + r * xs + 4 * o, sizeof four);
+                __m256i a = _mm256_set1_epi64x(four);
+                lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(w0, a));
+                hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(w1, a));
+            }
+        }
+        __m256 sw = _mm256_loadu_ps(ws + g * 16 + h * 8);
+        for (int r = 0; r < mr; r++) {
+            /* [c0 c1 c4 c5 | c2 c3 c6 c7] -> columns in order */
+            __m256i sum = _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo[r], hi[r]), 0xD8);
+            sum = _mm256_add_epi32(sum, _mm256_set1_epi32(xoff[r * groups + g]));
+            __m256 sx = _mm256_set1_ps(xscale[r * groups + g]);
+            accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(sw, sx), accf[r]);
+        }
+    }
+    __m256 b = bias ? load_bf16x8(bias + h * 8) : _mm256_setzero_ps();
+    for (int r = 0; r < mr; r++) store_bf16x8(y + r * ys + h * 8, _mm256_add_ps(accf[r], b));
+}
+
+#define W8A_TILE(MR)                                                                           \
+    tile_w8_avx2(xq + r0 * xs, xs, xscale + r0 * groups, xoff + r0 * groups, groups, (MR), wb, \
+                 h, ws, bias, y + r0 * ys, ys)
+
+/* One 16-column block for all m rows: each half of 8 columns, W8A_MR rows at a time (the
+ * block's weights, a few KB per group range, stay in L1/L2 between row tiles). */
+static void block_w8_avx2(const int16_t *xq, int64_t xs, const float *xscale,
+                          const int32_t *xoff, int64_t groups, int64_t m, const uint8_t *wb,
+                          const float *ws, const uint16_t *bias, uint16_t *y, int64_t ys) {
+    for (int h = 0; h < 2; h++) {
+        int64_t r0 = 0;
+        for (; r0 + W8A_MR <= m; r0 += W8A_MR) W8A_TILE(W8A_MR);
+        switch (m - r0) {
+        case 1: W8A_TILE(1); break;
+        case 2: W8A_TILE(2); break;
+        case 3: W8A_TILE(3); break;
+        default: break;
+        }
+    }
+}
+
+/* w8_products on AVX2 (arguments as there). */
+static int w8_products_avx2(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *wq,
+                            const float *ws, const uint16_t *bias, int64_t n_out, int64_t k,
+                            uint16_t *y) {
+    if (n_out % 16 != 0 || m < 1 || k < 1) return -2;
+    int64_t groups = (k + XQ_GROUP - 1) / XQ_GROUP, xs = groups * XQ_GROUP;
+    int16_t *xq = malloc(sizeof(int16_t) * (size_t)(m * xs));
+    float *xscale = malloc(sizeof(float) * (size_t)(m * groups));
+    int32_t *xoff = malloc(sizeof(int32_t) * (size_t)(m * groups));
+    if (!xq || !xscale || !xoff) {
+        free(xq), free(xscale), free(xoff);
+        return -1;
+    }
+    quantize_x_groups16(x, x_stride, m, k, groups, xq, xscale, xoff);
+    for (int64_t i = 0; i < m * groups; i++) xoff[i] *= -128; /* the U = Q + 128 offset */
+    int64_t ps = xs * 16, blocks = n_out / 16;
+#pragma omp parallel for schedule(static) if (m * n_out * k >= (1 << 19) || n_out * k >= (1 << 17))
+    for (int64_t b = 0; b < blocks; b++)
+        block_w8_avx2(xq, xs, xscale, xoff, groups, m, wq + b * ps, ws + b * groups * 16,
+                      bias ? bias + b * 16 : NULL, y + b * 16, n_out);
+    free(xq), free(xscale), free(xoff);
+    return 0;
+}
+#endif
+
 /* x [m, k] bfloat16 (rows x_stride elements apart), m >= 1; wq [n_out / 16, ceil(k / 32) * 8,
  * 16, 4] uint8 and ws [n_out / 16, ceil(k / 32), 16] float32 scales (see above); bias [n_out]
  * bfloat16 or NULL; y [m, n_out] bfloat16 contiguous. Returns 0, -1 out of memory, -2 for n_out
- * not a multiple of 16 or a build without AVX512-VNNI (callers keep their torch path). */
+ * not a multiple of 16 or a build with neither AVX512-VNNI nor the AVX2 path (callers keep
+ * their torch path). */
 static int w8_products(const uint16_t *x, int64_t x_stride, int64_t m, const uint8_t *wq,
                        const float *ws, const uint16_t *bias, int64_t n_out, int64_t k,
                        uint16_t *y, int amx) {
@@ -167,6 +274,9 @@ static int w8_products(const uint16_t *x, int64_t x_stride, int64_t m, const uin
     }
     free(xq), free(xscale), free(xoff);
     return 0;
+#elif defined(W8_AVX2)
+    (void)amx;
+    return w8_products_avx2(x, x_stride, m, wq, ws, bias, n_out, k, y);
 #else
     (void)x, (void)x_stride, (void)m, (void)wq, (void)ws, (void)bias, (void)n_out, (void)k;
     (void)y, (void)amx;
@@ -187,9 +297,9 @@ int gemm_w8_bf16_vnni(const uint16_t *x, int64_t x_stride, int64_t m, const uint
     return w8_products(x, x_stride, m, wq, ws, bias, n_out, k, y, 0);
 }
 
-/* 1 when this build has the kernel (AVX512-VNNI), else 0. */
+/* 1 when this build has the kernel (AVX512-VNNI, or the AVX2 path), else 0. */
 int gemm_w8_available(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(W8_AVX2)
     return 1;
 #else
     return 0;

@@ -1,5 +1,6 @@
 /* Activations quantized per row and per group of 32 input channels to int8, for the vpdpbusd
- * products of gemm_w8.c and gemm_w4.c (header-only, AVX-512).
+ * products of gemm_w8.c and gemm_w4.c (header-only, AVX-512), and to the same codes held in
+ * int16 for gemm_w8.c's AVX2 path (vpmaddwd; quantize_x_groups16).
  *
  * For each row r and group g of x [m, k] bfloat16: xscale[r, g] = max|x_g| / 127 (1 for an
  * all-zero group), xq = round(x / xscale) to nearest even, clamped to -127..127, and xsum[r, g]
@@ -57,6 +58,68 @@ static inline void quantize_x_groups(const uint16_t *x, int64_t x_stride, int64_
             _mm_storeu_si128((void *)(q + 16), _mm512_cvtepi32_epi8(q1));
             xscale[r * groups + g] = s;
             xsum[r * groups + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+    }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <immintrin.h>
+
+#define XQ_GROUP 32
+
+/* quantize_x_groups on AVX2, the codes stored as int16 (vpmaddwd's operand): xq [m, groups *
+ * 32] int16, xscale and xsum [m, groups]. The same float steps as the AVX-512 version (the
+ * group's largest |x| / 127, x times its inverse rounded to nearest even, clamped to +-127), so
+ * the same codes and scales. */
+static inline void quantize_x_groups16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                                       int64_t groups, int16_t *xq, float *xscale,
+                                       int32_t *xsum) {
+    const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t r = 0; r < m; r++) {
+        const uint16_t *row = x + r * x_stride;
+        for (int64_t g = 0; g < groups; g++) {
+            int64_t i = g * XQ_GROUP;
+            uint16_t pad[XQ_GROUP];
+            const uint16_t *src = row + i;
+            if (i + XQ_GROUP > k) { /* the last, short group: zeros past k */
+                memset(pad, 0, sizeof pad);
+                memcpy(pad, src, sizeof(uint16_t) * (size_t)(k - i));
+                src = pad;
+            }
+            __m256 v[4];
+            for (int j = 0; j < 4; j++)
+                v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 8 * j))), 16));
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]),
+                                                    _mm256_andnot_ps(sign, v[1])),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]),
+                                                    _mm256_andnot_ps(sign, v[3])));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            float amax = _mm_cvtss_f32(m4);
+            float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+            __m256 inv = _mm256_set1_ps(1.0f / s);
+            __m256i q[4], sum = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                q[j] = _mm256_cvtps_epi32(_mm256_round_ps(
+                    _mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                q[j] = _mm256_max_epi32(nlim, _mm256_min_epi32(lim, q[j]));
+                sum = _mm256_add_epi32(sum, q[j]);
+            }
+            int16_t *dst = xq + r * groups * XQ_GROUP + i;
+            for (int j = 0; j < 4; j += 2) /* packs interleaves 128-bit lanes: put them back */
+                _mm256_storeu_si256((__m256i *)(dst + 8 * j),
+                                    _mm256_permute4x64_epi64(_mm256_packs_epi32(q[j], q[j + 1]),
+                                                             0xD8));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum),
+                                       _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+            xscale[r * groups + g] = s;
+            xsum[r * groups + g] = _mm_cvtsi128_si32(s4);
         }
     }
 }
