@@ -11,7 +11,11 @@ busy workers split them as before; between hosts nothing is shared.
 
 Off by default (``--share-cores`` turns it on): on a host busy with other work, a step's extra
 threads wait on each other at every barrier, and decode measured 3-6x slower than on the fixed
-split (docs/performance.md).
+split (docs/performance.md). So the share also watches the host: where Linux reports CPU
+pressure (PSI, ``/proc/pressure/cpu``: the share of the last 10 s in which some runnable task
+waited for a CPU) above :data:`MAX_PRESSURE`, a worker keeps its floor share (the fixed split)
+however many workers are idle, until the pressure falls again (:class:`CpuPressure`). Where the
+file is missing (kernels without PSI) the share runs unguarded, as it did before.
 
 The count is read before each step, so a worker that turns busy during another's step shares
 the cores from its next step on: for at most one step the host runs more threads than cores. A
@@ -24,15 +28,60 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+PRESSURE_FILE = Path("/proc/pressure/cpu")
+# Percent of the last 10 s with some task waiting for a CPU above which a worker keeps its floor
+# share. A quiet host serving one user with the share measured PSI_FILL; one with a busy loop
+# per core beside the workers PSI_FILL.
+MAX_PRESSURE = 30.0
+
 
 def create_core_share(path: Path, slots: int) -> None:
     """Create (or clear) the share file: ``slots`` zero bytes, one per worker of the host."""
     path.write_bytes(bytes(slots))
+
+
+class CpuPressure:
+    """The host's CPU pressure from Linux PSI (``some avg10`` of ``/proc/pressure/cpu``: the
+    percent of the last 10 s in which at least one runnable task waited for a CPU), re-read at
+    most every ``interval_s`` (a step asks before it runs).
+
+    Args:
+        path: the PSI file (tests pass their own).
+        interval_s: seconds a reading is reused.
+        clock: monotonic seconds (tests pass a fake one).
+    """
+
+    def __init__(self, path: Path = PRESSURE_FILE, interval_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
+        self.interval_s = interval_s
+        self._clock = clock
+        self._read_at: float | None = None
+        self._value: float | None = None
+
+    def some_avg10(self) -> float | None:
+        """The ``some avg10`` percent (0-100), or None where the file is missing or unreadable
+        (a kernel without PSI: the caller decides without it)."""
+        now = self._clock()
+        if self._read_at is None or now - self._read_at >= self.interval_s:
+            self._read_at = now
+            self._value = None
+            try:
+                with open(self.path) as f:
+                    for line in f:
+                        if line.startswith("some "):
+                            fields = dict(kv.split("=", 1) for kv in line.split()[1:])
+                            self._value = float(fields["avg10"])
+                            break
+            except (OSError, ValueError, KeyError):
+                self._value = None
+        return self._value
 
 
 def clear_core_share_slot(path: Path, slot: int) -> None:
@@ -52,6 +101,9 @@ class CoreShare:
         host_threads: the threads every worker of the host may use in all (its cores).
         set_threads: applies a thread count (default ``torch.set_num_threads``, which OpenMP,
             oneDNN and the C kernels follow; tests pass a recorder).
+        pressure: the host's CPU pressure; above ``max_pressure`` percent a step takes only
+            the floor share, ``host_threads //`` the slots (None: never guarded).
+        max_pressure: that bound, percent.
 
     Raises:
         ValueError: ``slot`` outside the file, or ``host_threads`` < 1.
@@ -59,7 +111,9 @@ class CoreShare:
     """
 
     def __init__(self, path: str | Path, slot: int, host_threads: int,
-                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
+                 pressure: CpuPressure | None = None,
+                 max_pressure: float = MAX_PRESSURE) -> None:
         if host_threads < 1:
             raise ValueError(f"host_threads must be at least 1, not {host_threads}")
         fd = os.open(path, os.O_RDWR)
@@ -73,7 +127,10 @@ class CoreShare:
             raise ValueError(f"core-share slot {slot} outside a file of {slots} slots")
         self.slot = slot
         self.host_threads = host_threads
+        self.floor = max(1, host_threads // slots)  # the fixed split's share
         self._set_threads = set_threads
+        self.pressure = pressure
+        self.max_pressure = max_pressure
         self.threads = 0  # the count last applied (0: none yet)
 
     def busy_workers(self) -> int:
@@ -83,13 +140,24 @@ class CoreShare:
 
     def busy(self) -> int:
         """Mark this worker busy and apply its share for the coming step: ``host_threads //``
-        the busy workers, at least 1. Returns the thread count."""
+        the busy workers, at least 1; only the floor share while the host's CPU pressure is
+        above ``max_pressure``. Returns the thread count."""
         self._map[self.slot] = 1
         threads = max(1, self.host_threads // self.busy_workers())
+        if threads > self.floor and self.contended():
+            threads = self.floor
         if threads != self.threads:
             self._set_threads(threads)
             self.threads = threads
         return threads
+
+    def contended(self) -> bool:
+        """Whether the host is busy beyond this share's own workers: its CPU pressure above
+        ``max_pressure`` (False without a pressure reading)."""
+        if self.pressure is None:
+            return False
+        value = self.pressure.some_avg10()
+        return value is not None and value > self.max_pressure
 
     def idle(self) -> None:
         """Mark this worker idle (no step to run): the others may take its cores."""

@@ -41,7 +41,7 @@ from splitserve.ipc.sockets import PeerUnreachable
 from splitserve.kv_transfer.session import IllegalTransition
 from splitserve.worker.adapters import WorkerAdapters
 from splitserve.worker.build import kernel_report
-from splitserve.worker.core_share import CoreShare
+from splitserve.worker.core_share import CoreShare, CpuPressure
 from splitserve.worker.heartbeat import Heartbeat, rejoin_router
 from splitserve.worker.parts import WorkerParts
 from splitserve.worker.role import WorkerRole
@@ -93,7 +93,8 @@ class Worker:
                                             configure=parts.links.configure_client)
         # The host's cores shared step by step with its other workers (worker.core_share).
         c = self.config
-        self.core_share = (CoreShare(c.core_share, c.core_share_slot, c.host_threads)
+        self.core_share = (CoreShare(c.core_share, c.core_share_slot, c.host_threads,
+                                     pressure=CpuPressure())
                            if c.core_share else None)
 
     @property

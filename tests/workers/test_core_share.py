@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from splitserve.launch.local import Cluster
-from splitserve.worker.core_share import CoreShare, clear_core_share_slot, create_core_share
+from splitserve.worker.core_share import (
+    CoreShare,
+    CpuPressure,
+    clear_core_share_slot,
+    create_core_share,
+)
 from tests.cluster_config import serve_config
 
 
@@ -58,6 +63,64 @@ def test_a_slot_outside_the_file_or_no_threads_is_refused(tmp_path) -> None:
         CoreShare(path, 0, 0)
     with pytest.raises(OSError):
         CoreShare(tmp_path / "missing", 0, 2)
+
+
+def _psi(path: Path, some_avg10: float) -> None:
+    """Write a PSI file as Linux's /proc/pressure/cpu reads."""
+    path.write_text(f"some avg10={some_avg10:.2f} avg60=1.00 avg300=0.50 total=123456\n"
+                    "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+
+
+def test_a_host_under_cpu_pressure_keeps_the_floor_share(tmp_path) -> None:
+    """Above max_pressure (PSI some avg10) an idle neighbour's cores are not taken: the fixed
+    split's share (host_threads // slots) until the pressure falls; the reading is reused for
+    interval_s (a fake clock)."""
+    path, psi = tmp_path / "cores", tmp_path / "cpu"
+    create_core_share(path, 2)
+    now = [0.0]
+    pressure = CpuPressure(psi, interval_s=0.5, clock=lambda: now[0])
+    applied: list[int] = []
+    d = CoreShare(path, 1, 4, set_threads=applied.append, pressure=pressure, max_pressure=30.0)
+    assert d.floor == 2
+    _psi(psi, 95.3)  # busy loops beside the workers
+    assert d.busy() == 2 and applied == [2]  # alone, but only its floor share
+    _psi(psi, 4.0)
+    now[0] = 0.4  # within the interval: the busy reading still holds
+    assert d.busy() == 2
+    now[0] = 0.6
+    assert d.busy() == 4 and applied == [2, 4]  # quiet again: every core
+    p = CoreShare(path, 0, 4, set_threads=[].append, pressure=pressure, max_pressure=30.0)
+    assert p.busy() == 2 and d.busy() == 2  # two busy: the split, pressure or not
+    _psi(psi, 30.0)  # at the bound: not above it
+    now[0] = 1.2
+    p.idle()
+    assert d.busy() == 4
+    d.close()
+    p.close()
+
+
+@pytest.mark.parametrize("text", [None, "", "some avg10=x\n", "full avg10=99.00\n"])
+def test_no_pressure_reading_leaves_the_share_unguarded(tmp_path, text) -> None:
+    """A kernel without PSI (no file), or a file this parser does not understand: no reading,
+    and the share runs as before the guard."""
+    path, psi = tmp_path / "cores", tmp_path / "cpu"
+    create_core_share(path, 2)
+    if text is not None:
+        psi.write_text(text)
+    pressure = CpuPressure(psi)
+    assert pressure.some_avg10() is None
+    share = CoreShare(path, 0, 2, set_threads=[].append, pressure=pressure)
+    assert share.busy() == 2 and not share.contended()
+    share.close()
+
+
+def test_cpu_pressure_reads_this_hosts_psi_where_linux_has_it() -> None:
+    """The real file, where there is one, parses to a percent."""
+    value = CpuPressure().some_avg10()
+    if not Path("/proc/pressure/cpu").exists():
+        assert value is None
+    else:
+        assert value is not None and 0.0 <= value <= 100.0
 
 
 class _Proc:

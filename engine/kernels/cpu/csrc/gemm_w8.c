@@ -142,45 +142,63 @@ static void block_w8(int nv, const int8_t *xq, int64_t xs, const float *xscale,
 /* Rows per AVX2 register tile of 8 columns: 8 int32 sums, 2 weight registers, 4 float32 sums. */
 #define W8A_MR 4
 
-/* One mr-row tile of columns 8h..8h+7 of a 16-column block, over all groups (see the file's
- * comment). xq: mr rows of groups * 32 int16 codes (xs apart); xscale, xoff: per row (groups
- * apart) the group's x scale and -128 * its quantized sum; wb: the block's packed weights; ws:
- * its scales [groups, 16]; bias: its 16 bfloat16 or NULL; y: the rows' outputs (ys apart). */
+/* One quad step of one row: its 4 codes of x against 8 columns (w0: columns 0-3, w1: 4-7). */
+#define W8A_ROW(LO, HI, XP)                                                                    \
+    do {                                                                                       \
+        long long four_;                                                                       \
+        memcpy(&four_, (XP), sizeof four_);                                                    \
+        __m256i a_ = _mm256_set1_epi64x(four_);                                                \
+        LO = _mm256_add_epi32(LO, _mm256_madd_epi16(w0, a_));                                  \
+        HI = _mm256_add_epi32(HI, _mm256_madd_epi16(w1, a_));                                  \
+    } while (0)
+
+/* A group's two half-sum registers of one row -> its 8 column sums as float32, scaled and added
+ * to ACC: [c0 c1 c4 c5 | c2 c3 c6 c7] after vphaddd, put in order by vpermq. */
+#define W8A_FOLD(ACC, LO, HI, R)                                                               \
+    do {                                                                                       \
+        __m256i s_ = _mm256_permute4x64_epi64(_mm256_hadd_epi32(LO, HI), 0xD8);                \
+        s_ = _mm256_add_epi32(s_, _mm256_set1_epi32(xoff[(R) * groups + g]));                  \
+        __m256 sx_ = _mm256_set1_ps(xscale[(R) * groups + g]);                                 \
+        ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), _mm256_mul_ps(sw, sx_), ACC);            \
+    } while (0)
+
+/* One mr-row tile (1 <= mr <= W8A_MR) of columns 8h..8h+7 of a 16-column block, over all
+ * groups (see the file's comment). Each row's sums are named registers, not arrays: with arrays
+ * GCC reassociated the unrolled group and spilled every product to the stack (2x slower). xq:
+ * mr rows of groups * 32 int16 codes (xs apart); xscale, xoff: per row (groups apart) the
+ * group's x scale and -128 * its quantized sum; wb: the block's packed weights; ws: its scales
+ * [groups, 16]; bias: its 16 bfloat16 or NULL; y: the rows' outputs (ys apart). */
 static inline __attribute__((always_inline)) void tile_w8_avx2(
     const int16_t *xq, int64_t xs, const float *xscale, const int32_t *xoff, int64_t groups,
     int mr, const uint8_t *wb, int h, const float *ws, const uint16_t *bias, uint16_t *y,
     int64_t ys) {
-    __m256 accf[W8A_MR];
-    for (int r = 0; r < mr; r++) accf[r] = _mm256_setzero_ps();
+    __m256 f0 = _mm256_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
     for (int64_t g = 0; g < groups; g++) {
-        __m256i lo[W8A_MR], hi[W8A_MR]; /* columns 0-3 and 4-7: two half-sums each */
-        for (int r = 0; r < mr; r++) lo[r] = hi[r] = _mm256_setzero_si256();
+        __m256i l0 = _mm256_setzero_si256(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0,
+                l3 = l0, h3 = l0;
         const uint8_t *wg = wb + g * (XQ_GROUP / 4) * 64 + h * 32;
         const int16_t *xg = xq + g * XQ_GROUP;
-#pragma GCC unroll 8
+#pragma GCC unroll 2
         for (int o = 0; o < XQ_GROUP / 4; o++) {
             __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg + o * 64)));
             __m256i w1 =
                 _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg + o * 64 + 16)));
-            for (int r = 0; r < mr; r++) {
-                long long four;
-                memcpy(&four, xg + r * xs + 4 * o, sizeof four);
-                __m256i a = _mm256_set1_epi64x(four);
-                lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(w0, a));
-                hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(w1, a));
-            }
+            W8A_ROW(l0, h0, xg + 4 * o);
+            if (mr > 1) W8A_ROW(l1, h1, xg + xs + 4 * o);
+            if (mr > 2) W8A_ROW(l2, h2, xg + 2 * xs + 4 * o);
+            if (mr > 3) W8A_ROW(l3, h3, xg + 3 * xs + 4 * o);
         }
         __m256 sw = _mm256_loadu_ps(ws + g * 16 + h * 8);
-        for (int r = 0; r < mr; r++) {
-            /* [c0 c1 c4 c5 | c2 c3 c6 c7] -> columns in order */
-            __m256i sum = _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo[r], hi[r]), 0xD8);
-            sum = _mm256_add_epi32(sum, _mm256_set1_epi32(xoff[r * groups + g]));
-            __m256 sx = _mm256_set1_ps(xscale[r * groups + g]);
-            accf[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(sw, sx), accf[r]);
-        }
+        W8A_FOLD(f0, l0, h0, 0);
+        if (mr > 1) W8A_FOLD(f1, l1, h1, 1);
+        if (mr > 2) W8A_FOLD(f2, l2, h2, 2);
+        if (mr > 3) W8A_FOLD(f3, l3, h3, 3);
     }
     __m256 b = bias ? load_bf16x8(bias + h * 8) : _mm256_setzero_ps();
-    for (int r = 0; r < mr; r++) store_bf16x8(y + r * ys + h * 8, _mm256_add_ps(accf[r], b));
+    store_bf16x8(y + h * 8, _mm256_add_ps(f0, b));
+    if (mr > 1) store_bf16x8(y + ys + h * 8, _mm256_add_ps(f1, b));
+    if (mr > 2) store_bf16x8(y + 2 * ys + h * 8, _mm256_add_ps(f2, b));
+    if (mr > 3) store_bf16x8(y + 3 * ys + h * 8, _mm256_add_ps(f3, b));
 }
 
 #define W8A_TILE(MR)                                                                           \
