@@ -202,17 +202,31 @@ static inline __attribute__((always_inline)) void tile_w8_avx2(
 }
 
 #define W8A_TILE(MR)                                                                           \
-    tile_w8_avx2(xq + r0 * xs, xs, xscale + r0 * groups, xoff + r0 * groups, groups, (MR), wb, \
-                 h, ws, bias, y + r0 * ys, ys)
+    tile_w8_avx2_m##MR(xq + r0 * xs, xs, xscale + r0 * groups, xoff + r0 * groups, groups, wb, \
+                       h, ws, bias, y + r0 * ys, ys)
 
 /* One 16-column block for all m rows: each half of 8 columns, W8A_MR rows at a time (the
  * block's weights, a few KB per group range, stay in L1/L2 between row tiles). */
+/* One function per row count: inlined together into one, GCC's register allocation spilled
+ * the sums (as in gemv.c). */
+#define W8A_TILE_M(MR)                                                                         \
+    static __attribute__((noinline)) void tile_w8_avx2_m##MR(                                 \
+        const int16_t *xq, int64_t xs, const float *xscale, const int32_t *xoff,              \
+        int64_t groups, const uint8_t *wb, int h, const float *ws, const uint16_t *bias,      \
+        uint16_t *y, int64_t ys) {                                                             \
+        tile_w8_avx2(xq, xs, xscale, xoff, groups, MR, wb, h, ws, bias, y, ys);                \
+    }
+W8A_TILE_M(1)
+W8A_TILE_M(2)
+W8A_TILE_M(3)
+W8A_TILE_M(4)
+
 static void block_w8_avx2(const int16_t *xq, int64_t xs, const float *xscale,
                           const int32_t *xoff, int64_t groups, int64_t m, const uint8_t *wb,
                           const float *ws, const uint16_t *bias, uint16_t *y, int64_t ys) {
     for (int h = 0; h < 2; h++) {
         int64_t r0 = 0;
-        for (; r0 + W8A_MR <= m; r0 += W8A_MR) W8A_TILE(W8A_MR);
+        for (; r0 + W8A_MR <= m; r0 += W8A_MR) W8A_TILE(4);
         switch (m - r0) {
         case 1: W8A_TILE(1); break;
         case 2: W8A_TILE(2); break;

@@ -68,57 +68,96 @@ static inline __attribute__((always_inline)) void load_pair_avx2(const uint16_t 
     o[1] = _mm256_castsi256_ps(_mm256_and_si256(u1, hi));
 }
 
+/* One row's FMAs of one half of a K pair (W0, W1: columns 0-7 and 8-15, even or odd K). */
+#define GEMV_FMA(A0, A1, XP)                                                                   \
+    do {                                                                                       \
+        __m256 x_ = _mm256_broadcast_ss(XP);                                                   \
+        A0 = _mm256_fmadd_ps(x_, w0, A0);                                                      \
+        A1 = _mm256_fmadd_ps(x_, w1, A1);                                                      \
+    } while (0)
+
+static inline __attribute__((always_inline)) void store_sums_avx2(__m256 lo, __m256 hi,
+                                                                  v16f *sum) {
+    float out[16];
+    _mm256_storeu_ps(out, lo);
+    _mm256_storeu_ps(out + 8, hi);
+    memcpy(sum, out, sizeof out);
+}
+
+/* The sums are named registers, not arrays, and each K pair is taken in two halves (the even
+ * K's weights, then the odd K's, loaded again from L1), so 8 sums, 2 weights, one x and the
+ * mask fit the 16 registers: with arrays of sums and both halves live GCC kept the sums on the
+ * stack, loading and storing them at every K pair (as it did gemm_w8.c's AVX2 sums). At 1-2
+ * rows the odd K sum apart (b..: more independent FMA chains); the sums add in the same order
+ * either way as before this layout (even K, then odd K, pair by pair). */
 static inline __attribute__((always_inline)) void block16_avx2(const float *xf, int64_t m,
                                                                const uint16_t *wb, int64_t k,
                                                                v16f *sums) {
-    __m256 a[4][2], b[2][2], e[2], o[2];
-    for (int64_t r = 0; r < m; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
-    for (int64_t r = 0; r < 2; r++) b[r][0] = b[r][1] = _mm256_setzero_ps();
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
+           a30 = a00, a31 = a00, b00 = a00, b01 = a00, b10 = a00, b11 = a00;
     int64_t pairs = k / 2;
     for (int64_t p = 0; p < pairs; p++) {
-        load_pair_avx2(wb + p * 32, e, o);
-        for (int64_t r = 0; r < m; r++) {
-            __m256 xe = _mm256_broadcast_ss(xf + r * k + 2 * p);
-            __m256 xo = _mm256_broadcast_ss(xf + r * k + 2 * p + 1);
-            a[r][0] = _mm256_fmadd_ps(xe, e[0], a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(xe, e[1], a[r][1]);
-            if (m <= 2) {
-                b[r][0] = _mm256_fmadd_ps(xo, o[0], b[r][0]);
-                b[r][1] = _mm256_fmadd_ps(xo, o[1], b[r][1]);
-            } else {
-                a[r][0] = _mm256_fmadd_ps(xo, o[0], a[r][0]);
-                a[r][1] = _mm256_fmadd_ps(xo, o[1], a[r][1]);
-            }
+        const __m256i *wp = (const __m256i *)(wb + p * 32);
+        const float *xp = xf + 2 * p;
+        __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp), 16));
+        __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp + 1), 16));
+        GEMV_FMA(a00, a01, xp);
+        if (m > 1) GEMV_FMA(a10, a11, xp + k);
+        if (m > 2) GEMV_FMA(a20, a21, xp + 2 * k);
+        if (m > 3) GEMV_FMA(a30, a31, xp + 3 * k);
+        w0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wp), hi));
+        w1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wp + 1), hi));
+        if (m <= 2) {
+            GEMV_FMA(b00, b01, xp + 1);
+            if (m > 1) GEMV_FMA(b10, b11, xp + k + 1);
+        } else {
+            GEMV_FMA(a00, a01, xp + 1);
+            GEMV_FMA(a10, a11, xp + k + 1);
+            GEMV_FMA(a20, a21, xp + 2 * k + 1);
+            if (m > 3) GEMV_FMA(a30, a31, xp + 3 * k + 1);
         }
     }
     if (k & 1) {  /* the last pair's odd K is padding */
-        load_pair_avx2(wb + pairs * 32, e, o);
-        for (int64_t r = 0; r < m; r++) {
-            __m256 xe = _mm256_broadcast_ss(xf + r * k + k - 1);
-            a[r][0] = _mm256_fmadd_ps(xe, e[0], a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(xe, e[1], a[r][1]);
-        }
+        const __m256i *wp = (const __m256i *)(wb + pairs * 32);
+        const float *xp = xf + k - 1;
+        __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp), 16));
+        __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp + 1), 16));
+        GEMV_FMA(a00, a01, xp);
+        if (m > 1) GEMV_FMA(a10, a11, xp + k);
+        if (m > 2) GEMV_FMA(a20, a21, xp + 2 * k);
+        if (m > 3) GEMV_FMA(a30, a31, xp + 3 * k);
     }
-    for (int64_t r = 0; r < m; r++) {
-        if (m <= 2) {
-            a[r][0] = _mm256_add_ps(a[r][0], b[r][0]);
-            a[r][1] = _mm256_add_ps(a[r][1], b[r][1]);
-        }
-        float out[16];
-        _mm256_storeu_ps(out, a[r][0]);
-        _mm256_storeu_ps(out + 8, a[r][1]);
-        memcpy(&sums[r], out, sizeof out);
+    if (m <= 2) {
+        a00 = _mm256_add_ps(a00, b00), a01 = _mm256_add_ps(a01, b01);
+        a10 = _mm256_add_ps(a10, b10), a11 = _mm256_add_ps(a11, b11);
     }
+    store_sums_avx2(a00, a01, &sums[0]);
+    if (m > 1) store_sums_avx2(a10, a11, &sums[1]);
+    if (m > 2) store_sums_avx2(a20, a21, &sums[2]);
+    if (m > 3) store_sums_avx2(a30, a31, &sums[3]);
 }
 #define block16 block16_avx2
 #endif
 
+/* One function per row count: inlined together into one, GCC's register allocation kept the
+ * AVX2 sums on the stack. */
+#define GEMV_BLOCK_M(M)                                                                        \
+    static __attribute__((noinline)) void block_m##M(const float *xf, const uint16_t *wb,     \
+                                                     int64_t k, v16f *sums) {                 \
+        block16(xf, M, wb, k, sums);                                                           \
+    }
+GEMV_BLOCK_M(1)
+GEMV_BLOCK_M(2)
+GEMV_BLOCK_M(3)
+GEMV_BLOCK_M(4)
+
 static void block_any(const float *xf, int64_t m, const uint16_t *wb, int64_t k, v16f *sums) {
     switch (m) {
-    case 1: block16(xf, 1, wb, k, sums); break;
-    case 2: block16(xf, 2, wb, k, sums); break;
-    case 3: block16(xf, 3, wb, k, sums); break;
-    default: block16(xf, 4, wb, k, sums); break;
+    case 1: block_m1(xf, wb, k, sums); break;
+    case 2: block_m2(xf, wb, k, sums); break;
+    case 3: block_m3(xf, wb, k, sums); break;
+    default: block_m4(xf, wb, k, sums); break;
     }
 }
 
