@@ -134,6 +134,55 @@ def test_w8_rows_are_independent_of_the_batch() -> None:
         assert torch.equal(batch[r : r + 1], alone)
 
 
+def w8_exact_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """``gemm_w8.c``'s arithmetic step by step, in torch: x quantized per row and group of 32
+    (float32 ``max|x| / 127``, ``x * (1 / scale)`` rounded half to even, clamped to +-127), each
+    group's integer sum exact, then per group ``acc = fma(float(sum), s * x_scale, acc)`` in
+    float32 (the product exact in float64, the sum rounded once there and then to float32: a
+    double rounding that could differ from the fused one in rare ties, deterministically so for
+    these fixed inputs), ``acc + bias`` rounded to bfloat16. Every path (VNNI, AMX, AVX2) must
+    give exactly these bits. The bfloat16 output hides most float32 ordering (an unfused sum
+    gave the same bits here); it does not hide the activation quantization (truncating instead
+    of rounding changed every case) or the integer sums."""
+    m, k = x.shape
+    groups = -(-k // 32)
+    xf = torch.zeros(m, groups * 32)
+    xf[:, :k] = x.float()
+    qw = torch.zeros(q.shape[0], groups * 32, dtype=torch.int64)
+    qw[:, :k] = q.long()
+    acc = torch.zeros(m, q.shape[0])
+    for g in range(groups):
+        xg = xf[:, 32 * g : 32 * g + 32]
+        amax = xg.abs().amax(1)
+        xs = torch.where(amax > 0, amax / torch.tensor(127.0), torch.ones_like(amax))
+        xq = torch.round(xg * (torch.tensor(1.0) / xs)[:, None]).clamp(-127, 127).long()
+        isum = xq @ qw[:, 32 * g : 32 * g + 32].T  # [m, n], exact
+        scale = s[:, g][None, :] * xs[:, None]  # float32 product
+        acc = (isum.double() * scale.double() + acc.double()).float()
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.bfloat16()
+
+
+@needs_w8
+@pytest.mark.parametrize(("m", "n", "k", "bias"), [
+    (1, 64, 576, False), (3, 48, 577, True), (7, 32, 1537, True), (32, 96, 160, False),
+])
+def test_w8_bits_equal_the_exact_reference(m, n, k, bias) -> None:
+    """The product's bits are those of :func:`w8_exact_reference`, whichever path this CPU
+    takes (so the AVX2 path and the VNNI/AMX tiles, never on one machine together, are held
+    to the same bits), at row counts of every tile tail, K not a multiple of 32, a bias."""
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    q, s = quantize_int8_groups(torch.randn(n, k, generator=gen) * 0.05)
+    packed = Int8Weight(q, s)
+    x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
+    x[0, :5] = 0.0
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    got = KERNELS.linear_w8(x, packed.packed, packed.scales, b)
+    assert torch.equal(got, w8_exact_reference(x, q, s, b))
+
+
 @needs_w8
 @pytest.mark.parametrize("k", [37, 96, 577])
 def test_w8_strided_rows_equal_their_contiguous_copy(k) -> None:
