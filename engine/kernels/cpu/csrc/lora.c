@@ -17,6 +17,12 @@
 
 #define RB 4 /* rows per block */
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define LORA_AVX2 1 /* shrink and expand in AVX2 intrinsics (below) */
+#endif
+
+#ifndef LORA_AVX2
+
 static inline float hsum(v16f v) {
     float s = 0.0f;
     for (int e = 0; e < 16; e++) s += v[e];
@@ -70,6 +76,135 @@ static void expand(const float t[RB][LORA_MAX_RANK], int nb, const uint16_t *bt,
             *yr = f32_to_bf16(bf16_to_f32(*yr) + s);
         }
 }
+
+#else
+#include <immintrin.h>
+/* AVX2 (16 registers of 8 floats): the same arithmetic as shrink and expand above, lane for lane
+ * (each 16-float vector as two registers, the FMAs in the same order, the horizontal sum in lane
+ * order), so the same bits; GCC's lowering of the 16-float vector code spills there (as
+ * gemv.c's comment says). One function per row count (nbv), the sums in named registers. */
+#define LORA_LOAD16(P, LO, HI) (LO = load_bf16x8(P), HI = load_bf16x8((P) + 8))
+
+static inline float hsum16_avx2(__m256 lo, __m256 hi) {
+    float v[16];
+    _mm256_storeu_ps(v, lo);
+    _mm256_storeu_ps(v + 8, hi);
+    float s = 0.0f;
+    for (int e = 0; e < 16; e++) s += v[e];
+    return s;
+}
+
+#define LORA_SHRINK_ROW(R, L, H)                                                               \
+    if (nbv > R) {                                                                              \
+        __m256 xl, xh;                                                                         \
+        LORA_LOAD16(x + idx[R] * x_stride + i, xl, xh);                                        \
+        L = _mm256_fmadd_ps(xl, wl, L);                                                        \
+        H = _mm256_fmadd_ps(xh, wh, H);                                                        \
+    }
+#define LORA_SHRINK_TAIL(R, L, H)                                                              \
+    if (nbv > R) {                                                                              \
+        float s = hsum16_avx2(L, H);                                                           \
+        for (int64_t q = i; q < k; q++)                                                        \
+            s += bf16_to_f32(x[idx[R] * x_stride + q]) * bf16_to_f32(w[q]);                    \
+        t[R][j] = s;                                                                           \
+    }
+#define LORA_EXPAND_ROW(R, L, H)                                                               \
+    if (nbv > R) {                                                                              \
+        __m256 tv = _mm256_set1_ps(t[R][ro + j]);                                              \
+        L = _mm256_fmadd_ps(tv, bl, L);                                                        \
+        H = _mm256_fmadd_ps(tv, bh, H);                                                        \
+    }
+#define LORA_EXPAND_STORE(R, L, H)                                                             \
+    if (nbv > R) {                                                                              \
+        uint16_t *yr = y + idx[R] * y_stride + off + c;                                        \
+        __m256 yl, yh;                                                                         \
+        LORA_LOAD16(yr, yl, yh);                                                               \
+        store_bf16x8(yr, _mm256_add_ps(yl, L));                                                \
+        store_bf16x8(yr + 8, _mm256_add_ps(yh, H));                                            \
+    }
+
+#define LORA_AVX2_NB(NB)                                                                       \
+    static __attribute__((noinline)) void shrink_avx2_##NB(                                   \
+        const uint16_t *x, int64_t x_stride, const int64_t *idx, const uint16_t *a,           \
+        int64_t rr, int64_t k, float t[RB][LORA_MAX_RANK]) {                                   \
+        const int nbv = NB;                                                                    \
+        for (int64_t j = 0; j < rr; j++) {                                                     \
+            const uint16_t *w = a + j * k;                                                     \
+            __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0,      \
+                   l3 = l0, h3 = l0;                                                           \
+            int64_t i = 0;                                                                     \
+            for (; i + 16 <= k; i += 16) {                                                     \
+                __m256 wl, wh;                                                                 \
+                LORA_LOAD16(w + i, wl, wh);                                                    \
+                LORA_SHRINK_ROW(0, l0, h0)                                                     \
+                LORA_SHRINK_ROW(1, l1, h1)                                                     \
+                LORA_SHRINK_ROW(2, l2, h2)                                                     \
+                LORA_SHRINK_ROW(3, l3, h3)                                                     \
+            }                                                                                  \
+            LORA_SHRINK_TAIL(0, l0, h0)                                                        \
+            LORA_SHRINK_TAIL(1, l1, h1)                                                        \
+            LORA_SHRINK_TAIL(2, l2, h2)                                                        \
+            LORA_SHRINK_TAIL(3, l3, h3)                                                        \
+        }                                                                                      \
+    }                                                                                          \
+    static __attribute__((noinline)) void expand_avx2_##NB(                                   \
+        const float t[RB][LORA_MAX_RANK], const uint16_t *bt, int64_t n, int64_t ro,          \
+        int64_t rank, uint16_t *y, int64_t y_stride, const int64_t *idx, int64_t off) {       \
+        const int nbv = NB;                                                                    \
+        for (int64_t c = 0; c + 16 <= n; c += 16) {                                            \
+            __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0,      \
+                   l3 = l0, h3 = l0;                                                           \
+            for (int64_t j = 0; j < rank; j++) {                                               \
+                __m256 bl, bh;                                                                 \
+                LORA_LOAD16(bt + j * n + c, bl, bh);                                           \
+                LORA_EXPAND_ROW(0, l0, h0)                                                     \
+                LORA_EXPAND_ROW(1, l1, h1)                                                     \
+                LORA_EXPAND_ROW(2, l2, h2)                                                     \
+                LORA_EXPAND_ROW(3, l3, h3)                                                     \
+            }                                                                                  \
+            LORA_EXPAND_STORE(0, l0, h0)                                                       \
+            LORA_EXPAND_STORE(1, l1, h1)                                                       \
+            LORA_EXPAND_STORE(2, l2, h2)                                                       \
+            LORA_EXPAND_STORE(3, l3, h3)                                                       \
+        }                                                                                      \
+    }
+LORA_AVX2_NB(1)
+LORA_AVX2_NB(2)
+LORA_AVX2_NB(3)
+LORA_AVX2_NB(4)
+
+/* shrink on AVX2, by row count. */
+static void shrink_avx2(const uint16_t *x, int64_t x_stride, const int64_t *idx, int nb,
+                        const uint16_t *a, int64_t rr, int64_t k, float t[RB][LORA_MAX_RANK]) {
+    switch (nb) {
+    case 1: shrink_avx2_1(x, x_stride, idx, a, rr, k, t); break;
+    case 2: shrink_avx2_2(x, x_stride, idx, a, rr, k, t); break;
+    case 3: shrink_avx2_3(x, x_stride, idx, a, rr, k, t); break;
+    default: shrink_avx2_4(x, x_stride, idx, a, rr, k, t); break;
+    }
+}
+
+/* expand on AVX2: the 16-column blocks by row count, the last columns as expand does them. */
+static void expand_avx2(const float t[RB][LORA_MAX_RANK], int nb, const uint16_t *bt, int64_t n,
+                        int64_t ro, int64_t rank, uint16_t *y, int64_t y_stride,
+                        const int64_t *idx, int64_t off) {
+    switch (nb) {
+    case 1: expand_avx2_1(t, bt, n, ro, rank, y, y_stride, idx, off); break;
+    case 2: expand_avx2_2(t, bt, n, ro, rank, y, y_stride, idx, off); break;
+    case 3: expand_avx2_3(t, bt, n, ro, rank, y, y_stride, idx, off); break;
+    default: expand_avx2_4(t, bt, n, ro, rank, y, y_stride, idx, off); break;
+    }
+    for (int64_t c = n - n % 16; c < n; c++)
+        for (int r = 0; r < nb; r++) {
+            float s = 0.0f;
+            for (int64_t j = 0; j < rank; j++) s += t[r][ro + j] * bf16_to_f32(bt[j * n + c]);
+            uint16_t *yr = y + idx[r] * y_stride + off + c;
+            *yr = f32_to_bf16(bf16_to_f32(*yr) + s);
+        }
+}
+#define shrink shrink_avx2
+#define expand expand_avx2
+#endif
 
 /* One block of nb rows of one slot's entry e (LORA_F int64s: A, R, slices, then per slice
  * Bt, output offset, output size, rank offset, rank; see lora_sgmv_bf16). */
