@@ -39,7 +39,18 @@ int greedy_logprob_f32(const float *logits, int64_t stride, int64_t b, int64_t v
         int64_t arg = 0;
         while (x[arg] != m) arg++;
         for (int l = 0; l < 16; l++) lane[l] = 0.0f;
-        for (j = 0; j + 16 <= v; j += 16)
+        j = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+        /* GCC leaves exp_approx scalar on AVX2: the same lanes and steps in two registers */
+        __m256 lo = _mm256_setzero_ps(), hi = lo, mv = _mm256_set1_ps(m);
+        for (; j + 16 <= v; j += 16) {
+            lo = _mm256_add_ps(lo, exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(x + j), mv)));
+            hi = _mm256_add_ps(hi, exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(x + j + 8), mv)));
+        }
+        _mm256_storeu_ps(lane, lo);
+        _mm256_storeu_ps(lane + 8, hi);
+#endif
+        for (; j + 16 <= v; j += 16)
             for (int l = 0; l < 16; l++) lane[l] += exp_approx(x[j + l] - m);
         for (; j < v; j++) lane[0] += exp_approx(x[j] - m);
         float sum = 0.0f;
