@@ -36,8 +36,9 @@ import torch
 
 PRESSURE_FILE = Path("/proc/pressure/cpu")
 # Percent of the last 10 s with some task waiting for a CPU above which a worker keeps its floor
-# share. A quiet host serving one user with the share measured PSI_FILL; one with a busy loop
-# per core beside the workers PSI_FILL.
+# share. A quiet 2-core host serving one user through a disaggregated cluster with the share
+# measured 9-13% (32% for a few seconds while the cluster started); the same host with a test
+# run and a busy loop per core beside the workers 55-95% (docs/performance.md).
 MAX_PRESSURE = 30.0
 
 
