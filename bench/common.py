@@ -163,17 +163,17 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def launch_fields(value: str, num_speculative_tokens: int) -> tuple[str, str, dict[str, Any]]:
-    """``MODE[:int8|:int4][:kv8][:ngram][:share]`` -> ``(mode, target name, config fields)``:
+    """``MODE[:int8|:int4][:kv8][:ngram][:split]`` -> ``(mode, target name, config fields)``:
     the weights' ``quantization``; with ``:kv8``, the KV cache in int8 (``kv_cache_dtype``, as
     OpenVINO keeps it on the CPU by default); with ``:ngram``, n-gram speculative decoding of
-    ``num_speculative_tokens`` drafts; with ``:share``, the core share (``share_cores``,
-    ``--share-cores``: a step takes the cores of idle workers).
+    ``num_speculative_tokens`` drafts; with ``:split``, no core share (``share_cores`` off,
+    ``--no-share-cores``: each worker keeps its split of the cores).
 
     Raises:
         ValueError: an option other than those.
     """
     mode, *options = value.split(":")
-    unknown = set(options) - {"int8", "int4", "kv8", "ngram", "share"}
+    unknown = set(options) - {"int8", "int4", "kv8", "ngram", "split"}
     if unknown:
         raise ValueError(f"--launch {value}: unknown option(s) {sorted(unknown)}")
     fields: dict[str, Any] = {
@@ -181,8 +181,8 @@ def launch_fields(value: str, num_speculative_tokens: int) -> tuple[str, str, di
     }
     if "kv8" in options:
         fields["kv_cache_dtype"] = "int8"
-    if "share" in options:
-        fields["share_cores"] = True
+    if "split" in options:
+        fields["share_cores"] = False
     if "ngram" in options:
         fields["speculative"] = "ngram"
         fields["num_speculative_tokens"] = num_speculative_tokens

@@ -7,10 +7,10 @@ rate of requests that met every SLO given with ``--slo``). Every target in one i
 the same prompts, output lengths and arrival times, so their ratios are measured in one run.
 
 Targets: ``--base-url [NAME=]URL`` (any number) and
-``--launch MODE[:int8|:int4][:kv8][:ngram][:share]`` (a local splitserve cluster, MODE
+``--launch MODE[:int8|:int4][:kv8][:ngram][:split]`` (a local splitserve cluster, MODE
 ``disaggregated`` or ``colocated``, with those weights, with ``:kv8`` an int8 KV cache, with
 ``:ngram`` n-gram speculative decoding of ``--num-speculative-tokens`` drafts, and with
-``:share`` the core share, ``--share-cores``; started for its runs and
+``:split`` without the core share, ``--no-share-cores``; started for its runs and
 stopped after). Load: ``--concurrency N ...``
 (closed loop, N in flight) or ``--request-rate R ...`` (Poisson arrivals, ``inf`` = all at once;
 ``--max-concurrency`` caps in-flight requests). Datasets: ``sharegpt`` (first user turns from
@@ -369,11 +369,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             for q in ("", ":int8", ":int4")
             for kv in ("", ":kv8")
             for s in ("", ":ngram")
-            for split in ("", ":share")
+            for split in ("", ":split")
         ],
         help="start a local splitserve cluster (MODE:int8, MODE:int4: with --quantization; "
-        "...:kv8: with --kv-cache-dtype int8; ...:ngram: with --speculative ngram; ...:share: "
-        "with --share-cores)",
+        "...:kv8: with --kv-cache-dtype int8; ...:ngram: with --speculative ngram; ...:split: "
+        "with --no-share-cores)",
     )
     t.add_argument(
         "--hf-static",

@@ -284,8 +284,10 @@ UI_FLAGS = (
 CLUSTER_FLAGS = (
     Flag("--threads-per-worker", "cluster.threads_per_worker", "0: split the cores"),
     Flag("--share-cores", "cluster.share_cores", "a worker's step also takes the cores of "
-         "the host's workers with nothing to run (default: each keeps its split; measured "
-         "3-6x slower decode on a busy 2-core host, docs/performance.md)", const=True),
+         "the host's workers with nothing to run, while the host's CPU pressure (Linux PSI) "
+         "is low (the default)", const=True),
+    Flag("--no-share-cores", "cluster.share_cores", "each worker keeps its split of the "
+         "cores", const=False),
     Flag("--cpu-affinity", "cluster.cpu_affinity", "pin processes to CPUs, e.g. prefill=0 "
          "decode=1 (or colocated=0-1)", parse=_cpu_affinity, nargs="+"),
 )

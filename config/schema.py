@@ -319,9 +319,9 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cpu_affinity: dict[str, list[int]] = {}
     extra_env: dict[str, str] = {}  # added to every child's environment
     # Workers on this host take the cores the idle ones leave, step by step (worker.core_share);
-    # only where the cores are split (no threads_per_worker, no cpu_affinity). Off by default:
-    # on a busy host the extra threads wait on each other (docs/performance.md).
-    share_cores: bool = False
+    # only where the cores are split (no threads_per_worker, no cpu_affinity), and only while
+    # the host's CPU pressure (Linux PSI) says it is not busy with other work.
+    share_cores: bool = True
 
     @property
     def roles(self) -> list[str]:

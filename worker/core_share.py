@@ -9,13 +9,13 @@ step and clears it when it has no work left, and each step runs on the host's th
 by the workers busy at that moment (at least one). So one busy worker takes every core and two
 busy workers split them as before; between hosts nothing is shared.
 
-Off by default (``--share-cores`` turns it on): on a host busy with other work, a step's extra
-threads wait on each other at every barrier, and decode measured 3-6x slower than on the fixed
-split (docs/performance.md). So the share also watches the host: where Linux reports CPU
-pressure (PSI, ``/proc/pressure/cpu``: the share of the last 10 s in which some runnable task
-waited for a CPU) above :data:`MAX_PRESSURE`, a worker keeps its floor share (the fixed split)
-however many workers are idle, until the pressure falls again (:class:`CpuPressure`). Where the
-file is missing (kernels without PSI) the share runs unguarded, as it did before.
+On by default (``--no-share-cores`` turns it off), and guarded: on a host busy with other
+work, a step's extra threads wait on each other at every barrier (decode measured 3-8x slower
+than on the fixed split, docs/performance.md), so a worker takes more than its floor share (the
+fixed split) only while Linux reports the host's CPU pressure (PSI, ``/proc/pressure/cpu``: the
+share of the last 10 s in which some runnable task waited for a CPU) at or below
+:data:`MAX_PRESSURE` (:class:`CpuPressure`). Where there is no reading (a kernel without PSI)
+it cannot tell a busy host from a quiet one, and keeps the floor share.
 
 The count is read before each step, so a worker that turns busy during another's step shares
 the cores from its next step on: for at most one step the host runs more threads than cores. A
@@ -102,8 +102,9 @@ class CoreShare:
         host_threads: the threads every worker of the host may use in all (its cores).
         set_threads: applies a thread count (default ``torch.set_num_threads``, which OpenMP,
             oneDNN and the C kernels follow; tests pass a recorder).
-        pressure: the host's CPU pressure; above ``max_pressure`` percent a step takes only
-            the floor share, ``host_threads //`` the slots (None: never guarded).
+        pressure: the host's CPU pressure; above ``max_pressure`` percent, or without a
+            reading (None, or a kernel without PSI), a step takes only the floor share,
+            ``host_threads //`` the slots.
         max_pressure: that bound, percent.
 
     Raises:
@@ -153,12 +154,11 @@ class CoreShare:
         return threads
 
     def contended(self) -> bool:
-        """Whether the host is busy beyond this share's own workers: its CPU pressure above
-        ``max_pressure`` (False without a pressure reading)."""
-        if self.pressure is None:
-            return False
-        value = self.pressure.some_avg10()
-        return value is not None and value > self.max_pressure
+        """Whether the host may be busy beyond this share's own workers: its CPU pressure
+        above ``max_pressure``, or no reading (a kernel without PSI; True also without a
+        ``pressure`` probe: the caller gave none to check)."""
+        value = None if self.pressure is None else self.pressure.some_avg10()
+        return value is None or value > self.max_pressure
 
     def idle(self) -> None:
         """Mark this worker idle (no step to run): the others may take its cores."""

@@ -1,4 +1,4 @@
-"""bench/serving.py's ``--launch MODE[:int8|:int4][:kv8][:ngram][:share]`` becomes the cluster's
+"""bench/serving.py's ``--launch MODE[:int8|:int4][:kv8][:ngram][:split]`` becomes the cluster's
 config fields."""
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ def test_kv8_option_is_an_int8_kv_cache():
     assert ServeConfig.from_fields(model="m", **fields).engine.kv_cache_dtype == "int8"
 
 
-def test_share_option_turns_the_core_share_on():
-    mode, name, fields = launch_fields("disaggregated:share", 4)
-    assert (mode, name) == ("disaggregated", "splitserve disaggregated share")
-    assert fields == {"quantization": "none", "share_cores": True}
-    assert ServeConfig.from_fields(model="m", **fields).cluster.share_cores is True
-    assert ServeConfig.from_fields(model="m").cluster.share_cores is False  # off by default
+def test_split_option_turns_the_core_share_off():
+    mode, name, fields = launch_fields("disaggregated:split", 4)
+    assert (mode, name) == ("disaggregated", "splitserve disaggregated split")
+    assert fields == {"quantization": "none", "share_cores": False}
+    assert ServeConfig.from_fields(model="m", **fields).cluster.share_cores is False
+    assert ServeConfig.from_fields(model="m").cluster.share_cores is True  # on by default
 
 
 def test_unknown_option_is_refused():

@@ -19,8 +19,17 @@ from splitserve.worker.core_share import (
 from tests.cluster_config import serve_config
 
 
+def _psi(path: Path, some_avg10: float) -> None:
+    """Write a PSI file as Linux's /proc/pressure/cpu reads."""
+    path.write_text(f"some avg10={some_avg10:.2f} avg60=1.00 avg300=0.50 total=123456\n"
+                    "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+
+
 def _share(path: Path, slot: int, applied: list[int], host_threads: int = 2) -> CoreShare:
-    return CoreShare(path, slot, host_threads, set_threads=applied.append)
+    """A share on a quiet host: a PSI file beside the share file reads 0% pressure."""
+    _psi(path.parent / "cpu", 0.0)
+    return CoreShare(path, slot, host_threads, set_threads=applied.append,
+                     pressure=CpuPressure(path.parent / "cpu"))
 
 
 def test_one_busy_worker_takes_every_core_and_busy_workers_split_them(tmp_path) -> None:
@@ -65,12 +74,6 @@ def test_a_slot_outside_the_file_or_no_threads_is_refused(tmp_path) -> None:
         CoreShare(tmp_path / "missing", 0, 2)
 
 
-def _psi(path: Path, some_avg10: float) -> None:
-    """Write a PSI file as Linux's /proc/pressure/cpu reads."""
-    path.write_text(f"some avg10={some_avg10:.2f} avg60=1.00 avg300=0.50 total=123456\n"
-                    "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
-
-
 def test_a_host_under_cpu_pressure_keeps_the_floor_share(tmp_path) -> None:
     """Above max_pressure (PSI some avg10) an idle neighbour's cores are not taken: the fixed
     split's share (host_threads // slots) until the pressure falls; the reading is reused for
@@ -100,9 +103,10 @@ def test_a_host_under_cpu_pressure_keeps_the_floor_share(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("text", [None, "", "some avg10=x\n", "full avg10=99.00\n"])
-def test_no_pressure_reading_leaves_the_share_unguarded(tmp_path, text) -> None:
+def test_no_pressure_reading_keeps_the_floor_share(tmp_path, text) -> None:
     """A kernel without PSI (no file), or a file this parser does not understand: no reading,
-    and the share runs as before the guard."""
+    so no telling a busy host from a quiet one, and the worker keeps its floor share (as with
+    no probe at all)."""
     path, psi = tmp_path / "cores", tmp_path / "cpu"
     create_core_share(path, 2)
     if text is not None:
@@ -110,8 +114,11 @@ def test_no_pressure_reading_leaves_the_share_unguarded(tmp_path, text) -> None:
     pressure = CpuPressure(psi)
     assert pressure.some_avg10() is None
     share = CoreShare(path, 0, 2, set_threads=[].append, pressure=pressure)
-    assert share.busy() == 2 and not share.contended()
+    assert share.busy() == 1 and share.contended()
     share.close()
+    bare = CoreShare(path, 0, 2, set_threads=[].append)
+    assert bare.busy() == 1 and bare.contended()
+    bare.close()
 
 
 def test_cpu_pressure_reads_this_hosts_psi_where_linux_has_it() -> None:
