@@ -215,10 +215,11 @@ class Linear(nn.Module):
             y = self.c_product(x.contiguous(), product)
         elif self.packed is not None:
             y = packed_linear(x, self.packed, self.bias)
-        elif (self.decode_packed is not None and self.kernels is not None and x.dim() == 2
-              and x.shape[0] > 0):
-            # bfloat16 where oneDNN packs nothing (AVX2): our product at any row count, 5-7x
-            # torch's emulated bfloat16 one at 32 rows (docs/performance.md, Zen 3).
+        elif ((self.decode_packed is not None or self.int8 is not None)
+              and self.kernels is not None and x.dim() == 2 and x.shape[0] > 0):
+            # bfloat16 or int8 weights where oneDNN packs nothing (AVX2): our product at any row
+            # count, 5-7x torch's emulated bfloat16 one at 32 rows (docs/performance.md, Zen 3;
+            # int8 prompt steps took the de-quantized weight through it: 26 s TTFT at c=32).
             y = self.c_product(x.contiguous())
         else:
             y = F.linear(x, self.weight, self.bias)
@@ -300,8 +301,8 @@ class LMHead:
             return self.c_product(h.contiguous()).float()
         if self.packed is not None:
             return packed_linear(h, self.packed, None).float()
-        if self.decode_packed is not None and self.kernels is not None:  # as Linear's (AVX2)
-            return self.c_product(h.contiguous()).float()
+        if (self.decode_packed is not None or self.int8 is not None) and self.kernels is not None:
+            return self.c_product(h.contiguous()).float()  # as Linear's (AVX2)
         return F.linear(h, self.weight).float()
 
 
