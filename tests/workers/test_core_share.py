@@ -153,8 +153,8 @@ def _workers(monkeypatch, **fields) -> tuple[Cluster, dict[str, dict]]:
     return cluster, configs
 
 
-def test_the_launcher_gives_each_worker_of_a_split_host_a_slot(monkeypatch) -> None:
-    cluster, configs = _workers(monkeypatch, num_prefill=1, num_decode=2, share_cores=True)
+def test_the_launcher_gives_each_worker_of_a_split_host_a_slot(monkeypatch, tmp_path) -> None:
+    cluster, configs = _workers(monkeypatch, num_prefill=1, num_decode=2)  # on by default
     share = cluster.core_share
     assert share is not None and share.read_bytes() == bytes(3)
     assert {n: (c["core_share"], c["core_share_slot"], c["host_threads"], c["num_threads"])
@@ -164,7 +164,9 @@ def test_the_launcher_gives_each_worker_of_a_split_host_a_slot(monkeypatch) -> N
         "decode-1": (str(share), 2, 2, 1),
     }
     # decode-0 killed inside a step: its byte stays busy until the launcher restarts it.
-    survivor = CoreShare(share, 0, 2, set_threads=lambda n: None)
+    _psi(tmp_path / "cpu", 0.0)  # a quiet host
+    survivor = CoreShare(share, 0, 2, set_threads=lambda n: None,
+                         pressure=CpuPressure(tmp_path / "cpu"))
     CoreShare(share, 1, 2, set_threads=lambda n: None).busy()
     assert survivor.busy() == 1
     cluster.restart("decode-0")
@@ -188,7 +190,7 @@ def test_clearing_a_slot_from_outside(tmp_path) -> None:
     {"colocated": True, "share_cores": True},  # one worker has every core already
     {"threads_per_worker": 1, "share_cores": True},  # fixed thread counts
     {"cpu_affinity": {"prefill": [0], "decode": [1]}, "share_cores": True},  # pinned CPUs
-    {},  # off by default (--share-cores turns it on)
+    {"share_cores": False},  # --no-share-cores
 ])
 def test_no_share_where_the_cores_are_not_split_or_it_is_off(monkeypatch, fields) -> None:
     cluster, configs = _workers(monkeypatch, **fields)
