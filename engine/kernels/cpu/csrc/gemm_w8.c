@@ -164,7 +164,7 @@ static void block_w8(int nv, const int8_t *xq, int64_t xs, const float *xscale,
 
 /* One mr-row tile (1 <= mr <= W8A_MR) of columns 8h..8h+7 of a 16-column block, over all
  * groups (see the file's comment). Each row's sums are named registers, not arrays: with arrays
- * GCC reassociated the unrolled group and spilled every product to the stack (2x slower). xq:
+ * GCC reassociated the unrolled group and spilled every product to the stack (~1.3x slower). xq:
  * mr rows of groups * 32 int16 codes (xs apart); xscale, xoff: per row (groups apart) the
  * group's x scale and -128 * its quantized sum; wb: the block's packed weights; ws: its scales
  * [groups, 16]; bias: its 16 bfloat16 or NULL; y: the rows' outputs (ys apart). */
@@ -205,8 +205,6 @@ static inline __attribute__((always_inline)) void tile_w8_avx2(
     tile_w8_avx2_m##MR(xq + r0 * xs, xs, xscale + r0 * groups, xoff + r0 * groups, groups, wb, \
                        h, ws, bias, y + r0 * ys, ys)
 
-/* One 16-column block for all m rows: each half of 8 columns, W8A_MR rows at a time (the
- * block's weights, a few KB per group range, stay in L1/L2 between row tiles). */
 /* One function per row count: inlined together into one, GCC's register allocation spilled
  * the sums (as in gemv.c). */
 #define W8A_TILE_M(MR)                                                                         \
@@ -221,6 +219,8 @@ W8A_TILE_M(2)
 W8A_TILE_M(3)
 W8A_TILE_M(4)
 
+/* One 16-column block for all m rows: each half of 8 columns, W8A_MR rows at a time (the
+ * block's weights, a few KB per group range, stay in L1/L2 between row tiles). */
 static void block_w8_avx2(const int16_t *xq, int64_t xs, const float *xscale,
                           const int32_t *xoff, int64_t groups, int64_t m, const uint8_t *wb,
                           const float *ws, const uint16_t *bias, uint16_t *y, int64_t ys) {

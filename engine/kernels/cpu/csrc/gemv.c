@@ -52,22 +52,10 @@ static inline __attribute__((always_inline)) void block16(const float *xf, int64
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* The same block for at most 4 rows on AVX2 (see the file's comment), in 8-float registers: a
- * pair's 64 bytes are columns 0-7 and 8-15, each 32-bit lane one column's (even K, odd K). At
- * 1-2 rows the even and odd K sum apart (more independent FMA chains); at 3-4 rows into one
- * register per row and half (8 registers of sums, 4 of weights, 2 of x). */
-/* One K pair of the pair layout as float32: e[0], e[1] the even K of columns 0-7 and 8-15, o[0],
- * o[1] the odd K. */
-static inline __attribute__((always_inline)) void load_pair_avx2(const uint16_t *p, __m256 e[2],
-                                                                 __m256 o[2]) {
-    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
-    __m256i u0 = _mm256_loadu_si256((const __m256i *)p);
-    __m256i u1 = _mm256_loadu_si256((const __m256i *)(p + 16));
-    e[0] = _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16));
-    e[1] = _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16));
-    o[0] = _mm256_castsi256_ps(_mm256_and_si256(u0, hi));
-    o[1] = _mm256_castsi256_ps(_mm256_and_si256(u1, hi));
-}
-
+ * pair's 64 bytes are columns 0-7 and 8-15, each 32-bit lane one column's (even K, odd K): the
+ * even K's weights are the lane shifted left by 16, the odd K's the lane's high half. At 1-2
+ * rows the even and odd K sum apart (more independent FMA chains); at 3-4 rows into one register
+ * per row and half. */
 /* One row's FMAs of one half of a K pair (W0, W1: columns 0-7 and 8-15, even or odd K). */
 #define GEMV_FMA(A0, A1, XP)                                                                   \
     do {                                                                                       \
