@@ -219,7 +219,8 @@ class Linear(nn.Module):
               and self.kernels is not None and x.dim() == 2 and x.shape[0] > 0):
             # bfloat16 or int8 weights where oneDNN packs nothing (AVX2): our product at any row
             # count, 5-7x torch's emulated bfloat16 one at 32 rows (docs/performance.md, Zen 3;
-            # int8 prompt steps took the de-quantized weight through it: 26 s TTFT at c=32).
+            # int8 prompt steps had gone to F.linear on the de-quantized weight: 26 s TTFT at
+            # c=32).
             y = self.c_product(x.contiguous())
         else:
             y = F.linear(x, self.weight, self.bias)
