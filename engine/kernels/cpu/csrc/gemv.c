@@ -64,6 +64,18 @@ static inline __attribute__((always_inline)) void block16(const float *xf, int64
         A1 = _mm256_fmadd_ps(x_, w1, A1);                                                      \
     } while (0)
 
+/* The even K of the pair at WP for every row (x of row 0 at XP): w0, w1 left holding its
+ * weights. */
+#define GEMV_EVEN(WP, XP)                                                                      \
+    do {                                                                                       \
+        w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(WP), 16));               \
+        w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((WP) + 1), 16));         \
+        GEMV_FMA(a00, a01, (XP));                                                              \
+        if (m > 1) GEMV_FMA(a10, a11, (XP) + k);                                               \
+        if (m > 2) GEMV_FMA(a20, a21, (XP) + 2 * k);                                           \
+        if (m > 3) GEMV_FMA(a30, a31, (XP) + 3 * k);                                           \
+    } while (0)
+
 static inline __attribute__((always_inline)) void store_sums_avx2(__m256 lo, __m256 hi,
                                                                   v16f *sum) {
     float out[16];
@@ -88,12 +100,8 @@ static inline __attribute__((always_inline)) void block16_avx2(const float *xf, 
     for (int64_t p = 0; p < pairs; p++) {
         const __m256i *wp = (const __m256i *)(wb + p * 32);
         const float *xp = xf + 2 * p;
-        __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp), 16));
-        __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp + 1), 16));
-        GEMV_FMA(a00, a01, xp);
-        if (m > 1) GEMV_FMA(a10, a11, xp + k);
-        if (m > 2) GEMV_FMA(a20, a21, xp + 2 * k);
-        if (m > 3) GEMV_FMA(a30, a31, xp + 3 * k);
+        __m256 w0, w1;
+        GEMV_EVEN(wp, xp);
         w0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wp), hi));
         w1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wp + 1), hi));
         if (m <= 2) {
@@ -107,14 +115,8 @@ static inline __attribute__((always_inline)) void block16_avx2(const float *xf, 
         }
     }
     if (k & 1) {  /* the last pair's odd K is padding */
-        const __m256i *wp = (const __m256i *)(wb + pairs * 32);
-        const float *xp = xf + k - 1;
-        __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp), 16));
-        __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wp + 1), 16));
-        GEMV_FMA(a00, a01, xp);
-        if (m > 1) GEMV_FMA(a10, a11, xp + k);
-        if (m > 2) GEMV_FMA(a20, a21, xp + 2 * k);
-        if (m > 3) GEMV_FMA(a30, a31, xp + 3 * k);
+        __m256 w0, w1;
+        GEMV_EVEN((const __m256i *)(wb + pairs * 32), xf + k - 1);
     }
     if (m <= 2) {
         a00 = _mm256_add_ps(a00, b00), a01 = _mm256_add_ps(a01, b01);
