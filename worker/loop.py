@@ -46,6 +46,7 @@ from splitserve.worker.heartbeat import Heartbeat, rejoin_router
 from splitserve.worker.parts import WorkerParts
 from splitserve.worker.role import WorkerRole
 from splitserve.worker.routers import CHECK_S, RouterWatch
+from splitserve.worker.stall_watch import StallWatch
 from splitserve.worker.step_keepalive import StepKeepalive
 from splitserve.worker.tracing import stamp_step
 
@@ -96,6 +97,9 @@ class Worker:
         self.core_share = (CoreShare(c.core_share, c.core_share_slot, c.host_threads,
                                      pressure=CpuPressure())
                            if c.core_share else None)
+        # Logs every thread's stack when one iteration never ends (worker.stall_watch);
+        # serve_forever starts it.
+        self.stall_watch: StallWatch | None = None
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -134,10 +138,13 @@ class Worker:
             rejoin=self._rejoin if c.router_urls else None,
         )
         beat.start()
+        self.stall_watch = StallWatch(c.worker_id)
+        self.stall_watch.start()
         try:
             while not self.stopped:
                 self.run_once(idle_wait_ms=20)
         finally:
+            self.stall_watch.stop()
             beat.stop()
             beat.join()
             self.close()
@@ -163,6 +170,8 @@ class Worker:
 
     def run_once(self, idle_wait_ms: int = 0) -> None:
         """One iteration: messages, compiles, ticks, routers, then one step if there is work."""
+        if self.stall_watch is not None:
+            self.stall_watch.turn()
         # Work that cannot be scheduled (waiting for pages) must not spin the core the model
         # uses; the poll still returns at once when a message arrives.
         busy = self.scheduler.has_work and self.scheduler.last_num_scheduled > 0

@@ -20,9 +20,15 @@ that cannot be interrupted: run it where it can be killed.
   proves that the compile finishes in time and the worker compiles it again
   (``BaseGrammarBackend.restore``).
 
-Test hook: ``slow_marker``/``slow_s`` make a child sleep ``slow_s`` before compiling a
+A child that does not finish building its backends within ``start_timeout_s`` is killed and
+the compiles waiting for it fail (and a new one is started for the next): no compile waits on a
+child that never became ready. A child that fails in any way while it holds a compile fails that
+compile and is replaced; the slot's thread never dies with a compile in its hands.
+
+Test hooks: ``slow_marker``/``slow_s`` make a child sleep ``slow_s`` before compiling a
 constraint whose text contains the marker (a compile that only a kill ends), set through
-``EngineConfig.grammar_test_slow`` -- never from the environment.
+``EngineConfig.grammar_test_slow`` -- never from the environment; ``start_delay_s`` makes a
+child sleep before it builds its backends (a start that only the start deadline ends).
 """
 
 from __future__ import annotations
@@ -45,6 +51,11 @@ logger = logging.getLogger(__name__)
 
 CHILD_NICE = 10
 PARENT_POLL_S = 1.0  # how often a child checks that its worker is still there
+# A child's start (imports, then every backend built for the model's vocabulary) took ~10 s on
+# a quiet 2-core Zen 3 with Qwen2.5's 151k tokens and ~65 s beside a test run; past this bound
+# it is killed and the compiles waiting for it fail.
+START_TIMEOUT_S = 180.0
+SLOW_START_S = 30.0  # a start slower than this is logged (with how long it took)
 
 
 class CompileBusy(RuntimeError):
@@ -70,6 +81,7 @@ class BackendSpec:
     stop_token_ids: tuple[int, ...] | None = None
     slow_marker: str = ""
     slow_s: float = 0.0
+    start_delay_s: float = 0.0
 
     def build(self) -> dict[str, Any]:
         """Returns: ``{name: backend}`` (a backend whose package is missing is left out)."""
@@ -102,17 +114,19 @@ class CompilePool:
         num_procs: child processes (each holds the backends: ~0.3 GB with the default model).
         timeout_s: a compile's deadline, from when a child starts it.
         max_queued: compiles that may wait for a child; one more raises :class:`CompileBusy`.
+        start_timeout_s: a child not ready this long after it was started is killed.
     """
 
     def __init__(self, spec: BackendSpec, num_procs: int = 2, timeout_s: float = 30.0,
-                 max_queued: int = 16) -> None:
-        if num_procs < 1 or max_queued < 0 or timeout_s <= 0:
+                 max_queued: int = 16, start_timeout_s: float = START_TIMEOUT_S) -> None:
+        if num_procs < 1 or max_queued < 0 or timeout_s <= 0 or start_timeout_s <= 0:
             raise ValueError(f"bad compile pool: {num_procs} processes, queue {max_queued}, "
-                             f"timeout {timeout_s}")
+                             f"timeout {timeout_s}, start timeout {start_timeout_s}")
         self.spec = spec
         self.num_procs = num_procs
         self.timeout_s = timeout_s
         self.max_queued = max_queued
+        self.start_timeout_s = start_timeout_s
         self.kills = 0  # compiles killed at their deadline (each replaced its process)
         self.started = 0  # child processes started, replacements included
         self.ready = 0  # children that have built their backends and wait for compiles
@@ -187,25 +201,35 @@ class CompilePool:
 
     def _start_child(self, slot: int) -> tuple[Any, Connection]:
         """A fresh child for ``slot``, once it has built its backends (that time is not any
-        compile's).
+        compile's; it is bounded by ``start_timeout_s``).
 
         Raises:
-            EOFError, OSError: the child died while starting.
+            EOFError, OSError: the child died while starting; TimeoutError (an OSError): it
+            was not ready within ``start_timeout_s`` and was killed.
         """
         ctx = multiprocessing.get_context("spawn")
         ours, theirs = ctx.Pipe()
         proc = ctx.Process(target=_child_main, args=(theirs, self.spec), daemon=True,
                            name=f"splitserve-grammar-{slot}")
+        started = time.monotonic()
         proc.start()
         theirs.close()
         with self._cond:
             self.started += 1
             self._procs[slot] = proc
         try:
+            if not ours.poll(self.start_timeout_s):
+                proc.kill()
+                raise TimeoutError(f"not ready {self.start_timeout_s:g}s after it was started "
+                                   "(killed)")
             ours.recv()  # "ready"
         except (EOFError, OSError):
             proc.join()
+            ours.close()
             raise
+        took = time.monotonic() - started
+        if took > SLOW_START_S:
+            logger.warning("grammar compile process %d took %.1fs to start", slot, took)
         with self._cond:
             self.ready += 1
         return proc, ours
@@ -271,6 +295,20 @@ class CompilePool:
                 if not job.future.done():
                     job.future.set_exception(GrammarError(
                         f"the backend's compile process died (exit code {code}: {exc!r})"))
+            except Exception as exc:  # e.g. a result that does not unpickle
+                # Whatever it was, the compile fails and the child is replaced: this thread
+                # must go on serving its slot, or the compiles queued behind would wait forever.
+                logger.exception("grammar compile process %d", slot)
+                if proc is not None:
+                    proc.kill()
+                    proc.join()
+                    self._lost_child()
+                if conn is not None:
+                    conn.close()
+                proc, conn = None, None
+                if not job.future.done():
+                    job.future.set_exception(GrammarError(
+                        f"the compile process failed: {type(exc).__name__}: {exc}"))
             finally:
                 with self._cond:
                     self._running -= 1
@@ -288,6 +326,8 @@ def _child_main(conn: Connection, spec: BackendSpec) -> None:
         pass
     parent = os.getppid()
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+    if spec.start_delay_s:
+        time.sleep(spec.start_delay_s)
     backends = spec.build()
     conn.send("ready")
     while True:

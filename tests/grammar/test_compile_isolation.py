@@ -22,6 +22,7 @@ from splitserve.engine.grammar.compile_pool import (
     CompilePool,
     CompileTimeout,  # noqa: F401 (documented type)
 )
+from splitserve.engine.grammar.options import CompileOptions
 
 pytestmark = pytest.mark.slow  # starts compile processes (5 in the last test)
 
@@ -136,3 +137,41 @@ def test_ordinary_compiles_do_not_wait_behind_pathological_ones(tokenizer, backe
         service.shutdown()
     wait(slow, PATIENCE_S)
     assert all(f.done() for f in slow)  # shutdown killed them
+
+
+def test_a_child_that_never_gets_ready_is_killed_and_its_compile_fails(tokenizer,
+                                                                       backends) -> None:
+    """A compile process stuck before it is ready (here: the start hook's sleep) is killed at
+    the start deadline; the compile waiting for it fails saying so instead of waiting for ever,
+    and a fresh process is started for the next compile."""
+    spec = BackendSpec(("llguidance",), tokenizer, start_delay_s=PATIENCE_S * 2)
+    pool = CompilePool(spec, num_procs=1, timeout_s=5.0, max_queued=1, start_timeout_s=2.0)
+    service = GrammarService([backends["llguidance"]], pool=pool)
+    try:
+        future = service.submit("json_schema", _schema("a"))
+        error = future.exception(timeout=PATIENCE_S)
+        assert isinstance(error, GrammarError), error
+        assert "did not start" in str(error) and "not ready 2s after" in str(error), error
+        assert pool.ready == 0 and pool.kills == 0  # no compile was ever handed over
+        deadline = time.monotonic() + PATIENCE_S
+        while pool.started < 2:  # the slot starts another process for the next compile
+            assert time.monotonic() < deadline, pool.started
+            time.sleep(0.05)
+    finally:
+        service.shutdown()
+
+
+def test_a_compile_that_breaks_the_pipe_fails_alone_and_the_slot_goes_on(tokenizer) -> None:
+    """Whatever goes wrong while a child holds a compile (here: options that cannot be
+    pickled to it), that compile fails and the slot's thread serves the next one: a thread that
+    died there would leave every later compile queued for ever."""
+    pool = CompilePool(BackendSpec(("llguidance",), tokenizer), num_procs=1, timeout_s=PATIENCE_S)
+    try:
+        broken = pool.submit("llguidance", "json_schema", _schema("a"), lambda: None)
+        error = broken.exception(timeout=PATIENCE_S)
+        assert isinstance(error, GrammarError) and "compile process failed" in str(error), error
+        ok = pool.submit("llguidance", "json_schema", _schema("b"), CompileOptions())
+        assert ok.exception(timeout=PATIENCE_S) is None
+        assert pool.started == 2 and pool.running() == 0  # the broken child was replaced
+    finally:
+        pool.shutdown()

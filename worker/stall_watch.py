@@ -1,0 +1,86 @@
+"""A worker loop that stops turning says where it stopped.
+
+The heartbeat runs on its own thread (``worker.heartbeat``), so a worker whose main loop is
+stuck -- a step that never returns, a lock that is never released -- still looks healthy to its
+router, and the requests it holds wait without an error. :class:`StallWatch` is a thread that
+looks at the loop's iteration counter every ``interval_s``; when one iteration has run longer
+than ``stall_s`` it logs, once for that iteration, how long and every thread's Python stack (the
+same frames ``py-spy dump`` would show). It changes nothing else: a long step (a 2,048-token
+chunk of a 0.5B model took ~30 s on two loaded cores) is legitimate, so ``stall_s`` is well
+above it, and what to do about a stuck worker is the operator's call (or its restart's).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+STALL_S = 120.0  # an iteration longer than this is logged with the stacks
+
+
+class StallWatch(threading.Thread):
+    """Logs the stacks of every thread when one loop iteration runs longer than ``stall_s``.
+
+    The loop calls :meth:`turn` at the start of each iteration (a counter and a clock read).
+
+    Args:
+        name: the worker's id, for the log line.
+        stall_s: seconds one iteration may run before it is logged.
+        interval_s: how often the thread looks.
+        clock: monotonic seconds (tests pass a fake one).
+    """
+
+    def __init__(self, name: str, stall_s: float = STALL_S, interval_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(name="stall-watch", daemon=True)
+        self.worker_name = name
+        self.stall_s = stall_s
+        self.interval_s = interval_s
+        self.clock = clock
+        self.iteration = 0
+        self.started_at = clock()
+        self.reported = -1  # the last iteration logged
+        self.num_reports = 0
+        self._stop_event = threading.Event()
+
+    def turn(self) -> None:
+        """One more loop iteration starts now."""
+        self.started_at = self.clock()
+        self.iteration += 1
+
+    def check(self) -> bool:
+        """Log the stacks if the current iteration is past ``stall_s`` and was not logged yet.
+        Returns: whether it logged."""
+        iteration, started_at = self.iteration, self.started_at
+        waited = self.clock() - started_at
+        if waited <= self.stall_s or iteration == self.reported:
+            return False
+        self.reported = iteration
+        self.num_reports += 1
+        logger.warning("worker %s: its loop has been in one iteration for %.0fs; its threads:\n%s",
+                       self.worker_name, waited, thread_stacks())
+        return True
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval_s):
+            self.check()
+
+    def stop(self) -> None:
+        """End the thread (it exits within ``interval_s``)."""
+        self._stop_event.set()
+
+
+def thread_stacks() -> str:
+    """Every thread's current Python stack, innermost call last, as text."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        stack = "".join(traceback.format_stack(frame))
+        parts.append(f"--- thread {names.get(ident, ident)}\n{stack}")
+    return "\n".join(parts)
