@@ -62,11 +62,16 @@ def complete_ids(cluster: Cluster, prompt_ids: list[int], max_tokens: int, **kw)
     return r.json()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def grammar_cluster(model_path: Path) -> Iterator[Cluster]:
     """1 prefill + 1 decode with KV room for the 70 schema-carrying prompts of
     ``test_every_finished_output_of_70_real_schemas_validates`` at once (~650 tokens each: at
-    640 MB they ran in three waves, minutes longer on two cores)."""
+    640 MB they ran in three waves, minutes longer on two cores).
+
+    Module-scoped: its two workers hold ~3.3 GB each (the 2 GB pools are touched at start).
+    Kept for the whole session, they and the other clusters left a 24 GB machine 0.7 GB
+    available at times during the suite (sampled every 30 s), with the 0.5B models of later
+    modules still to load."""
     # The decode side's transfer deadline also covers queueing for prefill, which 70 schema
     # prompts on one CPU thread can exceed at the default 30 s.
     yield from _launch(model_path, num_prefill=1, num_decode=1, kv_cache_mb=2048,
