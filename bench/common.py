@@ -52,10 +52,17 @@ def cpu_line() -> str:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return "unknown CPU"
-    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
-                 if ln.startswith("model name")), "unknown CPU")
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
-                  if ln.startswith("flags")), [])
+    def field(key: str) -> str | None:
+        return next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                     if ln.split(":", 1)[0].strip() == key), None)
+
+    name = field("model name") or "unknown CPU"
+    # The marketing name is often just "AMD EPYC" or "Intel Xeon Processor": family and model
+    # tell the generation (AMD 25/1 Zen 3, 25/17 Zen 4; Intel 6/143 Sapphire Rapids ...).
+    family, model = field("cpu family"), field("model")
+    if family and model:
+        name += f" family {family} model {model}"
+    flags = (field("flags") or "").split()
     keep = [f for f in flags if f.startswith(("amx", "avx512_bf16", "avx512f", "avx2"))]
     return f"{name} ({', '.join(keep)})"
 

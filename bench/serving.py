@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -48,6 +49,7 @@ import httpx
 from common import (
     SEED,
     add_data_argument,
+    cpu_line,
     launch_cluster,
     launch_fields,
     load_prompts,
@@ -500,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     slos = parse_slos(args.slo)
     works = build_workloads(args, tokenizer)
     lens = [w.prompt_len for w in works]
+    print(f"CPU: {cpu_line()}, {os.cpu_count()} cores", flush=True)
     print(
         f"{len(works)} {args.dataset} prompts (mean {statistics.fmean(lens):.0f}, max "
         f"{max(lens)} tokens), {args.output_len} output tokens each; launched clusters: "
@@ -521,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
         result = {
+            "cpu": cpu_line(),
             "config": config,
             "runs": [{k: v for k, v in r.items() if k != "raw"} for r in runs],
         }
