@@ -31,7 +31,8 @@ MAX_ROLLBACK_TOKENS = 64  # room to undo a refused jump-forward (outlines keeps 
 @dataclass(slots=True)
 class CompileDone:
     """A finished compile: ``req.grammar`` is set, or ``error`` says why it could not be
-    (``code`` 400: the constraint is at fault; 500: ours)."""
+    (``code`` 400: the constraint is at fault; 503: no compile process for it now, a full queue
+    or one that would not start, so retry; 500: ours)."""
 
     req: Req
     error: str | None = None
@@ -118,7 +119,7 @@ class WorkerGrammars:
             del self._pending[rid]
             try:
                 compiled = future.result()
-            except CompileBusy as exc:  # the compile queue is full: retry later
+            except CompileBusy as exc:  # a full queue, or no process would start: retry later
                 done.append(CompileDone(req, f"grammar compiler busy: {exc}; retry shortly", 503))
                 continue
             except ValueError as exc:  # GrammarError: the user's constraint is at fault

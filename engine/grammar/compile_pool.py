@@ -21,8 +21,9 @@ that cannot be interrupted: run it where it can be killed.
   (``BaseGrammarBackend.restore``).
 
 A child that does not finish building its backends within ``start_timeout_s`` is killed and
-the compiles waiting for it fail (and a new one is started for the next): no compile waits on a
-child that never became ready. A child that fails in any way while it holds a compile fails that
+the compiles waiting for it fail with :class:`CompileUnavailable` (a 503 with ``Retry-After``, as
+a full queue; a new child is started for the next): no compile waits on a child that never
+became ready. A child that fails in any way while it holds a compile fails that
 compile and is replaced; the slot's thread never dies with a compile in its hands.
 
 Test hooks: ``slow_marker``/``slow_s`` make a child sleep ``slow_s`` before compiling a
@@ -60,6 +61,12 @@ SLOW_START_S = 30.0  # a start slower than this is logged (with how long it took
 
 class CompileBusy(RuntimeError):
     """The compile queue is full: the request should be retried later (HTTP 503)."""
+
+
+class CompileUnavailable(CompileBusy):
+    """No compile process could be started for this compile (it died or was not ready within
+    ``start_timeout_s``): our fault, not the constraint's, so a 503 to retry like
+    :class:`CompileBusy`, not a 400."""
 
 
 class CompileTimeout(GrammarError):
@@ -269,7 +276,7 @@ class CompilePool:
                 return
             try:
                 if proc is None or conn is None:
-                    job.future.set_exception(GrammarError(start_error))
+                    job.future.set_exception(CompileUnavailable(start_error))
                     continue
                 conn.send((job.backend, job.kind, job.text, job.options))
                 if conn.poll(self.timeout_s):

@@ -10,7 +10,7 @@ returned future with the request. Each step it checks ``future.done()``: request
 is still compiling simply stay waiting, so they never block the rest of the batch. When done,
 ``future.result()`` is the ``CompiledGrammar`` (make one matcher per request from it) or raises
 ``GrammarError`` (fail only that request, HTTP 400) or ``CompileBusy`` (503: the compile queue
-is full).
+is full, or no compile process could be started: ``CompileUnavailable``).
 
 With a :class:`~splitserve.engine.grammar.compile_pool.CompilePool` the compiles run in child
 processes that are killed at their deadline (a thread cannot be stopped; xgrammar spends
@@ -348,7 +348,11 @@ class GrammarService:
             if attempt.backend_index != index or attempt.result.done():
                 return  # this backend already timed out; its late result is dropped
             error = GrammarError("compile cancelled") if job.cancelled() else job.exception()
-            if error is None:
+            if isinstance(error, CompileBusy):
+                # Ours (no compile process could start), not the constraint's: no next backend.
+                attempt.backend_index = len(attempt.steps)
+                refused: CompileBusy | None = error
+            elif error is None:
                 compiled = job.result()
                 ignored = attempt.steps[index].ignored
                 if ignored:
@@ -363,8 +367,13 @@ class GrammarService:
                 self._account(attempt.key, attempt.result, size)
                 attempt.result.set_result(compiled)
                 return
-            attempt.errors.append(f"{backend.name}: {_reason(error)}")
-            attempt.backend_index += 1
+            else:
+                attempt.errors.append(f"{backend.name}: {_reason(error)}")
+                attempt.backend_index += 1
+                refused = None
+        if refused is not None:
+            self._refuse_busy(attempt, refused)
+            return
         self._try_next_backend(attempt)
 
     def _on_timeout(self, attempt: _Attempt, index: int, backend: BaseGrammarBackend) -> None:

@@ -21,6 +21,7 @@ from splitserve.engine.grammar.compile_pool import (
     CompileBusy,
     CompilePool,
     CompileTimeout,  # noqa: F401 (documented type)
+    CompileUnavailable,
 )
 from splitserve.engine.grammar.options import CompileOptions
 
@@ -143,15 +144,21 @@ def test_a_child_that_never_gets_ready_is_killed_and_its_compile_fails(tokenizer
                                                                        backends) -> None:
     """A compile process stuck before it is ready (here: the start hook's sleep) is killed at
     the start deadline; the compile waiting for it fails saying so instead of waiting for ever,
-    and a fresh process is started for the next compile."""
-    spec = BackendSpec(("llguidance",), tokenizer, start_delay_s=PATIENCE_S * 2)
+    and a fresh process is started for the next compile. The failure is ours, not the
+    constraint's: a busy refusal (503 with Retry-After), not a 400, not cached, and the chain's
+    next backend is not tried in a process that will not start either."""
+    spec = BackendSpec(("llguidance", "xgrammar"), tokenizer, start_delay_s=PATIENCE_S * 2)
     pool = CompilePool(spec, num_procs=1, timeout_s=5.0, max_queued=1, start_timeout_s=2.0)
-    service = GrammarService([backends["llguidance"]], pool=pool)
+    service = GrammarService([backends["llguidance"], backends["xgrammar"]], pool=pool)
     try:
         future = service.submit("json_schema", _schema("a"))
         error = future.exception(timeout=PATIENCE_S)
-        assert isinstance(error, GrammarError), error
+        assert isinstance(error, CompileUnavailable) and isinstance(error, CompileBusy), error
+        assert not isinstance(error, GrammarError), error  # GrammarError is the 400 kind
         assert "did not start" in str(error) and "not ready 2s after" in str(error), error
+        # The chain stopped there: xgrammar's compile was not queued for the next process.
+        assert "xgrammar" not in str(error) and pool.queued() == 0, (str(error), pool.queued())
+        assert not service.is_cached("json_schema", _schema("a"))  # a retry compiles again
         assert pool.ready == 0 and pool.kills == 0  # no compile was ever handed over
         deadline = time.monotonic() + PATIENCE_S
         while pool.started < 2:  # the slot starts another process for the next compile
