@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from splitserve.engine.kernels.cpu.features import cpu_line  # noqa: F401 (the scripts' CPU line)
 from splitserve.ipc.sockets import free_tcp_addr
 
 if TYPE_CHECKING:  # the engine (torch) is imported only by the benchmarks that run it
@@ -44,27 +45,6 @@ def resolve_bench_dtype(name: str) -> tuple[str, str]:
 def default_dtype() -> tuple[str, str]:
     """The default serving dtype on this machine and why (:func:`resolve_bench_dtype`)."""
     return resolve_bench_dtype("auto")
-
-
-def cpu_line() -> str:
-    """The CPU model and the vector/matrix flags that decide its kernels, for result lines."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    def field(key: str) -> str | None:
-        return next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
-                     if ln.split(":", 1)[0].strip() == key), None)
-
-    name = field("model name") or "unknown CPU"
-    # The marketing name is often just "AMD EPYC" or "Intel Xeon Processor": family and model
-    # tell the generation (AMD 25/1 Zen 3, 25/17 Zen 4; Intel 6/143 Sapphire Rapids ...).
-    family, model = field("cpu family"), field("model")
-    if family and model:
-        name += f" family {family} model {model}"
-    flags = (field("flags") or "").split()
-    keep = [f for f in flags if f.startswith(("amx", "avx512_bf16", "avx512f", "avx2"))]
-    return f"{name} ({', '.join(keep)})"
 
 
 def resolve_model(model: str | None) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import DATA_DIR, add_data_argument, make_core
+from common import DATA_DIR, add_data_argument, cpu_line, make_core
 
 from splitserve.config import EngineConfig
 from splitserve.default_model import ensure_default_model
@@ -350,17 +350,6 @@ def _timed_per_instance(method: Callable, sink: dict[int, list[float]]) -> Calla
     return wrapper
 
 
-def _cpu_model() -> str:
-    """Returns: the CPU model name from /proc/cpuinfo ("unknown" elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def _pct(sorted_values: list[float], q: float) -> float:
     index = min(len(sorted_values) - 1, round(q / 100 * (len(sorted_values) - 1)))
     return sorted_values[index]
@@ -393,7 +382,7 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     model_path = str(ensure_default_model())
     engine = Engine(model_path, jump_forward=False)
-    print(f"model {model_path}, {args.threads} thread(s), CPU {_cpu_model()}")
+    print(f"model {model_path}, {args.threads} thread(s), CPU {cpu_line()}")
     if "step" not in skip:
         bench_step_time(
             engine, [int(b) for b in args.batch_sizes.split(",")], args.steps, args.reps

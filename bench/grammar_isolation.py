@@ -133,7 +133,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
-    print(cpu_line(), f"| {os.cpu_count()} CPUs")
+    print(cpu_line())
     killed = scan(tokenizer, _maskbench(args.subsets.split(",")), args.procs, args.scan_deadline)
     if not killed:
         print("no pathological schema in these subsets at this deadline; try others")

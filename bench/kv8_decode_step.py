@@ -43,7 +43,7 @@ from splitserve.config import EngineConfig
 from splitserve.default_model import ensure_default_model
 from splitserve.engine.attention.torch_backend import TorchAttentionBackend
 from splitserve.engine.forward_batch import build_forward_batch
-from splitserve.engine.kernels.cpu.features import cpu_flags
+from splitserve.engine.kernels.cpu.features import cpu_line
 from splitserve.engine.kv_pool import KVPool, pages_for
 from splitserve.engine.model.loader import load_model
 
@@ -90,10 +90,7 @@ def main() -> None:
         for q in quants
     }
     cfg = next(iter(models.values()))[1]
-    with open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    flags = sorted(f for f in cpu_flags() if f.startswith(("avx512_bf16", "avx512_vnni", "amx")))
-    print(f"{cpu} ({', '.join(flags)}), torch {torch.__version__}, {args.threads} thread(s), "
+    print(f"{cpu_line()}, torch {torch.__version__}, {args.threads} thread(s), "
           f"context {args.context}, load {os.getloadavg()}")
     base = cfg.kv_layout(PAGE, "bfloat16").bytes_per_token
     bf16_page = cfg.kv_layout(PAGE, "bfloat16").page_bytes

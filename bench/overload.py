@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = resolve_model(args.model)
     args.dtype, why = resolve_bench_dtype(args.dtype)
-    print(f"CPU: {cpu_line()} | {os.cpu_count()} CPUs | load average "
+    print(f"CPU: {cpu_line()} | load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"{args.mode}, dtype {args.dtype} ({why}); {args.max_inflight} in flight + "
           f"{args.max_queued} queued per worker; flood: {args.flood_clients} clients; trickle: "

@@ -58,6 +58,7 @@ import torch
 from splitserve.config import EngineConfig
 from splitserve.default_model import ensure_default_model
 from splitserve.engine.forward_batch import build_forward_batch
+from splitserve.engine.kernels.cpu.features import cpu_line
 from splitserve.engine.kv_pool import KVPool, pages_for
 from splitserve.engine.model.loader import load_model
 
@@ -152,9 +153,7 @@ def main() -> None:
     ids = text_tokens(tokenizer, args.tokens)
     windows = [ids[i : i + args.window] for i in range(0, len(ids), args.window)]
     windows = [w for w in windows if len(w) > 1]
-    with open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    print(f"{cpu}, torch {torch.__version__}, {args.threads} thread(s)")
+    print(f"{cpu_line()}, torch {torch.__version__}, {args.threads} thread(s)")
     print(
         f"SmolLM2-135M-Instruct, {len(ids)} tokens of GSM8K test solutions in "
         f"{len(windows)} windows of <= {args.window}; load {os.getloadavg()}"

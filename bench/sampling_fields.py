@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from common import default_dtype, make_core, resolve_model
+from common import cpu_line, default_dtype, make_core, resolve_model
 
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.model.loader import load_model
@@ -36,15 +35,6 @@ VARIANTS = {
     "top_logprobs": {"top_logprobs": 20},
     "both": {**PENALTIES, "top_logprobs": 20},
 }
-
-
-def cpu_model() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown CPU"
-    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
-                "unknown CPU")
 
 
 def decode_step_ms(core, prompt: list[int], batch: int, steps: int, fields: dict) -> float:
@@ -79,7 +69,7 @@ def main() -> None:
     pool = KVPool(cfg.kv_layout(16, dtype), 4096)
     core = make_core(model, pool, cfg.eos_token_ids)
     prompt = [(i * 7919) % 30000 + 100 for i in range(args.prompt_len)]
-    print(f"CPU: {cpu_model()}; {dtype}, {args.threads} thread(s), prompt {args.prompt_len} "
+    print(f"CPU: {cpu_line()}; {dtype}, {args.threads} thread(s), prompt {args.prompt_len} "
           f"tokens, {args.steps} steps, {args.rounds} rounds")
     for batch in args.batch:
         runs: dict[str, list[float]] = {name: [] for name in VARIANTS}

@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import statistics
 import sys
@@ -502,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     slos = parse_slos(args.slo)
     works = build_workloads(args, tokenizer)
     lens = [w.prompt_len for w in works]
-    print(f"CPU: {cpu_line()}, {os.cpu_count()} cores", flush=True)
+    print(f"CPU: {cpu_line()}", flush=True)
     print(
         f"{len(works)} {args.dataset} prompts (mean {statistics.fmean(lens):.0f}, max "
         f"{max(lens)} tokens), {args.output_len} output tokens each; launched clusters: "

@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts(AutoTokenizer.from_pretrained(model), args.num_prompts,
                            args.max_input_len)
     mode, _, quantization = args.launch.partition(":")
-    print(f"CPU: {cpu_line()}, {os.cpu_count()} cores; {args.launch} {dtype}; "
+    print(f"CPU: {cpu_line()}; {args.launch} {dtype}; "
           f"{args.num_prompts} prompts x {args.output_len} tokens, one at a time")
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         probe_dir = Path(tmp)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import socket
 import statistics
 import threading
@@ -97,7 +96,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
-    print(cpu_line(), f"| {os.cpu_count()} CPUs | one token per {args.token_ms:g} ms, "
+    print(cpu_line(), f"| one token per {args.token_ms:g} ms, "
           f"{args.prepare_threads} prepare threads")
     url, server = serve(tokenizer, args.token_ms, args.prepare_threads)
     idle, loaded = [], []

@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from grammar import Engine
 
 from splitserve.default_model import ensure_default_model
 from splitserve.engine.grammar.batch_mask import BatchMask
+from splitserve.engine.kernels.cpu.features import cpu_line
 from splitserve.server.chat_template import ChatRenderer
 from splitserve.server.tools.formats import HERMES
 from splitserve.server.tools.grammar import FunctionSpec, tool_call_constraint
@@ -38,16 +38,6 @@ TOOLS = [
             "required": ["city"]}}},
 ]
 PROMPT = "Write a long note about lighthouses and save it."
-
-
-def cpu_model() -> str:
-    """The ``model name`` of the first processor in ``/proc/cpuinfo``."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown CPU"
-    names = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")]
-    return names[0] if names else "unknown CPU"
 
 
 def bench(engine: Engine, batch_sizes: list[int], steps: int, reps: int) -> None:
@@ -105,7 +95,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_path = str(ensure_default_model())
     engine = Engine(model_path, jump_forward=False)
-    print(f"CPU: {cpu_model()}; model {model_path}, float32, {args.threads} thread(s)")
+    print(f"CPU: {cpu_line()}; model {model_path}, float32, {args.threads} thread(s)")
     bench(engine, [int(b) for b in args.batch_sizes.split(",")], args.steps, args.reps)
 
 

@@ -7,9 +7,6 @@ cd "$(dirname "$0")/.."
 SPLITSERVE_EXTRAS=${SPLITSERVE_EXTRAS-mooncake,nixl,ray,tool-model} bash scripts/install.sh
 . .venv/bin/activate
 # The machine, first: which kernel tests run or skip, and every timing, depend on it.
-echo "CPU: $(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')" \
-  "(family $(grep -m1 '^cpu family' /proc/cpuinfo | cut -d: -f2 | tr -d ' ')," \
-  "model $(grep -m1 '^model[[:space:]]*:' /proc/cpuinfo | cut -d: -f2 | tr -d ' ')), $(nproc) cores;" \
-  "$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx2|avx512f|avx512_bf16|avx512_vnni|amx_tile)$' | tr '\n' ' ')"
+python -c 'from splitserve.engine.kernels.cpu.features import cpu_line; print("CPU:", cpu_line())' || true
 # --durations: the slowest tests, so the suite's time on a 2-core machine stays visible.
 exec python -m pytest -q --durations=25 "$@"

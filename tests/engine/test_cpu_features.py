@@ -45,3 +45,19 @@ def test_affinity_lookup_by_worker_id_then_role() -> None:
     assert cluster._cpus("decode-2") == [3]
     assert cluster._cpus("prefill-0") is None
     assert cluster._cpus("api-server") == [0]
+
+
+def test_the_cpu_line_names_family_model_cores_and_the_kernel_flags(monkeypatch) -> None:
+    """The line benchmarks and the test log print: the model name alone ("AMD EPYC") does not
+    tell Zen 3 from Zen 4, so the family and model numbers follow; of the flags, only those
+    that decide our kernels, in ``KERNEL_FLAGS`` order."""
+    monkeypatch.setattr(cpu_features, "_cpuinfo_fields", lambda: {
+        "model name": "AMD EPYC", "cpu family": "25", "model": "17"})
+    monkeypatch.setattr(cpu_features, "cpu_flags",
+                        lambda: frozenset({"fma", "avx512f", "sse2", "avx2", "avx512_bf16"}))
+    line = cpu_features.cpu_line()
+    assert line.startswith("AMD EPYC family 25 model 17, ") and " cores " in line, line
+    assert line.endswith("(avx2, avx512f, avx512_bf16)"), line
+    monkeypatch.setattr(cpu_features, "_cpuinfo_fields", dict)  # no /proc/cpuinfo
+    monkeypatch.setattr(cpu_features, "cpu_flags", frozenset)
+    assert cpu_features.cpu_line().startswith("unknown CPU, ")

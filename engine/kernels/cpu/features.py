@@ -8,6 +8,7 @@ in float32 elsewhere (torch's bf16 without hardware support is emulated and slow
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from pathlib import Path
 
@@ -24,17 +25,45 @@ ONEDNN_BF16_PACK_FLAGS = (
 )
 
 
-@cache
-def cpu_flags() -> frozenset[str]:
-    """The ``flags`` of the first processor in ``/proc/cpuinfo`` (empty where there is none)."""
+# The flags that decide which of our kernels run (and so every timing): printed with the CPU.
+KERNEL_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+
+
+def _cpuinfo_fields() -> dict[str, str]:
+    """The first processor's ``key: value`` lines of ``/proc/cpuinfo`` (empty where there is
+    none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        if not line.strip():
+            break  # the end of the first processor
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The ``flags`` of the first processor in ``/proc/cpuinfo`` (empty where there is none)."""
+    return frozenset(_cpuinfo_fields().get("flags", "").split())
+
+
+def cpu_line() -> str:
+    """The CPU for result lines and test logs, e.g. ``AMD EPYC family 25 model 1, 2 cores
+    (avx2)``: its model name, family and model numbers (the name is often just "AMD EPYC" or
+    "Intel Xeon Processor"; AMD 25/1 is Zen 3, 25/17 Zen 4, Intel 6/143 Sapphire Rapids), the
+    cores this process may use, and which of ``KERNEL_FLAGS`` it has."""
+    fields = _cpuinfo_fields()
+    name = fields.get("model name") or "unknown CPU"
+    family, model = fields.get("cpu family"), fields.get("model")
+    if family and model:
+        name += f" family {family} model {model}"
+    flags = cpu_flags()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name}, {cores} cores ({', '.join(f for f in KERNEL_FLAGS if f in flags)})"
 
 
 def onednn_packs_bf16() -> bool:
