@@ -155,6 +155,9 @@ ENGINE_FLAGS = (
     Flag("--max-running", "engine.max_running", "sequences in one step"),
     Flag("--transfer-timeout", "engine.transfer_timeout_s", "seconds each KV transfer state "
          "may last without progress"),
+    Flag("--watchdog-timeout", "engine.watchdog_timeout_s", "seconds one worker-loop "
+         "iteration may run before the worker exits so that its requests fail over and its "
+         "launcher restarts it (0: only log the stuck loop)"),
     Flag("--kv-transfer", "engine.kv_transfer", "how KV pages move from prefill to decode "
          "workers (same on both roles)", choices=KV_TRANSFER.names),
     Flag("--prefix-cache", "engine.prefix_cache", "prefix reuse on prefill/colocated workers",

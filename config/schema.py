@@ -53,6 +53,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_batch_tokens: int = 2048  # new tokens per forward pass (prefill chunks + decodes)
     max_running: int = 64  # sequences in one forward pass
     transfer_timeout_s: float = 30.0  # every KV transfer state's bound
+    # One worker-loop iteration longer than this ends the worker (worker.stall_watch; SGLang's
+    # --watchdog-timeout): its router fails its requests over, its launcher restarts it. 0: the
+    # stuck loop is only logged.
+    watchdog_timeout_s: float = 300.0
     kv_transfer: str = KV_TRANSFER.default
     prefix_cache: str = PREFIX_CACHE.default  # "none": the cache-off baseline
     grammar_backend: str = GRAMMAR_BACKEND.default  # tried first; the others as fallback
@@ -139,6 +143,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"kernels: {self.kernels!r} is not auto, c, torch or a plan file")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be positive, not {self.transfer_timeout_s}")
+        if self.watchdog_timeout_s < 0:
+            raise ValueError(f"watchdog_timeout_s must be >= 0, not {self.watchdog_timeout_s}")
         if self.grammar_cache_mb < 0:
             raise ValueError(f"grammar_cache_mb must be >= 0, not {self.grammar_cache_mb}")
         self._check_lora()

@@ -97,8 +97,8 @@ class Worker:
         self.core_share = (CoreShare(c.core_share, c.core_share_slot, c.host_threads,
                                      pressure=CpuPressure())
                            if c.core_share else None)
-        # Logs every thread's stack when one iteration never ends (worker.stall_watch);
-        # serve_forever starts it.
+        # Logs every thread's stack when one iteration never ends, and ends the worker past
+        # the watchdog timeout (worker.stall_watch); serve_forever starts it.
         self.stall_watch: StallWatch | None = None
 
     @property
@@ -138,7 +138,7 @@ class Worker:
             rejoin=self._rejoin if c.router_urls else None,
         )
         beat.start()
-        self.stall_watch = StallWatch(c.worker_id)
+        self.stall_watch = StallWatch(c.worker_id, exit_after_s=c.engine.watchdog_timeout_s)
         self.stall_watch.start()
         try:
             while not self.stopped:

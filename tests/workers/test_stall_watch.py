@@ -1,12 +1,16 @@
-"""A worker loop stuck in one iteration is logged once, with every thread's stack
-(``worker.stall_watch``); a loop that turns is never logged. A fake clock, no sleeps."""
+"""A worker loop stuck in one iteration is logged once, with every thread's stack, and past the
+watchdog timeout the process ends (``worker.stall_watch``); a loop that turns is never logged.
+A fake clock, no sleeps; the one real exit is a child process's."""
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import textwrap
 import threading
 
-from splitserve.worker.stall_watch import StallWatch, thread_stacks
+from splitserve.worker.stall_watch import STUCK_EXIT_CODE, StallWatch, thread_stacks
 
 
 class FakeClock:
@@ -65,3 +69,42 @@ def test_thread_stacks_names_every_thread() -> None:
     finally:
         release.set()
         thread.join()
+
+
+def test_past_the_watchdog_timeout_the_process_ends(caplog) -> None:
+    clock, exits = FakeClock(), []
+    watch = StallWatch("decode-0", stall_s=120.0, exit_after_s=300.0, clock=clock,
+                       exit=exits.append)
+    watch.turn()
+    clock.now = 299.0
+    with caplog.at_level(logging.WARNING, logger="splitserve.worker.stall_watch"):
+        assert watch.check() and exits == []  # logged (past stall_s), still running
+        clock.now = 301.0
+        assert watch.check() and exits == [STUCK_EXIT_CODE]
+    assert "past the watchdog timeout (300s): exiting (code 70)" in caplog.records[-1].getMessage()
+    # 0 (--watchdog-timeout 0): never ends the process, however long.
+    never = StallWatch("decode-1", exit_after_s=0.0, clock=clock, exit=exits.append)
+    never.turn()
+    clock.now += 10_000
+    assert never.check() and exits == [STUCK_EXIT_CODE]
+
+
+def test_a_process_whose_main_thread_never_returns_ends_with_the_stuck_code() -> None:
+    """The real exit, from the watch's thread, while the main thread is blocked in C (as a
+    step that never returns would be): the process ends with ``STUCK_EXIT_CODE``, the log line
+    naming where the main thread was."""
+    code = textwrap.dedent("""
+        import logging, threading
+        from splitserve.worker.stall_watch import StallWatch
+        logging.basicConfig(level=logging.INFO)
+        watch = StallWatch("colocated-0", stall_s=0.1, exit_after_s=0.3, interval_s=0.05)
+        watch.start()
+        def stuck_step():
+            threading.Event().wait()
+        watch.turn()
+        stuck_step()
+    """)
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == STUCK_EXIT_CODE, (done.returncode, done.stderr)
+    assert "past the watchdog timeout (0.3s)" in done.stderr and "in stuck_step" in done.stderr
