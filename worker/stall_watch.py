@@ -45,20 +45,20 @@ class StallWatch(threading.Thread):
         exit_after_s: seconds one iteration may run before the process ends (0: never).
         interval_s: how often the thread looks.
         clock: monotonic seconds (tests pass a fake one).
-        exit: ends the process with a code (``os._exit``: no cleanup can wait on the stuck
+        terminate: ends the process with a code (``os._exit``: no cleanup can wait on the stuck
             loop; tests pass a recorder).
     """
 
     def __init__(self, name: str, stall_s: float = STALL_S, exit_after_s: float = 0.0,
                  interval_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
-                 exit: Callable[[int], object] = os._exit) -> None:
+                 terminate: Callable[[int], object] = os._exit) -> None:
         super().__init__(name="stall-watch", daemon=True)
         self.worker_name = name
         self.stall_s = stall_s
         self.exit_after_s = exit_after_s
         self.interval_s = interval_s
         self.clock = clock
-        self.exit = exit
+        self.terminate = terminate
         self.iteration = 0
         self.started_at = clock()
         self.reported = -1  # the last iteration logged
@@ -82,7 +82,7 @@ class StallWatch(threading.Thread):
                          self.exit_after_s, STUCK_EXIT_CODE, thread_stacks())
             for handler in logging.getLogger().handlers:
                 handler.flush()
-            self.exit(STUCK_EXIT_CODE)
+            self.terminate(STUCK_EXIT_CODE)
             return True
         if waited <= self.stall_s or iteration == self.reported:
             return False

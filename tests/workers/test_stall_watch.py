@@ -74,7 +74,7 @@ def test_thread_stacks_names_every_thread() -> None:
 def test_past_the_watchdog_timeout_the_process_ends(caplog) -> None:
     clock, exits = FakeClock(), []
     watch = StallWatch("decode-0", stall_s=120.0, exit_after_s=300.0, clock=clock,
-                       exit=exits.append)
+                       terminate=exits.append)
     watch.turn()
     clock.now = 299.0
     with caplog.at_level(logging.WARNING, logger="splitserve.worker.stall_watch"):
@@ -83,7 +83,7 @@ def test_past_the_watchdog_timeout_the_process_ends(caplog) -> None:
         assert watch.check() and exits == [STUCK_EXIT_CODE]
     assert "past the watchdog timeout (300s): exiting (code 70)" in caplog.records[-1].getMessage()
     # 0 (--watchdog-timeout 0): never ends the process, however long.
-    never = StallWatch("decode-1", exit_after_s=0.0, clock=clock, exit=exits.append)
+    never = StallWatch("decode-1", exit_after_s=0.0, clock=clock, terminate=exits.append)
     never.turn()
     clock.now += 10_000
     assert never.check() and exits == [STUCK_EXIT_CODE]
