@@ -24,15 +24,38 @@
  * of 16 columns and group, the 16 columns' scales. Threads split the N blocks (NV vectors each).
  *
  * On AVX2 CPUs (no AVX-512; AMD Zen 3, Intel before Ice Lake's servers) the same layout serves
- * an AVX2 path (w8_products_avx2): there is no vpdpbusd, and vpmaddubsw would saturate (two
- * products of U <= 255 and |xq| <= 127 pass int16), so the weights are widened to int16
- * (vpmovzxbw: 4 columns x 4 K of a quad vector in one register) and multiplied with vpmaddwd
- * against x in int16 (4 K broadcast per 64-bit lane): 16 multiply-adds per instruction into
- * int32 lanes that hold each column's two half-sums (K 0-1 and 2-3 of a quad), folded by one
- * vphaddd per group. The group sums are the same exact integers and the float steps (convert,
- * scale by x_scale * s, add, bias, round) the same operations in the same order, so both paths
- * give the same bits by construction (no machine has both to compare them: the AVX2 path is
- * built only without AVX-512).
+ * an AVX2 path (w8_products_avx2). There is no vpdpbusd, and vpmaddubsw on U would saturate (two
+ * products of U <= 255 and |xq| <= 127 pass int16), so it multiplies signed weights instead: per
+ * 64-byte quad vector (16 columns x 4 K, two registers) Q = U ^ 0x80 and |Q| (vpabsb; 128 for
+ * Q = -128, read as unsigned), once per vector for a tile's 4 rows; per row, its 4 int8 codes of
+ * x broadcast to every 32-bit lane take each weight's sign (vpsignb(x, Q): -x where Q < 0, 0
+ * where Q = 0), vpmaddubsw(|Q|, that) gives the pairs Q*x + Q'*x' exactly (|.| <= 2 * 128 * 127
+ * < 2^15) and vpmaddwd by ones sums each column's two pairs into its int32 lane, in column
+ * order: no offset term (the x quantizer no longer sums), no fold at the group's end. Tiles are 4
+ * rows x 16 columns (W8A_MR). The group sums are the same exact integers and the float steps
+ * (convert, scale by x_scale * s, add, bias, round) the same operations in the same order as the
+ * AVX-512 path and as the previous AVX2 path (U widened to int16, vpmaddwd against int16 x, a
+ * vphaddd fold per group), so all give the same bits by construction; this path was compared
+ * bit for bit with the previous one on rows 1-40, K in {7, 32, 33, 65, 100, 200, 576, 1000,
+ * 1536}, weights of +-127 only, with Q = -128 (U = 0), x of +-1 only, with zeros, and with
+ * subnormal x.
+ *
+ * Measured against the previous AVX2 path on an AMD EPYC Zen 3 (2 cores, the other one busy with
+ * other work), one thread, both builds in one process, alternated, weights streamed from memory
+ * (~100 MB per pass), new/old speed at rows 1/2/4/8/16/32, min of 9 (median): gate_up (N 3072, K
+ * 576) 1.13/1.18/1.16/1.15/1.28/1.18x (1.09/1.46/1.32/1.33/1.18/1.16x; 32 rows 43.6 -> 51.6
+ * GMAC/s); 576 x 576 1.13/1.19/1.30/1.23/1.22/1.19x (1.16/1.24/1.30/1.26/1.22/1.23x). These from a
+ * C harness linking both versions of this file (not in the repository); a whole decode step's int8
+ * products (python bench/w8_old_new.py --old-lib <the previous build>, SmolLM2-135M, one thread,
+ * both cores loaded): 1.10/1.21/1.42/1.26/1.29/1.16x (1.10/1.23/1.24/1.21/1.32/1.16x; 32 rows
+ * 118.8 -> 102.7 ms). Two threads were not measurable with the other core loaded (the parallel
+ * loop waits on its descheduled thread: 2-8x swings between repeats). The bound on Zen 3 is the
+ * multiply pipes: vpsignb and vpabsb measured competing with vpmaddubsw and vpmaddwd, and the
+ * 4-row group loop alone (sums in registers, inline assembly) runs at ~20 multiply-adds per cycle,
+ * as does the previous method's loop alone (vpmovzxbw + 2 vpmaddwd); the previous path lost the
+ * rest to its per-group fold. Tried and dropped: weights xor'ed and abs'ed once per block into a
+ * stack buffer (0.9x at 8 rows), 8-column tiles of 6-8 rows (no better), the inline-assembly tile
+ * (same speed as the intrinsics).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -139,100 +162,111 @@ static void block_w8(int nv, const int8_t *xq, int64_t xs, const float *xscale,
 #define W8_AVX2 1
 #include <immintrin.h>
 
-/* Rows per AVX2 register tile of 8 columns: 8 int32 sums, 2 weight registers, 4 float32 sums. */
+/* Rows per AVX2 register tile of 16 columns: 8 int32 sums, 4 weight registers (Q and |Q| of
+ * both halves), the ones and the 0x80 flip (GCC keeps a few of the sums on the stack; the
+ * assembly version with all of them in registers was no faster). Zen 3, one thread, gate_up at
+ * 32 rows: 4 rows 54-56 GMAC/s, 3 rows 51-54, 2 rows 51-52; unrolled by 8 instead of 2, GCC
+ * computed every product first and spilled them (43 GMAC/s). */
 #define W8A_MR 4
 
-/* One quad step of one row: its 4 codes of x against 8 columns (w0: columns 0-3, w1: 4-7). */
-#define W8A_ROW(LO, HI, XP)                                                                    \
+/* One quad step of one row against 16 columns: its 4 codes of x broadcast to every 32-bit lane,
+ * signed by each weight's sign (vpsignb: zero where the weight is), times |Q| (vpmaddubsw: two
+ * products a pair, |sum| <= 2 * 128 * 127 < 2^15, exact), pairs summed into one int32 per column
+ * (vpmaddwd by ones) and added to the column's group sum. */
+#define W8A_ROW(A0, A1, XP)                                                                    \
     do {                                                                                       \
-        long long four_;                                                                       \
+        int32_t four_;                                                                         \
         memcpy(&four_, (XP), sizeof four_);                                                    \
-        __m256i a_ = _mm256_set1_epi64x(four_);                                                \
-        LO = _mm256_add_epi32(LO, _mm256_madd_epi16(w0, a_));                                  \
-        HI = _mm256_add_epi32(HI, _mm256_madd_epi16(w1, a_));                                  \
+        __m256i x_ = _mm256_set1_epi32(four_);                                                 \
+        A0 = _mm256_add_epi32(                                                                 \
+            A0, _mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(x_, s0)), ones));  \
+        A1 = _mm256_add_epi32(                                                                 \
+            A1, _mm256_madd_epi16(_mm256_maddubs_epi16(m1, _mm256_sign_epi8(x_, s1)), ones));  \
     } while (0)
 
-/* A group's two half-sum registers of one row -> its 8 column sums as float32, scaled and added
- * to ACC: [c0 c1 c4 c5 | c2 c3 c6 c7] after vphaddd, put in order by vpermq. */
-#define W8A_FOLD(ACC, LO, HI, R)                                                               \
+/* A group's column sums of one row (A0: columns 0-7, A1: 8-15) as float32, scaled and added. */
+#define W8A_SCALE(F0, F1, A0, A1, R)                                                           \
     do {                                                                                       \
-        __m256i s_ = _mm256_permute4x64_epi64(_mm256_hadd_epi32(LO, HI), 0xD8);                \
-        s_ = _mm256_add_epi32(s_, _mm256_set1_epi32(xoff[(R) * groups + g]));                  \
         __m256 sx_ = _mm256_set1_ps(xscale[(R) * groups + g]);                                 \
-        ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), _mm256_mul_ps(sw, sx_), ACC);            \
+        F0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A0), _mm256_mul_ps(sw0, sx_), F0);             \
+        F1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(A1), _mm256_mul_ps(sw1, sx_), F1);             \
     } while (0)
 
-/* One mr-row tile (1 <= mr <= W8A_MR) of columns 8h..8h+7 of a 16-column block, over all
- * groups (see the file's comment). Each row's sums are named registers, not arrays: with arrays
- * GCC reassociated the unrolled group and spilled every product to the stack (~1.3x slower). xq:
- * mr rows of groups * 32 int16 codes (xs apart); xscale, xoff: per row (groups apart) the
- * group's x scale and -128 * its quantized sum; wb: the block's packed weights; ws: its scales
- * [groups, 16]; bias: its 16 bfloat16 or NULL; y: the rows' outputs (ys apart). */
+#define W8A_STORE(F0, F1, R)                                                                   \
+    do {                                                                                       \
+        store_bf16x8(y + (R) * ys, _mm256_add_ps(F0, b0));                                     \
+        store_bf16x8(y + (R) * ys + 8, _mm256_add_ps(F1, b1));                                 \
+    } while (0)
+
+/* One mr-row tile (1 <= mr <= 4) of a 16-column block over all groups. xq: mr rows of groups *
+ * 32 int8 codes (xs apart); xscale: per row (groups apart) the group's x scale; wb: the block's
+ * packed weights; ws: its scales [groups, 16]; bias: its 16 bfloat16 or NULL; y: the rows'
+ * outputs (ys apart). */
 static inline __attribute__((always_inline)) void tile_w8_avx2(
-    const int16_t *xq, int64_t xs, const float *xscale, const int32_t *xoff, int64_t groups,
-    int mr, const uint8_t *wb, int h, const float *ws, const uint16_t *bias, uint16_t *y,
-    int64_t ys) {
-    __m256 f0 = _mm256_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
+    const int8_t *xq, int64_t xs, const float *xscale, int64_t groups, int mr,
+    const uint8_t *wb, const float *ws, const uint16_t *bias, uint16_t *y, int64_t ys) {
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    __m256 f00 = _mm256_setzero_ps(), f01 = f00, f10 = f00, f11 = f00, f20 = f00, f21 = f00,
+           f30 = f00, f31 = f00;
     for (int64_t g = 0; g < groups; g++) {
-        __m256i l0 = _mm256_setzero_si256(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0,
-                l3 = l0, h3 = l0;
-        const uint8_t *wg = wb + g * (XQ_GROUP / 4) * 64 + h * 32;
-        const int16_t *xg = xq + g * XQ_GROUP;
+        __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00,
+                a21 = a00, a30 = a00, a31 = a00;
+        const uint8_t *wg = wb + g * (XQ_GROUP / 4) * 64;
+        const int8_t *xg = xq + g * XQ_GROUP;
 #pragma GCC unroll 2
         for (int o = 0; o < XQ_GROUP / 4; o++) {
-            __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg + o * 64)));
-            __m256i w1 =
-                _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wg + o * 64 + 16)));
-            W8A_ROW(l0, h0, xg + 4 * o);
-            if (mr > 1) W8A_ROW(l1, h1, xg + xs + 4 * o);
-            if (mr > 2) W8A_ROW(l2, h2, xg + 2 * xs + 4 * o);
-            if (mr > 3) W8A_ROW(l3, h3, xg + 3 * xs + 4 * o);
+            __m256i s0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + o * 64)), flip);
+            __m256i s1 =
+                _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + o * 64 + 32)), flip);
+            __m256i m0 = _mm256_abs_epi8(s0), m1 = _mm256_abs_epi8(s1);
+            W8A_ROW(a00, a01, xg + 4 * o);
+            if (mr > 1) W8A_ROW(a10, a11, xg + xs + 4 * o);
+            if (mr > 2) W8A_ROW(a20, a21, xg + 2 * xs + 4 * o);
+            if (mr > 3) W8A_ROW(a30, a31, xg + 3 * xs + 4 * o);
         }
-        __m256 sw = _mm256_loadu_ps(ws + g * 16 + h * 8);
-        W8A_FOLD(f0, l0, h0, 0);
-        if (mr > 1) W8A_FOLD(f1, l1, h1, 1);
-        if (mr > 2) W8A_FOLD(f2, l2, h2, 2);
-        if (mr > 3) W8A_FOLD(f3, l3, h3, 3);
+        __m256 sw0 = _mm256_loadu_ps(ws + g * 16), sw1 = _mm256_loadu_ps(ws + g * 16 + 8);
+        W8A_SCALE(f00, f01, a00, a01, 0);
+        if (mr > 1) W8A_SCALE(f10, f11, a10, a11, 1);
+        if (mr > 2) W8A_SCALE(f20, f21, a20, a21, 2);
+        if (mr > 3) W8A_SCALE(f30, f31, a30, a31, 3);
     }
-    __m256 b = bias ? load_bf16x8(bias + h * 8) : _mm256_setzero_ps();
-    store_bf16x8(y + h * 8, _mm256_add_ps(f0, b));
-    if (mr > 1) store_bf16x8(y + ys + h * 8, _mm256_add_ps(f1, b));
-    if (mr > 2) store_bf16x8(y + 2 * ys + h * 8, _mm256_add_ps(f2, b));
-    if (mr > 3) store_bf16x8(y + 3 * ys + h * 8, _mm256_add_ps(f3, b));
+    __m256 b0 = bias ? load_bf16x8(bias) : _mm256_setzero_ps();
+    __m256 b1 = bias ? load_bf16x8(bias + 8) : _mm256_setzero_ps();
+    W8A_STORE(f00, f01, 0);
+    if (mr > 1) W8A_STORE(f10, f11, 1);
+    if (mr > 2) W8A_STORE(f20, f21, 2);
+    if (mr > 3) W8A_STORE(f30, f31, 3);
 }
 
 #define W8A_TILE(MR)                                                                           \
-    tile_w8_avx2_m##MR(xq + r0 * xs, xs, xscale + r0 * groups, xoff + r0 * groups, groups, wb, \
-                       h, ws, bias, y + r0 * ys, ys)
+    tile_w8_avx2_m##MR(xq + r0 * xs, xs, xscale + r0 * groups, groups, wb, ws, bias,          \
+                       y + r0 * ys, ys)
 
 /* One function per row count: inlined together into one, GCC's register allocation spilled
  * the sums (as in gemv.c). */
 #define W8A_TILE_M(MR)                                                                         \
     static __attribute__((noinline)) void tile_w8_avx2_m##MR(                                 \
-        const int16_t *xq, int64_t xs, const float *xscale, const int32_t *xoff,              \
-        int64_t groups, const uint8_t *wb, int h, const float *ws, const uint16_t *bias,      \
-        uint16_t *y, int64_t ys) {                                                             \
-        tile_w8_avx2(xq, xs, xscale, xoff, groups, MR, wb, h, ws, bias, y, ys);                \
+        const int8_t *xq, int64_t xs, const float *xscale, int64_t groups, const uint8_t *wb,  \
+        const float *ws, const uint16_t *bias, uint16_t *y, int64_t ys) {                      \
+        tile_w8_avx2(xq, xs, xscale, groups, MR, wb, ws, bias, y, ys);                         \
     }
 W8A_TILE_M(1)
 W8A_TILE_M(2)
 W8A_TILE_M(3)
 W8A_TILE_M(4)
 
-/* One 16-column block for all m rows: each half of 8 columns, W8A_MR rows at a time (the
- * block's weights, a few KB per group range, stay in L1/L2 between row tiles). */
-static void block_w8_avx2(const int16_t *xq, int64_t xs, const float *xscale,
-                          const int32_t *xoff, int64_t groups, int64_t m, const uint8_t *wb,
-                          const float *ws, const uint16_t *bias, uint16_t *y, int64_t ys) {
-    for (int h = 0; h < 2; h++) {
-        int64_t r0 = 0;
-        for (; r0 + W8A_MR <= m; r0 += W8A_MR) W8A_TILE(4);
-        switch (m - r0) {
-        case 1: W8A_TILE(1); break;
-        case 2: W8A_TILE(2); break;
-        case 3: W8A_TILE(3); break;
-        default: break;
-        }
+/* One 16-column block for all m rows, W8A_MR rows at a time (the block's weights, a few KB per
+ * group range, stay in L1/L2 between row tiles). */
+static void block_w8_avx2(const int8_t *xq, int64_t xs, const float *xscale, int64_t groups,
+                          int64_t m, const uint8_t *wb, const float *ws, const uint16_t *bias,
+                          uint16_t *y, int64_t ys) {
+    int64_t r0 = 0;
+    for (; r0 + W8A_MR <= m; r0 += W8A_MR) W8A_TILE(4);
+    switch (m - r0) {
+    case 1: W8A_TILE(1); break;
+    case 2: W8A_TILE(2); break;
+    case 3: W8A_TILE(3); break;
+    default: break;
     }
 }
 
@@ -242,21 +276,19 @@ static int w8_products_avx2(const uint16_t *x, int64_t x_stride, int64_t m, cons
                             uint16_t *y) {
     if (n_out % 16 != 0 || m < 1 || k < 1) return -2;
     int64_t groups = (k + XQ_GROUP - 1) / XQ_GROUP, xs = groups * XQ_GROUP;
-    int16_t *xq = malloc(sizeof(int16_t) * (size_t)(m * xs));
+    int8_t *xq = malloc((size_t)(m * xs));
     float *xscale = malloc(sizeof(float) * (size_t)(m * groups));
-    int32_t *xoff = malloc(sizeof(int32_t) * (size_t)(m * groups));
-    if (!xq || !xscale || !xoff) {
-        free(xq), free(xscale), free(xoff);
+    if (!xq || !xscale) {
+        free(xq), free(xscale);
         return -1;
     }
-    quantize_x_groups16(x, x_stride, m, k, groups, xq, xscale, xoff);
-    for (int64_t i = 0; i < m * groups; i++) xoff[i] *= -128; /* the U = Q + 128 offset */
+    quantize_x_groups8(x, x_stride, m, k, groups, xq, xscale);
     int64_t ps = xs * 16, blocks = n_out / 16;
 #pragma omp parallel for schedule(static) if (m * n_out * k >= (1 << 19) || n_out * k >= (1 << 17))
     for (int64_t b = 0; b < blocks; b++)
-        block_w8_avx2(xq, xs, xscale, xoff, groups, m, wq + b * ps, ws + b * groups * 16,
+        block_w8_avx2(xq, xs, xscale, groups, m, wq + b * ps, ws + b * groups * 16,
                       bias ? bias + b * 16 : NULL, y + b * 16, n_out);
-    free(xq), free(xscale), free(xoff);
+    free(xq), free(xscale);
     return 0;
 }
 #endif

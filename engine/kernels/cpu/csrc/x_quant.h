@@ -1,6 +1,6 @@
 /* Activations quantized per row and per group of 32 input channels to int8, for the vpdpbusd
- * products of gemm_w8.c and gemm_w4.c (header-only, AVX-512), and to the same codes held in
- * int16 for gemm_w8.c's AVX2 path (vpmaddwd; quantize_x_groups16).
+ * products of gemm_w8.c and gemm_w4.c (header-only, AVX-512), and the same codes on AVX2 for
+ * gemm_w8.c's AVX2 path (vpsignb / vpmaddubsw; quantize_x_groups8, without the sums).
  *
  * For each row r and group g of x [m, k] bfloat16: xscale[r, g] = max|x_g| / 127 (1 for an
  * all-zero group), xq = round(x / xscale) to nearest even, clamped to -127..127, and xsum[r, g]
@@ -68,14 +68,14 @@ static inline void quantize_x_groups(const uint16_t *x, int64_t x_stride, int64_
 
 #define XQ_GROUP 32
 
-/* quantize_x_groups on AVX2, the codes stored as int16 (vpmaddwd's operand): xq [m, groups *
- * 32] int16, xscale and xsum [m, groups]. The same float steps as the AVX-512 version (the
- * group's largest |x| / 127, x times its inverse rounded to nearest even, clamped to +-127), so
- * the same codes and scales. */
-static inline void quantize_x_groups16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
-                                       int64_t groups, int16_t *xq, float *xscale,
-                                       int32_t *xsum) {
+/* quantize_x_groups on AVX2, without the sums (gemm_w8.c's AVX2 path multiplies signed weights,
+ * no offset to take off): xq [m, groups * 32] int8 and xscale [m, groups]. The same float steps
+ * as the AVX-512 version (the group's largest |x| / 127, x times its inverse rounded to nearest
+ * even, clamped to +-127), so the same codes and scales. */
+static inline void quantize_x_groups8(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                                      int64_t groups, int8_t *xq, float *xscale) {
     const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t r = 0; r < m; r++) {
         const uint16_t *row = x + r * x_stride;
@@ -102,24 +102,19 @@ static inline void quantize_x_groups16(const uint16_t *x, int64_t x_stride, int6
             float amax = _mm_cvtss_f32(m4);
             float s = amax > 0.0f ? amax / 127.0f : 1.0f;
             __m256 inv = _mm256_set1_ps(1.0f / s);
-            __m256i q[4], sum = _mm256_setzero_si256();
+            __m256i q[4];
             for (int j = 0; j < 4; j++) {
                 q[j] = _mm256_cvtps_epi32(_mm256_round_ps(
                     _mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
                 q[j] = _mm256_max_epi32(nlim, _mm256_min_epi32(lim, q[j]));
-                sum = _mm256_add_epi32(sum, q[j]);
             }
-            int16_t *dst = xq + r * groups * XQ_GROUP + i;
-            for (int j = 0; j < 4; j += 2) /* packs interleaves 128-bit lanes: put them back */
-                _mm256_storeu_si256((__m256i *)(dst + 8 * j),
-                                    _mm256_permute4x64_epi64(_mm256_packs_epi32(q[j], q[j + 1]),
-                                                             0xD8));
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum),
-                                       _mm256_extracti128_si256(sum, 1));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+            /* packs interleaves 128-bit lanes: 4-byte runs come out as q0 q1 q2 q3 of the low
+             * halves, then of the high halves; vpermd puts them back in order. */
+            __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                           _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(xq + r * groups * XQ_GROUP + i),
+                                _mm256_permutevar8x32_epi32(b, order));
             xscale[r * groups + g] = s;
-            xsum[r * groups + g] = _mm_cvtsi128_si32(s4);
         }
     }
 }
