@@ -28,34 +28,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 
 import torch
 
 from splitserve.engine.kernels.cpu.bindings import CpuKernels
 from splitserve.engine.kernels.cpu.build import load_cpu_kernels
+from splitserve.engine.kernels.cpu.features import cpu_line
 from splitserve.engine.model.layers import pack_weight, packed_linear
 from splitserve.engine.model.quant import Int8Weight, quantize_int8, quantize_int8_groups
 from splitserve.engine.model.quant_int4 import Int4Weight, quantize_int4, torch_int4_mm
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K) per layer
 HEAD_SHAPE = (49152, 576)
-
-
-def cpu_line() -> str:
-    name, flags = platform.processor(), ""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name") and not name:
-                name = line.split(":", 1)[1].strip()
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = " ".join(sorted(set(line.split(":", 1)[1].split()) & {
-                    "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "avx2"}))
-                break
-    return f"{name} [{flags}], torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def make_weights(layers: int) -> list[dict]:
@@ -86,7 +71,7 @@ def main() -> None:
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.has_w8 or not kernels.has_w4:
         raise SystemExit("the C kernels (with AVX512-VNNI) are needed")
-    print(cpu_line())
+    print(f"{cpu_line()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"load: {os.getloadavg()}  (shared machine: min of {args.repeats} interleaved repeats)")
     weights = make_weights(args.layers)
     mb = sum(w["c"].numel() * 2 for w in weights) / 1e6

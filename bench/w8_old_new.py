@@ -15,13 +15,12 @@ import statistics
 import time
 
 import torch
+from quant_matmul import HEAD_SHAPE as HEAD
+from quant_matmul import LAYER_SHAPES as SHAPES
 
 from splitserve.engine.kernels.cpu.bindings import CpuKernels
-from splitserve.engine.kernels.cpu.build import _cache_dir, build_library, find_compiler
+from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.model.quant import Int8Weight, quantize_int8_groups
-
-SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K) per layer
-HEAD = (49152, 576)
 
 
 def main() -> None:
@@ -33,9 +32,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    new_lib = build_library(find_compiler(), _cache_dir())
-    print(f"new {new_lib}\nold {args.old_lib}\nthreads {args.threads}")
-    old, new = CpuKernels(ctypes.CDLL(args.old_lib)), CpuKernels(ctypes.CDLL(str(new_lib)))
+    new = load_cpu_kernels()
+    if new is None:
+        raise SystemExit("this checkout's C kernels did not build")
+    print(f"old {args.old_lib}\nthreads {args.threads}")
+    old = CpuKernels(ctypes.CDLL(args.old_lib))
     gen = torch.Generator().manual_seed(0)
     ws = []
     for n, k in [s for _ in range(args.layers) for s in SHAPES] + [HEAD]:
