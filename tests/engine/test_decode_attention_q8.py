@@ -63,8 +63,8 @@ def _reference(q: torch.Tensor, pool: KVPool, layer: int, pages: torch.Tensor, n
 @pytest.mark.parametrize("window", [None, 7])
 def test_kernel_equals_float64_attention_over_the_stored_values(kind, hq, hkv, d, window):
     """Every row within the bfloat16 rounding of its output (half an ulp of values up to ~4:
-    the sums are float32, and with AVX512-VNNI the int8 keys' scores integer sums against the
-    query rounded to 16 bits per head) of float64 attention; the empty row's output
+    the sums are float32, and with AVX512-VNNI or AVX2 the int8 keys' scores integer sums
+    against the query rounded to 16 bits per head) of float64 attention; the empty row's output
     untouched; and, so that the check can fail, the same kernel over a pool whose scales are
     all 1 is far off."""
     pool, table = _filled(kind, hkv, d)
@@ -162,12 +162,13 @@ def test_an_8bit_pool_keeps_no_decode_cache_and_the_fused_layers_read_it(bf16_fu
     assert tokens["auto"] == tokens["int8"]
 
 
-@pytest.mark.parametrize("march", ["x86-64-v2", "skylake-avx512"])
+@pytest.mark.parametrize("march", ["x86-64-v2", "x86-64-v3", "skylake-avx512"])
 def test_the_paths_other_cpus_take(tmp_path, march):
-    """The kernel as a CPU without AVX-512 (plain C loops) and one with AVX-512 but no VNNI
-    (float scores for int8 pages) builds it: the same float64 check, both kinds. Compiled here
-    with that ``-march`` (the build uses ``-march=native``, so this machine's own path is the
-    one above); skipped off x86-64, without gcc, or where this CPU cannot run the code."""
+    """The kernel as a CPU without AVX2 (plain C loops), one with AVX2 + FMA + F16C but no
+    AVX-512 (int16 x int8 integer scores for int8 pages, vpmaddwd) and one with AVX-512 but no
+    VNNI (float scores for int8 pages) builds it: the same float64 check, both kinds. Compiled
+    here with that ``-march`` (the build uses ``-march=native``, so this machine's own path is
+    the one above); skipped off x86-64, without gcc, or where this CPU cannot run the code."""
     import ctypes
     import platform
     import shutil
@@ -182,6 +183,8 @@ def test_the_paths_other_cpus_take(tmp_path, march):
         pytest.skip("needs gcc on x86-64")
     if march == "skylake-avx512" and not {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags():
         pytest.skip("this CPU has no AVX-512")
+    if march == "x86-64-v3" and not {"avx2", "fma", "f16c", "bmi2", "movbe"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
     src = Path(pool_bindings.__file__).parent / "csrc"
     lib = tmp_path / "q8.so"
     subprocess.run([gcc, "-O2", f"-march={march}", "-fopenmp", "-fPIC", "-std=c11", "-shared",

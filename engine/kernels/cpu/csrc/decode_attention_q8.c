@@ -18,6 +18,27 @@
  * Built with -O3 -march=native; without AVX-512 the same arithmetic runs on AVX2 + F16C in
  * 8-float registers (batch 32, ~190 keys, one Zen 3 core: 3.4 -> 0.52 ms per layer, the bfloat16
  * cache's kernel 0.31), and elsewhere in plain C loops.
+ *
+ * int8 keys' scores are integer dot products where the CPU has integer multiply-adds: the G
+ * query heads rounded to int16 per head (quantize_q: scale max |q| / 32767), each key's bytes
+ * sign-extended to int16 and multiplied-and-summed into int32 lanes (vpdpwssd with
+ * AVX512-VNNI; vpmaddwd + vpaddd with AVX2, 16 products an instruction against the float path's
+ * 8 per FMA plus a conversion per 8 bytes), the exact integer sum converted to float and scaled
+ * by the head's q scale, then the token's scale. The sums being exact and the float steps the
+ * same, an AVX2 build's int8 scores equal an AVX512-VNNI build's bit for bit (checked against a
+ * scalar model of that arithmetic over 14.6k scores, G 1-8, D 16-256); the outputs can still
+ * differ in the last bit, from softmax's vector width. fp8_e4m3 keys keep the float path.
+ * On AVX2 the value sum takes 3 heads x 32 columns a pass (a lone head 64), the scale folded
+ * into the probability once by the first pass: 2 passes over a head's values for G 3, D 64,
+ * where 4 heads x 16 columns took 4 (the same products, so the same bits as before).
+ * Measured on a shared 2-core Zen 3 (AVX2, no AVX-512), one thread, SmolLM2-135M's heads
+ * (G 3, D 64), batch 32, 512 keys, int8, old (float scores, 4 value passes) vs new alternated in
+ * one process: per layer, one layer over and over, min 1327 -> 728 us (the bfloat16 cache's
+ * kernel 1330); 30 layers in turn (cold caches, as in a step) 2078 -> 1097 us (bf16 1858).
+ * `python bench/kv8_decode_step.py --batch 32 --context 512 --steps 10 --threads 1 --configs
+ * bf16 int8` (int8 in place against bf16 with its decode cache, one process), runs of the old
+ * and new kernels alternated on that shared machine: old 0.82-1.03x (median of 7 runs 0.98x),
+ * new 0.97-1.13x (median 1.08x); issue 36 asks 1.1x, so not reliably there on AVX2 yet.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -100,6 +121,29 @@ ALWAYS_INLINE const uint8_t *q8_next(const struct q8_rows *t, struct q8_walk *w,
     return vec;
 }
 
+/* The G query heads as int16 for the integer key scores (vpdpwssd with AVX512-VNNI, vpmaddwd
+ * with AVX2): per head, scale = max |q| / 32767 (1 for a zero
+ * head) and q16 = q / scale rounded to nearest even (~2^-16 of the head's largest value:
+ * far below the bfloat16 rounding q already carries), padded with zeros to a multiple of 32. */
+ALWAYS_INLINE void quantize_q(const float *q, int64_t g_n, int64_t d_n, int16_t *q16,
+                              float *qscale) {
+    int64_t d_pad = (d_n + 31) / 32 * 32;
+    for (int64_t g = 0; g < g_n; g++) {
+        float amax = 0.0f;
+        for (int64_t d = 0; d < d_n; d++) {
+            float a = q[g * d_n + d] < 0 ? -q[g * d_n + d] : q[g * d_n + d];
+            amax = a > amax ? a : amax;
+        }
+        float s = amax > 0.0f ? amax / 32767.0f : 1.0f, inv = 1.0f / s;
+        for (int64_t d = 0; d < d_pad; d++) {
+            int32_t v = d < d_n ? (int32_t)__builtin_rintf(q[g * d_n + d] * inv) : 0;
+            v = v > 32767 ? 32767 : (v < -32767 ? -32767 : v);
+            q16[g * d_pad + d] = (int16_t)v;
+        }
+        qscale[g] = s;
+    }
+}
+
 #if defined(__AVX512F__)
 /* 16 stored values -> float32: int8 sign-extended; a float8_e4m3fn code c as the float16
  * whose bits are (c & 0x80) << 8 | (c & 0x7f) << 7, which is c's value / 256 exactly
@@ -168,7 +212,7 @@ ALWAYS_INLINE void score_block(const float *q, const struct q8_rows *k, int fp8,
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define HAVE_VNNI_SCORES 1
+#define HAVE_INT_SCORES 1
 /* sum16 in int32. */
 ALWAYS_INLINE __m512i sum16_epi32(const __m512i *a) {
     __m512i t[8], u[4], w[2];
@@ -183,28 +227,6 @@ ALWAYS_INLINE __m512i sum16_epi32(const __m512i *a) {
                                 _mm512_shuffle_i32x4(u[2 * i], u[2 * i + 1], 0xdd));
     return _mm512_add_epi32(_mm512_shuffle_i32x4(w[0], w[1], 0x88),
                             _mm512_shuffle_i32x4(w[0], w[1], 0xdd));
-}
-
-/* The G query heads as int16 for vpdpwssd: per head, scale = max |q| / 32767 (1 for a zero
- * head) and q16 = q / scale rounded to nearest even (~2^-16 of the head's largest value:
- * far below the bfloat16 rounding q already carries), padded with zeros to a multiple of 32. */
-ALWAYS_INLINE void quantize_q(const float *q, int64_t g_n, int64_t d_n, int16_t *q16,
-                              float *qscale) {
-    int64_t d_pad = (d_n + 31) / 32 * 32;
-    for (int64_t g = 0; g < g_n; g++) {
-        float amax = 0.0f;
-        for (int64_t d = 0; d < d_n; d++) {
-            float a = q[g * d_n + d] < 0 ? -q[g * d_n + d] : q[g * d_n + d];
-            amax = a > amax ? a : amax;
-        }
-        float s = amax > 0.0f ? amax / 32767.0f : 1.0f, inv = 1.0f / s;
-        for (int64_t d = 0; d < d_pad; d++) {
-            int32_t v = d < d_n ? (int32_t)__builtin_rintf(q[g * d_n + d] * inv) : 0;
-            v = v > 32767 ? 32767 : (v < -32767 ? -32767 : v);
-            q16[g * d_pad + d] = (int16_t)v;
-        }
-        qscale[g] = s;
-    }
 }
 
 /* score_block for int8 pages with AVX512-VNNI: scores[g * n + j] = qscale[g] * scale_j *
@@ -288,7 +310,8 @@ ALWAYS_INLINE void weight_values(const float *probs, const struct q8_rows *v, in
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 /* AVX2 (16 registers of 8 floats): the AVX-512 path's arithmetic on 8-float registers (the
- * plain C loops below ran 11x slower than the bfloat16 cache's kernel on a Zen 3 core). */
+ * plain C loops below ran 11x slower than the bfloat16 cache's kernel on a Zen 3 core), int8
+ * keys' scores in int32 as with AVX512-VNNI. */
 
 /* 8 stored values -> float32, as load_q8x16 does for 16 (fp8: its value / 256, via F16C). */
 ALWAYS_INLINE __m256 load_q8x8(const uint8_t *p, int fp8) {
@@ -307,6 +330,17 @@ ALWAYS_INLINE __m256 sum8(const __m256 *a) {
     __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
                          _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* The first min(c, 8) lanes of x to p (a memcpy of a partial block compiled to rep movsl,
+ * whose start-up cost showed in the profile). */
+ALWAYS_INLINE void store_first(float *p, int64_t c, __m256 x) {
+    if (c >= 8) {
+        _mm256_storeu_ps(p, x);
+        return;
+    }
+    __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)c), lane), x);
 }
 
 /* The AVX-512 score_block's contract: a key's D values converted once, each head's dot
@@ -343,52 +377,148 @@ ALWAYS_INLINE void score_block(const float *q, const struct q8_rows *k, int fp8,
     }
     for (int64_t g = 0; g < g_n; g++)
         for (int64_t h = 0; h < KB && h < count; h += 8) {
-            float tmp[8];
-            _mm256_storeu_ps(tmp, _mm256_mul_ps(sum8(&part[g][h]), _mm256_loadu_ps(ks + h)));
-            int64_t c = count - h < 8 ? count - h : 8;
-            memcpy(scores + g * n + j0 + h, tmp, sizeof(float) * (size_t)c);
+            store_first(scores + g * n + j0 + h, count - h,
+                        _mm256_mul_ps(sum8(&part[g][h]), _mm256_loadu_ps(ks + h)));
         }
 }
 
-/* Value columns c0 .. c0 + 15 of heads g0 .. g0 + gc - 1 (8 registers of sums); the first pass
- * asks for the pages ahead, later passes find the head's values in L1/L2. */
-ALWAYS_INLINE void values16(const float *probs, const struct q8_rows *v, int fp8, int64_t g0,
-                            int64_t gc, int64_t d_n, int64_t c0, int64_t start, int64_t n,
-                            int first, uint16_t *out) {
+#define HAVE_INT_SCORES 1
+/* sum8 in int32, without phaddd (3-4 uops each on Zen 3): pairs folded within 128-bit lanes
+ * (unpack + add), then the halves (permute2x128 + add); lane j holds a[j]'s sum. */
+ALWAYS_INLINE __m256i sum8_epi32(const __m256i *a) {
+    __m256i t[4], u[2];
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                                _mm256_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        u[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(t[2 * i], t[2 * i + 1]),
+                                _mm256_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u[0], u[1], 0x20),
+                            _mm256_permute2x128_si256(u[0], u[1], 0x31));
+}
+
+/* The AVX512-VNNI score_block_i8's arithmetic with AVX2: each key's bytes sign-extended to 16
+ * bits, 16 at a time (vpmovsxbw), multiplied by the head's q16 and summed in pairs into 8 int32
+ * lanes (vpmaddwd: 16 products an instruction, against 8 for the float path's FMA, and no
+ * int -> float conversion per key byte); the integer sums are exact (as with vpdpwssd), so
+ * converted to float and scaled by qscale[g], then scale_j, in the same order, a score is the
+ * VNNI path's bit for bit. 8 keys' lanes reduced together (sum8_epi32). */
+ALWAYS_INLINE void score_block_i8(const int16_t *q16, const float *qscale,
+                                  const struct q8_rows *k, int64_t g_n, int64_t d_n,
+                                  int64_t start, int64_t j0, int64_t count, float *scores,
+                                  int64_t n) {
+    __m256i part[GMAX][KB];
+    float ks[KB];
+    int64_t d_pad = (d_n + 31) / 32 * 32; /* quantize_q's row length */
+    struct q8_walk w = q8_at(k, start + j0);
+    q8_prefetch_page(k, w.page + PF_DIST);
+    for (int64_t jj = 0; jj < count; jj++) {
+        const uint8_t *kp = q8_next(k, &w, 1.0f, &ks[jj]);
+        __m256i kv[16];
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < d_n / 16; c++)
+            kv[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const void *)(kp + 16 * c)));
+#pragma GCC unroll 8
+        for (int64_t g = 0; g < g_n; g++) {
+            const int16_t *qg = q16 + g * d_pad;
+            __m256i acc = _mm256_madd_epi16(kv[0], _mm256_loadu_si256((const void *)qg));
+#pragma GCC unroll 16
+            for (int64_t c = 1; c < d_n / 16; c++)
+                acc = _mm256_add_epi32(
+                    acc, _mm256_madd_epi16(kv[c], _mm256_loadu_si256((const void *)(qg + 16 * c))));
+            part[g][jj] = acc;
+        }
+    }
+    for (int64_t jj = count; jj < KB; jj++) {
+        ks[jj] = 0.0f;
+        for (int64_t g = 0; g < g_n; g++) part[g][jj] = _mm256_setzero_si256();
+    }
+    for (int64_t g = 0; g < g_n; g++)
+        for (int64_t h = 0; h < KB && h < count; h += 8) {
+            __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(sum8_epi32(&part[g][h])),
+                                      _mm256_set1_ps(qscale[g]));
+            store_first(scores + g * n + j0 + h, count - h, _mm256_mul_ps(sc, _mm256_loadu_ps(ks + h)));
+        }
+}
+
+/* Value columns c0 .. c0 + 8 * nc - 1 of heads g0 .. g0 + gc - 1 (gc * nc <= 12 registers of
+ * sums, gc broadcast probabilities, one converted value chunk). The head group's first pass
+ * folds scale_j into its probabilities in place (probs[g][j] * scale_j, the product the sum
+ * takes either way) and asks for the pages ahead; later passes read the folded probabilities
+ * and find the head's values in L1/L2. */
+ALWAYS_INLINE void values_cols(float *probs, const struct q8_rows *v, int fp8, int64_t g0,
+                               int64_t gc, int64_t nc, int64_t d_n, int64_t c0, int64_t start,
+                               int64_t n, int first, uint16_t *out) {
     float factor = fp8 ? 256.0f : 1.0f;
-    __m256 acc[4][2];
-#pragma GCC unroll 4
-    for (int64_t g = 0; g < gc; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+    __m256 acc[3][8];
+#pragma GCC unroll 3
+    for (int64_t g = 0; g < gc; g++)
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < nc; c++) acc[g][c] = _mm256_setzero_ps();
     struct q8_walk w = q8_at(v, start);
-    if (first)
+    int ahead = first && g0 == 0; /* the first pass of all */
+    if (ahead)
         for (int64_t p = 1; p < PF_DIST; p++) q8_prefetch_page(v, w.page + p);
     for (int64_t j = 0; j < n; j++) {
         float vs;
-        if (first && w.slot == 0) q8_prefetch_page(v, w.page + PF_DIST);
-        const uint8_t *vp = q8_next(v, &w, factor, &vs);
-        __m256 v0 = load_q8x8(vp + c0, fp8), v1 = load_q8x8(vp + c0 + 8, fp8);
-#pragma GCC unroll 4
+        if (ahead && w.slot == 0) q8_prefetch_page(v, w.page + PF_DIST);
+        const uint8_t *vp = q8_next(v, &w, factor, &vs) + c0;
+        __m256 p[3];
+#pragma GCC unroll 3
         for (int64_t g = 0; g < gc; g++) {
-            __m256 p = _mm256_set1_ps(probs[(g0 + g) * n + j] * vs);
-            acc[g][0] = _mm256_fmadd_ps(p, v0, acc[g][0]);
-            acc[g][1] = _mm256_fmadd_ps(p, v1, acc[g][1]);
+            float *pg = probs + (g0 + g) * n + j;
+            if (first) *pg *= vs;
+            p[g] = _mm256_set1_ps(*pg);
+        }
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < nc; c++) {
+            __m256 x = load_q8x8(vp + 8 * c, fp8);
+#pragma GCC unroll 3
+            for (int64_t g = 0; g < gc; g++) acc[g][c] = _mm256_fmadd_ps(p[g], x, acc[g][c]);
         }
     }
-#pragma GCC unroll 4
-    for (int64_t g = 0; g < gc; g++) {
-        store_bf16x8(out + (g0 + g) * d_n + c0, acc[g][0]);
-        store_bf16x8(out + (g0 + g) * d_n + c0 + 8, acc[g][1]);
-    }
+#pragma GCC unroll 3
+    for (int64_t g = 0; g < gc; g++)
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < nc; c++) store_bf16x8(out + (g0 + g) * d_n + c0 + 8 * c, acc[g][c]);
 }
 
-/* out[g] = sum_j probs[g][j] * scale_j * v_j, rounded to bfloat16. */
-ALWAYS_INLINE void weight_values(const float *probs, const struct q8_rows *v, int fp8,
-                                 int64_t g_n, int64_t d_n, int64_t start, int64_t n,
-                                 uint16_t *out) {
-    for (int64_t c0 = 0; c0 < d_n; c0 += 16)
-        for (int64_t g0 = 0; g0 < g_n; g0 += 4)
-            values16(probs, v, fp8, g0, g_n - g0 < 4 ? g_n - g0 : 4, d_n, c0, start, n,
-                     c0 == 0 && g0 == 0, out);
+/* values_cols with gc, nc, fp8 and first as constants (the sums stay in registers, no
+ * branch in the loop). */
+ALWAYS_INLINE void values_pass(float *probs, const struct q8_rows *v, int fp8, int64_t g0,
+                               int64_t gc, int64_t nc, int64_t d_n, int64_t c0, int64_t start,
+                               int64_t n, int first, uint16_t *out) {
+#define VALUES_COLS(GC, NC)                                                                    \
+    if (gc == GC && nc == NC) {                                                                \
+        if (fp8) {                                                                             \
+            if (first) values_cols(probs, v, 1, g0, GC, NC, d_n, c0, start, n, 1, out);         \
+            else values_cols(probs, v, 1, g0, GC, NC, d_n, c0, start, n, 0, out);               \
+        } else {                                                                               \
+            if (first) values_cols(probs, v, 0, g0, GC, NC, d_n, c0, start, n, 1, out);         \
+            else values_cols(probs, v, 0, g0, GC, NC, d_n, c0, start, n, 0, out);               \
+        }                                                                                      \
+        return;                                                                                \
+    }
+    VALUES_COLS(1, 8) VALUES_COLS(1, 4) VALUES_COLS(1, 2)
+    VALUES_COLS(2, 4) VALUES_COLS(2, 2) VALUES_COLS(3, 4) VALUES_COLS(3, 2)
+#undef VALUES_COLS
+}
+
+/* out[g] = sum_j probs[g][j] * scale_j * v_j, rounded to bfloat16 (probs scaled in place).
+ * Heads in groups of 3 over 32 columns a pass (a lone head: 64): for 3 heads of D = 64, two
+ * passes over the values, where 4 heads x 16 columns took four, each multiplying every
+ * probability by the scale again. */
+ALWAYS_INLINE void weight_values(float *probs, const struct q8_rows *v, int fp8, int64_t g_n,
+                                 int64_t d_n, int64_t start, int64_t n, uint16_t *out) {
+    for (int64_t g0 = 0; g0 < g_n; g0 += 3) {
+        int64_t gc = g_n - g0 < 3 ? g_n - g0 : 3;
+        int64_t nc = gc == 1 ? 8 : 4; /* 8-column chunks a pass */
+        for (int64_t c0 = 0; c0 < d_n;) {
+            int64_t left = (d_n - c0) / 8, k = left >= nc ? nc : (left >= 4 ? 4 : 2);
+            values_pass(probs, v, fp8, g0, gc, k, d_n, c0, start, n, c0 == 0, out);
+            c0 += 8 * k;
+        }
+    }
 }
 
 #else /* plain C: the same arithmetic, a value at a time */
@@ -439,7 +569,7 @@ ALWAYS_INLINE void attend_one(const uint16_t *q, const struct q8_rows *k,
     int64_t n = end - start;
     q8_prefetch_page(v, start / v->ps); /* read after the scores: on its way meanwhile */
     for (int64_t p = 1; p < PF_DIST; p++) q8_prefetch_page(k, start / k->ps + p);
-#if defined(HAVE_VNNI_SCORES)
+#if defined(HAVE_INT_SCORES)
     if (!fp8) {
         int16_t q16[GMAX * 256];
         float qscale[GMAX];
