@@ -12,6 +12,14 @@ that cannot be interrupted: run it where it can be killed.
 - At most ``max_queued`` compiles wait; one more is refused at once (:class:`CompileBusy`, which
   the worker turns into 503 + ``Retry-After``), not queued.
 - A queued compile whose requests all went is removed from the queue (:meth:`CompilePool.cancel`).
+- A compile that has run past ``long_after_s`` (1 s) is *long*: the child moves its threads to
+  ``SCHED_IDLE`` (``engine.grammar.demote``: it gets only CPU time nobody else wants, so it cannot
+  slow the model or other compiles on a small host), and it stops counting against
+  ``num_procs``: up to ``max_long`` long compiles run beside ``num_procs`` ordinary ones, each
+  long one lending its slot to a further child (started when compiles wait or no child is free,
+  then kept).
+  So 4 pathological schemas in flight neither hold every process nor share the CPU with an
+  ordinary compile as equals (``bench/grammar_isolation.py``).
 - The child sends back what the backend can ship across a process boundary
   (``BaseGrammarBackend.export``): outlines-core's ``Index`` (picklable). For llguidance (its
   matcher cannot be shipped; it builds its parser lazily, so compiling again costs ms) and
@@ -46,6 +54,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from splitserve.engine.grammar.base import GrammarError
+from splitserve.engine.grammar.demote import demote_thread, own_thread_ids
 from splitserve.engine.grammar.options import CompileOptions
 
 logger = logging.getLogger(__name__)
@@ -57,6 +66,9 @@ PARENT_POLL_S = 1.0  # how often a child checks that its worker is still there
 # it is killed and the compiles waiting for it fail.
 START_TIMEOUT_S = 180.0
 SLOW_START_S = 30.0  # a start slower than this is logged (with how long it took)
+LONG_AFTER_S = 1.0  # a compile running longer is long: demoted, and off the ordinary slots
+MAX_LONG = 4  # long compiles beside the ordinary ones (each on a further child)
+DEMOTE_SWEEP_S = 0.25  # how often a long compile's new threads are demoted
 
 
 class CompileBusy(RuntimeError):
@@ -71,6 +83,16 @@ class CompileUnavailable(CompileBusy):
 
 class CompileTimeout(GrammarError):
     """A compile ran past its deadline and its process was killed."""
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """A compile a child finished: ``payload``, the backend's export
+    (``BaseGrammarBackend.export``); ``compile_s``, seconds the child spent (wall clock, from
+    handing it over to the reply; past ``CompilePool.long_after_s`` it ran demoted)."""
+
+    payload: Any
+    compile_s: float
 
 
 @dataclass(frozen=True)
@@ -122,18 +144,27 @@ class CompilePool:
         timeout_s: a compile's deadline, from when a child starts it.
         max_queued: compiles that may wait for a child; one more raises :class:`CompileBusy`.
         start_timeout_s: a child not ready this long after it was started is killed.
+        long_after_s: a compile running longer is long (module docstring): demoted, and no
+            longer counted against ``num_procs``.
+        max_long: long compiles that may run beside ``num_procs`` ordinary ones (each beyond
+            ``num_procs`` on a child of its own: at most ``num_procs + max_long`` children).
     """
 
     def __init__(self, spec: BackendSpec, num_procs: int = 2, timeout_s: float = 30.0,
-                 max_queued: int = 16, start_timeout_s: float = START_TIMEOUT_S) -> None:
-        if num_procs < 1 or max_queued < 0 or timeout_s <= 0 or start_timeout_s <= 0:
+                 max_queued: int = 16, start_timeout_s: float = START_TIMEOUT_S,
+                 long_after_s: float = LONG_AFTER_S, max_long: int = MAX_LONG) -> None:
+        if (num_procs < 1 or max_queued < 0 or timeout_s <= 0 or start_timeout_s <= 0
+                or long_after_s <= 0 or max_long < 0):
             raise ValueError(f"bad compile pool: {num_procs} processes, queue {max_queued}, "
-                             f"timeout {timeout_s}, start timeout {start_timeout_s}")
+                             f"timeout {timeout_s}, start timeout {start_timeout_s}, long after "
+                             f"{long_after_s}, {max_long} long")
         self.spec = spec
         self.num_procs = num_procs
         self.timeout_s = timeout_s
         self.max_queued = max_queued
         self.start_timeout_s = start_timeout_s
+        self.long_after_s = long_after_s
+        self.max_long = max_long
         self.kills = 0  # compiles killed at their deadline (each replaced its process)
         self.started = 0  # child processes started, replacements included
         self.ready = 0  # children that have built their backends and wait for compiles
@@ -143,13 +174,15 @@ class CompilePool:
         self._threads: list[threading.Thread] = []
         self._procs: dict[int, Any] = {}
         self._running = 0  # compiles handed to a child
+        self._long = 0  # of those, the ones past long_after_s
 
     def submit(self, backend: str, kind: str, text: str, options: CompileOptions) -> Future[Any]:
         """Queue one compile on ``backend``.
 
         Returns:
-            A future of the backend's export (``BaseGrammarBackend.export``), or failing with
-            ``GrammarError`` (:class:`CompileTimeout` past the deadline).
+            A future of :class:`Shipped` (the backend's export, ``BaseGrammarBackend.export``,
+            and how long the child compiled), or failing with ``GrammarError``
+            (:class:`CompileTimeout` past the deadline).
 
         Raises:
             CompileBusy: ``max_queued`` compiles already wait.
@@ -158,12 +191,13 @@ class CompilePool:
         with self._cond:
             if self._closed:
                 raise CompileBusy("the grammar compile pool is shut down")
-            idle = self.num_procs - self._running
+            idle = self.num_procs - (self._running - self._long)
             if len(self._queue) >= self.max_queued + max(idle, 0):
                 raise CompileBusy(f"{len(self._queue)} grammar compiles are already waiting")
             self._queue.append(job)
             if not self._threads:
                 self._start_threads()
+            self._maybe_grow()
             self._cond.notify()
         return job.future
 
@@ -181,6 +215,17 @@ class CompilePool:
         """Compiles handed to a child and not yet back."""
         with self._cond:
             return self._running
+
+    def running_long(self) -> int:
+        """Compiles handed to a child that have run past ``long_after_s`` and not yet ended."""
+        with self._cond:
+            return self._long
+
+    def children(self) -> int:
+        """Slots with a child (``num_procs``, plus one per long compile ever run at once, up
+        to ``max_long``)."""
+        with self._cond:
+            return len(self._threads)
 
     def queued(self) -> int:
         """Compiles waiting for a child."""
@@ -200,11 +245,36 @@ class CompilePool:
             proc.join(5)
 
     def _start_threads(self) -> None:
-        for slot in range(self.num_procs):
-            thread = threading.Thread(target=self._serve, args=(slot,), daemon=True,
-                                      name=f"grammar-proc-{slot}")
-            thread.start()
-            self._threads.append(thread)
+        for _ in range(self.num_procs):
+            self._add_slot()
+
+    def _add_slot(self) -> None:
+        """Start one more slot (its thread starts its child). Caller holds ``_cond`` or runs
+        before any thread exists."""
+        slot = len(self._threads)
+        thread = threading.Thread(target=self._serve, args=(slot,), daemon=True,
+                                  name=f"grammar-proc-{slot}")
+        self._threads.append(thread)
+        thread.start()
+
+    def _became_long(self) -> None:
+        """A compile passed ``long_after_s``: it no longer holds an ordinary slot."""
+        with self._cond:
+            self._long += 1
+            self._maybe_grow()
+            self._cond.notify_all()
+
+    def _maybe_grow(self) -> None:
+        """Add a slot while long compiles hold slots and either more compiles wait than
+        slots are free or none is free for the next one, up to one per long compile and
+        ``max_long`` in all (so a host whose compiles are only a little slow, or one with a free
+        child, does not start children it never uses: a start costs seconds of CPU). Caller
+        holds ``_cond``."""
+        slots = len(self._threads)
+        free = slots - self._running  # slots not holding a compile (their child may be starting)
+        if (not self._closed and (free == 0 or len(self._queue) > free)
+                and slots < self.num_procs + min(self._long, self.max_long)):
+            self._add_slot()
 
     def _start_child(self, slot: int) -> tuple[Any, Connection]:
         """A fresh child for ``slot``, once it has built its backends (that time is not any
@@ -212,15 +282,21 @@ class CompilePool:
 
         Raises:
             EOFError, OSError: the child died while starting; TimeoutError (an OSError): it
-            was not ready within ``start_timeout_s`` and was killed.
+            was not ready within ``start_timeout_s`` and was killed; whatever
+            ``Process.start`` raises (RuntimeError when the main module is still importing).
         """
         ctx = multiprocessing.get_context("spawn")
         ours, theirs = ctx.Pipe()
-        proc = ctx.Process(target=_child_main, args=(theirs, self.spec), daemon=True,
-                           name=f"splitserve-grammar-{slot}")
+        proc = ctx.Process(target=_child_main, args=(theirs, self.spec, self.long_after_s),
+                           daemon=True, name=f"splitserve-grammar-{slot}")
         started = time.monotonic()
-        proc.start()
-        theirs.close()
+        try:
+            proc.start()
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         with self._cond:
             self.started += 1
             self._procs[slot] = proc
@@ -242,10 +318,12 @@ class CompilePool:
         return proc, ours
 
     def _take(self) -> _Job | None:
-        """The next compile to run (None: shut down)."""
+        """The next compile to run, once fewer than ``num_procs`` ordinary (not long)
+        compiles run (None: shut down)."""
         with self._cond:
             while True:
-                while not self._queue and not self._closed:
+                while not self._closed and (
+                        not self._queue or self._running - self._long >= self.num_procs):
                     self._cond.wait()
                 if self._closed:
                     return None
@@ -267,22 +345,29 @@ class CompilePool:
                 try:
                     proc, conn = self._start_child(slot)
                     start_error = ""
-                except (EOFError, OSError) as exc:
+                except Exception as exc:  # noqa: BLE001 -- whatever it is, the slot goes on
                     proc, conn = None, None
                     start_error = f"the grammar compile process did not start: {exc!r}"
                     logger.error("%s", start_error)
             job = self._take()
             if job is None:
                 return
+            long = False
             try:
                 if proc is None or conn is None:
                     job.future.set_exception(CompileUnavailable(start_error))
                     continue
                 conn.send((job.backend, job.kind, job.text, job.options))
-                if conn.poll(self.timeout_s):
-                    status, payload = conn.recv()
+                first = min(self.long_after_s, self.timeout_s)
+                done = conn.poll(first)
+                if not done and first < self.timeout_s:
+                    long = True
+                    self._became_long()
+                    done = conn.poll(self.timeout_s - first)
+                if done:
+                    status, payload, seconds = conn.recv()
                     if status == "ok":
-                        job.future.set_result(payload)
+                        job.future.set_result(Shipped(payload, seconds))
                     else:
                         job.future.set_exception(GrammarError(payload))
                     continue
@@ -319,14 +404,18 @@ class CompilePool:
             finally:
                 with self._cond:
                     self._running -= 1
+                    if long:
+                        self._long -= 1
+                    self._cond.notify_all()  # a slot may take a compile again
 
     def _lost_child(self) -> None:
         with self._cond:
             self.ready -= 1
 
 
-def _child_main(conn: Connection, spec: BackendSpec) -> None:
-    """A compile process: build the backends, then compile what the worker sends."""
+def _child_main(conn: Connection, spec: BackendSpec, long_after_s: float) -> None:
+    """A compile process: build the backends, then compile what the worker sends, each on a
+    fresh thread; one that runs past ``long_after_s`` is demoted with every thread it started."""
     try:
         os.nice(CHILD_NICE)
     except OSError:
@@ -342,15 +431,35 @@ def _child_main(conn: Connection, spec: BackendSpec) -> None:
             name, kind, text, options = conn.recv()
         except EOFError:
             return
-        try:
-            if spec.slow_marker and spec.slow_marker in text:
-                time.sleep(spec.slow_s)
-            backend = backends[name]
-            conn.send(("ok", backend.export(backend.compile(kind, text, options))))
-        except GrammarError as exc:
-            conn.send(("error", str(exc)))
-        except Exception as exc:  # noqa: BLE001 -- a backend bug: its message, not a dead child
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        reply: list[tuple[str, Any]] = []
+        thread = threading.Thread(target=_compile, args=(reply, spec, backends, name, kind, text,
+                                                        options), daemon=True, name="compile")
+        keep = own_thread_ids()  # this thread, the parent watch, the libraries' own pools
+        started = time.monotonic()
+        thread.start()
+        thread.join(long_after_s)
+        demoted: set[int] = set()
+        while thread.is_alive():  # long: demote it and the threads it started, never `keep`
+            for tid in own_thread_ids() - keep - demoted:
+                if demote_thread(tid):
+                    demoted.add(tid)
+            thread.join(DEMOTE_SWEEP_S)
+        status, payload = reply[0] if reply else ("error", "the compile thread gave no result")
+        conn.send((status, payload, time.monotonic() - started))
+
+
+def _compile(reply: list[tuple[str, Any]], spec: BackendSpec, backends: dict[str, Any],
+             name: str, kind: str, text: str, options: CompileOptions) -> None:
+    """One compile on its own thread: ``("ok", export)`` or ``("error", message)``."""
+    try:
+        if spec.slow_marker and spec.slow_marker in text:
+            time.sleep(spec.slow_s)
+        backend = backends[name]
+        reply.append(("ok", backend.export(backend.compile(kind, text, options))))
+    except GrammarError as exc:
+        reply.append(("error", str(exc)))
+    except Exception as exc:  # noqa: BLE001 -- a backend bug: its message, not a dead child
+        reply.append(("error", f"{type(exc).__name__}: {exc}"))
 
 
 def _exit_with(parent: int) -> None:

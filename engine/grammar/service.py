@@ -39,6 +39,7 @@ from splitserve.engine.grammar.base import (
     GrammarKind,
 )
 from splitserve.engine.grammar.compile_pool import CompileBusy, CompilePool
+from splitserve.engine.grammar.demote import demote_thread
 from splitserve.engine.grammar.options import DEFAULT_OPTIONS, CompileOptions
 
 logger = logging.getLogger(__name__)
@@ -303,11 +304,25 @@ class GrammarService:
         self, attempt: _Attempt, index: int, backend: BaseGrammarBackend, job: Future
     ) -> None:
         """Rebuild a shipped grammar on a thread (not the pool's thread, which waits on the
-        next child)."""
+        next child). One the child compiled for longer than the pool's ``long_after_s`` is
+        rebuilt on a thread of its own at nice 19 (``engine.grammar.demote``): rebuilding
+        costs about what compiling did, and it must not take the model's CPU either."""
+        assert self.compile_pool is not None
+        shipped = None if job.cancelled() or job.exception() is not None else job.result()
+        if shipped is not None and shipped.compile_s >= self.compile_pool.long_after_s:
+            threading.Thread(target=self._on_shipped_demoted, args=(attempt, index, backend, job),
+                             daemon=True, name="grammar-rebuild-long").start()
+            return
         try:
             self._pool.submit(self._on_shipped, attempt, index, backend, job)
         except RuntimeError:  # shut down: shutdown() failed the attempt
             pass
+
+    def _on_shipped_demoted(
+        self, attempt: _Attempt, index: int, backend: BaseGrammarBackend, job: Future
+    ) -> None:
+        demote_thread(0, idle_class=False)  # nice 19, not SCHED_IDLE: it must end on a busy host
+        self._on_shipped(attempt, index, backend, job)
 
     def _on_shipped(
         self, attempt: _Attempt, index: int, backend: BaseGrammarBackend, job: Future
@@ -321,7 +336,8 @@ class GrammarService:
             kind, _, options = attempt.key
             source = attempt.steps[index].source or attempt.source
             try:
-                done.set_result(backend.restore(kind, source, options, job.result()))  # type: ignore[arg-type]
+                done.set_result(backend.restore(kind, source, options,  # type: ignore[arg-type]
+                                                job.result().payload))
             except Exception as exc:  # noqa: BLE001 -- handed to the request, whatever it is
                 done.set_exception(exc)
         else:

@@ -1,7 +1,8 @@
 """Grammar compiles in child processes (``engine.grammar.compile_pool``): a compile past its
 deadline is killed and its process replaced, a timed-out constraint fails at once the next time,
 a full queue refuses at once, a queued compile whose request went is dropped, and ordinary
-compiles do not wait behind pathological ones in flight.
+compiles do not wait behind pathological ones in flight (long ones lend their slot and run
+demoted).
 
 "Pathological" compiles come from the pool's test hook: a child sleeps before compiling a text
 that holds the marker, which only a kill ends (the real slow schemas are in
@@ -10,6 +11,8 @@ that holds the marker, which only a kill ends (the real slow schemas are in
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 from concurrent.futures import wait
 
@@ -23,9 +26,10 @@ from splitserve.engine.grammar.compile_pool import (
     CompileTimeout,  # noqa: F401 (documented type)
     CompileUnavailable,
 )
+from splitserve.engine.grammar.demote import is_demoted
 from splitserve.engine.grammar.options import CompileOptions
 
-pytestmark = pytest.mark.slow  # starts compile processes (5 in the last test)
+pytestmark = pytest.mark.slow  # starts compile processes (5 in one test)
 
 MARKER = "pathological-compile"
 PATIENCE_S = 120.0  # only a failing test waits this long
@@ -101,19 +105,26 @@ def test_a_full_queue_refuses_and_a_gone_request_leaves_it(tokenizer, backends) 
         service.shutdown()
 
 
+def _wait_for(condition, what) -> None:
+    deadline = time.monotonic() + PATIENCE_S
+    while not condition():
+        assert time.monotonic() < deadline, what()
+        time.sleep(0.05)
+
+
 def test_ordinary_compiles_do_not_wait_behind_pathological_ones(tokenizer, backends) -> None:
-    """The compile-isolation goal on the service: 4 pathological compiles in flight, ordinary
-    json_schema compiles finish while all 4 still run, at about their idle latency (printed;
-    the TTFT figure is ``bench/grammar_isolation.py``'s)."""
-    service = _service(tokenizer, backends, ("llguidance",), num_procs=5, timeout_s=PATIENCE_S,
-                       max_queued=4)
-    pool = service.compile_pool
+    """The compile-isolation goal on the service, with ONE ordinary compile process: 4
+    pathological compiles in flight each pass ``long_after_s``, lend their slot to a further
+    child (up to ``max_long``) and run demoted; ordinary json_schema compiles then finish while
+    all 4 still run, at about their idle latency (printed; the CPU-bound figure with real
+    schemas is ``bench/grammar_isolation.py``'s)."""
+    spec = BackendSpec(("llguidance",), tokenizer, slow_marker=MARKER, slow_s=PATIENCE_S * 2)
+    pool = CompilePool(spec, num_procs=1, timeout_s=PATIENCE_S, max_queued=4,
+                       long_after_s=0.5, max_long=4)
+    service = GrammarService([backends["llguidance"]], pool=pool)
     try:
-        service.compile("json_schema", _schema("warm0"))  # starts the children
-        deadline = time.monotonic() + PATIENCE_S
-        while pool.ready < 5:  # all built their backends: idle is idle, not start-up
-            assert time.monotonic() < deadline, pool.ready
-            time.sleep(0.05)
+        service.compile("json_schema", _schema("warm0"))  # starts the first child
+        assert pool.children() == 1
 
         def latencies(tag: str) -> list[float]:
             out = []
@@ -125,19 +136,78 @@ def test_ordinary_compiles_do_not_wait_behind_pathological_ones(tokenizer, backe
 
         idle = latencies("idle")
         slow = [service.submit("json_schema", _schema(f"slow{i}", slow=True)) for i in range(4)]
-        deadline = time.monotonic() + PATIENCE_S
-        while pool.running() < 4:
-            assert time.monotonic() < deadline, pool.running()
-            time.sleep(0.05)
+        # Each long one added a child: 4 hold the pathological compiles, a fifth is free.
+        _wait_for(lambda: pool.running_long() == 4 and pool.ready == 5,
+                  lambda: (pool.running_long(), pool.ready, pool.children()))
+        assert pool.children() == 5 and pool.queued() == 0
         loaded = latencies("busy")
-        assert not any(f.done() for f in slow) and pool.running() == 4  # all 4 in flight
+        assert not any(f.done() for f in slow) and pool.running_long() == 4  # all 4 in flight
         ratio = max(loaded) / max(idle)
         print(f"\nordinary compile p99 idle {max(idle) * 1000:.0f} ms, with 4 pathological "
               f"in flight {max(loaded) * 1000:.0f} ms ({ratio:.2f}x)")
+        # A fifth pathological compile takes the free child and becomes long too, but no
+        # sixth child is started (max_long): the next ordinary compile queues.
+        fifth = service.submit("json_schema", _schema("slow4", slow=True))
+        _wait_for(lambda: pool.running_long() == 5, lambda: pool.running_long())
+        assert pool.children() == 5 and not fifth.done()
+        queued = service.submit("json_schema", _schema("after"))
+        assert pool.queued() == 1 and not queued.done()
     finally:
         service.shutdown()
     wait(slow, PATIENCE_S)
     assert all(f.done() for f in slow)  # shutdown killed them
+
+
+def test_a_long_compile_runs_demoted_and_its_rebuild_too(tokenizer, backends, monkeypatch) -> None:
+    """Past ``long_after_s`` the child moves the compile's threads to SCHED_IDLE (its main
+    thread, which only waits, keeps its priority); ordinary compiles meanwhile use the free
+    child and start no other (a start costs seconds of CPU: an e2e TTFT doubled when every
+    ordinary compile beside long ones started one); a long compile that finishes is rebuilt
+    in the worker at nice 19, an ordinary one on the service's ordinary threads."""
+    spec = BackendSpec(("llguidance",), tokenizer, slow_marker=MARKER, slow_s=8.0)
+    pool = CompilePool(spec, num_procs=2, timeout_s=PATIENCE_S, long_after_s=0.5)
+    rebuilt = []
+    backend = backends["llguidance"]
+    original = backend.restore
+
+    def restore(*args):
+        tid = threading.get_native_id()
+        rebuilt.append((threading.current_thread().name, is_demoted(tid)))
+        return original(*args)
+
+    monkeypatch.setattr(backend, "restore", restore)
+    service = GrammarService([backend], pool=pool)
+    try:
+        service.compile("json_schema", _schema("quick"))
+        assert rebuilt == [(rebuilt[0][0], False)] and "rebuild-long" not in rebuilt[0][0]
+        _wait_for(lambda: pool.ready == 2, lambda: pool.ready)
+        slow = service.submit("json_schema", _schema("slow", slow=True))
+        _wait_for(lambda: pool.running_long() == 1, lambda: pool.running_long())
+
+        def demoted() -> dict[int, list[int]]:
+            out: dict[int, list[int]] = {}
+            for proc in list(pool._procs.values()):
+                for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                    try:
+                        if is_demoted(int(tid)):
+                            out.setdefault(proc.pid, []).append(int(tid))
+                    except OSError:  # a thread that just ended
+                        pass
+            return out
+
+        _wait_for(lambda: demoted(), lambda: "no demoted thread in any child")
+        [(child, tids)] = demoted().items()  # one child holds it
+        assert child not in tids  # the child's main thread only waits: not demoted
+        for i in range(3):  # ordinary compiles beside it take the free child
+            service.compile("json_schema", _schema(f"beside{i}"))
+        assert not slow.done() and pool.children() == 2 and pool.started == 2
+        assert slow.result(timeout=PATIENCE_S).backend_name == "llguidance"
+        assert ("grammar-rebuild-long", True) in rebuilt, rebuilt
+        assert [d for name, d in rebuilt if name != "grammar-rebuild-long"] == [False] * 4
+        service.compile("json_schema", _schema("after"))
+        assert rebuilt[-1][1] is False and pool.kills == 0
+    finally:
+        service.shutdown()
 
 
 def test_a_child_that_never_gets_ready_is_killed_and_its_compile_fails(tokenizer,
@@ -180,5 +250,34 @@ def test_a_compile_that_breaks_the_pipe_fails_alone_and_the_slot_goes_on(tokeniz
         ok = pool.submit("llguidance", "json_schema", _schema("b"), CompileOptions())
         assert ok.exception(timeout=PATIENCE_S) is None
         assert pool.started == 2 and pool.running() == 0  # the broken child was replaced
+    finally:
+        pool.shutdown()
+
+
+def test_a_child_whose_start_raises_fails_its_compile_and_the_slot_goes_on(tokenizer,
+                                                                         monkeypatch) -> None:
+    """``Process.start`` raising something other than OSError (RuntimeError when the main
+    module is still importing) killed the slot's thread before, and every compile after it
+    waited for ever; now that compile fails as unavailable (503) and the slot starts the next
+    child."""
+    import multiprocessing.context
+
+    real_start = multiprocessing.context.SpawnProcess.start
+    calls = []
+
+    def start_once_broken(self):
+        calls.append(self.name)
+        if len(calls) == 1:
+            raise RuntimeError("start refused (test)")
+        return real_start(self)
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start_once_broken)
+    pool = CompilePool(BackendSpec(("llguidance",), tokenizer), num_procs=1, timeout_s=PATIENCE_S)
+    try:
+        first = pool.submit("llguidance", "json_schema", _schema("a"), CompileOptions())
+        error = first.exception(timeout=PATIENCE_S)
+        assert isinstance(error, CompileUnavailable) and "start refused" in str(error), error
+        second = pool.submit("llguidance", "json_schema", _schema("b"), CompileOptions())
+        assert second.exception(timeout=PATIENCE_S) is None and len(calls) == 2
     finally:
         pool.shutdown()
