@@ -321,7 +321,8 @@ class GrammarService:
     def _on_shipped_demoted(
         self, attempt: _Attempt, index: int, backend: BaseGrammarBackend, job: Future
     ) -> None:
-        demote_thread(0, idle_class=False)  # nice 19, not SCHED_IDLE: it must end on a busy host
+        # nice 19, not SCHED_IDLE: it must end on a busy host. This thread only (its id).
+        demote_thread(threading.get_native_id(), idle_class=False)
         self._on_shipped(attempt, index, backend, job)
 
     def _on_shipped(

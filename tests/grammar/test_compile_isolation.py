@@ -203,6 +203,7 @@ def test_a_long_compile_runs_demoted_and_its_rebuild_too(tokenizer, backends, mo
         assert not slow.done() and pool.children() == 2 and pool.started == 2
         assert slow.result(timeout=PATIENCE_S).backend_name == "llguidance"
         assert ("grammar-rebuild-long", True) in rebuilt, rebuilt
+        assert not is_demoted(threading.main_thread().native_id)  # only the rebuild's thread
         assert [d for name, d in rebuilt if name != "grammar-rebuild-long"] == [False] * 4
         service.compile("json_schema", _schema("after"))
         assert rebuilt[-1][1] is False and pool.kills == 0
