@@ -48,8 +48,12 @@ def _accepts(compiled, tokenizer, text: str) -> bool:
 
 
 def _service(tokenizer, backends, names, num_procs, timeout_s, max_queued):
+    """A service on a pool without long-compile slots (``max_long=0``): these tests count
+    processes and queued compiles, and on two busy cores an ordinary compile can pass
+    ``long_after_s`` and start a further child. The long-compile tests build their own."""
     spec = BackendSpec(names, tokenizer, slow_marker=MARKER, slow_s=PATIENCE_S * 2)
-    pool = CompilePool(spec, num_procs=num_procs, timeout_s=timeout_s, max_queued=max_queued)
+    pool = CompilePool(spec, num_procs=num_procs, timeout_s=timeout_s, max_queued=max_queued,
+                       max_long=0)
     return GrammarService([backends[n] for n in names], pool=pool, remember_timeouts_s=600.0)
 
 
@@ -164,8 +168,10 @@ def test_a_long_compile_runs_demoted_and_its_rebuild_too(tokenizer, backends, mo
     child and start no other (a start costs seconds of CPU: an e2e TTFT doubled when every
     ordinary compile beside long ones started one); a long compile that finishes is rebuilt
     in the worker at nice 19, an ordinary one on the service's ordinary threads."""
-    spec = BackendSpec(("llguidance",), tokenizer, slow_marker=MARKER, slow_s=8.0)
-    pool = CompilePool(spec, num_procs=2, timeout_s=PATIENCE_S, long_after_s=0.5)
+    # long_after_s well above an ordinary compile even on two busy cores (one that became long
+    # would start a child of its own), slow_s well above the ordinary compiles beside it.
+    spec = BackendSpec(("llguidance",), tokenizer, slow_marker=MARKER, slow_s=20.0)
+    pool = CompilePool(spec, num_procs=2, timeout_s=PATIENCE_S, long_after_s=2.0)
     rebuilt = []
     backend = backends["llguidance"]
     original = backend.restore
@@ -243,7 +249,8 @@ def test_a_compile_that_breaks_the_pipe_fails_alone_and_the_slot_goes_on(tokeniz
     """Whatever goes wrong while a child holds a compile (here: options that cannot be
     pickled to it), that compile fails and the slot's thread serves the next one: a thread that
     died there would leave every later compile queued for ever."""
-    pool = CompilePool(BackendSpec(("llguidance",), tokenizer), num_procs=1, timeout_s=PATIENCE_S)
+    pool = CompilePool(BackendSpec(("llguidance",), tokenizer), num_procs=1, timeout_s=PATIENCE_S,
+                       max_long=0)
     try:
         broken = pool.submit("llguidance", "json_schema", _schema("a"), lambda: None)
         error = broken.exception(timeout=PATIENCE_S)
@@ -273,7 +280,8 @@ def test_a_child_whose_start_raises_fails_its_compile_and_the_slot_goes_on(token
         return real_start(self)
 
     monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start_once_broken)
-    pool = CompilePool(BackendSpec(("llguidance",), tokenizer), num_procs=1, timeout_s=PATIENCE_S)
+    pool = CompilePool(BackendSpec(("llguidance",), tokenizer), num_procs=1, timeout_s=PATIENCE_S,
+                       max_long=0)
     try:
         first = pool.submit("llguidance", "json_schema", _schema("a"), CompileOptions())
         error = first.exception(timeout=PATIENCE_S)
