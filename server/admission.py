@@ -3,15 +3,20 @@ which order, and who is told to come back later.
 
 A request takes one of ``slots()`` (``--max-inflight-per-worker`` times the workers that can
 take one more request each: :func:`lanes`) from its start on the workers to its end. With every
-slot taken, it waits in a :class:`~splitserve.server.fair_queue.FairQueue` by its tenant (its
-API key), so a tenant's burst waits behind its own requests, not in front of everyone's. At most
-``max_waiting()`` wait (``--max-queued-per-worker`` per lane); past that, a request of a tenant
-with less waiting (for its weight) than the heaviest takes the place of that tenant's newest
-waiting request (longest queue drop, ``FairQueue.heaviest``), which is refused; otherwise the
-arriving request is. A refused request is answered 429 with ``Retry-After``
-(:attr:`Overload.retry_after_s`). A request that waits past the router's deadline
-(``--max-queue-wait``) is refused the same way (:meth:`AdmissionGate.expire`); the client's
-timer calls it.
+slot taken, it waits in :class:`~splitserve.server.priority_classes.PriorityClasses`: by its
+``priority`` first (lower first, the request field's vLLM semantics, as the workers' schedulers
+order), then in a :class:`~splitserve.server.fair_queue.FairQueue` by its tenant (its API key),
+so a tenant's burst waits behind its own requests, not in front of everyone's. At most
+``max_waiting()`` wait (``--max-queued-per-worker`` per lane); past that, a place is taken back
+from the least urgent class waiting: a more urgent arrival, or one of that class whose tenant
+has less waiting (for its weight) than the class's heaviest, takes the place of the heaviest
+tenant's newest request there (longest queue drop, ``FairQueue.heaviest``), which is refused;
+otherwise the arriving request is. A request more urgent than every one waiting and than some
+running ones does not wait for a slot: it borrows one of a less urgent running request's (at
+most once each, at most ``slots()`` in all), as a worker's scheduler preempts for it. A
+refused request is answered 429 with ``Retry-After`` (:attr:`Overload.retry_after_s`). A
+request that waits past the router's deadline (``--max-queue-wait``) is refused the same way
+(:meth:`AdmissionGate.expire`); the client's timer calls it.
 
 Events in, actions out: :meth:`AdmissionGate.enter` and :meth:`AdmissionGate.leave` are the
 events, the ``wake`` callback each ticket carries is the action (the ZeroMQ client resolves a
@@ -21,12 +26,14 @@ the ``Retry-After`` estimate. No event loop here: tests drive it step by step.
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
 from splitserve.server.fair_queue import FairQueue
+from splitserve.server.priority_classes import PriorityClasses
 
 MIN_RETRY_AFTER_S = 1.0  # Retry-After has whole seconds; 0 would make clients hammer us
 # openai-python (and Anthropic's client) honour Retry-After up to 120 s and give up past it;
@@ -44,6 +51,7 @@ class Ticket:
     tenant: Hashable
     wake: Callable[[], None]
     entered_s: float
+    priority: int = 0
     admitted: bool = False
     admitted_s: float = 0.0
     left: bool = False
@@ -65,17 +73,19 @@ class AdmissionGate:
         slots: how many requests may run at once now (0: no worker can take one; then nobody
             waits: the request goes on and the client answers 503, no healthy worker).
         max_waiting: how many may wait now (0: none; past ``slots()``, refused at once).
-        queue: the waiting tickets' order (``FairQueue``; its ``fair`` switch is the gate's).
+        new_queue: a new empty ``FairQueue`` for one priority class (default: weight 1 for
+            every tenant, fair); its ``fair`` switch is the gate's.
         clock: seconds, monotonic (default ``time.monotonic``).
     """
 
     def __init__(self, slots: Callable[[], int], max_waiting: Callable[[], int],
-                 queue: FairQueue[Ticket] | None = None,
+                 new_queue: Callable[[], FairQueue[Ticket]] = FairQueue,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.slots, self.max_waiting = slots, max_waiting
-        self.queue: FairQueue[Ticket] = queue if queue is not None else FairQueue()
+        self.queue: PriorityClasses[Ticket] = PriorityClasses(new_queue)
         self.clock = clock
         self.in_use = 0  # admitted tickets that have not left
+        self._running: collections.Counter[int] = collections.Counter()  # in_use by priority
         self.hold_s = 0.0  # running mean of how long a request holds its slot (0: none yet)
         self.num_admitted = 0
         self.num_queued = 0  # admitted after waiting
@@ -83,37 +93,75 @@ class AdmissionGate:
         self.num_expired = 0  # refused after waiting past the deadline
 
     @property
+    def lending(self) -> bool:
+        """More requests run than there are slots: some borrowed a less urgent one's."""
+        slots = self.slots()
+        return bool(slots) and self.in_use > slots
+
+    @property
     def waiting(self) -> int:
         return len(self.queue)
 
-    def enter(self, tenant: Hashable, wake: Callable[[], None]) -> Ticket | Overload:
-        """A request of ``tenant`` arrives. Returns its ticket, admitted at once when a slot is
-        free and nobody waits (``wake`` is not called then), else waiting (``wake`` is called
-        when it is admitted, or when a lighter tenant's request pushes it out of the full
-        queue: ``refusal`` set); or the :class:`Overload` that refuses it (nothing held)."""
+    def enter(self, tenant: Hashable, wake: Callable[[], None],
+              priority: int = 0) -> Ticket | Overload:
+        """A request of ``tenant`` arrives (``priority``: lower is more urgent). Returns its
+        ticket, admitted at once when a slot is free and nobody waits (``wake`` is not called
+        then), else waiting (``wake`` is called when it is admitted, or when a more urgent or
+        lighter tenant's request pushes it out of the full queue: ``refusal`` set); or the
+        :class:`Overload` that refuses it (nothing held)."""
         if self.queue:
             self.dispatch()  # slots may have grown since the last leave (a worker joined)
         now = self.clock()
-        ticket = Ticket(tenant, wake, now)
+        ticket = Ticket(tenant, wake, now, priority)
         slots = self.slots()
-        if slots == 0 or (not self.queue and self.in_use < slots):
+        if (slots == 0 or (not self.queue and self.in_use < slots)
+                or self._may_preempt(priority, slots)):
             self._admit(ticket, now)
             return ticket
         limit = self.max_waiting()
         if len(self.queue) >= limit:
             refusal = self._overload(slots, limit)
-            heaviest = self.queue.heaviest()
-            if limit == 0 or heaviest is None or not (
-                    self.queue.backlog(tenant, 1) < heaviest[1]):
+            victim = self._victim(tenant, priority) if limit else None
+            if victim is None:
                 self.num_refused += 1
                 return refusal
-            pushed_out = self.queue.pop_newest(heaviest[0])
+            pushed_out = self.queue.pop_newest(*victim)
             assert pushed_out is not None
             self.num_refused += 1
             pushed_out.left, pushed_out.refusal = True, refusal
             pushed_out.wake()
-        self.queue.push(tenant, ticket)
+        self.queue.push(priority, tenant, ticket)
         return ticket
+
+    def _may_preempt(self, priority: int, slots: int) -> bool:
+        """Whether a request at ``priority`` is admitted past the slots, as a worker's
+        scheduler preempts for it (vLLM's priority preemption, one level up): it is more urgent
+        than every request waiting, and more requests less urgent than it are running than
+        slots are already over-used, and fewer than twice ``slots`` are in use. So a slot of a
+        running less urgent request is lent at most once, and never more than ``slots`` in
+        all; what is lent comes back as requests end (no waiting request is admitted while
+        ``in_use`` >= ``slots``)."""
+        most_urgent_waiting = self.queue.most_urgent()
+        if most_urgent_waiting is not None and most_urgent_waiting <= priority:
+            return False
+        if self.in_use >= 2 * slots:
+            return False
+        less_urgent = sum(n for p, n in self._running.items() if p > priority)
+        return less_urgent > self.in_use - slots
+
+    def _victim(self, tenant: Hashable, priority: int) -> tuple[int, Hashable] | None:
+        """Whose newest waiting request a full queue refuses to make room for one of
+        ``tenant`` at ``priority``: the heaviest tenant of the least urgent class waiting, if
+        the arrival is more urgent than that class, or of it and lighter than that tenant;
+        None: the arrival itself is refused."""
+        least = self.queue.least_urgent()
+        if least is None or priority > least:
+            return None
+        heaviest = self.queue.heaviest(least)
+        assert heaviest is not None
+        if priority == least and not self.queue.backlog(least, tenant, 1) < heaviest[1]:
+            return None
+        return least, heaviest[0]
 
     def leave(self, ticket: Ticket) -> None:
         """``ticket``'s request ended (or gave up waiting): its slot or its place is freed and
@@ -122,9 +170,10 @@ class AdmissionGate:
             return
         ticket.left = True
         if not ticket.admitted:
-            self.queue.remove(ticket.tenant, ticket)
+            self.queue.remove(ticket.priority, ticket.tenant, ticket)
             return
         self.in_use -= 1
+        self._running[ticket.priority] -= 1
         held = self.clock() - ticket.admitted_s
         self.hold_s = held if not self.hold_s else (1 - HOLD_EWMA) * self.hold_s + HOLD_EWMA * held
         self.dispatch()
@@ -181,6 +230,7 @@ class AdmissionGate:
     def _admit(self, ticket: Ticket, now: float) -> None:
         ticket.admitted, ticket.admitted_s = True, now
         self.in_use += 1
+        self._running[ticket.priority] += 1
         self.num_admitted += 1
 
 

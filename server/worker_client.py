@@ -113,7 +113,7 @@ class ZmqEngineClient(BaseEngineClient):
         self.gate = AdmissionGate(
             lambda: max_inflight_per_worker * lanes(self.pool.workers),
             lambda: max_queued_per_worker * lanes(self.pool.workers),
-            FairQueue(lambda tenant: weights.get(tenant, 1.0), fair=fair_queueing))
+            lambda: FairQueue(lambda tenant: weights.get(tenant, 1.0), fair=fair_queueing))
         self.metrics = metrics
         self.requests = RequestTable()
         # LoRA adapter -> requests accepted under it whose tasks may not be out yet.
@@ -160,21 +160,22 @@ class ZmqEngineClient(BaseEngineClient):
         req = DisaggRequest(rid, input_ids, sampling, self, self.requests,
                             cache_namespace=cache_namespace, affinity=affinity,
                             metrics=self.metrics, lora=lora, timing=timing, trace=trace)
-        events = self._admitted(tenant, req.events())
+        events = self._admitted(tenant, req.events(), sampling.priority)
         if lora is None:
             return events
         return self._sending_under(lora.name, events)
 
-    async def _admitted(self, tenant: str | None,
-                        events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
+    async def _admitted(self, tenant: str | None, events: AsyncIterator[TokenEvent],
+                        priority: int = 0) -> AsyncIterator[TokenEvent]:
         """``events``, started once the gate admits the request (at once while slots are
         free); its slot is given back with its last event (a reader need not close a
-        finished stream), or when the stream is closed before. A full queue yields the one
-        429 event that refuses it, with ``retry_after_s`` (at once, or after waiting when a
-        lighter tenant's request takes its place), as does a wait past
-        ``max_queue_wait_s``."""
+        finished stream), or when the stream is closed before; ``priority`` orders it at the
+        gate (lower first). A full queue yields the one 429 event that refuses it, with
+        ``retry_after_s`` (at once, or after waiting when a more urgent or lighter tenant's
+        request takes its place), as does a wait past ``max_queue_wait_s``."""
         woken = asyncio.get_running_loop().create_future()
-        ticket = self.gate.enter(tenant, lambda: woken.done() or woken.set_result(None))
+        ticket = self.gate.enter(tenant, lambda: woken.done() or woken.set_result(None),
+                                 priority)
         if isinstance(ticket, Overload):
             await events.aclose()  # never started: nothing was sent
             yield _overloaded(ticket)
@@ -309,13 +310,15 @@ class ZmqEngineClient(BaseEngineClient):
             if p is None or d is None:
                 return TokenEvent([], [], error="no healthy prefill/decode worker", error_code=503)
             targets = [(d, p.addr), (p, None)]
-        full = [w for w, _ in targets if w.in_flight >= self.max_inflight_per_worker]
+        # While the gate lends slots to urgent requests, a worker may hold up to twice its
+        # share (the gate's own bound); its scheduler preempts for them.
+        limit = self.max_inflight_per_worker * (2 if self.gate.lending else 1)
+        full = [w for w, _ in targets if w.in_flight >= limit]
         if full:  # the gate admitted it, but routing picked a worker at its limit
             return TokenEvent([], [], error_code=429, retry_after_s=self.gate.retry_after_s(),
                               error=(f"server overloaded: {full[0].role} worker "
                                      f"{full[0].worker_id} has {full[0].in_flight} requests in "
-                                     f"flight (limit {self.max_inflight_per_worker}); retry "
-                                     "later"))
+                                     f"flight (limit {limit}); retry later"))
         return targets
 
     def _prompt_worker(

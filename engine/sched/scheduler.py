@@ -505,9 +505,10 @@ class Scheduler:
 
     def _preempt_for_waiting(self) -> None:
         """vLLM's priority preemption: while the most urgent waiting request is a new prompt
-        that cannot be admitted, retract running requests strictly less urgent than it (the
-        least urgent, latest admitted first), until it fits or none is left. With every
-        priority equal this does nothing: requests wait in arrival order, as before."""
+        that cannot be admitted (too few free pages, or ``max_running`` rows all taken),
+        retract running requests strictly less urgent than it (the least urgent, latest
+        admitted first), until it fits or none is left. With every priority equal this does
+        nothing: requests wait in arrival order, as before."""
         if not self.waiting or self.waiting[0].page_ids:
             return
         head = self.waiting[0]
@@ -516,7 +517,7 @@ class Scheduler:
         self.cache.match(head)
         try:
             total = pages_for(head.seq_len + 1, self.page_size) - len(head.page_ids)
-            while not self.can_admit(total):
+            while not self.can_admit(total) or len(self.running) >= self.max_running:
                 victim = _least_urgent(r for r in self.running
                                        if r.sampling.priority > head.sampling.priority)
                 if victim is None:

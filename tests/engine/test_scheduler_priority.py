@@ -99,3 +99,25 @@ def test_out_of_pages_retracts_the_least_urgent_not_the_latest() -> None:
     for r, start in ((low, 100), (urgent, 200)):
         assert r.output_ids == expected_output(list(range(start, start + 12)), 20), r.rid
     assert sched.allocator.num_used == 0
+
+
+def test_urgent_prompt_takes_a_row_when_every_row_is_taken() -> None:
+    # Pages to spare, but max_running rows all decode less urgent requests: the urgent prompt
+    # is scheduled in the very next step, in place of the least urgent, latest admitted one.
+    sched, runner = make(max_running=2)
+    low1, low2 = preq("low1", 6, 12, 10, start=100), preq("low2", 6, 12, 10, start=200)
+    sched.add(low1)
+    sched.add(low2)
+    step(sched, runner)
+    assert {r.rid for r in sched.running} == {"low1", "low2"}
+    urgent = preq("urgent", 6, 4, 0, start=300)
+    sched.add(urgent)
+    batch = sched.schedule()
+    assert urgent in batch.reqs and low2 not in batch.reqs and low1 in batch.reqs
+    assert sched.num_retracted == 1
+    sched.update(batch, runner.run(batch))
+    drain(sched, runner)
+    for r, start in ((low1, 100), (low2, 200), (urgent, 300)):
+        assert r.output_ids == expected_output(list(range(start, start + 6)),
+                                               r.sampling.max_new_tokens), r.rid
+    assert sched.allocator.num_used == 0

@@ -32,14 +32,15 @@ class Clock:
 
 def gate_with(slots: int, waiting: int, fair: bool = True, clock=None) -> AdmissionGate:
     box = {"slots": slots, "waiting": waiting}
-    gate = AdmissionGate(lambda: box["slots"], lambda: box["waiting"], FairQueue(fair=fair),
-                         clock or Clock())
+    gate = AdmissionGate(lambda: box["slots"], lambda: box["waiting"],
+                         lambda: FairQueue(fair=fair), clock or Clock())
     gate.box = box  # type: ignore[attr-defined]  # the test changes capacity through it
     return gate
 
 
-def enter(gate: AdmissionGate, tenant: str, name: str, woken: list[str]) -> Ticket:
-    ticket = gate.enter(tenant, lambda: woken.append(name))
+def enter(gate: AdmissionGate, tenant: str, name: str, woken: list[str],
+          priority: int = 0) -> Ticket:
+    ticket = gate.enter(tenant, lambda: woken.append(name), priority)
     assert isinstance(ticket, Ticket)
     return ticket
 
@@ -107,6 +108,75 @@ def test_a_full_queue_drops_the_heaviest_tenants_newest(fair) -> None:
     assert isinstance(b2, Ticket) and woken == ["A4", "A3"]
     refused = gate.enter("B", lambda: woken.append("B3"))  # B: 3 is not < A's 2
     assert isinstance(refused, Overload) and gate.num_refused == 3
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_more_urgent_request_is_admitted_before_every_less_urgent_one(fair) -> None:
+    gate = gate_with(slots=1, waiting=100, fair=fair)
+    woken: list[str] = []
+    current = enter(gate, "X", "X0", woken)
+    tickets = {f"A{i}": enter(gate, "A", f"A{i}", woken) for i in range(3)}
+    tickets["B0"] = enter(gate, "B", "B0", woken)
+    # The first urgent one borrows the slot of X0, which is less urgent (a worker preempts
+    # X0 for it if it must); the next must wait: X0's slot is lent already.
+    lent = enter(gate, "A", "H0", woken, priority=-1)
+    assert lent.admitted and gate.in_use == 2 and woken == []
+    tickets["H1"] = enter(gate, "C", "H1", woken, priority=-1)
+    tickets["L0"] = enter(gate, "C", "L0", woken, priority=5)
+    assert not tickets["H1"].admitted and gate.waiting == 6
+    gate.leave(current)  # the lent slot comes back first: nobody is admitted yet
+    assert woken == [] and gate.in_use == 1
+    current = lent
+    order = []
+    while gate.waiting:
+        gate.leave(current)
+        order.append(woken[-1])
+        current = tickets[woken[-1]]
+    assert order[0] == "H1" and order[-1] == "L0"
+    # Inside class 0 the tenants still share by deficit round robin (or FIFO when not fair).
+    assert order[1:-1] == (["A0", "B0", "A1", "A2"] if fair else ["A0", "A1", "A2", "B0"])
+    assert gate.in_use == 1
+
+
+def test_an_urgent_request_borrows_at_most_one_slot_per_less_urgent_running_one() -> None:
+    gate = gate_with(slots=2, waiting=100)
+    woken: list[str] = []
+    low = [enter(gate, "A", f"A{i}", woken, priority=3) for i in range(2)]
+    urgent = [enter(gate, "B", f"H{i}", woken, priority=0) for i in range(3)]
+    assert [t.admitted for t in urgent] == [True, True, False] and gate.in_use == 4
+    assert gate.lending
+    # Nothing running is less urgent than another priority-3 request: it waits; and with
+    # twice the slots in use nothing more is lent, however urgent.
+    assert not enter(gate, "A", "A2", woken, priority=3).admitted
+    assert not enter(gate, "C", "H9", woken, priority=-1).admitted
+    for t in low:
+        gate.leave(t)
+    assert woken == [] and gate.in_use == 2  # still at the slots: the lent ones came back
+    assert not gate.lending
+    gate.leave(urgent[0])
+    assert woken == ["H9"]  # the most urgent class first
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_full_queue_gives_a_less_urgent_place_to_a_more_urgent_arrival(fair) -> None:
+    gate = gate_with(slots=1, waiting=3, fair=fair)
+    woken: list[str] = []
+    enter(gate, "X", "X0", woken, priority=-5)  # nothing to borrow from: it is more urgent
+    low = enter(gate, "A", "L0", woken, priority=1)
+    a = [enter(gate, "A", f"A{i}", woken) for i in range(2)]
+    urgent = gate.enter("B", lambda: woken.append("H0"), -1)
+    # The least urgent class gives its place, whatever the tenants' backlogs.
+    assert isinstance(urgent, Ticket) and not urgent.admitted
+    assert woken == ["L0"] and low.refusal is not None
+    urgent2 = gate.enter("B", lambda: woken.append("H1"), -1)
+    assert isinstance(urgent2, Ticket) and woken == ["L0", "A1"] and a[1].refusal is not None
+    # Nothing less urgent than the arrival's own class waits now: a lower one is refused,
+    # and so is one of class 0 that is not lighter than A there (fair), or any (FIFO).
+    assert isinstance(gate.enter("C", lambda: None, 3), Overload)
+    assert isinstance(gate.enter("A", lambda: None, 0), Overload)
+    assert gate.waiting == 3 and gate.num_refused == 4
+    gate.leave(a[0])  # leaving while waiting frees the place in its own class
+    assert gate.waiting == 2 and len(gate.queue) == 2 and gate.queue.least_urgent() == -1
 
 
 def test_no_queue_means_refused_at_once_past_the_slots() -> None:
