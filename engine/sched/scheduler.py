@@ -32,8 +32,9 @@ SENDING_KV        prefilled here (prefill worker): its pages are held        yes
 Admission is one rule (:meth:`Scheduler.can_admit`) for the scheduler's own prompts and for the
 reservations of requests whose KV is coming (:meth:`Scheduler.admit_waiting_for_kv`). Both queues are ordered by ``SamplingParams.priority`` (lower first, vLLM's semantics), then arrival;
 when pages run out the least urgent running request is retracted (recomputed later), and a
-waiting prompt more urgent than running ones preempts them (:meth:`_preempt_for_waiting`). With
-every priority equal (the default 0) this is first come, first served. A request under a LoRA
+waiting prompt more urgent than running ones preempts them (:meth:`_preempt_for_waiting`), in
+pages or in ``max_running`` rows; one more urgent than every running request is computed in a
+step without their decode rows (:meth:`_urgent_class`). With every priority equal (the default 0) this is first come, first served. A request under a LoRA
 adapter is also admitted only with a reference on its adapter's slot (``engine.lora``), held
 until its pages are freed; one whose adapter gets no slot yet waits without holding up the
 requests behind it, and its adapter is named to the slots so that one is drained for it
@@ -268,8 +269,9 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         """Choose the next forward pass and allocate its pages; None when nothing can run (no
-        work, or every request waits for pages). Decodes first, then prompt chunks in arrival
-        order under ``max_batch_tokens``."""
+        work, or every request waits for pages). Decodes first, then prompt chunks by
+        priority, then arrival, under ``max_batch_tokens``; a waiting prompt more urgent than
+        every running request gets a step of its priority's prompts alone."""
         drafts: dict[int, list[int]] = {}
         reqs, chunks = self._schedule(drafts)
         self.last_num_scheduled = len(reqs)
@@ -390,16 +392,31 @@ class Scheduler:
 
     def _schedule(self, drafts: dict[int, list[int]]) -> tuple[list[Req], list[int]]:
         """The step's rows and chunk lengths; speculative drafts go into ``drafts``."""
+        self._preempt_for_waiting()
+        # A waiting prompt more urgent than every running request gets a step of its own class
+        # (no decode rows): its first token does not wait for the others' decode. If none of
+        # that class can run now (its KV still loading, no pages), the step is the usual one.
+        urgent = self._urgent_class()
+        if urgent is not None:
+            reqs, chunks = self._pick(drafts, urgent)
+            if reqs:
+                return reqs, chunks
+        return self._pick(drafts, None)
+
+    def _pick(self, drafts: dict[int, list[int]],
+              urgent: int | None) -> tuple[list[Req], list[int]]:
+        """The step's rows: decodes, then prompt chunks; with ``urgent``, only waiting prompts
+        of that priority (no decode rows)."""
         reqs: list[Req] = []
         chunks: list[int] = []
         alloc = self.allocator
         page_size = self.page_size
-        self._preempt_for_waiting()
         speculate = 0 < len(self.running) <= self.speculative_max_running and self.num_draft > 0
+        running = [] if urgent is not None else self.running
         # Decode first: it keeps inter-token latency flat while prompts are chunked in. The
         # most urgent rows first (a stable sort: admission order among equals), so the last
         # free pages go to them and a less urgent row is the one that yields.
-        for req in sorted(self.running, key=lambda r: r.sampling.priority):
+        for req in sorted(running, key=lambda r: r.sampling.priority):
             if req not in self.running:  # retracted below while making room
                 continue
             if len(reqs) >= self.max_running:
@@ -429,6 +446,8 @@ class Scheduler:
         for req in self.waiting:
             if budget <= 0 or len(reqs) >= self.max_running:
                 break
+            if urgent is not None and req.sampling.priority > urgent:
+                break  # the queue is in priority order: the rest wait for the next step
             is_new = not req.page_ids
             if is_new and not self.cache.ready(req):
                 continue  # its prompt's KV is still loading from a lower tier: the next may go
@@ -502,6 +521,16 @@ class Scheduler:
             return False
         self._retract(victim)
         return True
+
+    def _urgent_class(self) -> int | None:
+        """The priority of the waiting head when it is strictly more urgent than every running
+        request (and something runs), else None. With every priority equal: always None."""
+        if not self.waiting or not self.running:
+            return None
+        head = self.waiting[0].sampling.priority
+        if head < min(r.sampling.priority for r in self.running):
+            return head
+        return None
 
     def _preempt_for_waiting(self) -> None:
         """vLLM's priority preemption: while the most urgent waiting request is a new prompt

@@ -103,7 +103,8 @@ def test_out_of_pages_retracts_the_least_urgent_not_the_latest() -> None:
 
 def test_urgent_prompt_takes_a_row_when_every_row_is_taken() -> None:
     # Pages to spare, but max_running rows all decode less urgent requests: the urgent prompt
-    # is scheduled in the very next step, in place of the least urgent, latest admitted one.
+    # is scheduled in the very next step, in place of the least urgent, latest admitted one,
+    # and in a step of its own (no decode rows: its first token waits for nobody's).
     sched, runner = make(max_running=2)
     low1, low2 = preq("low1", 6, 12, 10, start=100), preq("low2", 6, 12, 10, start=200)
     sched.add(low1)
@@ -113,8 +114,11 @@ def test_urgent_prompt_takes_a_row_when_every_row_is_taken() -> None:
     urgent = preq("urgent", 6, 4, 0, start=300)
     sched.add(urgent)
     batch = sched.schedule()
-    assert urgent in batch.reqs and low2 not in batch.reqs and low1 in batch.reqs
+    assert batch.reqs == [urgent] and low2 not in sched.running and low1 in sched.running
     assert sched.num_retracted == 1
+    sched.update(batch, runner.run(batch))
+    batch = sched.schedule()  # then the two rows decode together
+    assert batch.reqs == [urgent, low1]
     sched.update(batch, runner.run(batch))
     drain(sched, runner)
     for r, start in ((low1, 100), (low2, 200), (urgent, 300)):
