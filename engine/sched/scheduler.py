@@ -524,12 +524,16 @@ class Scheduler:
 
     def _urgent_class(self) -> int | None:
         """The priority of the waiting head when it is strictly more urgent than every running
-        request (and something runs), else None. With every priority equal: always None."""
+        request (and something runs) and the rest of its prompt fits one step (so the decode
+        rows skip one step at most for it; a longer prompt is chunked into the usual steps),
+        else None. With every priority equal: always None."""
         if not self.waiting or not self.running:
             return None
-        head = self.waiting[0].sampling.priority
-        if head < min(r.sampling.priority for r in self.running):
-            return head
+        head = self.waiting[0]
+        if head.extend_len > self.max_batch_tokens:
+            return None
+        if head.sampling.priority < min(r.sampling.priority for r in self.running):
+            return head.sampling.priority
         return None
 
     def _preempt_for_waiting(self) -> None:

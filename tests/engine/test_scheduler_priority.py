@@ -125,3 +125,20 @@ def test_urgent_prompt_takes_a_row_when_every_row_is_taken() -> None:
         assert r.output_ids == expected_output(list(range(start, start + 6)),
                                                r.sampling.max_new_tokens), r.rid
     assert sched.allocator.num_used == 0
+
+
+def test_an_urgent_prompt_longer_than_a_step_is_chunked_beside_the_decodes() -> None:
+    # A step of its own only when the rest of the prompt fits one step: a longer urgent
+    # prompt would stall every decode row for several steps, so it goes in the usual steps.
+    sched, runner = make(num_pages=64, max_batch_tokens=16)
+    low = preq("low", 6, 12, 10, start=100)
+    sched.add(low)
+    step(sched, runner)
+    urgent = preq("urgent", 40, 2, 0, start=300)
+    sched.add(urgent)
+    batch = sched.schedule()
+    assert batch.reqs == [low, urgent] and batch.chunk_lens == [1, 15]
+    sched.update(batch, runner.run(batch))
+    drain(sched, runner)
+    assert urgent.output_ids == expected_output(list(range(300, 340)), 2)
+    assert sched.allocator.num_used == 0
