@@ -174,6 +174,8 @@ class AdmissionGate:
             return
         self.in_use -= 1
         self._running[ticket.priority] -= 1
+        if not self._running[ticket.priority]:
+            del self._running[ticket.priority]  # any int32 may come: keep only those running
         held = self.clock() - ticket.admitted_s
         self.hold_s = held if not self.hold_s else (1 - HOLD_EWMA) * self.hold_s + HOLD_EWMA * held
         self.dispatch()

@@ -443,12 +443,17 @@ class Scheduler:
         budget = self.max_batch_tokens - sum(chunks)
         if self.lora is not None and self.waiting:
             self._want_adapters()
+        # An urgent step's rows are all new, but the running requests keep theirs.
+        rows_taken = len(self.running) if urgent is not None else 0
+        admit_new = True  # False once a new prompt had to wait: no later one passes it
         for req in self.waiting:
-            if budget <= 0 or len(reqs) >= self.max_running:
+            if budget <= 0 or rows_taken + len(reqs) >= self.max_running:
                 break
             if urgent is not None and req.sampling.priority > urgent:
                 break  # the queue is in priority order: the rest wait for the next step
             is_new = not req.page_ids
+            if is_new and not admit_new:
+                continue
             if is_new and not self.cache.ready(req):
                 continue  # its prompt's KV is still loading from a lower tier: the next may go
             if is_new and not self._acquire_adapter(req):
@@ -461,7 +466,11 @@ class Scheduler:
                 if not self.can_admit(total):
                     self.cache.unmatch(req)
                     self._release_adapter(req)
-                    break  # waits (FIFO) until requests finish or cache entries unpin
+                    # It waits (FIFO among new prompts) until requests finish or cache entries
+                    # unpin; a prompt behind it already half prefilled (a retracted request
+                    # can come back ahead of one) goes on with its pages, or none would.
+                    admit_new = False
+                    continue
             chunk = min(req.extend_len, budget)
             need = pages_for(req.kv_len + chunk, page_size) - len(req.page_ids)
             if not self.cache.ensure_free(need):
@@ -538,24 +547,45 @@ class Scheduler:
 
     def _preempt_for_waiting(self) -> None:
         """vLLM's priority preemption: while the most urgent waiting request is a new prompt
-        that cannot be admitted (too few free pages, or ``max_running`` rows all taken),
-        retract running requests strictly less urgent than it (the least urgent, latest
-        admitted first), until it fits or none is left. With every priority equal this does
-        nothing: requests wait in arrival order, as before."""
+        that could start but for room (too few free pages, or ``max_running`` rows all taken),
+        make room from requests strictly less urgent than it, the least urgent, latest
+        admitted first: running ones are retracted; for pages, a less urgent prompt waiting
+        half prefilled gives its pages back too (it starts over later). Until it fits or none
+        is left. A head that could not start anyway (its KV still loading from a lower tier,
+        its adapter without a slot) makes no room: nothing would be gained but recomputing.
+        With every priority equal this does nothing: requests wait in arrival order."""
         if not self.waiting or self.waiting[0].page_ids:
             return
         head = self.waiting[0]
-        if not any(r.sampling.priority > head.sampling.priority for r in self.running):
+        urgency = head.sampling.priority
+        if not any(r.sampling.priority > urgency for r in (*self.running, *self.waiting)):
+            return
+        if not self.cache.ready(head):
             return
         self.cache.match(head)
         try:
             total = pages_for(head.seq_len + 1, self.page_size) - len(head.page_ids)
-            while not self.can_admit(total) or len(self.running) >= self.max_running:
-                victim = _least_urgent(r for r in self.running
-                                       if r.sampling.priority > head.sampling.priority)
+            if self.can_admit(total) and len(self.running) < self.max_running:
+                return  # room enough: nothing to preempt
+            if not self._acquire_adapter(head):
+                return  # the admission pass keeps (and uses) the reference when it gets one
+            while True:
+                if not self.can_admit(total):
+                    victim = _least_urgent(r for r in (*self.running, *self.waiting)
+                                           if r.sampling.priority > urgency
+                                           and (r in self.running or r.page_ids))
+                elif len(self.running) >= self.max_running:
+                    victim = _least_urgent(r for r in self.running
+                                           if r.sampling.priority > urgency)
+                else:
+                    return
                 if victim is None:
                     return
-                self._retract(victim)
+                if victim in self.running:
+                    self._retract(victim)
+                else:  # waiting half prefilled: its pages go, it stays where it waits
+                    self.free(victim)
+                    self.num_retracted += 1
         finally:
             self.cache.unmatch(head)
 

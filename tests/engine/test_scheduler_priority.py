@@ -5,9 +5,13 @@ every page back afterwards (retraction recomputes)."""
 
 from __future__ import annotations
 
+from splitserve.config import EngineConfig
+from splitserve.engine.kv_pool import PageAllocator
+from splitserve.engine.sched.prefix_cache import NoPrefixCache
 from splitserve.engine.sched.request import Req
+from splitserve.engine.sched.scheduler import Scheduler
 from splitserve.ipc.messages import SamplingParams
-from tests.engine.test_scheduler import drain, expected_output, make, step
+from tests.engine.test_scheduler import EOS, PAGE, FakeRunner, drain, expected_output, make, step
 
 
 def preq(rid: str, prompt_len: int, max_new: int, priority: int, start: int = 100) -> Req:
@@ -141,4 +145,76 @@ def test_an_urgent_prompt_longer_than_a_step_is_chunked_beside_the_decodes() -> 
     sched.update(batch, runner.run(batch))
     drain(sched, runner)
     assert urgent.output_ids == expected_output(list(range(300, 340)), 2)
+    assert sched.allocator.num_used == 0
+
+
+def test_an_urgent_wave_never_runs_more_than_max_running_rows() -> None:
+    sched, runner = make(max_running=2)
+    lows = [preq(f"low{i}", 6, 12, 10, start=100 * (i + 1)) for i in range(2)]
+    for r in lows:
+        sched.add(r)
+    step(sched, runner)
+    urgent = [preq(f"u{i}", 6, 8, 0, start=300 + 100 * i) for i in range(2)]
+    for r in urgent:
+        sched.add(r)
+    for _ in range(6):
+        batch = sched.schedule()
+        sched.update(batch, runner.run(batch))
+        assert len(sched.running) <= 2, [r.rid for r in sched.running]
+    drain(sched, runner)
+    for r in (*lows, *urgent):
+        assert r.output_ids == expected_output(list(range(r.input_ids[0], r.input_ids[0] + 6)),
+                                               r.sampling.max_new_tokens), r.rid
+    assert sched.allocator.num_used == 0
+
+
+class NoSlotLora:
+    """A LoRA manager whose adapter never gets a slot (all busy)."""
+
+    def acquire(self, adapter):
+        return None
+
+    def release(self, slot) -> None:
+        pass
+
+    def want(self, adapters) -> None:
+        pass
+
+
+def test_no_room_is_made_for_an_urgent_prompt_that_could_not_start_anyway() -> None:
+    # Its adapter has no slot: retracting a running row for it would only recompute that row
+    # each step (it is re-admitted since the head is skipped).
+    alloc = PageAllocator(64)
+    sched = Scheduler(NoPrefixCache(alloc, PAGE), EngineConfig(max_running=2), [EOS], False,
+                      NoSlotLora())
+    runner = FakeRunner()
+    for rid, start in (("low1", 100), ("low2", 200)):
+        sched.add(preq(rid, 20, 30, 10, start=start))
+    step(sched, runner)
+    urgent = preq("urgent", 6, 2, 0, start=300)
+    urgent.lora = object()
+    sched.add(urgent)
+    for _ in range(5):
+        batch = sched.schedule()
+        assert [r.rid for r in batch.reqs] == ["low1", "low2"]
+        sched.update(batch, runner.run(batch))
+    assert sched.num_retracted == 0
+
+
+def test_a_half_prefilled_less_urgent_prompt_gives_its_pages_to_an_urgent_one() -> None:
+    # 10 usable pages of 4 tokens: "low" got its first 16-token chunk (4 pages) and waits for
+    # the rest; "urgent" needs 8 pages, and nothing runs that could be retracted.
+    sched, runner = make(num_pages=11, max_batch_tokens=16)
+    low = preq("low", 25, 2, 10, start=100)
+    sched.add(low)
+    step(sched, runner)
+    assert low.page_ids and low in sched.waiting
+    urgent = preq("urgent", 30, 2, 0, start=300)
+    sched.add(urgent)
+    batch = sched.schedule()
+    assert batch is not None and batch.reqs == [urgent]
+    sched.update(batch, runner.run(batch))
+    drain(sched, runner)
+    for r, start, n in ((low, 100, 25), (urgent, 300, 30)):
+        assert r.output_ids == expected_output(list(range(start, start + n)), 2), r.rid
     assert sched.allocator.num_used == 0

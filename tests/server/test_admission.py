@@ -409,3 +409,16 @@ def test_max_queue_wait_flag() -> None:
     assert parse_server_flags(["--max-queue-wait", "2.5"]).server.max_queue_wait_s == 2.5
     with pytest.raises(ValueError, match="max_queue_wait_s"):
         parse_server_flags(["--max-queue-wait", "-1"]).server.check()
+
+
+def test_the_gate_keeps_no_count_for_priorities_no_longer_running() -> None:
+    # Any int32 may come as a priority: the per-priority counts must not grow with them.
+    gate = gate_with(slots=2, waiting=4)
+    holder = enter(gate, "A", "A0", [], priority=10)
+    for p in range(-1000, 1000, 7):
+        t = gate.enter("B", lambda: None, p)
+        if isinstance(t, Ticket):
+            gate.leave(t)
+    assert gate._running == {10: 1} and gate.in_use == 1 and gate.waiting == 0
+    gate.leave(holder)
+    assert not gate._running and gate.in_use == 0
