@@ -30,16 +30,18 @@ SENDING_KV        prefilled here (prefill worker): its pages are held        yes
 ================  =========================================================  ==================
 
 Admission is one rule (:meth:`Scheduler.can_admit`) for the scheduler's own prompts and for the
-reservations of requests whose KV is coming (:meth:`Scheduler.admit_waiting_for_kv`). Both queues are ordered by ``SamplingParams.priority`` (lower first, vLLM's semantics), then arrival;
-when pages run out the least urgent running request is retracted (recomputed later), and a
-waiting prompt more urgent than running ones preempts them (:meth:`_preempt_for_waiting`), in
-pages or in ``max_running`` rows; one more urgent than every running request is computed in a
-step without their decode rows (:meth:`_urgent_class`). With every priority equal (the default 0) this is first come, first served. A request under a LoRA
-adapter is also admitted only with a reference on its adapter's slot (``engine.lora``), held
-until its pages are freed; one whose adapter gets no slot yet waits without holding up the
-requests behind it, and its adapter is named to the slots so that one is drained for it
-(``engine.lora.slots``). A request in a KV handoff leaves through :meth:`Scheduler.release` (its
-transfer session ended) or, its KV arrived, :meth:`Scheduler.add_received`.
+reservations of requests whose KV is coming (:meth:`Scheduler.admit_waiting_for_kv`). Both queues
+are ordered by ``SamplingParams.priority`` (lower first, vLLM's semantics), then arrival; when
+pages run out the least urgent running request is retracted (recomputed later), and a waiting
+prompt more urgent than running ones preempts them (:meth:`_preempt_for_waiting`), in pages or in
+``max_running`` rows; one more urgent than every running request is computed in a step without
+their decode rows (:meth:`_urgent_class`). With every priority equal (the default 0) this is first
+come, first served. A request under a LoRA adapter is also admitted only with a reference on its
+adapter's slot (``engine.lora``), held until its pages are freed; one whose adapter gets no slot
+yet waits without holding up the requests behind it, and its adapter is named to the slots so that
+one is drained for it (``engine.lora.slots``). A request in a KV handoff leaves through
+:meth:`Scheduler.release` (its transfer session ended) or, its KV arrived,
+:meth:`Scheduler.add_received`.
 """
 
 from __future__ import annotations
