@@ -10,7 +10,8 @@ Starts a small local cluster (colocated by default) with three API keys in an
    cluster: their TTFT is the reference.
 3. **overload**: open-loop Poisson arrivals for ``--duration`` seconds, tenant ``a`` and ``b``
    each offering ``--offered`` times C (default 1.0 each: 2x the capacity in all), plus an
-   urgent ``ops`` request every ``--probe-gap`` seconds. A 429 is an answer (with
+   urgent ``ops`` request every ``--probe-gap`` seconds, sent from a process of its own (the
+   flood's client tasks would otherwise delay it in the bench's event loop). A 429 is an answer (with
    ``Retry-After``), not retried: open loop.
 
 Printed: the urgent TTFT p50/p99 idle and under overload (ratio; the issue's goal 1.5x), each
@@ -21,8 +22,8 @@ requests (a stream that ends without its tokens, a status other than 200/429; go
 
 With ``--baseline`` (default on) the same overload runs a second time on a cluster started
 with ``--no-fair-queueing`` and the probes at priority 0: what fair queueing and priority
-change, measured in the same run. Request lengths are short (the prompt is one sentence with
-a number in front, so no two share a cached prefix beyond a few tokens).
+change, measured in the same run. Request lengths are short (the prompt is one sentence and a
+half with a number in front, so no two share a cached prefix beyond a few tokens).
 
     python bench/overload_priority.py                       # defaults: about 6 minutes
     python bench/overload_priority.py --duration 40 --no-baseline
@@ -33,7 +34,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import random
 import sys
@@ -49,7 +52,10 @@ from common import cpu_line, percentile, resolve_bench_dtype, resolve_model
 from splitserve.server.sse import DONE, aiter_events
 
 KEYS = {"a": "sk-bench-a", "b": "sk-bench-b", "ops": "sk-bench-ops"}
-PROMPT = "Write a short story about a lighthouse keeper and a storm."
+# Ends mid-sentence, so the first token is text (" there"). Ending at the instruction, SmolLM2's
+# first token is <|im_end|>, which a completion does not show: the first text came one decode
+# step later, and under load that step counted in every "TTFT" (40-90 ms of it here).
+PROMPT = "Write a short story about a lighthouse keeper and a storm. Once upon a time,"
 
 
 @dataclass
@@ -74,7 +80,7 @@ class Phase:
 async def one_request(client: httpx.AsyncClient, url: str, tenant: str, n: int,
                       output_len: int, priority: int, t0: float) -> Outcome:
     """A streamed completion of ``output_len`` tokens for ``tenant``; times from ``t0``."""
-    out = Outcome(tenant, time.perf_counter() - t0)
+    out = Outcome(tenant, time.monotonic() - t0)
     body = {"model": "default", "prompt": f"{n}. {PROMPT}", "max_tokens": output_len,
             "stream": True, "ignore_eos": True, "temperature": 0, "priority": priority}
     headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
@@ -94,15 +100,17 @@ async def one_request(client: httpx.AsyncClient, url: str, tenant: str, n: int,
                     out.status = 500
                     return out
                 if "splitserve_timing" in chunk:
-                    out.stages_ms = chunk["splitserve_timing"].get("stages_ms")
+                    timing = chunk["splitserve_timing"]
+                    out.stages_ms = {**timing.get("stages_ms", {}),
+                                     "ttft": timing.get("ttft_ms", 0.0)}
                 choices = chunk.get("choices") or []
                 if choices and choices[0].get("text") and out.ttft_s is None:
-                    out.ttft_s = time.perf_counter() - t0 - out.sent_s
+                    out.ttft_s = time.monotonic() - t0 - out.sent_s
                 if choices and choices[0].get("finish_reason"):
                     out.complete = choices[0]["finish_reason"] == "length"
     except httpx.HTTPError:
         out.status = 0
-    out.end_s = time.perf_counter() - t0
+    out.end_s = time.monotonic() - t0
     return out
 
 
@@ -113,12 +121,12 @@ def client(n: int) -> httpx.AsyncClient:
 async def capacity(url: str, args: argparse.Namespace) -> float:
     """Requests per second completed by ``max_inflight`` closed-loop clients of tenant a (the
     first 20% of the time is warmup and not counted)."""
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     done: list[float] = []
     counter = iter(range(10**9))
 
     async def loop(c: httpx.AsyncClient) -> None:
-        while time.perf_counter() - t0 < args.capacity_s:
+        while time.monotonic() - t0 < args.capacity_s:
             o = await one_request(c, url, "a", next(counter), args.output_len, 0, t0)
             if o.complete and o.end_s is not None:
                 done.append(o.end_s)
@@ -134,7 +142,7 @@ async def idle_probes(url: str, args: argparse.Namespace) -> list[Outcome]:
     """``--probes`` urgent requests sent one after another on the idle cluster."""
     outs = []
     async with client(4) as c:
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         for i in range(args.probes):
             outs.append(await one_request(c, url, "ops", 10**6 + i, args.output_len, -1, t0))
     return outs
@@ -143,35 +151,57 @@ async def idle_probes(url: str, args: argparse.Namespace) -> list[Outcome]:
 def median_stages(outs: list[Outcome]) -> str:
     """The median of each timing stage up to the first token over ``outs``, in ms."""
     rows = [o.stages_ms for o in outs if o.stages_ms]
-    names = ("server", "queue", "prefill")
+    names = ("server", "queue", "prefill", "ttft")
     return " ".join(f"{n} {percentile([r.get(n, 0.0) for r in rows], 50):.0f}" for n in names)
 
 
-async def overload(url: str, rates: dict[str, float], probe_priority: int,
+async def overload(url: str, rates: dict[str, float], start_at: float,
                    args: argparse.Namespace) -> Phase:
-    """Open-loop Poisson arrivals at ``rates`` (requests/s per tenant) for ``--duration`` s,
-    and an ``ops`` probe at ``probe_priority`` every ``--probe-gap`` s."""
+    """Open-loop Poisson arrivals at ``rates`` (requests/s per tenant) for ``--duration`` s
+    from ``start_at`` (``time.monotonic``, the system's clock: the probes' process shares
+    it)."""
     rng = random.Random(args.seed)
     phase = Phase()
     tasks: list[asyncio.Task] = []
     counter = iter(range(2 * 10**6, 10**9))
     async with client(4096) as c:
-        t0 = time.perf_counter()
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        t0 = start_at
 
-        async def arrivals(tenant: str, rate: float, priority: int, poisson: bool) -> None:
+        async def arrivals(tenant: str, rate: float) -> None:
             at = 0.0
             while True:
-                at += rng.expovariate(rate) if poisson else 1 / rate
+                at += rng.expovariate(rate)
                 if at >= args.duration:
                     return
-                await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+                await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
                 tasks.append(asyncio.create_task(one_request(
-                    c, url, tenant, next(counter), args.output_len, priority, t0)))
+                    c, url, tenant, next(counter), args.output_len, 0, t0)))
 
-        await asyncio.gather(*(arrivals(t, r, 0, True) for t, r in rates.items()),
-                             arrivals("ops", 1 / args.probe_gap, probe_priority, False))
+        await asyncio.gather(*(arrivals(t, r) for t, r in rates.items()))
         phase.outcomes = list(await asyncio.gather(*tasks))
     return phase
+
+
+def probes(url: str, start_at: float, priority: int, args: argparse.Namespace) -> list[Outcome]:
+    """The ``ops`` probes, one every ``--probe-gap`` s from ``start_at`` for ``--duration`` s,
+    each waited for; a turn that passes while the one before waits is skipped. Run in a process
+    of its own: the flood's thousands of client tasks in the bench's event loop would delay the
+    probes' own reads and count as server time."""
+
+    async def run() -> list[Outcome]:
+        outs = []
+        async with client(8) as c:
+            for k in range(int(args.duration / args.probe_gap)):
+                at = start_at + k * args.probe_gap
+                if time.monotonic() > at + args.probe_gap:
+                    continue  # the last one took past this one's turn: no late probes
+                await asyncio.sleep(max(0.0, at - time.monotonic()))
+                outs.append(await one_request(c, url, "ops", 10**8 + k, args.output_len,
+                                              priority, start_at))
+        return outs
+
+    return asyncio.run(run())
 
 
 def fair_shares(capacity: float, offered: dict[str, float],
@@ -201,7 +231,7 @@ def summarize(name: str, phase: Phase, idle: list[Outcome], offered: dict[str, f
     outs = phase.outcomes
     idle_ttft = [o.ttft_s for o in idle if o.ttft_s is not None]
     probes = [o for o in outs if o.tenant == "ops" and o.ttft_s is not None
-              and window[0] <= o.sent_s]
+              and window[0] <= o.sent_s <= window[1]]
     urgent = [o.ttft_s for o in probes if o.ttft_s is not None]
     idle99, load99 = percentile(idle_ttft, 99), percentile(urgent, 99)
     errors_5xx = sum(1 for o in outs if o.status >= 500)
@@ -264,7 +294,12 @@ def run_cluster(fair: bool, model_path: str, keyfile: str,
         result["idle_ttft_s"] = [o.ttft_s for o in idle]
         rates = {t: args.offered[t] * c_req_s for t in ("a", "b")}
         probe_priority = -1 if fair else 0
-        phase = asyncio.run(overload(url, rates, probe_priority, args))
+        start_at = time.monotonic() + 5.0  # the probes' process is started by then
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            probed = pool.submit(probes, url, start_at, probe_priority, args)
+            phase = asyncio.run(overload(url, rates, start_at, args))
+            phase.outcomes += probed.result()
         cluster.check_alive()
     finally:
         cluster.stop()
