@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from splitserve.engine.kernels.cpu.features import cpu_line  # noqa: F401 (the scripts' CPU line)
+from splitserve.engine.kernels.cpu.features import cpu_line
 from splitserve.ipc.sockets import free_tcp_addr
 
 if TYPE_CHECKING:  # the engine (torch) is imported only by the benchmarks that run it
@@ -147,6 +147,15 @@ def percentile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def write_results(path: Path, args: argparse.Namespace, results: Any) -> None:
+    """Write ``{"cpu", "config", "results"}`` as JSON to ``path`` (its folder made): the CPU
+    line, the run's arguments (paths as strings) and what it measured."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    path.write_text(json.dumps({"cpu": cpu_line(), "config": config, "results": results},
+                               indent=2))
 
 
 def launch_fields(value: str, num_speculative_tokens: int) -> tuple[str, str, dict[str, Any]]:

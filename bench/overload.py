@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import cpu_line, resolve_bench_dtype, resolve_model
+from common import cpu_line, resolve_bench_dtype, resolve_model, write_results
 
 from splitserve.server.sse import DONE, aiter_events
 
@@ -203,10 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     print("trickle TTFT, FIFO / fair: " + ", ".join(
         f"p{q} {rank_percentile(fifo, q) / rank_percentile(fair, q):.1f}x" for q in (50, 99)))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        args.out.write_text(json.dumps({"cpu": cpu_line(), "config": config,
-                                        "results": results}, indent=2))
+        write_results(args.out, args, results)
     return 0
 
 

@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
-import json
 import multiprocessing
 import os
 import random
@@ -47,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import cpu_line, percentile, resolve_bench_dtype, resolve_model
+from common import cpu_line, percentile, resolve_bench_dtype, resolve_model, write_results
 
 from splitserve.server.sse import DONE, aiter_events
 
@@ -358,10 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_cluster(False, model_path, keyfile, args,
                                        results[0]["capacity_req_s"]))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        args.out.write_text(json.dumps({"cpu": cpu_line(), "config": config,
-                                        "results": results}, indent=2))
+        write_results(args.out, args, results)
     return 0
 
 
