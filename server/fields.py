@@ -107,8 +107,10 @@ _SHARED: dict[str, FieldRule] = {
     "ebnf": extension("the output matches this GBNF grammar"),
     "choice": extension("the output is one of these strings (at most 1024, of at most 4096 "
                         "characters each)"),
-    "priority": extension("lower first (vLLM): admitted first, and preempted last when a "
-                          "worker's KV pages run out; ties by arrival; default 0",
+    "priority": extension("lower first (vLLM): admitted first at the router's queue (then by "
+                          "tenant) and on the workers, borrowing a less urgent running "
+                          "request's slot when all are taken, and preempted last when a "
+                          "worker's KV pages or rows run out; ties by arrival; default 0",
                           minimum=-(2**31), maximum=INT32_MAX),
     "cache_salt": extension("prefix-cache namespace: requests share cache only with the same "
                             "salt (vLLM)"),
