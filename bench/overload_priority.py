@@ -250,8 +250,10 @@ def summarize(name: str, phase: Phase, idle: list[Outcome], offered: dict[str, f
           f"ms (idle {percentile(idle_ttft, 50) * 1e3:.0f}/{idle99 * 1e3:.0f}): p99 "
           f"{load99 / idle99:.2f}x idle (goal <= 1.5x); {len(urgent)} urgent, "
           f"not served: {sum(ops_missing.values())} {dict(ops_missing)}", flush=True)
+    slow = sorted(probes, key=lambda o: o.ttft_s or 0.0)[-max(1, len(probes) // 10):]
     print(f"  urgent stages to the first token, median ms: idle {median_stages(idle)}; "
-          f"loaded {median_stages(probes)}", flush=True)
+          f"loaded {median_stages(probes)}; loaded, slowest tenth {median_stages(slow)}",
+          flush=True)
     for t, share in shares.items():
         print(f"  tenant {t} (weight {args.weights[t]:g}): goodput {goodput[t]:.2f} req/s, "
               f"fair share {share:.2f}: {ratio[t]:.2f}x (goal 0.8..1.2x); of the delivered "
@@ -259,6 +261,8 @@ def summarize(name: str, phase: Phase, idle: list[Outcome], offered: dict[str, f
               f"429s {refused[t]}", flush=True)
     print(f"  5xx {errors_5xx}, lost {lost} (goal 0, 0); requests {len(outs)}", flush=True)
     return {"urgent_ttft_s": urgent, "urgent_p99_ratio": load99 / idle99,
+            "urgent_probes": [{"sent_s": o.sent_s, "ttft_s": o.ttft_s, "stages_ms": o.stages_ms}
+                              for o in probes],
             "goodput": goodput, "fair_share": shares, "goodput_ratio": ratio,
             "refused": refused, "errors_5xx": errors_5xx, "lost": lost,
             "requests": len(outs)}

@@ -34,12 +34,13 @@ reservations of requests whose KV is coming (:meth:`Scheduler.admit_waiting_for_
 are ordered by ``SamplingParams.priority`` (lower first, vLLM's semantics), then arrival; when
 pages run out the least urgent running request is retracted (recomputed later), and a waiting
 prompt more urgent than running ones preempts them (:meth:`_preempt_for_waiting`), in pages or in
-``max_running`` rows; one more urgent than every running request is computed in a step without
-their decode rows (:meth:`_urgent_class`). With every priority equal (the default 0) this is first
-come, first served. A request under a LoRA adapter is also admitted only with a reference on its
-adapter's slot (``engine.lora``), held until its pages are freed; one whose adapter gets no slot
-yet waits without holding up the requests behind it, and its adapter is named to the slots so that
-one is drained for it (``engine.lora.slots``). A request in a KV handoff leaves through
+``max_running`` rows; one more urgent than some running request is computed in a step without
+the less urgent decode rows (:meth:`_urgent_class`). With every priority equal (the default 0)
+this is first come, first served. A request under a LoRA adapter is also admitted only with a
+reference on its adapter's slot (``engine.lora``), held until its pages are freed; one whose
+adapter gets no slot yet waits without holding up the requests behind it, and its adapter is
+named to the slots so that one is drained for it (``engine.lora.slots``). A request in a KV
+handoff leaves through
 :meth:`Scheduler.release` (its transfer session ended) or, its KV arrived,
 :meth:`Scheduler.add_received`.
 """
@@ -395,9 +396,9 @@ class Scheduler:
     def _schedule(self, drafts: dict[int, list[int]]) -> tuple[list[Req], list[int]]:
         """The step's rows and chunk lengths; speculative drafts go into ``drafts``."""
         self._preempt_for_waiting()
-        # A waiting prompt more urgent than every running request gets a step of its own class
-        # (no decode rows): its first token does not wait for the others' decode. If none of
-        # that class can run now (its KV still loading, no pages), the step is the usual one.
+        # A waiting prompt more urgent than some running request gets a step without the less
+        # urgent decode rows: its first token does not wait for theirs. If none of its class
+        # can run now (its KV still loading, no pages), the step is the usual one.
         urgent = self._urgent_class()
         if urgent is not None:
             reqs, chunks = self._pick(drafts, urgent)
@@ -407,14 +408,15 @@ class Scheduler:
 
     def _pick(self, drafts: dict[int, list[int]],
               urgent: int | None) -> tuple[list[Req], list[int]]:
-        """The step's rows: decodes, then prompt chunks; with ``urgent``, only waiting prompts
-        of that priority (no decode rows)."""
+        """The step's rows: decodes, then prompt chunks; with ``urgent``, only the rows of
+        requests at least that urgent (running or waiting), none of the less urgent ones."""
         reqs: list[Req] = []
         chunks: list[int] = []
         alloc = self.allocator
         page_size = self.page_size
         speculate = 0 < len(self.running) <= self.speculative_max_running and self.num_draft > 0
-        running = [] if urgent is not None else self.running
+        running = self.running if urgent is None else [
+            r for r in self.running if r.sampling.priority <= urgent]
         # Decode first: it keeps inter-token latency flat while prompts are chunked in. The
         # most urgent rows first (a stable sort: admission order among equals), so the last
         # free pages go to them and a less urgent row is the one that yields.
@@ -445,8 +447,8 @@ class Scheduler:
         budget = self.max_batch_tokens - sum(chunks)
         if self.lora is not None and self.waiting:
             self._want_adapters()
-        # An urgent step's rows are all new, but the running requests keep theirs.
-        rows_taken = len(self.running) if urgent is not None else 0
+        # The running requests left out of an urgent step keep their rows.
+        rows_taken = len(self.running) - len(running)
         admit_new = True  # False once a new prompt had to wait: no later one passes it
         for req in self.waiting:
             if budget <= 0 or rows_taken + len(reqs) >= self.max_running:
@@ -534,16 +536,18 @@ class Scheduler:
         return True
 
     def _urgent_class(self) -> int | None:
-        """The priority of the waiting head when it is strictly more urgent than every running
-        request (and something runs) and the rest of its prompt fits one step (so the decode
-        rows skip one step at most for it; a longer prompt is chunked into the usual steps),
-        else None. With every priority equal: always None."""
+        """The priority of the waiting head when it is strictly more urgent than some running
+        request and the rest of its prompt fits one step (so the less urgent decode rows skip
+        one step at most for it; a longer prompt is chunked into the usual steps), else None.
+        The running requests as urgent as the head, or more, keep decoding beside it (one
+        urgent request still decoding does not send the next into the mixed steps). With
+        every priority equal: always None."""
         if not self.waiting or not self.running:
             return None
         head = self.waiting[0]
         if head.extend_len > self.max_batch_tokens:
             return None
-        if head.sampling.priority < min(r.sampling.priority for r in self.running):
+        if head.sampling.priority < max(r.sampling.priority for r in self.running):
             return head.sampling.priority
         return None
 

@@ -131,6 +131,36 @@ def test_urgent_prompt_takes_a_row_when_every_row_is_taken() -> None:
     assert sched.allocator.num_used == 0
 
 
+def test_an_urgent_prompt_skips_the_less_urgent_rows_while_another_urgent_one_decodes() -> None:
+    # One urgent request still decoding must not send the next urgent prompt into the mixed
+    # steps (behind every less urgent decode row): the step holds the urgent decode row and
+    # the urgent prompt, and none of the less urgent rows, which keep their pages and rows.
+    sched, runner = make(num_pages=64)
+    low1, low2 = preq("low1", 6, 12, 10, start=100), preq("low2", 6, 12, 10, start=200)
+    sched.add(low1)
+    sched.add(low2)
+    step(sched, runner)
+    first = preq("first", 6, 8, 0, start=300)
+    sched.add(first)
+    batch = sched.schedule()
+    assert batch.reqs == [first]
+    sched.update(batch, runner.run(batch))
+    second = preq("second", 6, 8, 0, start=400)
+    sched.add(second)
+    batch = sched.schedule()
+    assert batch.reqs == [first, second] and batch.chunk_lens == [1, 6]
+    assert low1 in sched.running and low2 in sched.running and sched.num_retracted == 0
+    sched.update(batch, runner.run(batch))
+    batch = sched.schedule()  # nothing urgent waits: every row decodes again
+    assert {r.rid for r in batch.reqs} == {"first", "second", "low1", "low2"}
+    sched.update(batch, runner.run(batch))
+    drain(sched, runner)
+    for r in (low1, low2, first, second):
+        assert r.output_ids == expected_output(list(range(r.input_ids[0], r.input_ids[0] + 6)),
+                                               r.sampling.max_new_tokens), r.rid
+    assert sched.allocator.num_used == 0
+
+
 def test_an_urgent_prompt_longer_than_a_step_is_chunked_beside_the_decodes() -> None:
     # A step of its own only when the rest of the prompt fits one step: a longer urgent
     # prompt would stall every decode row for several steps, so it goes in the usual steps.
