@@ -4,14 +4,21 @@ recent earlier occurrence of the sequence's last n tokens.
 Prompt lookup (Saxena 2023, as vLLM's ``ngram`` proposer and llama.cpp's lookup decoding use it)
 needs no draft model: code edits, JSON extraction and tool calls copy long spans of their prompt
 or of their own earlier output, so the continuation of a repeated n-gram is often the next
-tokens verbatim. The scheduler asks for drafts each decode step
-(``sched.scheduler.Scheduler``); the runner verifies them in one forward pass
+tokens verbatim. The scheduler asks for drafts each decode step (:func:`draft_tokens`, from
+``sched.scheduler.Scheduler``); the runner verifies them in one forward pass
 (``runner.verify``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from splitserve.engine.kv_pool import pages_for
+
+if TYPE_CHECKING:  # request.py names NgramIndex in its annotations
+    from splitserve.engine.kv_pool import PageAllocator
+    from splitserve.engine.sched.request import Req
 
 
 class NgramIndex:
@@ -72,3 +79,50 @@ class NgramIndex:
             for n in range(self.min_n, min(self.max_n, j) + 1):
                 self._follow[n - self.min_n][tuple(window[j - n - base : j - base])] = j
         self._indexed = length
+
+
+def draft_tokens(
+    req: Req, num_draft: int, allocator: PageAllocator, page_size: int, num_running: int
+) -> list[int]:
+    """Draft tokens for a decoding ``req`` whose one missing token has its page.
+
+    N-gram drafts (its :class:`NgramIndex`, made at its first call), capped so that the kept
+    drafts and the token after them fit ``max_new_tokens``, and trimmed to the pages that are
+    free without evicting or retracting anything (a draft is a bet; it never costs another
+    request its pages). A constrained row's draft is cut where its grammar stops accepting it
+    (its masks at every drafted position are filled by the runner). Rows scoring prompt
+    logprobs, asking for ``top_logprobs``, penalties, ``logit_bias`` or ``min_tokens`` are not
+    drafted.
+
+    Args:
+        req: the decoding request; gets the pages its draft needs appended to ``page_ids``.
+        num_draft: most draft tokens per row (``--num-speculative-tokens``).
+        allocator: the pool's allocator the draft's pages come from.
+        page_size: tokens per page.
+        num_running: running requests: a page of admission headroom each stays free.
+
+    Returns: the draft token ids (``[]``: none; the row decodes plainly).
+    """
+    s = req.sampling
+    # Penalties, biases and alternatives are per position of the output so far: those rows
+    # decode plainly (runner.penalties reads the token lists of one position per step).
+    if s.wants_prompt_logprobs or s.top_logprobs or s.has_penalties or s.min_tokens:
+        return []
+    room = req.sampling.max_new_tokens - len(req.output_ids) - 1
+    if room <= 0:
+        return []
+    if req.ngrams is None:
+        req.ngrams = NgramIndex()
+    draft = req.ngrams.propose(req.tokens, req.seq_len, min(num_draft, room))
+    if draft and req.grammar is not None:
+        draft = draft[: req.grammar.accepted_prefix(draft)]
+    if not draft:
+        return []
+    need = pages_for(req.seq_len + len(draft), page_size) - len(req.page_ids)
+    if need > 0:
+        # Leave the admission headroom (a page per running request) untouched.
+        got = min(need, max(0, allocator.num_free - num_running))
+        if got:
+            req.page_ids.extend(allocator.alloc(got))
+        draft = draft[: len(req.page_ids) * page_size - req.seq_len]
+    return draft

@@ -33,15 +33,17 @@ Admission is one rule (:meth:`Scheduler.can_admit`) for the scheduler's own prom
 reservations of requests whose KV is coming (:meth:`Scheduler.admit_waiting_for_kv`). Both queues
 are ordered by ``SamplingParams.priority`` (lower first, vLLM's semantics), then arrival; when
 pages run out the least urgent running request is retracted (recomputed later), and a waiting
-prompt more urgent than running ones preempts them (:meth:`_preempt_for_waiting`), in pages or in
-``max_running`` rows; one more urgent than some running request is computed in a step without
-the less urgent decode rows (:meth:`_urgent_class`). With every priority equal (the default 0)
-this is first come, first served. A request under a LoRA adapter is also admitted only with a
-reference on its adapter's slot (``engine.lora``), held until its pages are freed; one whose
-adapter gets no slot yet waits without holding up the requests behind it, and its adapter is
-named to the slots so that one is drained for it (``engine.lora.slots``). A request in a KV
-handoff leaves through
-:meth:`Scheduler.release` (its transfer session ended) or, its KV arrived,
+prompt more urgent than running ones preempts them, in pages or in ``max_running`` rows
+(:func:`~splitserve.engine.sched.preemption.preempt_for_waiting`); one more urgent than some
+running request is computed in a step without the less urgent decode rows
+(:func:`~splitserve.engine.sched.preemption.urgent_class`); the rules live in
+``engine.sched.preemption``. With every priority equal (the default 0) this is first come, first
+served. A request under a LoRA adapter is also admitted only with a reference on its adapter's
+slot (``engine.lora``), held until its pages are freed; one whose adapter gets no slot yet waits
+without holding up the requests behind it, and its adapter is named to the slots so that one is
+drained for it (``engine.lora.slots``; the references:
+:class:`~splitserve.engine.sched.adapter_refs.AdapterRefs`). A request in a KV handoff leaves
+through :meth:`Scheduler.release` (its transfer session ended) or, its KV arrived,
 :meth:`Scheduler.add_received`.
 """
 
@@ -50,13 +52,20 @@ from __future__ import annotations
 import enum
 import logging
 from collections import deque
-from collections.abc import Iterable
+from itertools import chain
 
 from splitserve.config import EngineConfig
 from splitserve.engine.kv_pool import pages_for
 from splitserve.engine.lora.manager import LoraManager
+from splitserve.engine.sched.adapter_refs import AdapterRefs
 from splitserve.engine.sched.batch import ModelOutput, ScheduledBatch, StepOutput, Verified
-from splitserve.engine.sched.ngram import NgramIndex
+from splitserve.engine.sched.ngram import draft_tokens
+from splitserve.engine.sched.preemption import (
+    insert_by_priority,
+    make_decode_room,
+    preempt_for_waiting,
+    urgent_class,
+)
 from splitserve.engine.sched.prefix_cache import BasePrefixCache
 from splitserve.engine.sched.request import Req
 
@@ -110,6 +119,7 @@ class Scheduler:
         self.num_accepted_tokens = 0  # of those, kept by verification
         self.prefill_only = prefill_only
         self.lora = lora
+        self.adapters = AdapterRefs(lora)  # requests' references on their adapters' slots
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Req] = deque()  # need more than one token of KV: new or retracted
         self.running: list[Req] = []  # decoding: exactly one token missing its KV
@@ -140,7 +150,7 @@ class Scheduler:
         after every waiting request of the same or a more urgent priority (lower
         ``sampling.priority``), so the queue runs by priority, then arrival. The prefix cache
         starts loading what its lower tiers hold of the prompt meanwhile."""
-        _insert_by_priority(self.waiting, req, ties_first=False)
+        insert_by_priority(self.waiting, req, ties_first=False)
         self.cache.prefetch(req)
 
     def add_running(self, req: Req) -> None:
@@ -153,7 +163,7 @@ class Scheduler:
         """Queue a request whose prompt's KV a prefill worker computes (``WAITING_FOR_KV``): it
         holds no pages until :meth:`admit_waiting_for_kv` reserves them, by priority, then
         arrival."""
-        _insert_by_priority(self.waiting_for_kv, req, ties_first=False)
+        insert_by_priority(self.waiting_for_kv, req, ties_first=False)
 
     def admit_waiting_for_kv(self) -> list[Req]:
         """Reserve the prompt's pages of each queued ``WAITING_FOR_KV`` request, by priority
@@ -163,13 +173,13 @@ class Scheduler:
         Returns: the requests admitted now, each with ``page_ids`` = its reservation (the pages
         its KV is to be written into), in arrival order."""
         admitted: list[Req] = []
-        self._want_adapters()
+        self.adapters.want(chain(self.waiting, self.waiting_for_kv))
         for req in list(self.waiting_for_kv):
-            if not self._acquire_adapter(req):
+            if not self.adapters.acquire(req):
                 continue  # its adapter has no slot yet: the others go ahead
             num_pages = pages_for(req.prompt_len, self.page_size)
             if not self.can_admit(num_pages):
-                self._release_adapter(req)
+                self.adapters.release(req)
                 break
             self.waiting_for_kv.remove(req)
             req.page_ids = self.allocator.alloc(num_pages)
@@ -224,31 +234,7 @@ class Scheduler:
         the caller's: a queued request is taken out by :meth:`release` or :meth:`abort`. Its
         reference on its adapter's slot goes too."""
         self.cache.release(req)
-        self._release_adapter(req)
-
-    # ---- LoRA adapter slots -----------------------------------------------------------------
-
-    def _acquire_adapter(self, req: Req) -> bool:
-        """Whether ``req`` may be admitted as far as its adapter goes: it has none, already
-        holds its slot, or got a reference on it now."""
-        if req.lora is None or req.lora_slot is not None:
-            return True
-        assert self.lora is not None, "a request with an adapter on a worker without LoRA"
-        req.lora_slot = self.lora.acquire(req.lora)
-        return req.lora_slot is not None
-
-    def _release_adapter(self, req: Req) -> None:
-        if req.lora_slot is not None:
-            assert self.lora is not None
-            self.lora.release(req.lora_slot)
-            req.lora_slot = None
-
-    def _want_adapters(self) -> None:
-        """Name the adapters of the requests not admitted yet to the slots (each admission
-        pass), so that a slot drains for one that has none."""
-        if self.lora is not None:
-            self.lora.want([r.lora for r in (*self.waiting, *self.waiting_for_kv)
-                            if r.lora is not None and r.lora_slot is None])
+        self.adapters.release(req)
 
     def check_pages(self) -> None:
         """Every used page is either the cache's or one request's, in whichever state (waiting,
@@ -362,7 +348,7 @@ class Scheduler:
         elif finished:
             self.running.remove(req)
         if self.prefill_only and was_waiting:
-            self._release_adapter(req)  # it computes nothing more here
+            self.adapters.release(req)  # it computes nothing more here
             self.sending_kv.append(req)
             return StepOutput(req, token_id, logprob, finished, prefilled=True)
         if finished:
@@ -395,11 +381,14 @@ class Scheduler:
 
     def _schedule(self, drafts: dict[int, list[int]]) -> tuple[list[Req], list[int]]:
         """The step's rows and chunk lengths; speculative drafts go into ``drafts``."""
-        self._preempt_for_waiting()
+        preempt_for_waiting(
+            self.waiting, self.running, self.cache, max_running=self.max_running,
+            can_admit=self.can_admit, acquire_adapter=self.adapters.acquire,
+            retract=self._retract, restart=self._restart)
         # A waiting prompt more urgent than some running request gets a step without the less
         # urgent decode rows: its first token does not wait for theirs. If none of its class
         # can run now (its KV still loading, no pages), the step is the usual one.
-        urgent = self._urgent_class()
+        urgent = urgent_class(self.waiting, self.running, self.max_batch_tokens)
         if urgent is not None:
             reqs, chunks = self._pick(drafts, urgent)
             if reqs:
@@ -430,14 +419,11 @@ class Scheduler:
             need = pages_for(req.kv_len + chunk, page_size) - len(req.page_ids)
             if need > 0:
                 # Evict unpinned cache entries first; retract only when that is not enough.
-                while not self.cache.ensure_free(need) and self._retract_one(req, reqs):
-                    pass
-                if not self.cache.ensure_free(need):
-                    self._retract(req)
-                    continue
+                if not make_decode_room(self.cache, self.running, req, reqs, need, self._retract):
+                    continue  # it yielded: retracted itself
                 req.page_ids.extend(alloc.alloc(need))
             if speculate and chunk == 1:
-                draft = self._draft(req)
+                draft = draft_tokens(req, self.num_draft, alloc, page_size, len(self.running))
                 if draft:
                     drafts[len(reqs)] = draft
                     chunk += len(draft)
@@ -446,7 +432,7 @@ class Scheduler:
             chunks.append(chunk)
         budget = self.max_batch_tokens - sum(chunks)
         if self.lora is not None and self.waiting:
-            self._want_adapters()
+            self.adapters.want(chain(self.waiting, self.waiting_for_kv))
         # The running requests left out of an urgent step keep their rows.
         rows_taken = len(self.running) - len(running)
         admit_new = True  # False once a new prompt had to wait: no later one passes it
@@ -460,7 +446,7 @@ class Scheduler:
                 continue
             if is_new and not self.cache.ready(req):
                 continue  # its prompt's KV is still loading from a lower tier: the next may go
-            if is_new and not self._acquire_adapter(req):
+            if is_new and not self.adapters.acquire(req):
                 continue  # its adapter has no slot yet: the prompts behind it go ahead
             if is_new:
                 # Admit a new prompt only if all of it fits, with a page of headroom per running
@@ -469,7 +455,7 @@ class Scheduler:
                 total = pages_for(req.seq_len + 1, page_size) - len(req.page_ids)
                 if not self.can_admit(total):
                     self.cache.unmatch(req)
-                    self._release_adapter(req)
+                    self.adapters.release(req)
                     # It waits (FIFO among new prompts) until requests finish or cache entries
                     # unpin; a prompt behind it already half prefilled (a retracted request
                     # can come back ahead of one) goes on with its pages, or none would.
@@ -480,7 +466,7 @@ class Scheduler:
             if not self.cache.ensure_free(need):
                 if is_new:
                     self.cache.unmatch(req)
-                    self._release_adapter(req)
+                    self.adapters.release(req)
                 break  # FIFO: later prompts wait behind this one
             if is_new:
                 self.cache.admitted(req)
@@ -490,144 +476,19 @@ class Scheduler:
             budget -= chunk
         return reqs, chunks
 
-    def _draft(self, req: Req) -> list[int]:
-        """Draft tokens for a decoding ``req`` whose one missing token has its page: n-gram
-        drafts (``engine.sched.ngram``), capped so that the kept drafts and the token after
-        them fit ``max_new_tokens``, and trimmed to the pages that are free without evicting
-        or retracting anything (a draft is a bet; it never costs another request its pages).
-        A constrained row's draft is cut where its grammar stops accepting it (its masks at
-        every drafted position are filled by the runner). Rows scoring prompt logprobs, asking
-        for ``top_logprobs``, penalties, ``logit_bias`` or ``min_tokens`` are not drafted."""
-        s = req.sampling
-        # Penalties, biases and alternatives are per position of the output so far: those rows
-        # decode plainly (runner.penalties reads the token lists of one position per step).
-        if s.wants_prompt_logprobs or s.top_logprobs or s.has_penalties or s.min_tokens:
-            return []
-        room = req.sampling.max_new_tokens - len(req.output_ids) - 1
-        if room <= 0:
-            return []
-        if req.ngrams is None:
-            req.ngrams = NgramIndex()
-        draft = req.ngrams.propose(req.tokens, req.seq_len, min(self.num_draft, room))
-        if draft and req.grammar is not None:
-            draft = draft[: req.grammar.accepted_prefix(draft)]
-        if not draft:
-            return []
-        ps = self.page_size
-        need = pages_for(req.seq_len + len(draft), ps) - len(req.page_ids)
-        if need > 0:
-            # Leave the admission headroom (a page per running request) untouched.
-            got = min(need, max(0, self.allocator.num_free - len(self.running)))
-            if got:
-                req.page_ids.extend(self.allocator.alloc(got))
-            draft = draft[: len(req.page_ids) * ps - req.seq_len]
-        return draft
-
-    def _retract_one(self, keep: Req, scheduled: list[Req]) -> bool:
-        """Retract one running request other than ``keep`` and those already in this step's
-        batch (retracting one of those would leave it in the batch with no pages) and not more
-        urgent than ``keep`` (a lower ``priority``): the least urgent, the most recently
-        admitted among equals. False when there is none (then ``keep`` itself yields)."""
-        victim = _least_urgent(r for r in self.running if r is not keep and r not in scheduled
-                               and r.sampling.priority >= keep.sampling.priority)
-        if victim is None:
-            return False
-        self._retract(victim)
-        return True
-
-    def _urgent_class(self) -> int | None:
-        """The priority of the waiting head when it is strictly more urgent than some running
-        request and the rest of its prompt fits one step (so the less urgent decode rows skip
-        one step at most for it; a longer prompt is chunked into the usual steps), else None.
-        The running requests as urgent as the head, or more, keep decoding beside it (one
-        urgent request still decoding does not send the next into the mixed steps). With
-        every priority equal: always None."""
-        if not self.waiting or not self.running:
-            return None
-        head = self.waiting[0]
-        if head.extend_len > self.max_batch_tokens:
-            return None
-        if head.sampling.priority < max(r.sampling.priority for r in self.running):
-            return head.sampling.priority
-        return None
-
-    def _preempt_for_waiting(self) -> None:
-        """vLLM's priority preemption: while the most urgent waiting request is a new prompt
-        that could start but for room (too few free pages, or ``max_running`` rows all taken),
-        make room from requests strictly less urgent than it, the least urgent, latest
-        admitted first: running ones are retracted; for pages, a less urgent prompt waiting
-        half prefilled gives its pages back too (it starts over later). Until it fits or none
-        is left. A head that could not start anyway (its KV still loading from a lower tier,
-        its adapter without a slot) makes no room: nothing would be gained but recomputing.
-        With every priority equal this does nothing: requests wait in arrival order."""
-        if not self.waiting or self.waiting[0].page_ids:
-            return
-        head = self.waiting[0]
-        urgency = head.sampling.priority
-        if not any(r.sampling.priority > urgency for r in (*self.running, *self.waiting)):
-            return
-        if not self.cache.ready(head):
-            return
-        self.cache.match(head)
-        try:
-            total = pages_for(head.seq_len + 1, self.page_size) - len(head.page_ids)
-            if self.can_admit(total) and len(self.running) < self.max_running:
-                return  # room enough: nothing to preempt
-            if not self._acquire_adapter(head):
-                return  # the admission pass keeps (and uses) the reference when it gets one
-            while True:
-                if not self.can_admit(total):
-                    victim = _least_urgent(r for r in (*self.running, *self.waiting)
-                                           if r.sampling.priority > urgency
-                                           and (r in self.running or r.page_ids))
-                elif len(self.running) >= self.max_running:
-                    victim = _least_urgent(r for r in self.running
-                                           if r.sampling.priority > urgency)
-                else:
-                    return
-                if victim is None:
-                    return
-                if victim in self.running:
-                    self._retract(victim)
-                else:  # waiting half prefilled: its pages go, it stays where it waits
-                    self.free(victim)
-                    self.num_retracted += 1
-        finally:
-            self.cache.unmatch(head)
-
     def _retract(self, req: Req) -> None:
         # Its KV is recomputed later over prompt + output, which continues the same sequence;
         # it goes back ahead of the waiting requests of its own priority (it came before them).
         self.running.remove(req)
         self.free(req)
-        _insert_by_priority(self.waiting, req, ties_first=True)
+        insert_by_priority(self.waiting, req, ties_first=True)
         self.num_retracted += 1
 
-
-def _insert_by_priority(queue: deque[Req], req: Req, ties_first: bool) -> None:
-    """Insert ``req`` into ``queue`` (sorted by ``sampling.priority``, lowest first) before
-    (``ties_first``) or after the requests of its own priority. O(1) when it goes last."""
-    p = req.sampling.priority
-    if not queue or (queue[-1].sampling.priority < p if ties_first
-                     else queue[-1].sampling.priority <= p):
-        queue.append(req)
-        return
-    for i, other in enumerate(queue):
-        q = other.sampling.priority
-        if q > p or (ties_first and q == p):
-            queue.insert(i, req)
-            return
-    queue.append(req)
-
-
-def _least_urgent(candidates: Iterable[Req]) -> Req | None:
-    """The candidate with the highest ``priority`` value, the last of them among equals (the
-    running list is in admission order)."""
-    victim = None
-    for req in candidates:
-        if victim is None or req.sampling.priority >= victim.sampling.priority:
-            victim = req
-    return victim
+    def _restart(self, req: Req) -> None:
+        # A waiting request, half prefilled, gives its pages back for a more urgent prompt: it
+        # stays where it waits and starts over when its turn comes.
+        self.free(req)
+        self.num_retracted += 1
 
 
 def _scores_prompt(req: Req, chunk_len: int) -> bool:
