@@ -260,7 +260,7 @@ class Scheduler:
         """Choose the next forward pass and allocate its pages; None when nothing can run (no
         work, or every request waits for pages). Decodes first, then prompt chunks by
         priority, then arrival, under ``max_batch_tokens``; a waiting prompt more urgent than
-        every running request gets a step of its priority's prompts alone."""
+        some running request gets a step without the less urgent decode rows."""
         drafts: dict[int, list[int]] = {}
         reqs, chunks = self._schedule(drafts)
         self.last_num_scheduled = len(reqs)
