@@ -279,7 +279,7 @@ def run_cluster(fair: bool, model_path: str, keyfile: str,
     config = ServeConfig.from_fields(
         model=model_path, colocated=args.mode == "colocated", port=port, dtype=args.dtype,
         max_inflight_per_worker=args.max_inflight, max_queued_per_worker=args.max_queued,
-        fair_queueing=fair, api_key_file=keyfile)
+        fair_queueing=fair, api_key_file=keyfile, chunked_prefill_size=args.chunked_prefill_size)
     print(f"starting a {args.mode} cluster, fair queueing {'on' if fair else 'off'} ...",
           flush=True)
     result: dict[str, Any] = {"fair": fair}
@@ -327,6 +327,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-inflight", type=int, default=16, help="--max-inflight-per-worker")
     p.add_argument("--max-queued", type=int, default=32, help="--max-queued-per-worker")
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--chunked-prefill-size", type=int, default=0, help="the workers' "
+                   "--chunked-prefill-size (0: their default)")
     p.add_argument("--capacity-s", type=float, default=30.0)
     p.add_argument("--probes", type=int, default=20)
     p.add_argument("--probe-gap", type=float, default=1.0, help="seconds between urgent probes")
@@ -350,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {cpu_line()} | load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"{args.mode}, dtype {args.dtype} ({why}); {args.max_inflight} in flight + "
-          f"{args.max_queued} queued per worker; {args.output_len} tokens each; offered "
+          f"{args.max_queued} queued per worker; {args.output_len} tokens each; "
+          f"--chunked-prefill-size {args.chunked_prefill_size}; offered "
           f"{args.offered} x capacity, weights {args.weights}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         keyfile = str(Path(tmp) / "keys")

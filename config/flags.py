@@ -153,6 +153,9 @@ ENGINE_FLAGS = (
     Flag("--kv-cache-mb", "engine.kv_cache_mb", "KV pool size per worker (MiB)"),
     Flag("--max-batch-tokens", "engine.max_batch_tokens", "token budget of one step"),
     Flag("--max-running", "engine.max_running", "sequences in one step"),
+    Flag("--chunked-prefill-size", "engine.chunked_prefill_size", "prompt tokens in one step "
+         "while requests decode in it (0: the --max-batch-tokens budget): bounds the step, so "
+         "inter-token latency and an urgent prompt's wait for the step in flight"),
     Flag("--transfer-timeout", "engine.transfer_timeout_s", "seconds each KV transfer state "
          "may last without progress"),
     Flag("--watchdog-timeout", "engine.watchdog_timeout_s", "seconds one worker-loop "

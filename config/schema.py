@@ -52,6 +52,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_cache_mb: int = 512  # KV pool per worker
     max_batch_tokens: int = 2048  # new tokens per forward pass (prefill chunks + decodes)
     max_running: int = 64  # sequences in one forward pass
+    # Prompt tokens per forward pass while requests decode in it (SGLang's --chunked-prefill-size;
+    # Sarathi-Serve's chunk): bounds the step, so the decode rows' inter-token latency and the
+    # wait of an urgent prompt for the step in flight. 0: max_batch_tokens. A step with no decode
+    # row takes up to max_batch_tokens of prompts either way.
+    chunked_prefill_size: int = 0
     transfer_timeout_s: float = 30.0  # every KV transfer state's bound
     # One worker-loop iteration longer than this ends the worker (worker.stall_watch; SGLang's
     # --watchdog-timeout): its router fails its requests over, its launcher restarts it. 0: the
@@ -139,6 +144,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for field in ("page_size", "kv_cache_mb", "max_batch_tokens", "max_running"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be at least 1, not {getattr(self, field)}")
+        if self.chunked_prefill_size < 0:
+            raise ValueError(f"chunked_prefill_size must be at least 0, not "
+                             f"{self.chunked_prefill_size}")
         if self.kernels not in ("auto", "c", "torch") and not Path(self.kernels).is_file():
             raise ValueError(f"kernels: {self.kernels!r} is not auto, c, torch or a plan file")
         if self.transfer_timeout_s <= 0:

@@ -87,7 +87,8 @@ class Scheduler:
         cache: the prefix cache; it owns the pool's allocator and page size, and every page a
             request gets or gives back goes through it.
         engine: the budgets it reads: ``max_batch_tokens`` (new tokens per forward pass,
-            prefill chunks and decodes together), ``max_running`` (sequences per pass) and
+            prefill chunks and decodes together), ``chunked_prefill_size`` (prompt tokens per
+            pass beside decode rows), ``max_running`` (sequences per pass) and
             ``jump_forward`` (append the tokens a grammar forces without sampling them).
         eos_token_ids: tokens that end an output (unless the request ignores EOS).
         prefill_only: the prefill worker's scheduler: a request stops computing with its first
@@ -108,6 +109,7 @@ class Scheduler:
         self.page_size = cache.page_size
         self.max_batch_tokens = engine.max_batch_tokens
         self.max_running = engine.max_running
+        self.chunked_prefill_size = engine.chunked_prefill_size or engine.max_batch_tokens
         self.jump_forward_on = engine.jump_forward and not prefill_only
         # Speculative decoding (engine.sched.ngram): drafts per decoding row, 0 when off.
         self.num_draft = (
@@ -431,6 +433,8 @@ class Scheduler:
             reqs.append(req)
             chunks.append(chunk)
         budget = self.max_batch_tokens - sum(chunks)
+        if reqs and urgent is None:  # decode rows in the step: its prompt chunks are bounded
+            budget = min(budget, self.chunked_prefill_size)
         if self.lora is not None and self.waiting:
             self.adapters.want(chain(self.waiting, self.waiting_for_kv))
         # The running requests left out of an urgent step keep their rows.

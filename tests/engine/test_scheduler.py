@@ -252,3 +252,27 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_chunked_prefill_size_bounds_prompt_tokens_beside_decode_rows_only() -> None:
+    # SGLang's --chunked-prefill-size: a step that decodes takes at most that many prompt
+    # tokens (the step stays short for the decode rows and for an urgent prompt waiting on it);
+    # a step without decode rows takes the whole max_batch_tokens budget.
+    sched, runner = make(num_pages=64, max_batch_tokens=64, chunked_prefill_size=8)
+    a, b = req("a", 20, 6, start=100), req("b", 30, 4, start=200)
+    sched.add(a)
+    batch = sched.schedule()
+    assert batch.reqs == [a] and batch.chunk_lens == [20]  # nothing decodes: no bound
+    sched.update(batch, runner.run(batch))
+    sched.add(b)
+    lens = []
+    while b.kv_len < 30:
+        batch = sched.schedule()
+        assert batch.reqs[0] is a and sum(batch.chunk_lens[1:]) <= 8
+        lens.append(batch.chunk_lens[1])
+        sched.update(batch, runner.run(batch))
+    assert lens == [8, 8, 8, 6]
+    drain(sched, runner)
+    assert a.output_ids == expected_output(list(range(100, 120)), 6)
+    assert b.output_ids == expected_output(list(range(200, 230)), 4)
+    assert sched.allocator.num_used == 0
