@@ -96,14 +96,8 @@ class Scheduler:
         lora: the worker's LoRA adapters (their slots), or None: no request has one.
     """
 
-    def __init__(
-        self,
-        cache: BasePrefixCache,
-        engine: EngineConfig,
-        eos_token_ids: list[int],
-        prefill_only: bool = False,
-        lora: LoraManager | None = None,
-    ) -> None:
+    def __init__(self, cache: BasePrefixCache, engine: EngineConfig, eos_token_ids: list[int],
+                 prefill_only: bool = False, lora: LoraManager | None = None) -> None:
         self.cache = cache
         self.allocator = cache.allocator
         self.page_size = cache.page_size
