@@ -132,7 +132,7 @@ def watch_growth(cache_cls: type) -> list[dict]:
                 {
                     "cpu": time.thread_time() - c0,
                     "bytes": self.nbytes,
-                    "shape": (self.kt.shape[1], self.kt.shape[4]),
+                    "shape": (self.v.shape[1], self.v.shape[3]),  # slots, capacity
                 }
             )
         return ok

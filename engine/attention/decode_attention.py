@@ -14,13 +14,17 @@ buffer is still a plain strided matrix: oneDNN reads ``kt[:, :, :S]`` in place, 
 stay ``[.., S, D]``, which slices without copies either way.
 
 The K/V come either from :class:`~splitserve.engine.attention.decode_kv_cache.DecodeKVCache` (no copy) or
-from :func:`gather_head_major`, which copies the rows' pages out of the pool into the same layout.
+from :func:`gather_head_major`, which copies the rows' pages out of the pool into the same layout
+(or, for the C decode kernel, into its layout: keys in tiles of ``KT_TILE`` positions).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from splitserve.engine.kernels.cpu.bindings import KT_TILE
 from splitserve.engine.kv_pool import KVPool
 
 
@@ -91,31 +95,63 @@ class GatherWorkspace:
 
 
 def gather_head_major(
-    pool: KVPool, layer: int, pages: torch.Tensor, ws: GatherWorkspace, dtype: torch.dtype
+    pool: KVPool,
+    layer: int,
+    pages: torch.Tensor,
+    ws: GatherWorkspace,
+    dtype: torch.dtype,
+    tiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Copy the K/V of ``pages [R, P]`` (int64 page ids) at ``layer`` into the head-major layout
-    :func:`attend` reads.
+    :func:`attend` reads, or with ``tiled`` the one the C decode kernel reads (keys in tiles of
+    ``KT_TILE`` positions, ``CpuKernels.decode_attention``).
 
     Returns:
-        ``kt [R * Hkv, D, P * page_size]`` and ``v [R * Hkv, P * page_size, D]`` in ``dtype``
-        (de-quantized from an 8-bit pool), views of ``ws``'s buffers (valid until the next
-        call). Positions past a row's length hold whatever its padding pages hold: mask them.
+        ``kt [R * Hkv, D, S]`` (``tiled``: ``[R * Hkv, S / KT_TILE, D, KT_TILE]``) and ``v [R *
+        Hkv, S, D]`` in ``dtype`` (de-quantized from an 8-bit pool), views of ``ws``'s buffers
+        (valid until the next call); ``S = P * page_size``, with ``tiled`` rounded up to whole
+        tiles by repeating each row's first page. Positions past a row's length hold whatever
+        its padding pages hold: mask them.
     """
+    if tiled:
+        pages = _pad_to_tiles(pages, pool.page_size)
     r, p = pages.shape
     ps, hkv, d = pool.page_size, pool.layout.num_kv_heads, pool.layout.head_dim
     s, dev = p * ps, pool.buffer.device
     flat = pages.flatten()
     numel = r * s * hkv * d
-    kt = ws.get("kt", numel, dtype, dev).view(r, hkv, d, p, ps)
-    v = ws.get("v", numel, dtype, dev).view(r, hkv, p, ps, d)
-    for kv, dst, order in ((0, kt, (0, 3, 4, 1, 2)), (1, v, (0, 3, 1, 2, 4))):
+    kt = ws.get("kt", numel, dtype, dev)
+    v = ws.get("v", numel, dtype, dev).view(r, hkv, s, d)
+    if tiled:
+        kt_dst = kt.view(r, hkv, s // KT_TILE, d, KT_TILE)
+    else:
+        kt_dst = kt.view(r, hkv, d, s)
+    for kv, dst in ((0, kt_dst), (1, v)):
         if pool.layout.is_quantized:  # de-quantized as gathered (a fresh copy per layer)
-            dst.copy_(pool.gather(layer, kv, flat, dtype).view(r, p, ps, hkv, d).permute(order))
-            continue
-        src = pool.k_pages(layer) if kv == 0 else pool.v_pages(layer)
-        # index_select over whole pages of the 2-D view copies contiguous rows (memcpy), into a
-        # reused buffer; then one transposing copy puts each KV head's positions together.
-        raw = ws.get(f"{kv}_raw", numel, src.dtype, dev).view(r * p, ps * hkv * d)
-        torch.index_select(src.flatten(1), 0, flat, out=raw)
-        dst.copy_(raw.view(r, p, ps, hkv, d).permute(order))
-    return kt.view(r * hkv, d, s), v.view(r * hkv, s, d)
+            rows = pool.gather(layer, kv, flat, dtype).view(r, s, hkv, d)
+        else:
+            src = pool.k_pages(layer) if kv == 0 else pool.v_pages(layer)
+            # index_select over whole pages of the 2-D view copies contiguous rows (memcpy),
+            # into a reused buffer; then one transposing copy puts each KV head's positions
+            # together.
+            raw = ws.get(f"{kv}_raw", numel, src.dtype, dev).view(r * p, ps * hkv * d)
+            torch.index_select(src.flatten(1), 0, flat, out=raw)
+            rows = raw.view(r, s, hkv, d)
+        if kv == 1:
+            dst.copy_(rows.permute(0, 2, 1, 3))
+        elif tiled:
+            dst.copy_(rows.view(r, s // KT_TILE, KT_TILE, hkv, d).permute(0, 3, 1, 4, 2))
+        else:
+            dst.copy_(rows.permute(0, 2, 3, 1))
+    kt_out = kt_dst.flatten(0, 1)
+    return kt_out, v.view(r * hkv, s, d)
+
+
+def _pad_to_tiles(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``pages [R, P]`` with columns added (each row's first page again) until ``P *
+    page_size`` is a multiple of ``KT_TILE``."""
+    step = KT_TILE // math.gcd(page_size, KT_TILE)
+    extra = -pages.shape[1] % step
+    if extra == 0:
+        return pages
+    return torch.cat([pages, pages[:, :1].expand(-1, extra)], dim=1)

@@ -4,8 +4,10 @@ The pool is page-major (one page = all layers, so KV transfer moves pages as raw
 makes one layer's K/V of a batch scattered over the whole pool: gathering them every layer of
 every step copies the batch's entire KV once per step (at batch 32, ~200 tokens, SmolLM2: ~150 MB
 per step). This cache keeps, per decoding sequence, its K (transposed) and V for every layer in
-the layout :func:`~splitserve.engine.attention.decode_attention.attend` reads, so a decode step only
-appends the new token and the products read the cache in place.
+the layout :func:`~splitserve.engine.attention.decode_attention.attend` reads, or, where the C
+decode kernels read it (``tiled``), with the keys in their tiles of ``KT_TILE`` positions
+(``[cap / KT_TILE, D, KT_TILE]`` per slot and head: one block of keys is one contiguous run), so
+a decode step only appends the new token and the attention reads the cache in place.
 
 It is a cache of the pool, never the source of truth: the pool is still written every step, and
 a sequence is copied in from the pool whenever it holds fewer tokens than the step's row needs
@@ -38,6 +40,7 @@ from typing import NamedTuple
 import torch
 
 from splitserve.engine.attention.decode_attention import decode_bias
+from splitserve.engine.kernels.cpu.bindings import KT_TILE
 from splitserve.engine.kv_pool import KVPool, pages_for
 
 # The torch products run over all ``cap`` positions (the C kernels only over each row's length):
@@ -45,7 +48,7 @@ from splitserve.engine.kv_pool import KVPool, pages_for
 # capacity grows to the reservations plus a quarter (rounded to CAP_ALIGN), so that a later
 # sequence with a slightly longer prompt still fits: rare growth, at the price of up to ~25%
 # unused positions (masked positions in the torch products).
-CAP_ALIGN = 32
+CAP_ALIGN = KT_TILE  # whole tiles of the C kernels' key layout
 CAP_GROWTH = 1.25
 # What a sequence whose final length is far off (no max_tokens: the context) reserves at most:
 # twice its length, or this many positions more.
@@ -73,7 +76,8 @@ class StepTargets(NamedTuple):
     ``positions`` are None and ``pages`` says where each row's K/V are.
 
     Attributes:
-        kt: ``[L, slots, Hkv, D, cap]`` keys, transposed; v: ``[L, slots, Hkv, cap, D]``.
+        kt: ``[L, slots, Hkv, cap / KT_TILE, D, KT_TILE]`` keys in the C kernels' tiles; v:
+            ``[L, slots, Hkv, cap, D]``.
         slots: ``[M]`` int64 slot of each row; positions: ``[M]`` int64 its new token's
             position; lens: ``[M]`` int64 its KV length after the step.
         pages: ``[M, P]`` int64 page ids of each row's sequence (pool read in place), or None.
@@ -109,7 +113,7 @@ class DecodePlan:
         positions: ``[Bd]`` int64 position of each row's new token (``lens - 1``).
         windows: the sliding windows the step's layers use (None: no window), one mask each.
         slot_lens: tokens cached per slot ``0 .. num_slots - 1`` after the step (0: free).
-        num_kv_heads, head_dim, dtype: the cache's.
+        num_kv_heads, head_dim, dtype, tiled: the cache's.
     """
 
     slots: torch.Tensor
@@ -124,6 +128,7 @@ class DecodePlan:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    tiled: bool = False
     _biases: dict[int | None, torch.Tensor] | None = field(default=None, init=False, repr=False)
     _kt_index: torch.Tensor | None = field(default=None, init=False, repr=False)
     _v_index: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -143,7 +148,7 @@ class DecodePlan:
     @property
     def kt_index(self) -> torch.Tensor:
         """``[Bd * Hkv * D]`` int64 flat indices of the new tokens' keys in one layer's ``kt``
-        (flattened), in ``k [Bd, Hkv, D]`` order."""
+        (flattened, tiled or not), in ``k [Bd, Hkv, D]`` order."""
         if self._kt_index is None:
             self._index()
         assert self._kt_index is not None
@@ -162,7 +167,12 @@ class DecodePlan:
         dev, hkv, d, cap = self.slots.device, self.num_kv_heads, self.head_dim, self.num_keys
         pos = self.positions
         head = self.slots[:, None] * hkv + torch.arange(hkv, device=dev)[None, :]  # [Bd, Hkv]
-        kt_index = (head[:, :, None] * d + torch.arange(d, device=dev)) * cap + pos[:, None, None]
+        dims = torch.arange(d, device=dev)
+        if self.tiled:  # kernels.h kt_offset: tile, then dimension, then position in the tile
+            at = (pos // KT_TILE) * d * KT_TILE + pos % KT_TILE
+            kt_index = head[:, :, None] * d * cap + dims * KT_TILE + at[:, None, None]
+        else:
+            kt_index = (head[:, :, None] * d + dims) * cap + pos[:, None, None]
         self._kt_index = kt_index.flatten()
         self._v_index = (head * cap + pos[:, None]).flatten()
 
@@ -175,15 +185,20 @@ class DecodeKVCache:
             8-bit pool's pages are de-quantized as they are copied in, and each new token is
             stored as the pool reads it back, so the cache and a gather see the same values).
         max_bytes: upper bound on the cache's memory.
+        tiled: keep the keys in the C decode kernels' layout (``[.., cap / KT_TILE, D,
+            KT_TILE]`` per layer, ``CpuKernels.decode_attention``) rather than the torch
+            products' ``[.., D, cap]``; the torch path (:meth:`views`) then cannot read it.
     """
 
-    def __init__(self, pool: KVPool, max_bytes: int) -> None:
+    def __init__(self, pool: KVPool, max_bytes: int, tiled: bool = False) -> None:
         self.pool = pool
         self.max_bytes = max_bytes
+        self.tiled = tiled
         layout = pool.layout
         self.num_layers, self.hkv, self.d = layout.num_layers, layout.num_kv_heads, layout.head_dim
         self.dtype, self.device = pool.dtype, pool.buffer.device
-        self.kt: torch.Tensor | None = None  # [L, slots, Hkv, D, cap]
+        # [L, slots, Hkv, D, cap], or tiled [L, slots, Hkv, cap / KT_TILE, D, KT_TILE]
+        self.kt: torch.Tensor | None = None
         self.v: torch.Tensor | None = None  # [L, slots, Hkv, cap, D]
         self.slot_of: dict[int, int] = {}  # sequence id -> slot
         self.len_of: list[int] = []  # tokens cached per slot (0: free)
@@ -286,7 +301,7 @@ class DecodeKVCache:
         want_slots = len(joining)
         want_keys = max(self._reserve(n, bound) for n, bound in joining)
         size = self._bytes(_round_up(want_slots, 8), _round_up(want_keys, CAP_ALIGN))
-        slots, cap = (0, 0) if self.kt is None else (self.kt.shape[1], self.kt.shape[4])
+        slots, cap = self._held()
         resize = want_slots > slots or want_keys > cap or 4 * size < self.nbytes
         if resize and not self._fit(0, 0, want_slots, want_keys, want_keys, keep=False):
             self.clear()
@@ -305,8 +320,8 @@ class DecodeKVCache:
         self, layer: int, plan: DecodePlan
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """What the C ``kv_append`` kernel writes ``layer``'s new tokens into, in place of
-        :meth:`append`: ``(kt [slots, Hkv, D, cap], v [slots, Hkv, cap, D], slots [Bd],
-        positions [Bd])``. Counts as the layer's append."""
+        :meth:`append`: ``(kt [slots, Hkv, cap / KT_TILE, D, KT_TILE], v [slots, Hkv, cap,
+        D], slots [Bd], positions [Bd])`` (a tiled cache). Counts as the layer's append."""
         assert self.kt is not None and self.v is not None
         self._layers_left -= 1
         return self.kt[layer], self.v[layer], plan.slots, plan.positions
@@ -319,20 +334,25 @@ class DecodeKVCache:
         return StepTargets(self.kt, self.v, plan.slots, plan.positions, plan.lens)
 
     def slot_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``kt [slots, Hkv, D, cap]`` and ``v [slots, Hkv, cap, D]`` of ``layer``, every slot
-        (contiguous views; the C decode kernel indexes them by ``plan.slots``)."""
+        """``kt`` and ``v [slots, Hkv, cap, D]`` of ``layer``, every slot (contiguous views; the
+        C decode kernel indexes them by ``plan.slots``): ``kt [slots, Hkv, D, cap]``, or tiled
+        ``[slots, Hkv, cap / KT_TILE, D, KT_TILE]``."""
         assert self.kt is not None and self.v is not None
         return self.kt[layer], self.v[layer]
 
     def views(self, layer: int, plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """``kt [num_slots * Hkv, D, num_keys]`` and ``v [num_slots * Hkv, num_keys, D]`` of
-        ``layer``: contiguous views of the cache, no copy."""
-        assert self.kt is not None and self.v is not None
+        ``layer``: contiguous views of the cache, no copy. Not for a tiled cache."""
+        assert self.kt is not None and self.v is not None and not self.tiled
         n, s = plan.num_slots, plan.num_keys
         kt = self.kt[layer, :n].view(n * self.hkv, self.d, s)
         return kt, self.v[layer, :n].view(n * self.hkv, s, self.d)
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def _held(self) -> tuple[int, int]:
+        """``(slots, cap)`` of the buffers held, ``(0, 0)`` for none."""
+        return (0, 0) if self.v is None else (self.v.shape[1], self.v.shape[3])
 
     def _drop_all(self) -> None:
         """Drop every sequence, keeping the memory."""
@@ -377,7 +397,7 @@ class DecodeKVCache:
         fits. ``keep``: copy the cached sequences over (False: none are cached; the buffers
         are sized afresh, and kept if that is their size). Returns False if the need cannot
         fit."""
-        held = (0, 0) if self.kt is None else (self.kt.shape[1], self.kt.shape[4])
+        held = self._held()
         old_slots, old_cap = held if keep else (0, 0)
         need_slots, need_keys = max(num_slots, want_slots), max(num_keys, want_keys)
         if need_slots <= old_slots and need_keys <= old_cap:
@@ -399,10 +419,14 @@ class DecodeKVCache:
         shape = (self.num_layers, slots, self.hkv)
         # Zeros, not empty: masked positions still enter the products (as -inf scores and
         # probability-0 values), so they must hold finite numbers.
-        kt = torch.zeros(*shape, self.d, cap, dtype=self.dtype, device=self.device)
+        kt_shape = (cap // KT_TILE, self.d, KT_TILE) if self.tiled else (self.d, cap)
+        kt = torch.zeros(*shape, *kt_shape, dtype=self.dtype, device=self.device)
         v = torch.zeros(*shape, cap, self.d, dtype=self.dtype, device=self.device)
         if keep and self.kt is not None and self.v is not None:
-            kt[:, :old_slots, :, :, :old_cap] = self.kt
+            if self.tiled:  # whole tiles: old_cap is a multiple of CAP_ALIGN = KT_TILE
+                kt[:, :old_slots, :, : old_cap // KT_TILE] = self.kt
+            else:
+                kt[:, :old_slots, :, :, :old_cap] = self.kt
             v[:, :old_slots, :, :old_cap] = self.v
         self.kt, self.v = kt, v
         return True
@@ -417,9 +441,18 @@ class DecodeKVCache:
         # [np, L, 2, ps, Hkv, D]: whole pages (all layers) are contiguous rows of the pool.
         g = self.pool.gather_pages(pages[:np_], self.dtype)
         n = np_ * ps  # whole pages; positions past num_tokens are masked until written
-        self.kt[:, slot, :, :, :n].view(self.num_layers, self.hkv, self.d, np_, ps).copy_(
-            g[:, :, 0].permute(1, 3, 4, 0, 2)
-        )
+        if self.tiled:  # [L, n, Hkv, D] by position; the whole tiles, then a partial last one
+            keys = g[:, :, 0].permute(1, 0, 2, 3, 4).reshape(self.num_layers, n, self.hkv, self.d)
+            full, rest = divmod(n, KT_TILE)
+            tiles = self.kt[:, slot]  # [L, Hkv, cap / KT_TILE, D, KT_TILE]
+            shape = (self.num_layers, full, KT_TILE, self.hkv, self.d)
+            tiles[:, :, :full].copy_(keys[:, : full * KT_TILE].view(shape).permute(0, 3, 1, 4, 2))
+            if rest:
+                tiles[:, :, full, :, :rest].copy_(keys[:, full * KT_TILE :].permute(0, 2, 3, 1))
+        else:
+            self.kt[:, slot, :, :, :n].view(self.num_layers, self.hkv, self.d, np_, ps).copy_(
+                g[:, :, 0].permute(1, 3, 4, 0, 2)
+            )
         self.v[:, slot, :, :n].view(self.num_layers, self.hkv, np_, ps, self.d).copy_(
             g[:, :, 1].permute(1, 3, 0, 2, 4)
         )
@@ -437,7 +470,7 @@ class DecodeKVCache:
             num_slots=num_slots,
             is_identity=num_slots == len(slots) and slots == list(range(num_slots)),
             shares_slots=len(set(slots)) != len(slots),
-            num_keys=self.kt.shape[4],
+            num_keys=self._held()[1],
             lens=rows[1],
             positions=rows[2],
             windows=tuple(dict.fromkeys(windows)),
@@ -445,6 +478,7 @@ class DecodeKVCache:
             num_kv_heads=self.hkv,
             head_dim=self.d,
             dtype=self.dtype,
+            tiled=self.tiled,
         )
 
 

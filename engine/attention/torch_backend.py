@@ -20,7 +20,7 @@ from splitserve.engine.attention.decode_attention import (
 )
 from splitserve.engine.attention.decode_kv_cache import DecodeKVCache, DecodePlan, StepTargets
 from splitserve.engine.forward_batch import ForwardBatch
-from splitserve.engine.kernels.cpu.bindings import CpuKernels
+from splitserve.engine.kernels.cpu.bindings import KT_TILE, CpuKernels
 from splitserve.engine.kernels.cpu.build import load_cpu_kernels
 from splitserve.engine.kv_pool import KVPool, pages_for
 
@@ -206,7 +206,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
             return StepTargets(None, None, None, None, meta.decode_lens, meta.decode_pages)
         plan, cache = meta.decode_plan, self.decode_cache
         if (not meta.is_decode_only or plan is None or cache is None or cache.kt is None
-                or cache.v is None):
+                or cache.v is None or not cache.tiled):
             return None
         return cache.append_all_targets(plan)
 
@@ -238,7 +238,9 @@ class TorchAttentionBackend(BaseAttentionBackend):
             # Never more than the pool's own bytes: an 8-bit pool's cache (in the model's
             # dtype) holds about half as many tokens as the pool before the step gathers.
             pool_bytes = pool.buffer.numel() * pool.buffer.element_size()
-            self.decode_cache = DecodeKVCache(pool, max_bytes=pool_bytes)
+            # Keys in the C kernels' tiles wherever they read the cache.
+            tiled = self.kernels_for(pool) is not None
+            self.decode_cache = DecodeKVCache(pool, max_bytes=pool_bytes, tiled=tiled)
         return self.decode_cache
 
     def forward(
@@ -289,11 +291,15 @@ class TorchAttentionBackend(BaseAttentionBackend):
         if v.stride(2) != 1 or v.stride(1) != d:
             v = v.contiguous()
         plan, cache = meta.decode_plan, self.decode_cache
+        if not to_cache:
+            plan = cache = None
         targets = None
-        if to_cache and plan is not None and cache is not None:
+        if plan is not None and cache is not None and cache.tiled:
             targets = cache.append_targets(layer, plan)
         batch = meta.batch
         kern.kv_append(k, v, pool, layer, batch.out_page_ids, batch.out_offsets, targets)
+        if plan is not None and cache is not None and targets is None:
+            cache.append(layer, plan, k, v)  # a cache in the torch products' layout
         return True
 
     def _decode(
@@ -343,6 +349,11 @@ class TorchAttentionBackend(BaseAttentionBackend):
         kern = self.kernels_for(pool, q.shape[1])
         if kern is not None and (qc.stride(2) != 1 or qc.stride(1) != qc.shape[2]):
             qc = qc.contiguous()
+        if plan is not None and cache is not None and kern is None and cache.tiled:
+            # Heads the C kernel does not take, a cache in its tiles: keep it, attend a gather.
+            if not appended:
+                cache.append(layer, plan, k, v)
+            plan = cache = None
         if meta.decode_in_pool and kern is not None:
             assert meta.decode_pages is not None and meta.decode_lens is not None
             out = torch.empty(qc.shape, dtype=dtype, device=qc.device)
@@ -359,11 +370,12 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 meta.decode_biases = {
                     w: decode_bias(lens, keys, hkv, w, dtype, qc.device) for w in set(meta.windows)
                 }
-            kt, vv = gather_head_major(pool, layer, meta.decode_pages, self.workspace, dtype)
+            pages, ws = meta.decode_pages, self.workspace
+            kt, vv = gather_head_major(pool, layer, pages, ws, dtype, tiled=kern is not None)
             if kern is not None:
                 assert meta.decode_lens is not None
                 r, hkv, d = qc.shape[0], pool.layout.num_kv_heads, qc.shape[2]
-                kt, vv = kt.view(r, hkv, d, -1), vv.view(r, hkv, -1, d)
+                kt, vv = kt.view(r, hkv, -1, d, KT_TILE), vv.view(r, hkv, -1, d)
                 slots = torch.arange(r, device=qc.device)
                 out = torch.empty(qc.shape, dtype=dtype, device=qc.device)
                 kern.decode_attention(qc, kt, vv, slots, meta.decode_lens, window, scale, out)
@@ -371,7 +383,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
             return attend(qc, kt, vv, meta.decode_biases[window], scale).to(q.dtype)
         if not appended:
             cache.append(layer, plan, k, v)
-        if kern is not None:
+        if kern is not None and cache.tiled:
             kt, vv = cache.slot_views(layer)
             out = torch.empty(qc.shape, dtype=dtype, device=qc.device)
             kern.decode_attention(qc, kt, vv, plan.slots, plan.lens, window, scale, out)

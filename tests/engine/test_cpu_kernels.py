@@ -9,7 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.kernels.cpu.bindings import GEMM_MAX_ROWS, SKINNY_MAX_ROWS, CpuKernels
+from splitserve.engine.kernels.cpu.bindings import (
+    GEMM_MAX_ROWS,
+    KT_TILE,
+    SKINNY_MAX_ROWS,
+    CpuKernels,
+)
 from splitserve.engine.model.layers import Linear, can_pack
 from splitserve.engine.step_plan import product_for
 from tests.cpu_kernels import (
@@ -22,6 +27,13 @@ from tests.cpu_kernels import (
 
 kernels = load_or_fail()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C compiler: the kernel is off")
+
+
+def tiles(kt: torch.Tensor) -> torch.Tensor:
+    """Keys ``[slots, Hkv, D, cap]`` in the kernel's layout ``[slots, Hkv, cap / KT_TILE, D,
+    KT_TILE]``, built by plain reshaping (independent of the C and cache code)."""
+    s, h, d, cap = kt.shape
+    return kt.view(s, h, d, cap // KT_TILE, KT_TILE).permute(0, 1, 3, 2, 4).contiguous()
 
 
 def reference(q, kt, v, slots, lens, window, scale):
@@ -57,7 +69,7 @@ def test_kernel_matches_float32_reference(hkv, group, d, window) -> None:
     out = torch.empty(q.shape, dtype=torch.bfloat16)
     scale = d**-0.5
     assert kernels is not None and CpuKernels.supports(hkv * group, hkv, d)
-    kernels.decode_attention(q, kt, v, slots, lens, window, scale, out)
+    kernels.decode_attention(q, tiles(kt), v, slots, lens, window, scale, out)
     ref = reference(q, kt, v, slots, lens, window, scale)
     # Only the output's bfloat16 rounding differs (exact bfloat16 products, float32 sums).
     assert torch.allclose(out.float(), ref, atol=1e-2, rtol=1e-2)
@@ -65,8 +77,8 @@ def test_kernel_matches_float32_reference(hkv, group, d, window) -> None:
 
 @pytest.mark.parametrize("window", [None, 20])
 def test_positions_past_a_rows_length_never_reach_its_output(window) -> None:
-    """The last partial block of 32 keys is read whole when the row has room: NaN there (stale
-    or never-written cache memory) must not leak into the output."""
+    """The last partial block of 32 keys is read whole (its tile): NaN there (stale or
+    never-written cache memory) must not leak into the output."""
     torch.manual_seed(7)
     hkv, group, d, cap = 3, 3, 64, 128
     lens = torch.tensor([1, 5, 33, 70, 100], dtype=torch.long)
@@ -79,7 +91,7 @@ def test_positions_past_a_rows_length_never_reach_its_output(window) -> None:
     q = torch.randn(len(lens), hkv * group, d).to(torch.bfloat16)
     out = torch.empty(q.shape, dtype=torch.bfloat16)
     assert kernels is not None
-    kernels.decode_attention(q, kt, v, slots, lens, window, d**-0.5, out)
+    kernels.decode_attention(q, tiles(kt), v, slots, lens, window, d**-0.5, out)
     assert torch.isfinite(out.float()).all()
     ref = reference(q, kt, v, slots, lens, window, d**-0.5)
     assert torch.allclose(out.float(), ref, atol=1e-2, rtol=1e-2)
@@ -100,7 +112,7 @@ def test_empty_row_is_left_untouched_and_threads_agree() -> None:
             torch.set_num_threads(threads)
             out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)
             assert kernels is not None
-            outs.append(kernels.decode_attention(q, kt, v, slots, lens, None, 0.125, out))
+            outs.append(kernels.decode_attention(q, tiles(kt), v, slots, lens, None, 0.125, out))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1])  # each (row, head) is one task: no split sums
@@ -258,14 +270,15 @@ def test_linear_uses_the_decode_kernels_only_for_decode_steps() -> None:
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
 def test_kv_append_equals_pool_write_and_cache_append(kv_cache_dtype) -> None:
     """The C KV append against ``KVPool.write`` plus ``DecodeKVCache.append``: the same pool
-    bytes (an 8-bit pool's values and scales) and decode cache, bit for bit."""
+    bytes (an 8-bit pool's values and scales) and decode cache (keys in the C tiles: the C
+    offsets against the cache's own index arithmetic), bit for bit."""
     from splitserve.engine.attention.decode_kv_cache import DecodeKVCache
     from splitserve.engine.kv_pool import KVLayout, KVPool
 
     torch.manual_seed(2)
     layout = KVLayout(3, 2, 16, 4, "bfloat16", kv_cache_dtype)
     pools = [KVPool(layout, 32), KVPool(layout, 32)]
-    caches = [DecodeKVCache(p, max_bytes=1 << 30) for p in pools]
+    caches = [DecodeKVCache(p, max_bytes=1 << 30, tiled=True) for p in pools]
     # Three sequences of 5, 9 and 2 tokens already in the pool; the step appends one token each.
     lens = [6, 10, 3]
     pages = [torch.tensor([1, 2]), torch.tensor([3, 4, 5]), torch.tensor([6])]

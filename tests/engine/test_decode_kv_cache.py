@@ -345,3 +345,51 @@ def test_scheduler_growth_only_at_admission(model_path) -> None:
     assert [len(t) for t in cached] == new_tokens
     assert cached == gathered
     assert replaced_in and all(replaced_in) and len(replaced_in) <= len(prompt_lens)
+
+
+def test_tiled_cache_holds_the_same_keys_as_the_torch_layout() -> None:
+    """A cache in the C kernels' key tiles against one in the torch layout over one pool:
+    sequences copied in from the pool (lengths off the tile and page edges), tokens appended
+    with the torch index arithmetic, a late joiner that makes both grow (the old tiles copied
+    over): every key equal once the torch layout is re-tiled by plain reshaping."""
+    from splitserve.engine.kernels.cpu.bindings import KT_TILE
+
+    torch.manual_seed(3)
+    layout = KVLayout(LAYERS, 3, 16, PAGE, "bfloat16")
+    pool = KVPool(layout, 160)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape).to(torch.bfloat16))
+    caches = [DecodeKVCache(pool, max_bytes=1 << 30, tiled=t) for t in (False, True)]
+    lens = {0: 7, 1: 33, 2: 50}
+    pages = {i: pool.allocator.alloc(pages_for(200, PAGE)) for i in range(3)}
+
+    def step(ids: list[int], max_len: int) -> None:
+        cover = pages_for(max(lens[i] for i in ids), PAGE)
+        table = torch.tensor([pages[i][:cover] for i in ids], dtype=torch.long)
+        for cache in caches:
+            plan = cache.plan(ids, [lens[i] for i in ids], table, None, [max_len] * len(ids))
+            assert plan is not None
+            torch.manual_seed(sum(lens[i] for i in ids))  # the same new K/V for both caches
+            for layer in range(LAYERS):
+                k = torch.randn(len(ids), 3, 16).to(torch.bfloat16)
+                cache.append(layer, plan, k, -k)
+        for i in ids:
+            lens[i] += 1
+
+    step([0, 1], 40)
+    step([0, 1], 40)
+    first = caches[0].kt
+    step([0, 1, 2], 180)  # the joiner's reservation (180) grows both caches
+    step([2, 0, 1], 180)
+    plain, tiled = caches
+    assert plain.kt is not None and tiled.kt is not None and plain.kt is not first
+    L, slots, hkv, d, cap = plain.kt.shape
+    assert cap % KT_TILE == 0 and tiled.kt.shape == (L, slots, hkv, cap // KT_TILE, d, KT_TILE)
+    retiled = plain.kt.view(L, slots, hkv, d, cap // KT_TILE, KT_TILE).permute(0, 1, 2, 4, 3, 5)
+    for i in range(3):
+        slot, n = plain.slot_of[i], lens[i] - 1  # positions 0 .. n - 1 are live
+        assert tiled.slot_of[i] == slot
+        flat_plain = retiled[:, slot].reshape(L, hkv, -1, d, KT_TILE)
+        want = flat_plain.permute(0, 1, 2, 4, 3).reshape(L, hkv, -1, d)[:, :, :n]
+        got = tiled.kt[:, slot].permute(0, 1, 2, 4, 3).reshape(L, hkv, -1, d)[:, :, :n]
+        assert torch.equal(got, want)
+    assert torch.equal(plain.v, tiled.v)

@@ -23,6 +23,9 @@ SKINNY_MAX_ROWS = 3
 # Rows up to which the AVX512_BF16 tiles (gemm_bf16.c) beat oneDNN here (bench/cpu_gemm.py, one
 # thread, weights from memory: 1.7-2x at 4-8 rows, 1.24x at 32, 1.05x at 128, even at 256).
 GEMM_MAX_ROWS = 128
+# Key positions per tile of the K layout the decode kernels read and the KV append writes
+# (KT_TILE in csrc/kernels.h): per slot and KV head, [cap / KT_TILE, D, KT_TILE].
+KT_TILE = 32
 
 
 class CpuKernels(PoolKernels):
@@ -387,8 +390,10 @@ class CpuKernels(PoolKernels):
         Args:
             q: ``[R, Hq, D]`` bfloat16; each row's heads contiguous (rows may be strided, as
                 slices of a fused q/k/v projection are).
-            kt: ``[num_slots, Hkv, D, cap]`` bfloat16 keys (transposed), contiguous.
-            v: ``[num_slots, Hkv, cap, D]`` bfloat16 values, contiguous.
+            kt: ``[num_slots, Hkv, cap / KT_TILE, D, KT_TILE]`` bfloat16 keys, transposed in
+                tiles of :data:`KT_TILE` positions (``kernels.h``), contiguous.
+            v: ``[num_slots, Hkv, cap, D]`` bfloat16 values, contiguous (``cap`` a multiple
+                of :data:`KT_TILE`).
             slots: ``[R]`` int64 slot of each row.
             lens: ``[R]`` int64: row ``r`` attends to key positions ``0 .. lens[r] - 1`` (the
                 last ``window`` of them with a sliding window); 0 leaves its output untouched.
@@ -403,7 +408,7 @@ class CpuKernels(PoolKernels):
             MemoryError: the kernel could not allocate its score buffers.
         """
         r, hq, d = q.shape
-        hkv, cap = kt.shape[1], kt.shape[3]
+        hkv, cap = v.shape[1], v.shape[2]
         rc = self._attn(
             q.data_ptr(), q.stride(0), kt.data_ptr(), v.data_ptr(), slots.data_ptr(),
             lens.data_ptr(), r, hkv, hq // hkv, d, cap, window or 0, scale, out.data_ptr(),

@@ -104,8 +104,10 @@ class PoolKernels:
             pool: a bfloat16 or 8-bit pool, buffer contiguous.
             layer: layer index.
             page_ids: ``[T]`` int64 page of each token; offsets: ``[T]`` int64 slot in it.
-            cache: ``(kt [slots, Hkv, D, cap], v [slots, Hkv, cap, D], slots [T], pos [T])``
-                of this layer (bfloat16, contiguous; int64 indices), or None: the pool only.
+            cache: ``(kt [slots, Hkv, cap / KT_TILE, D, KT_TILE], v [slots, Hkv, cap, D],
+                slots [T], pos [T])`` of this layer (bfloat16, contiguous, keys tiled as
+                :meth:`CpuKernels.decode_attention` reads them; int64 indices), or None: the
+                pool only.
 
         Raises:
             ValueError: a pool the kernel cannot write.
@@ -118,7 +120,7 @@ class PoolKernels:
             offsets.data_ptr(),
             None if ckt is None else ckt.data_ptr(),
             None if cv is None else cv.data_ptr(),
-            0 if ckt is None else ckt.shape[3],
+            0 if cv is None else cv.shape[2],
             None if slots is None else slots.data_ptr(),
             None if pos is None else pos.data_ptr(),
         )
@@ -187,7 +189,8 @@ class PoolKernels:
             positions: ``[M]`` int64 token positions.
             pool: the KV pool, bfloat16 or 8-bit (new K/V written as :meth:`kv_append` does).
             page_ids: ``[M]`` int64 page of each new token; offsets: ``[M]`` its slot there.
-            kt: ``[L, slots, Hkv, D, cap]`` decode-cache keys; v: ``[L, slots, Hkv, cap, D]``;
+            kt: ``[L, slots, Hkv, cap / KT_TILE, D, KT_TILE]`` decode-cache keys (tiled); v:
+                ``[L, slots, Hkv, cap, D]``;
                 None (with ``slots`` and ``cache_positions``): no cache, an 8-bit pool read in
                 place through ``pages`` (``decode_attention_q8.c``).
             slots: ``[M]`` int64 cache slot of each row; cache_positions: ``[M]`` its position.
@@ -235,7 +238,7 @@ class PoolKernels:
             None if kt is None else kt.data_ptr(),
             None if v is None else v.data_ptr(),
             0 if kt is None else kt.stride(0),
-            0 if kt is None else kt.shape[4],
+            0 if v is None else v.shape[3],
             None if slots is None else slots.data_ptr(),
             None if cache_positions is None else cache_positions.data_ptr(),
             lens.data_ptr(),

@@ -5,6 +5,16 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The decode KV cache's keys (and a gathered copy the decode kernel reads) are tiled by
+ * KT_TILE positions: per slot and KV head, kt [cap / KT_TILE, D, KT_TILE] (cap a multiple of
+ * KT_TILE), so one score block of KT_TILE keys is one contiguous D * KT_TILE run that the
+ * hardware prefetcher follows (the untransposed [D, cap] rows were D separate streams of a
+ * few lines each). Element (position p, dimension e) of one slot and head: */
+#define KT_TILE 32
+static inline int64_t kt_offset(int64_t d, int64_t p, int64_t e) {
+    return (p / KT_TILE) * d * KT_TILE + e * KT_TILE + p % KT_TILE;
+}
+
 int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *kt,
                           const uint16_t *v, const int64_t *slots, const int64_t *lens,
                           int64_t rows, int64_t hkv, int64_t g_n, int64_t d_n, int64_t cap,

@@ -3,11 +3,13 @@
  * bfloat16 (any 2-byte dtype moves the same way).
  *
  * Pool: this layer's K of page 0 at pool_k and V at pool_v, pages page_stride elements apart,
- * tokens hkv * d apart inside a page. Cache (optional, ckt NULL to skip): ckt [slots, Hkv, D, cap]
- * (keys transposed) and cv [slots, Hkv, cap, D] of this layer.
+ * tokens hkv * d apart inside a page. Cache (optional, ckt NULL to skip): ckt [slots, Hkv,
+ * cap / KT_TILE, D, KT_TILE] (keys tiled, kernels.h) and cv [slots, Hkv, cap, D] of this layer.
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "kernels.h"
 
 /* k, v [t, hkv, d] (rows k_stride / v_stride elements apart, heads contiguous); page_ids,
  * offsets [t] int64: where each token goes in the pool; slots, pos [t] int64: its cache slot
@@ -18,8 +20,9 @@ void kv_append_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int6
                     uint16_t *ckt, uint16_t *cv, int64_t cap, const int64_t *slots,
                     const int64_t *pos) {
     size_t row = sizeof(uint16_t) * (size_t)(hkv * d);
-    /* Each token's transposed key touches d cache lines of the cache (one per dimension), and
-     * those misses, not the bytes, are the cost: two threads take twice as many at once. */
+    /* Each token's tiled key touches d * 2 / 64 ... d cache lines of the cache (one per
+     * dimension, KT_TILE positions to a tile row), and those misses, not the bytes, are the
+     * cost: two threads take twice as many at once. */
 #pragma omp parallel for schedule(static) if (ckt && t >= 8)
     for (int64_t i = 0; i < t; i++) {
         const uint16_t *ki = k + i * k_stride, *vi = v + i * v_stride;
@@ -29,8 +32,8 @@ void kv_append_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int6
         if (!ckt) continue;
         for (int64_t h = 0; h < hkv; h++) {
             int64_t base = (slots[i] * hkv + h) * d * cap;
-            uint16_t *kt = ckt + base + pos[i];
-            for (int64_t e = 0; e < d; e++) kt[e * cap] = ki[h * d + e];
+            uint16_t *kt = ckt + base + kt_offset(d, pos[i], 0);
+            for (int64_t e = 0; e < d; e++) kt[e * KT_TILE] = ki[h * d + e];
             memcpy(cv + base + pos[i] * d, vi + h * d, sizeof(uint16_t) * (size_t)d);
         }
     }

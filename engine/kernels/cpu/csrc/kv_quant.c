@@ -148,8 +148,8 @@ void kv_quantize_bf16(const uint16_t *x, int64_t n, int64_t d, int64_t kind, uin
  * kv_append_bf16 with quantization. k, v [t, hkv, d] bfloat16 (rows k_stride / v_stride
  * elements apart); pool: page 0's first byte, pages page_stride bytes apart, this layer's K
  * at byte k_off of a page and V at v_off, scales from byte value_bytes of a page; page_ids,
- * offsets [t]: where each token goes; cache ckt [slots, Hkv, D, cap], cv [slots, Hkv, cap, D]
- * bfloat16 of this layer, slots, pos [t] (ignored when ckt is NULL). */
+ * offsets [t]: where each token goes; cache ckt [slots, Hkv, cap / KT_TILE, D, KT_TILE]
+ * (kernels.h), cv [slots, Hkv, cap, D] bfloat16 of this layer, slots, pos [t] (ignored when ckt is NULL). */
 void kv_append_q8(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
                   int64_t t, int64_t hkv, int64_t d, uint8_t *pool, int64_t k_off, int64_t v_off,
                   int64_t page_stride, int64_t value_bytes, int64_t kind,
@@ -172,8 +172,8 @@ void kv_append_q8(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_
                 if (kv) {
                     memcpy(cv + base + pos[i] * d, rt, sizeof(uint16_t) * (size_t)d);
                 } else {
-                    uint16_t *kt = ckt + base + pos[i];
-                    for (int64_t e = 0; e < d; e++) kt[e * cap] = rt[e];
+                    uint16_t *kt = ckt + base + kt_offset(d, pos[i], 0);
+                    for (int64_t e = 0; e < d; e++) kt[e * KT_TILE] = rt[e];
                 }
             }
         }
