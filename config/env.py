@@ -24,17 +24,21 @@ looks at the environment: it gets its switches from :class:`splitserve.config.En
 =============================== ================================================================
 
 Process plumbing between the launcher and its children (not configuration) also lives here:
-``SPLITSERVE_CPU_AFFINITY`` and ``SPLITSERVE_DIE_WITH_PARENT``; and the default given to a
-library's own variable before it loads (``UCX_MODULES`` for NIXL's UCX, :func:`set_default`).
+``SPLITSERVE_CPU_AFFINITY``, ``SPLITSERVE_DIE_WITH_PARENT`` and a child's whole environment
+(:func:`child_environ`); and what is given to a library's own variable before it loads: a
+default (``UCX_MODULES`` for NIXL's UCX, :func:`set_default`) or a value (Ray's
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``, :func:`set_value`).
 
 Elsewhere the package never reads the environment (``tests/test_environment_reads.py``): it may
 only hand the whole of it to a child process as the base of the child's environment, and set a
-variable (``os.environ[NAME] = value``) for a library or a child to read.
+variable (``os.environ[NAME] = value``) for a library or a child to read; the package does both
+through the functions here.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 DEVICE = "SPLITSERVE_DEVICE"
@@ -51,6 +55,10 @@ DIE_WITH_PARENT = "SPLITSERVE_DIE_WITH_PARENT"  # "1": a child exits when its la
 CC = "CC"  # the C compiler (engine.kernels.cpu.build)
 TRITON_INTERPRET = "TRITON_INTERPRET"  # Triton's CPU interpreter (engine.attention.triton)
 UCX_MODULES = "UCX_MODULES"  # UCX's modules to load (NIXL's transport, kv_transfer.nixl_backend)
+# Ray's switch for clusters on one machine's loopback (it is named for Windows and macOS,
+# where Ray keeps to loopback by default). Off, Ray never rewrites 127.0.0.1 to the machine's
+# other address, where a GCS bound to loopback does not listen (launch.ray_host).
+RAY_CLUSTER = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def text(name: str, default: str) -> str:
@@ -95,3 +103,15 @@ def set_default(name: str, value: str) -> None:
     """Set ``$name`` to ``value`` unless it is set already: the default of a variable that a
     library reads itself, given before the library loads (a value the user set wins)."""
     os.environ.setdefault(name, value)
+
+
+def set_value(name: str, value: str) -> None:
+    """Set ``$name`` to ``value``, over what the user set: a variable that a library reads
+    itself, and that this process's children inherit."""
+    os.environ[name] = value
+
+
+def child_environ(extra: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a child process: a copy of this process's whole environment with
+    ``extra`` laid over it (what the launcher adds comes from the config, never read here)."""
+    return {**os.environ, **extra}

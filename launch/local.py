@@ -68,7 +68,7 @@ class Cluster:
 
     def _spawn(self, name: str, args: list[str], threads: int) -> None:
         c = self.config
-        child_env = dict(os.environ, **{env.DIE_WITH_PARENT: "1"}, **c.cluster.extra_env)
+        child_env = env.child_environ({env.DIE_WITH_PARENT: "1", **c.cluster.extra_env})
         if threads > 0:
             child_env["OMP_NUM_THREADS"] = str(threads)
         # The key goes in the environment, never on a command line (children's --config-json

@@ -17,10 +17,7 @@ import sys
 import threading
 from typing import Any
 
-# Ray's switch for clusters on one machine's loopback (it is named for Windows and macOS,
-# where Ray keeps to loopback by default). Off, Ray never rewrites 127.0.0.1 to the machine's
-# other address, where a GCS bound to loopback does not listen.
-RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+from splitserve.config import env
 
 
 class ProcessHost:
@@ -54,7 +51,7 @@ class ProcessHost:
                     "--port", str(port)]
         self.stopping = False
         self.proc = subprocess.Popen([sys.executable, "-m", "splitserve", *argv],
-                                     env={**os.environ, **child_env}, start_new_session=True)
+                                     env=env.child_environ(child_env), start_new_session=True)
         threading.Thread(target=self._exit_with_child, daemon=True).start()
 
     def _exit_with_child(self) -> None:
@@ -92,7 +89,7 @@ def keep_ray_on_loopback() -> None:
     Ray replaces a loopback address with the machine's outward one when it connects; a cluster
     whose every node was started with ``--node-ip-address 127.0.0.1`` listens on loopback only.
     """
-    os.environ[RAY_CLUSTER_ENV] = "0"
+    env.set_value(env.RAY_CLUSTER, "0")
     if "ray" in sys.modules:  # read at import: set the imported value too
         from ray._private import ray_constants
 
