@@ -35,8 +35,8 @@ are ordered by ``SamplingParams.priority`` (lower first, vLLM's semantics), then
 pages run out the least urgent running request is retracted (recomputed later), and a waiting
 prompt more urgent than running ones preempts them, in pages or in ``max_running`` rows
 (:func:`~splitserve.engine.sched.preemption.preempt_for_waiting`); one more urgent than some
-running request is computed in a step without the less urgent decode rows
-(:func:`~splitserve.engine.sched.preemption.urgent_class`); the rules live in
+running or waiting request is computed in a step without the less urgent rows, decoding or
+waiting (:func:`~splitserve.engine.sched.preemption.urgent_class`); the rules live in
 ``engine.sched.preemption``. With every priority equal (the default 0) this is first come, first
 served. A request under a LoRA adapter is also admitted only with a reference on its adapter's
 slot (``engine.lora``), held until its pages are freed; one whose adapter gets no slot yet waits
@@ -256,7 +256,7 @@ class Scheduler:
         """Choose the next forward pass and allocate its pages; None when nothing can run (no
         work, or every request waits for pages). Decodes first, then prompt chunks by
         priority, then arrival, under ``max_batch_tokens``; a waiting prompt more urgent than
-        some running request gets a step without the less urgent decode rows."""
+        some running or waiting request gets a step without the less urgent rows."""
         drafts: dict[int, list[int]] = {}
         reqs, chunks = self._schedule(drafts)
         self.last_num_scheduled = len(reqs)
@@ -381,8 +381,8 @@ class Scheduler:
             self.waiting, self.running, self.cache, max_running=self.max_running,
             can_admit=self.can_admit, acquire_adapter=self.adapters.acquire,
             retract=self._retract, restart=self._restart)
-        # A waiting prompt more urgent than some running request gets a step without the less
-        # urgent decode rows: its first token does not wait for theirs. If none of its class
+        # A waiting prompt more urgent than some running or waiting request gets a step without
+        # the less urgent rows: its first token does not wait for theirs. If none of its class
         # can run now (its KV still loading, no pages), the step is the usual one.
         urgent = urgent_class(self.waiting, self.running, self.max_batch_tokens)
         if urgent is not None:

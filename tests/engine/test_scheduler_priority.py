@@ -248,3 +248,40 @@ def test_a_half_prefilled_less_urgent_prompt_gives_its_pages_to_an_urgent_one() 
     for r, start, n in ((low, 100, 25), (urgent, 300, 30)):
         assert r.output_ids == expected_output(list(range(start, start + n)), 2), r.rid
     assert sched.allocator.num_used == 0
+
+
+def test_an_urgent_prompt_gets_its_own_step_when_nothing_runs_but_less_urgent_prompts_wait() -> None:
+    # Nothing running (the last batch just finished) and a flood's prompts waiting: the urgent
+    # prompt is not prefilled together with them (a step several times longer than its own);
+    # they start in the next step, and every output is still exact.
+    sched, runner = make(num_pages=64)
+    lows = [preq(f"low{i}", 6, 3, 0, start=100 * (i + 1)) for i in range(3)]
+    for r in lows:
+        sched.add(r)
+    urgent = preq("urgent", 6, 3, -1, start=900)
+    sched.add(urgent)
+    assert not sched.running
+    batch = sched.schedule()
+    assert batch.reqs == [urgent] and batch.chunk_lens == [6]
+    sched.update(batch, runner.run(batch))
+    batch = sched.schedule()  # nothing more urgent waits: the rest start beside its decode
+    assert batch.reqs == [urgent, *lows] and batch.chunk_lens == [1, 6, 6, 6]
+    sched.update(batch, runner.run(batch))
+    drain(sched, runner)
+    for r in (*lows, urgent):
+        assert r.output_ids == expected_output(list(range(r.input_ids[0], r.input_ids[0] + 6)),
+                                               r.sampling.max_new_tokens), r.rid
+    assert sched.allocator.num_used == 0
+
+
+def test_urgent_prompts_of_one_class_start_together_without_the_less_urgent() -> None:
+    sched, runner = make(num_pages=64)
+    low = preq("low", 6, 2, 3, start=100)
+    u1, u2 = preq("u1", 6, 2, -2, start=200), preq("u2", 6, 2, -2, start=300)
+    for r in (low, u1, u2):
+        sched.add(r)
+    batch = sched.schedule()
+    assert batch.reqs == [u1, u2]
+    sched.update(batch, runner.run(batch))
+    drain(sched, runner)
+    assert sched.allocator.num_used == 0
