@@ -280,7 +280,8 @@ def run_cluster(fair: bool, model_path: str, keyfile: str,
         model=model_path, colocated=args.mode == "colocated", port=port, dtype=args.dtype,
         max_inflight_per_worker=args.max_inflight, max_queued_per_worker=args.max_queued,
         fair_queueing=fair, api_key_file=keyfile, chunked_prefill_size=args.chunked_prefill_size,
-        threads_per_worker=args.threads_per_worker)
+        threads_per_worker=args.threads_per_worker,
+        **({"max_batch_tokens": args.max_batch_tokens} if args.max_batch_tokens else {}))
     print(f"starting a {args.mode} cluster, fair queueing {'on' if fair else 'off'} ...",
           flush=True)
     result: dict[str, Any] = {"fair": fair}
@@ -330,6 +331,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--chunked-prefill-size", type=int, default=0, help="the workers' "
                    "--chunked-prefill-size (0: their default)")
+    p.add_argument("--max-batch-tokens", type=int, default=0, help="the workers' "
+                   "--max-batch-tokens (0: their default); bounds steps with no decode row too")
     p.add_argument("--threads-per-worker", type=int, default=0, help="the workers' "
                    "--threads-per-worker (0: split the cores)")
     p.add_argument("--capacity-s", type=float, default=30.0)
