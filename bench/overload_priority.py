@@ -11,8 +11,8 @@ Starts a small local cluster (colocated by default) with three API keys in an
 3. **overload**: open-loop Poisson arrivals for ``--duration`` seconds, tenant ``a`` and ``b``
    each offering ``--offered`` times C (default 1.0 each: 2x the capacity in all), plus an
    urgent ``ops`` request every ``--probe-gap`` seconds, sent from a process of its own (the
-   flood's client tasks would otherwise delay it in the bench's event loop). A 429 is an answer (with
-   ``Retry-After``), not retried: open loop.
+   flood's client tasks would otherwise delay it in the bench's event loop). A 429 is an answer
+   (with ``Retry-After``), not retried: open loop.
 
 Printed: the urgent TTFT p50/p99 idle and under overload (ratio; the issue's goal 1.5x), each
 tenant's goodput (requests completed per second inside the measured window, from

@@ -250,7 +250,7 @@ def test_a_half_prefilled_less_urgent_prompt_gives_its_pages_to_an_urgent_one() 
     assert sched.allocator.num_used == 0
 
 
-def test_an_urgent_prompt_gets_its_own_step_when_nothing_runs_but_less_urgent_prompts_wait() -> None:
+def test_an_urgent_prompt_gets_its_own_step_when_only_less_urgent_prompts_wait() -> None:
     # Nothing running (the last batch just finished) and a flood's prompts waiting: the urgent
     # prompt is not prefilled together with them (a step several times longer than its own);
     # they start in the next step, and every output is still exact.
