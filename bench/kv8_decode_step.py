@@ -57,18 +57,27 @@ CONFIGS = {  # name: (kv_cache_dtype, C kernels, --quantization of the weights)
 PAGE = 16
 
 
+def parse_config(spec: str) -> tuple[str, int]:
+    """``name`` or ``name@page_size`` (tokens per KV page, default 16) from ``--configs``."""
+    name, _, page = spec.partition("@")
+    if name not in CONFIGS or (page and not page.isdigit()):
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected one of {list(CONFIGS)}[@page_size]")
+    return spec, int(page or PAGE)
+
+
 def fill_pool(pool: KVPool, batch: int, context: int, steps: int) -> list[list[int]]:
     """Pages for ``batch`` sequences of ``context + steps`` tokens; the first ``context`` tokens
     of every layer written with random K/V. Returns each sequence's page ids."""
     lay = pool.layout
+    ps = lay.page_size
     g = torch.Generator().manual_seed(0)
-    pages = [pool.allocator.alloc(pages_for(context + steps, PAGE)) for _ in range(batch)]
+    pages = [pool.allocator.alloc(pages_for(context + steps, ps)) for _ in range(batch)]
     pos = torch.arange(context)
     for ids in pages:
-        page_of = torch.tensor(ids)[pos // PAGE]
+        page_of = torch.tensor(ids)[pos // ps]
         for layer in range(lay.num_layers):
             k = torch.randn(context, lay.num_kv_heads, lay.head_dim, generator=g)
-            pool.write(layer, page_of, pos % PAGE, k.bfloat16(), (0.5 * k).bfloat16())
+            pool.write(layer, page_of, pos % ps, k.bfloat16(), (0.5 * k).bfloat16())
     return pages
 
 
@@ -81,10 +90,13 @@ def main() -> None:
     ap.add_argument("--pool-room", type=float, default=1.5, help="every pool's bytes, as a "
                     "multiple of what the bf16 pool needs (the decode cache is bounded by the "
                     "pool's bytes: at 1.0 it does not fit, and every config gathers per step)")
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", type=parse_config, default=list(map(parse_config,
+                    CONFIGS)), help=f"of {list(CONFIGS)}, each with @page_size if not {PAGE}")
     args = ap.parse_args()
+    pages_of = dict(args.configs)
+    base_of = {spec: spec.partition("@")[0] for spec in pages_of}
     torch.set_num_threads(args.threads)
-    quants = dict.fromkeys(CONFIGS[name][2] for name in args.configs)
+    quants = dict.fromkeys(CONFIGS[base_of[spec]][2] for spec in pages_of)
     models = {
         q: load_model(ensure_default_model(), torch.bfloat16, engine=EngineConfig(quantization=q))
         for q in quants
@@ -94,15 +106,15 @@ def main() -> None:
           f"context {args.context}, load {os.getloadavg()}")
     base = cfg.kv_layout(PAGE, "bfloat16").bytes_per_token
     bf16_page = cfg.kv_layout(PAGE, "bfloat16").page_bytes
-    for name in args.configs:
-        lay = cfg.kv_layout(PAGE, "bfloat16", CONFIGS[name][0])
-        print(f"  {name}: {lay.bytes_per_token:.0f} bytes/token, {2**29 // lay.page_bytes * PAGE}"
+    for name, ps in pages_of.items():
+        lay = cfg.kv_layout(ps, "bfloat16", CONFIGS[base_of[name]][0])
+        print(f"  {name}: {lay.bytes_per_token:.0f} bytes/token, {2**29 // lay.page_bytes * ps}"
               f" tokens in 512 MiB ({base / lay.bytes_per_token:.2f}x bf16's)")
     for batch in args.batch:
         runs = {}
-        for name in args.configs:
-            kind, kernels, _ = CONFIGS[name]
-            layout = cfg.kv_layout(PAGE, "bfloat16", kind)
+        for name, ps in pages_of.items():
+            kind, kernels, _ = CONFIGS[base_of[name]]
+            layout = cfg.kv_layout(ps, "bfloat16", kind)
             need = (batch * pages_for(args.context + args.steps, PAGE) + 2) * bf16_page
             pool_bytes = int(need * args.pool_room)
             pool = KVPool(layout, pool_bytes // layout.page_bytes)
@@ -112,15 +124,15 @@ def main() -> None:
         for step in range(args.steps):
             prefix = [args.context + step] * batch
             for name, (pool, pages, backend) in runs.items():
-                fb = build_forward_batch([[7]] * batch, prefix, pages, PAGE, list(range(batch)),
-                                         seq_ids=list(range(batch)))
-                model = models[CONFIGS[name][2]][0]
+                fb = build_forward_batch([[7]] * batch, prefix, pages, pool.page_size,
+                                         list(range(batch)), seq_ids=list(range(batch)))
+                model = models[CONFIGS[base_of[name]][2]][0]
                 model.attn_backend = backend
                 t0 = time.perf_counter()
                 model.forward(fb, pool)
                 if step > 0:  # the first step fills each decode cache from the pool
                     best[name] = min(best[name], time.perf_counter() - t0)
-        ref = best[args.configs[0]]
+        ref = best[args.configs[0][0]]
         cells = "  ".join(f"{n} {t * 1e3:7.1f} ms ({ref / t:4.2f}x)" for n, t in best.items())
         served = {
             n: "cache" if b.cache_bytes() else "pool" if b.reads_pool_in_place(p) else "gather"

@@ -182,6 +182,14 @@ async def overload(url: str, rates: dict[str, float], start_at: float,
     return phase
 
 
+def niced_overload(url: str, rates: dict[str, float], start_at: float,
+                   args: argparse.Namespace) -> Phase:
+    """:func:`overload` in a process of its own at ``--client-nice`` (the load generator's
+    CPU is not the cluster's: on a small host it competes with the workers for the cores)."""
+    os.nice(args.client_nice)
+    return asyncio.run(overload(url, rates, start_at, args))
+
+
 def probes(url: str, start_at: float, priority: int, args: argparse.Namespace) -> list[Outcome]:
     """The ``ops`` probes, one every ``--probe-gap`` s from ``start_at`` for ``--duration`` s,
     each waited for; a turn that passes while the one before waits is skipped. Run in a process
@@ -280,7 +288,7 @@ def run_cluster(fair: bool, model_path: str, keyfile: str,
         model=model_path, colocated=args.mode == "colocated", port=port, dtype=args.dtype,
         max_inflight_per_worker=args.max_inflight, max_queued_per_worker=args.max_queued,
         fair_queueing=fair, api_key_file=keyfile, chunked_prefill_size=args.chunked_prefill_size,
-        threads_per_worker=args.threads_per_worker,
+        threads_per_worker=args.threads_per_worker, interrupt_steps=args.interrupt_steps,
         **({"max_batch_tokens": args.max_batch_tokens} if args.max_batch_tokens else {}))
     print(f"starting a {args.mode} cluster, fair queueing {'on' if fair else 'off'} ...",
           flush=True)
@@ -301,9 +309,12 @@ def run_cluster(fair: bool, model_path: str, keyfile: str,
         probe_priority = -1 if fair else 0
         start_at = time.monotonic() + 5.0  # the probes' process is started by then
         spawn = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        with concurrent.futures.ProcessPoolExecutor(2, mp_context=spawn) as pool:
             probed = pool.submit(probes, url, start_at, probe_priority, args)
-            phase = asyncio.run(overload(url, rates, start_at, args))
+            if args.client_nice:
+                phase = pool.submit(niced_overload, url, rates, start_at, args).result()
+            else:
+                phase = asyncio.run(overload(url, rates, start_at, args))
             phase.outcomes += probed.result()
         cluster.check_alive()
     finally:
@@ -335,6 +346,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "--max-batch-tokens (0: their default); bounds steps with no decode row too")
     p.add_argument("--threads-per-worker", type=int, default=0, help="the workers' "
                    "--threads-per-worker (0: split the cores)")
+    p.add_argument("--interrupt-steps", action=argparse.BooleanOptionalAction, default=True,
+                   help="the workers' --no-interrupt-steps when off")
+    p.add_argument("--client-nice", type=int, default=0, help="run the flood's client in a "
+                   "process of its own at this niceness (0: in the bench's own process)")
     p.add_argument("--capacity-s", type=float, default=30.0)
     p.add_argument("--probes", type=int, default=20)
     p.add_argument("--probe-gap", type=float, default=1.0, help="seconds between urgent probes")

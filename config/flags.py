@@ -156,6 +156,10 @@ ENGINE_FLAGS = (
     Flag("--chunked-prefill-size", "engine.chunked_prefill_size", "prompt tokens in one step "
          "while requests decode in it (0: the --max-batch-tokens budget): bounds the step, so "
          "inter-token latency and an urgent prompt's wait for the step in flight"),
+    Flag("--no-interrupt-steps", "engine.interrupt_steps", "run every step whole, even when a "
+         "prompt more urgent than all of its rows arrives (by default a prefilling worker "
+         "gives such a step up between two layers and runs the urgent prompt first)",
+         const=False),
     Flag("--transfer-timeout", "engine.transfer_timeout_s", "seconds each KV transfer state "
          "may last without progress"),
     Flag("--watchdog-timeout", "engine.watchdog_timeout_s", "seconds one worker-loop "

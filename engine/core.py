@@ -8,6 +8,7 @@ import time
 from splitserve.engine.runner.model_runner import ModelRunner
 from splitserve.engine.sched.batch import ScheduledBatch, StepOutput
 from splitserve.engine.sched.scheduler import Scheduler
+from splitserve.engine.step_interrupt import StepInterrupted
 
 
 class EngineCore:
@@ -17,14 +18,22 @@ class EngineCore:
         self.scheduler = scheduler
         self.runner = runner
         self.last_batch: ScheduledBatch | None = None  # the last step's (None: nothing ran)
+        self.num_interrupted = 0  # steps given up between layers (engine.step_interrupt)
 
     def step(self) -> list[StepOutput]:
-        """Run one forward pass if anything can run; returns the tokens it sampled."""
+        """Run one forward pass if anything can run; returns the tokens it sampled (none when
+        the runner's interrupt check gave the step up: its rows run again from where they
+        were, :mod:`~splitserve.engine.step_interrupt`)."""
         self.last_batch = batch = self.scheduler.schedule()
         if batch is None:
             return []
         start = time.perf_counter()
-        output = self.runner.run(batch)
+        try:
+            output = self.runner.run(batch)
+        except StepInterrupted:
+            self.last_batch = None
+            self.num_interrupted += 1
+            return []
         # The prefill rate that loads from lower cache tiers are weighed against: steps that are
         # mostly prompt chunks (a decode row is one token).
         prompt_tokens = sum(n for n in batch.chunk_lens if n > 1)

@@ -82,6 +82,8 @@ class WorkerStats(msgspec.Struct, tag="stats", kw_only=True):
     # Speculative decoding since start: draft tokens proposed, and those verification kept.
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # Steps given up between layers for a more urgent prompt (engine.step_interrupt).
+    steps_interrupted: int = 0
     node: str = ""  # the node the worker runs on (WorkerConfig.node: a Ray node id, or the host)
     # LoRA adapters (engine.lora): loaded here, and of those the ones in a slot now (the
     # router prefers a worker where a request's adapter is resident).

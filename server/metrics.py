@@ -192,6 +192,7 @@ _COUNTERS = {
     "spec_draft_tokens": "Speculative draft tokens proposed (--speculative)",
     "spec_accepted_tokens": "Speculative draft tokens kept by verification",
     "tokens_generated": "Output tokens the worker sent to routers",
+    "steps_interrupted": "Steps given up between layers for a more urgent prompt",
 }
 
 

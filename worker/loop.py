@@ -49,6 +49,7 @@ from splitserve.worker.routers import CHECK_S, RouterWatch
 from splitserve.worker.stall_watch import StallWatch
 from splitserve.worker.step_keepalive import StepKeepalive
 from splitserve.worker.tracing import stamp_step
+from splitserve.worker.urgent_peek import UrgentPeek
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,11 @@ class Worker:
         # Logs every thread's stack when one iteration never ends, and ends the worker past
         # the watchdog timeout (worker.stall_watch); serve_forever starts it.
         self.stall_watch: StallWatch | None = None
+        # Between layers of a step, a look for a more urgent prompt (worker.urgent_peek): what it
+        # receives is dispatched first in the next turn of the loop.
+        self.urgent_peek = (UrgentPeek(self.inbox)
+                            if role.computes_prompts and c.engine.interrupt_steps else None)
+        self.runner.interrupt = None if self.urgent_peek is None else self.urgent_peek.check
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -178,6 +184,9 @@ class Worker:
         waits_on_threads = (len(self.grammars) or len(self.adapters)
                             or self.scheduler.cache.is_loading)
         wait_ms = 0 if busy else COMPILE_POLL_MS if waits_on_threads else idle_wait_ms
+        if self.urgent_peek is not None:
+            for item in self.urgent_peek.drain():  # received during the last step: older
+                self.dispatch(*item)
         if self.inbox.poll(wait_ms):
             for _ in range(MAX_MESSAGES_PER_STEP):
                 item = self.inbox.recv()
@@ -391,6 +400,7 @@ class Worker:
             kernel_plan=kernel_report(model, self.config.engine),
             spec_draft_tokens=self.scheduler.num_draft_tokens,
             spec_accepted_tokens=self.scheduler.num_accepted_tokens,
+            steps_interrupted=self.core.num_interrupted,
             tokens_generated=self.port.num_tokens_out,
             cache_tiers=self.scheduler.cache.tier_stats(),
             prefill_tokens_per_s=self.scheduler.cache.prefill_rate(),

@@ -14,6 +14,7 @@ the step itself when called without one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -29,6 +30,7 @@ from splitserve.engine.model.kernel_plan import ProductPlan
 from splitserve.engine.model.layers import Embedding, GatedMLP, Linear, LMHead, RMSNorm, is_cpu_bf16
 from splitserve.engine.model.quant_gpu import release
 from splitserve.engine.model.rope import RotaryEmbedding, StepRope
+from splitserve.engine.step_interrupt import StepInterrupted
 from splitserve.engine.step_plan import Product, ProductLimits, StepPlan, StepShape, plan_step
 
 # Where one checkpoint tensor goes: (our parameter's name, the index into that parameter's data
@@ -281,6 +283,7 @@ class DecoderLM(nn.Module):
         return_hidden: bool = False,
         meta: object | None = None,
         plan: StepPlan | None = None,
+        interrupt: Callable[[], bool] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one step: extend every sequence's KV in ``pool`` and score ``batch.logit_indices``.
 
@@ -292,6 +295,12 @@ class DecoderLM(nn.Module):
                 from static buffers: ``engine.runner.cuda_graph``); None builds it here.
             plan: the step's path (the runner's, ``engine.step_plan``); None plans it here
                 (:meth:`plan_step`).
+            interrupt: called between layers when the step runs layer by layer (not the fused
+                decode layers): True gives the step up (:mod:`~splitserve.engine.step_interrupt`).
+
+        Raises:
+            StepInterrupted: ``interrupt`` answered True; the KV written past each sequence's
+                prefix is left as garbage that the step's rerun overwrites.
 
         Returns:
             ``logits [N, vocab]`` float32 for the ``N`` tokens in ``batch.logit_indices``, or
@@ -301,16 +310,16 @@ class DecoderLM(nn.Module):
             plan = self.plan_step(batch, pool)
         lora = self.lora if batch.lora is not None else None
         if lora is None:
-            return self._forward(batch, pool, return_hidden, meta, plan)
+            return self._forward(batch, pool, return_hidden, meta, plan, interrupt)
         lora.begin(batch.lora)  # type: ignore[arg-type]
         try:
-            return self._forward(batch, pool, return_hidden, meta, plan)
+            return self._forward(batch, pool, return_hidden, meta, plan, interrupt)
         finally:
             lora.end()
 
     def _forward(
         self, batch: ForwardBatch, pool: KVPool, return_hidden: bool, meta: object | None,
-        plan: StepPlan,
+        plan: StepPlan, interrupt: Callable[[], bool] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x = self.embed(batch.input_ids)
         # Positions end at seq_len - 1: the bound check needs no read of the positions tensor.
@@ -322,8 +331,11 @@ class DecoderLM(nn.Module):
         fused = self.fused_layers if plan.fused_layers else None
         lora = None if self.lora is None else self.lora.fused_args()
         if fused is None or not fused.run(x, batch, backend, meta, pool, lora):
-            for layer, rope in zip(self.layers, ropes, strict=True):
+            last = len(self.layers) - 1
+            for i, (layer, rope) in enumerate(zip(self.layers, ropes, strict=True)):
                 x = layer(x, rope, backend, meta, pool, plan.layers)
+                if interrupt is not None and i < last and interrupt():
+                    raise StepInterrupted(i + 1)
         # The norm is per row, so only the scored rows need it (and the vocab projection); a
         # step that scores every row in order needs no gather (a copy of x).
         h = self.norm(x if batch.logits_every_token else x[batch.logit_indices])

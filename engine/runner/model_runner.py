@@ -10,6 +10,8 @@ the fused layers, which products) is planned once (:meth:`ModelRunner.plan_step`
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from splitserve.engine.forward_batch import ForwardBatch, build_forward_batch
@@ -24,6 +26,7 @@ from splitserve.engine.runner.sampling import Sampler, make_generator
 from splitserve.engine.runner.verify import verify_drafts
 from splitserve.engine.sched.batch import ModelOutput, ScheduledBatch
 from splitserve.engine.sched.request import Req
+from splitserve.engine.step_interrupt import InterruptCheck
 from splitserve.engine.step_plan import StepPlan, StepShape, plan_step
 
 
@@ -43,6 +46,11 @@ class ModelRunner:
         decode_graphs: replays the decode-only steps the step plan gives it
             (``engine.runner.cuda_graph``); None runs every step eagerly.
         eos_token_ids: the model's EOS ids, which ``min_tokens`` masks (``runner.penalties``).
+
+    Attribute ``interrupt`` (None by default; the worker sets it where it prefills prompts):
+    called between the layers of a step that runs layer by layer and has no speculative rows,
+    with the most urgent priority among the step's rows; True gives the step up
+    (:mod:`~splitserve.engine.step_interrupt`: :meth:`run` raises ``StepInterrupted``).
 
     The logits of the sampled rows go through, in this order: raw logprobs (of the model's
     distribution, ``runner.logprobs``) -> penalties, ``logit_bias``, ``min_tokens``
@@ -71,6 +79,7 @@ class ModelRunner:
         self.grammar_mask: BatchMask | None = None  # made at the first constrained step
         self.mask_thread = MaskFillThread()
         self.decode_graphs = decode_graphs
+        self.interrupt: InterruptCheck | None = None
 
     def close(self) -> None:
         """Stop the grammar mask thread (if it was ever started)."""
@@ -127,7 +136,10 @@ class ModelRunner:
                 assert self.decode_graphs is not None
                 logits = self.decode_graphs.run(batch)
             else:
-                logits = self.model(batch, self.pool, plan=plan)
+                check = None
+                if self.interrupt is not None and not drafts:
+                    check = partial(self.interrupt, min(r.sampling.priority for r in reqs))
+                logits = self.model(batch, self.pool, plan=plan, interrupt=check)
             num_sampled = sum(counts)
             if scored:
                 # Rows after the sampled ones score every position of the scored chunks, in order.
