@@ -157,7 +157,7 @@ ENGINE_FLAGS = (
          "while requests decode in it (0: the --max-batch-tokens budget): bounds the step, so "
          "inter-token latency and an urgent prompt's wait for the step in flight"),
     Flag("--no-interrupt-steps", "engine.interrupt_steps", "run every step whole, even when a "
-         "prompt more urgent than all of its rows arrives (by default a prefilling worker "
+         "prompt more urgent than some of its rows arrives (by default a prefilling worker "
          "gives such a step up between two layers and runs the urgent prompt first)",
          const=False),
     Flag("--transfer-timeout", "engine.transfer_timeout_s", "seconds each KV transfer state "

@@ -58,7 +58,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # row takes up to max_batch_tokens of prompts either way.
     chunked_prefill_size: int = 0
     # A prefilling worker gives up a layer-by-layer step between two layers when a prompt more
-    # urgent than all of its rows arrives (engine.step_interrupt; worker.urgent_peek): the urgent
+    # urgent than some of its rows arrives (engine.step_interrupt; worker.urgent_peek): the urgent
     # prompt's first token does not wait for the step in flight. False: steps always run whole.
     interrupt_steps: bool = True
     transfer_timeout_s: float = 30.0  # every KV transfer state's bound

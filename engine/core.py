@@ -31,6 +31,7 @@ class EngineCore:
         try:
             output = self.runner.run(batch)
         except StepInterrupted:
+            self.scheduler.given_up(batch)
             self.last_batch = None
             self.num_interrupted += 1
             return []

@@ -14,14 +14,20 @@ position at or past ``kv_len`` is written again, at every layer, before any late
 (the pool's pages and the decode cache's slots alike: a row appends its position's K/V before it
 attends). The pages the scheduler gave the step stay with their requests, so the next step (the
 urgent one, then the dropped one's rows again) starts from the same state. The cost is the part
-of the step that ran.
+of the step that ran. A row whose step was given up runs its next step whole
+(``Req.given_up``), so urgent prompts arriving faster than a step lasts cannot starve it.
+
+When: the scheduler sets ``ScheduledBatch.interrupt_floor``, the least urgent priority among
+the rows, and the check answers True for a new request more urgent than that, the class that
+``Scheduler.schedule`` then gives a step without the less urgent rows
+(``engine.sched.preemption.urgent_class``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-# Given the most urgent priority among the step's rows (lower is more urgent): whether a
+# Given the least urgent priority among the step's rows (lower is more urgent): whether a
 # request more urgent than that has arrived and the step should be given up.
 InterruptCheck = Callable[[int], bool]
 

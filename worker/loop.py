@@ -185,8 +185,11 @@ class Worker:
                             or self.scheduler.cache.is_loading)
         wait_ms = 0 if busy else COMPILE_POLL_MS if waits_on_threads else idle_wait_ms
         if self.urgent_peek is not None:
-            for item in self.urgent_peek.drain():  # received during the last step: older
+            kept = self.urgent_peek.drain()
+            for item in kept:  # received during the last step: older than what waits
                 self.dispatch(*item)
+            if kept:  # work may have come with them: no idle wait on the socket
+                wait_ms = 0
         if self.inbox.poll(wait_ms):
             for _ in range(MAX_MESSAGES_PER_STEP):
                 item = self.inbox.recv()

@@ -6,7 +6,8 @@ The worker's loop reads its inbox only between steps, so an urgent prompt (a low
 :mod:`~splitserve.engine.step_interrupt`): it receives whatever has arrived, keeps it in
 arrival order with its frames (:meth:`drain` hands it to the loop, which dispatches it before
 anything newer), and answers True when one of those messages is a new request that is more
-urgent than every row of the step and can start at once: no grammar to compile, no adapter.
+urgent than some row of the step (than its least urgent, ``ScheduledBatch.interrupt_floor``) and
+can start at once: no grammar to compile, no adapter.
 Then the step is given up and the urgent prompt's own step runs next
 (``Scheduler.schedule``'s urgent class).
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from splitserve.ipc.frames import FrameList
+from splitserve.ipc.frames import FrameList, as_frames
 from splitserve.ipc.messages import GenerateTask, Message
 from splitserve.ipc.sockets import Inbox
 
@@ -43,13 +44,13 @@ class UrgentPeek:
 
     def check(self, floor: int) -> bool:
         """Receive what has arrived; True when a new request among it has a ``priority`` below
-        ``floor`` (the most urgent of the step's rows), no constraint and no adapter."""
+        ``floor`` (the least urgent of the step's rows), no constraint and no adapter."""
         urgent = False
         while len(self._kept) < self.max_kept and self.inbox.poll(0):
             item = self.inbox.recv()
             if item is None:
                 continue  # a malformed header: dropped (and logged) by the inbox
-            msg, frames = item
+            msg, frames = item[0], as_frames(item[1])
             held = []
             while frames.more:  # zero-copy views; the inbox would discard them on its next recv
                 held.append(frames.read())

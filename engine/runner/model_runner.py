@@ -48,8 +48,8 @@ class ModelRunner:
         eos_token_ids: the model's EOS ids, which ``min_tokens`` masks (``runner.penalties``).
 
     Attribute ``interrupt`` (None by default; the worker sets it where it prefills prompts):
-    called between the layers of a step that runs layer by layer and has no speculative rows,
-    with the most urgent priority among the step's rows; True gives the step up
+    called between the layers of a step that runs layer by layer and may be given up
+    (``ScheduledBatch.interrupt_floor`` is not None), with that floor; True gives the step up
     (:mod:`~splitserve.engine.step_interrupt`: :meth:`run` raises ``StepInterrupted``).
 
     The logits of the sampled rows go through, in this order: raw logprobs (of the model's
@@ -137,8 +137,8 @@ class ModelRunner:
                 logits = self.decode_graphs.run(batch)
             else:
                 check = None
-                if self.interrupt is not None and not drafts:
-                    check = partial(self.interrupt, min(r.sampling.priority for r in reqs))
+                if self.interrupt is not None and step.interrupt_floor is not None:
+                    check = partial(self.interrupt, step.interrupt_floor)
                 logits = self.model(batch, self.pool, plan=plan, interrupt=check)
             num_sampled = sum(counts)
             if scored:

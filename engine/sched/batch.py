@@ -21,7 +21,10 @@ class ScheduledBatch:
     appended to its chunk (a decoding row's chunk is then its missing token plus the draft; the
     runner verifies the draft, ``runner.verify``). ``max_seq_lens``: per row, the most KV the
     sequence can reach on this worker (prompt + ``max_new_tokens`` - 1); empty when unknown, and
-    on a prefill worker (its rows leave with their first token)."""
+    on a prefill worker (its rows leave with their first token). ``interrupt_floor``: the least
+    urgent ``priority`` among the rows when the step may be given up between layers for a more
+    urgent prompt (:mod:`~splitserve.engine.step_interrupt`); None: it runs whole (speculative
+    rows, or a row whose last step was given up)."""
 
     reqs: list[Req]
     chunk_lens: list[int]
@@ -29,6 +32,7 @@ class ScheduledBatch:
     scored_rows: list[int] = field(default_factory=list)
     drafts: dict[int, list[int]] = field(default_factory=dict)
     max_seq_lens: list[int] = field(default_factory=list)
+    interrupt_floor: int | None = None
 
     @property
     def num_tokens(self) -> int:

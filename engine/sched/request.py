@@ -66,6 +66,9 @@ class Req:
     uid: int = field(default_factory=lambda: next(_uids))  # keys per-sequence engine caches
     ngrams: NgramIndex | None = None  # speculative drafts' index, made at its first decode step
     lora_slot: int | None = None  # its adapter's slot while admitted (engine.lora.slots)
+    # Its last step was given up for a more urgent prompt (engine.step_interrupt): its next
+    # step runs whole, so that a stream of urgent arrivals cannot starve it.
+    given_up: bool = False
     # When it passed each stage boundary here (wall clock; the worker stamps them, the router
     # gets them with its first and last outputs), and its trace record when it is traced
     # (``worker.tracing.ReqTrace``; None: not traced). The engine never reads either.

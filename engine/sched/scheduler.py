@@ -270,7 +270,16 @@ class Scheduler:
         max_lens = [] if self.prefill_only else [
             r.prompt_len + r.sampling.max_new_tokens - 1 for r in reqs
         ]
-        return ScheduledBatch(reqs, chunks, sample_rows, scored, drafts, max_lens)
+        floor = None if drafts or any(r.given_up for r in reqs) else max(
+            r.sampling.priority for r in reqs)
+        return ScheduledBatch(reqs, chunks, sample_rows, scored, drafts, max_lens, floor)
+
+    def given_up(self, batch: ScheduledBatch) -> None:
+        """``batch`` (from :meth:`schedule`) was given up between layers and nothing of it
+        applies (:mod:`~splitserve.engine.step_interrupt`): its rows keep their state and pages,
+        and the next step of each runs whole."""
+        for r in batch.reqs:
+            r.given_up = True
 
     def update(self, batch: ScheduledBatch, output: ModelOutput) -> list[StepOutput]:
         """Apply what the runner computed for ``batch`` (from :meth:`schedule`, run once):
@@ -278,6 +287,8 @@ class Scheduler:
         finished requests (freeing their pages) and move prefill-only ones to ``SENDING_KV``.
         Returns: one :class:`StepOutput` per sampled token."""
         reqs, chunks = batch.reqs, batch.chunk_lens
+        for r in reqs:
+            r.given_up = False
         for j, (i, logprobs) in enumerate(zip(batch.scored_rows, output.prompt_logprobs)):
             reqs[i].prompt_logprobs.extend(logprobs)
             if output.prompt_top_ids:

@@ -6,6 +6,7 @@ sender or receiver, and a fake clock. Runs in milliseconds."""
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from splitserve.engine.kv_pool import KVLayout, KVPool
 from splitserve.engine.sched.batch import ModelOutput, ScheduledBatch
 from splitserve.engine.sched.request import Req
 from splitserve.engine.sched.scheduler import Scheduler
+from splitserve.engine.step_interrupt import StepInterrupted
 from splitserve.ipc.messages import (
     Constraint,
     GenerateTask,
@@ -53,12 +55,26 @@ def next_token(seq: list[int]) -> int:
 
 
 class FakeRunner:
-    """Samples :func:`next_token` for each sampled row; checks the pages are allocated."""
+    """Samples :func:`next_token` for each sampled row; checks the pages are allocated.
+
+    Like ``ModelRunner``, it calls ``interrupt`` (set by the worker) once "between layers" of
+    a step that may be given up, after ``during_step`` (a test's hook: a message arriving
+    mid-step), and raises ``StepInterrupted`` when it answers True. ``batches``: each step's
+    rids, given-up ones included."""
 
     def __init__(self) -> None:
         self.num_steps = 0
+        self.interrupt: Callable[[int], bool] | None = None
+        self.during_step: Callable[[ScheduledBatch], None] | None = None
+        self.batches: list[list[str]] = []
 
     def run(self, batch: ScheduledBatch) -> ModelOutput:
+        self.batches.append([r.rid for r in batch.reqs])
+        if self.during_step is not None:
+            self.during_step(batch)
+        if (self.interrupt is not None and batch.interrupt_floor is not None
+                and self.interrupt(batch.interrupt_floor)):
+            raise StepInterrupted(1)
         self.num_steps += 1
         for r, n in zip(batch.reqs, batch.chunk_lens):
             assert n >= 1 and r.kv_len + n <= r.seq_len
