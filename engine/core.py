@@ -31,7 +31,8 @@ class EngineCore:
         try:
             output = self.runner.run(batch)
         except StepInterrupted:
-            self.scheduler.given_up(batch)
+            for r in batch.reqs:  # nothing of it applies; their next step runs whole
+                r.given_up = True
             self.last_batch = None
             self.num_interrupted += 1
             return []

@@ -215,3 +215,13 @@ def preempt_for_waiting(
                 restart(victim)
     finally:
         cache.unmatch(head)
+
+
+def interrupt_floor(reqs: list[Req], drafts: dict[int, list[int]]) -> int | None:
+    """The step's ``ScheduledBatch.interrupt_floor``: its least urgent priority, the bound a
+    new prompt must be below to have the step given up (``engine.step_interrupt``; the class
+    :func:`urgent_class` then steps alone); None when it runs whole: speculative rows, or a
+    row whose last step was given up (``Req.given_up``: no row starves)."""
+    if drafts or any(r.given_up for r in reqs):
+        return None
+    return max(r.sampling.priority for r in reqs)

@@ -62,6 +62,7 @@ from splitserve.engine.sched.batch import ModelOutput, ScheduledBatch, StepOutpu
 from splitserve.engine.sched.ngram import draft_tokens
 from splitserve.engine.sched.preemption import (
     insert_by_priority,
+    interrupt_floor,
     make_decode_room,
     preempt_for_waiting,
     urgent_class,
@@ -270,16 +271,8 @@ class Scheduler:
         max_lens = [] if self.prefill_only else [
             r.prompt_len + r.sampling.max_new_tokens - 1 for r in reqs
         ]
-        floor = None if drafts or any(r.given_up for r in reqs) else max(
-            r.sampling.priority for r in reqs)
-        return ScheduledBatch(reqs, chunks, sample_rows, scored, drafts, max_lens, floor)
-
-    def given_up(self, batch: ScheduledBatch) -> None:
-        """``batch`` (from :meth:`schedule`) was given up between layers and nothing of it
-        applies (:mod:`~splitserve.engine.step_interrupt`): its rows keep their state and pages,
-        and the next step of each runs whole."""
-        for r in batch.reqs:
-            r.given_up = True
+        return ScheduledBatch(reqs, chunks, sample_rows, scored, drafts, max_lens,
+                              interrupt_floor(reqs, drafts))
 
     def update(self, batch: ScheduledBatch, output: ModelOutput) -> list[StepOutput]:
         """Apply what the runner computed for ``batch`` (from :meth:`schedule`, run once):
